@@ -1,0 +1,226 @@
+"""Adding events to the caller's open transaction.
+
+Nothing here commits or opens a transaction: the event is part of the caller's unit of work,
+so it exists exactly when their business change does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any, TypedDict
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
+
+from outbox import queries
+from outbox.errors import OutboxError, OutboxValidationError
+from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES, NewMessage, Payload, build_message
+
+try:  # asyncpg is a dependency, but keep the import failure readable if it is stripped out
+    import asyncpg
+except ImportError:  # pragma: no cover
+    asyncpg = None
+
+AsyncTarget = AsyncSession | AsyncConnection | Any  # Any: an asyncpg Connection
+SyncTarget = Session | Connection
+
+
+class EventSpec(TypedDict, total=False):
+    """One event for ``enqueue_many``: the same keywords as ``enqueue``."""
+
+    destination: str
+    payload: Payload
+    key: str | None
+    headers: Mapping[str, str] | None
+    run_after: datetime | None
+    content_type: str | None
+
+
+class Outbox:
+    """An outbox in one schema. The module-level functions use ``Outbox()`` (schema public).
+
+    ``max_payload_bytes`` refuses events that the broker or endpoint would refuse later.
+    """
+
+    def __init__(
+        self, schema: str = "public", *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    ) -> None:
+        if max_payload_bytes <= 0:
+            raise ValueError("max_payload_bytes must be positive")
+        self.schema = schema
+        self.max_payload_bytes = max_payload_bytes
+        table = queries.qualified_table(schema)
+        self._one_sa = text(queries.render(queries.ENQUEUE_SA, table))
+        self._many_sa = text(queries.render(queries.ENQUEUE_MANY_SA, table))
+        self._one_pg = queries.render(queries.ENQUEUE_PG, table)
+        self._many_pg = queries.render(queries.ENQUEUE_MANY_PG, table)
+
+    # --- building rows -------------------------------------------------------------------
+
+    def _message(
+        self,
+        destination: str,
+        payload: Payload,
+        key: str | None,
+        headers: Mapping[str, str] | None,
+        run_after: datetime | None,
+        content_type: str | None,
+    ) -> NewMessage:
+        return build_message(
+            destination=destination,
+            payload=payload,
+            key=key,
+            headers=headers,
+            run_after=run_after,
+            content_type=content_type,
+            max_payload_bytes=self.max_payload_bytes,
+        )
+
+    def _messages(self, events: Iterable[EventSpec]) -> list[NewMessage]:
+        out = []
+        for i, ev in enumerate(events):
+            try:
+                out.append(self._message(**_spec_kwargs(ev)))
+            except OutboxValidationError as exc:
+                raise OutboxValidationError(f"events[{i}].{exc.field}", exc.message) from exc
+        return out
+
+    @staticmethod
+    def _params(m: NewMessage) -> dict[str, Any]:
+        return {
+            "destination": m.destination,
+            "key": m.key,
+            "payload": m.payload,
+            "content_type": m.content_type,
+            "headers": m.headers_json,
+            "run_after": m.run_after,
+        }
+
+    @staticmethod
+    def _columns(ms: Sequence[NewMessage]) -> dict[str, list[Any]]:
+        return {
+            "destinations": [m.destination for m in ms],
+            "keys": [m.key for m in ms],
+            "payloads": [m.payload for m in ms],
+            "content_types": [m.content_type for m in ms],
+            "headers": [m.headers_json for m in ms],
+            "run_afters": [m.run_after for m in ms],
+        }
+
+    # --- async -----------------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        conn: AsyncTarget,
+        *,
+        destination: str,
+        payload: Payload,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        run_after: datetime | None = None,
+        content_type: str | None = None,
+    ) -> int:
+        """Add one event to ``conn``'s open transaction and return its id."""
+        m = self._message(destination, payload, key, headers, run_after, content_type)
+        if isinstance(conn, AsyncSession | AsyncConnection):
+            result = await conn.execute(self._one_sa, self._params(m))
+            return int(result.scalar_one())
+        _require_asyncpg_transaction(conn)
+        return int(
+            await conn.fetchval(
+                self._one_pg,
+                m.destination,
+                m.key,
+                m.payload,
+                m.content_type,
+                m.headers_json,
+                m.run_after,
+            )
+        )
+
+    async def enqueue_many(self, conn: AsyncTarget, events: Iterable[EventSpec]) -> list[int]:
+        """Add many events in one statement; returns their ids in input order."""
+        ms = self._messages(events)
+        if not ms:
+            return []
+        cols = self._columns(ms)
+        if isinstance(conn, AsyncSession | AsyncConnection):
+            result = await conn.execute(self._many_sa, cols)
+            return sorted(int(i) for i in result.scalars())
+        _require_asyncpg_transaction(conn)
+        rows = await conn.fetch(self._many_pg, *cols.values())
+        return sorted(int(r[0]) for r in rows)
+
+    # --- sync ------------------------------------------------------------------------------
+
+    def enqueue_sync(
+        self,
+        conn: SyncTarget,
+        *,
+        destination: str,
+        payload: Payload,
+        key: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        run_after: datetime | None = None,
+        content_type: str | None = None,
+    ) -> int:
+        """``enqueue`` for a SQLAlchemy ``Session`` or ``Connection``."""
+        m = self._message(destination, payload, key, headers, run_after, content_type)
+        _require_sync(conn)
+        return int(conn.execute(self._one_sa, self._params(m)).scalar_one())
+
+    def enqueue_many_sync(self, conn: SyncTarget, events: Iterable[EventSpec]) -> list[int]:
+        """``enqueue_many`` for a SQLAlchemy ``Session`` or ``Connection``."""
+        ms = self._messages(events)
+        if not ms:
+            return []
+        _require_sync(conn)
+        result = conn.execute(self._many_sa, self._columns(ms))
+        return sorted(int(i) for i in result.scalars())
+
+
+_SPEC_KEYS = frozenset(EventSpec.__annotations__)
+
+
+def _spec_kwargs(ev: EventSpec) -> dict[str, Any]:
+    if not isinstance(ev, Mapping):
+        raise TypeError(f"each event must be a mapping of enqueue keywords, got {type(ev)!r}")
+    unknown = set(ev) - _SPEC_KEYS
+    if unknown:
+        raise TypeError(f"unknown event keys {sorted(unknown)}; expected {sorted(_SPEC_KEYS)}")
+    kw: dict[str, Any] = dict.fromkeys(("key", "headers", "run_after", "content_type"), None)
+    kw.update(ev)
+    if "destination" not in ev or "payload" not in ev:
+        raise TypeError("each event needs 'destination' and 'payload'")
+    return kw
+
+
+def _require_asyncpg_transaction(conn: Any) -> None:
+    if asyncpg is None or not isinstance(conn, asyncpg.Connection):
+        raise TypeError(
+            "enqueue takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
+            f"Connection; got {type(conn).__name__} (use enqueue_sync for a sync Session)"
+        )
+    if not conn.is_in_transaction():
+        raise OutboxError(
+            "enqueue must run inside the transaction of the business change: wrap it in "
+            "`async with conn.transaction():` so the event commits or rolls back with it"
+        )
+
+
+def _require_sync(conn: Any) -> None:
+    if not isinstance(conn, Session | Connection):
+        raise TypeError(
+            "enqueue_sync takes a SQLAlchemy Session or Connection; "
+            f"got {type(conn).__name__} (use `await enqueue(...)` for async connections)"
+        )
+
+
+_default = Outbox()
+enqueue = _default.enqueue
+enqueue_many = _default.enqueue_many
+enqueue_sync = _default.enqueue_sync
+enqueue_many_sync = _default.enqueue_many_sync

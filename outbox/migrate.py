@@ -1,0 +1,89 @@
+"""Forward-only SQL migrations, applied in order under an advisory lock."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import asyncpg
+
+from outbox import queries
+from outbox.dburl import to_asyncpg_dsn
+
+_NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    name: str
+    sql: str
+
+
+def _migrations_dir() -> Path:
+    # Installed wheels carry the files as package data; an editable install or a checkout
+    # reads them from the repository's top-level migrations/ folder.
+    packaged = resources.files("outbox") / "_migrations"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    return Path(__file__).resolve().parent.parent / "migrations"
+
+
+def load_migrations(directory: Path | None = None) -> list[Migration]:
+    directory = directory or _migrations_dir()
+    found = []
+    for path in sorted(directory.glob("*.sql")):
+        m = _NAME.match(path.name)
+        if not m:
+            raise ValueError(f"migration file {path.name!r} is not named NNNN_name.sql")
+        found.append(Migration(int(m.group(1)), m.group(2), path.read_text()))
+    versions = [m.version for m in found]
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"duplicate migration versions in {directory}")
+    return found
+
+
+@dataclass(frozen=True)
+class MigrateResult:
+    applied: list[Migration]
+    already: list[int]
+
+
+async def migrate(
+    database_url: str, *, schema: str = "public", dry_run: bool = False
+) -> MigrateResult:
+    """Apply every pending migration to ``schema``; a second run is a no-op."""
+    conn = await asyncpg.connect(
+        to_asyncpg_dsn(database_url), server_settings={"application_name": "outbox-relay-migrate"}
+    )
+    try:
+        return await _migrate(conn, schema, dry_run)
+    finally:
+        await conn.close()
+
+
+async def _migrate(conn: asyncpg.Connection, schema: str, dry_run: bool) -> MigrateResult:
+    migrations = load_migrations()
+    await conn.execute(queries.MIGRATE_LOCK, schema)
+    try:
+        applied: set[int] = set()
+        if await conn.fetchval(queries.SCHEMA_EXISTS, schema) and await conn.fetchval(
+            queries.MIGRATIONS_TABLE_EXISTS, queries.quote_ident(schema)
+        ):
+            rows = await conn.fetch(queries.render_schema(queries.APPLIED_MIGRATIONS, schema))
+            applied = {r[0] for r in rows}
+        pending = [m for m in migrations if m.version not in applied]
+        if dry_run:
+            return MigrateResult(applied=pending, already=sorted(applied))
+        for m in pending:
+            async with conn.transaction():
+                await conn.execute(queries.render_schema(queries.CREATE_SCHEMA, schema))
+                await conn.execute(queries.render_schema(queries.USE_SCHEMA, schema))
+                await conn.execute(queries.MIGRATIONS_TABLE)
+                await conn.execute(m.sql)
+                await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+        return MigrateResult(applied=pending, already=sorted(applied))
+    finally:
+        await conn.execute(queries.MIGRATE_UNLOCK, schema)

@@ -1,0 +1,1 @@
+"""The outbox relay: claims committed outbox rows and delivers them to Kafka or webhooks."""

@@ -1,0 +1,59 @@
+"""PostgreSQL for tests: a migrated template database, copied per test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+
+from outbox.migrate import migrate
+
+DEFAULT_ADMIN_URL = "postgresql://root@127.0.0.1:5432/postgres"
+
+
+def admin_url() -> str:
+    return os.environ.get("OUTBOX_TEST_DATABASE_URL", DEFAULT_ADMIN_URL)
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+def admin_connect(url: str) -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(url, autocommit=True)
+
+
+def check_server(url: str) -> None:
+    try:
+        with admin_connect(url) as c:
+            c.execute("SELECT 1")
+    except psycopg.OperationalError as exc:
+        raise RuntimeError(
+            f"PostgreSQL is not reachable at {url}: {exc}\n"
+            "Start it with: pg_ctlcluster --skip-systemctl-redirect "
+            "$(ls /etc/postgresql) main start, or set OUTBOX_TEST_DATABASE_URL."
+        ) from exc
+
+
+def create_template(url: str) -> str:
+    name = f"outbox_tmpl_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    with admin_connect(url) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    asyncio.run(migrate(with_database(url, name)))
+    return name
+
+
+def create_from_template(url: str, template: str) -> str:
+    name = f"outbox_t_{uuid.uuid4().hex[:12]}"
+    with admin_connect(url) as c:
+        c.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    return name
+
+
+def drop_database(url: str, name: str) -> None:
+    with admin_connect(url) as c:
+        c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

@@ -1,0 +1,126 @@
+"""A real HTTP server on loopback that records webhook requests.
+
+Tests script its answers: ``receiver.respond(status=500, times=2)`` makes the next two
+requests fail, ``respond(delay=1.0)`` slows them, ``respond(headers={"Retry-After": "3"})``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+
+
+@dataclass
+class Script:
+    status: int = 200
+    delay: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+    times: int | None = None  # None: for every request until replaced
+
+
+class Receiver:
+    def __init__(self) -> None:
+        self.requests: list[Recorded] = []
+        self._scripts: deque[Script] = deque()
+        self._default = Script()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real endpoints do
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length)
+                script = receiver._next_script()
+                with receiver._cond:
+                    receiver.requests.append(
+                        Recorded(
+                            "POST",
+                            self.path,
+                            {k.lower(): v for k, v in self.headers.items()},
+                            body,
+                            time.monotonic(),
+                        )
+                    )
+                    receiver._cond.notify_all()
+                if script.delay:
+                    time.sleep(script.delay)
+                self.send_response(script.status)
+                for k, v in script.headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(script.body)))
+                self.end_headers()
+                self.wfile.write(script.body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def respond(
+        self,
+        status: int = 200,
+        *,
+        delay: float = 0.0,
+        headers: dict[str, str] | None = None,
+        body: bytes = b"",
+        times: int | None = None,
+    ) -> None:
+        script = Script(status, delay, headers or {}, body, times)
+        with self._lock:
+            if times is None:
+                self._default = script
+            else:
+                self._scripts.append(script)
+
+    def _next_script(self) -> Script:
+        with self._lock:
+            while self._scripts:
+                s = self._scripts[0]
+                assert s.times is not None
+                if s.times > 0:
+                    s.times -= 1
+                    if s.times == 0:
+                        self._scripts.popleft()
+                    return s
+                self._scripts.popleft()
+            return self._default
+
+    def wait_for(self, count: int, timeout: float = 10.0) -> list[Recorded]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self.requests) < count:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"got {len(self.requests)} requests, wanted {count}")
+                self._cond.wait(left)
+            return list(self.requests)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

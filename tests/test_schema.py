@@ -1,0 +1,195 @@
+"""Migrations, the SQLAlchemy model, the claim index and the NOTIFY trigger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import asyncpg
+import pytest
+from sqlalchemy import create_engine
+
+from outbox import metadata as model_metadata
+from outbox.dburl import to_asyncpg_dsn
+from outbox.migrate import load_migrations, migrate
+
+
+async def fetch(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(url))
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+async def test_migrate_twice_is_a_noop(empty_db_url: str) -> None:
+    first = await migrate(empty_db_url)
+    assert [m.version for m in first.applied] == [m.version for m in load_migrations()]
+    second = await migrate(empty_db_url)
+    assert second.applied == []
+    assert second.already == [m.version for m in load_migrations()]
+    versions = await fetch(empty_db_url, "SELECT version FROM outbox_migrations")
+    assert len(versions) == len(load_migrations())
+
+
+async def test_concurrent_migrate_is_safe(empty_db_url: str) -> None:
+    results = await asyncio.gather(*(migrate(empty_db_url) for _ in range(4)))
+    applied = [len(r.applied) for r in results]
+    # Exactly one run applied everything; the others waited on the lock and found nothing.
+    assert sorted(applied) == [0, 0, 0, len(load_migrations())]
+    assert (await fetch(empty_db_url, "SELECT count(*) FROM outbox"))[0][0] == 0
+
+
+async def test_dry_run_changes_nothing(empty_db_url: str) -> None:
+    result = await migrate(empty_db_url, dry_run=True)
+    assert result.applied
+    assert (await fetch(empty_db_url, "SELECT to_regclass('outbox')"))[0][0] is None
+
+
+def test_cli_migrate_and_dry_run(empty_db_url: str) -> None:
+    exe = [sys.executable, "-m", "relay.cli", "migrate", "--database-url"]
+    dry = subprocess.run([*exe, empty_db_url, "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    assert "CREATE TABLE outbox" in dry.stdout
+    url = empty_db_url.replace("postgresql://", "postgresql+asyncpg://")
+    run = subprocess.run([*exe, url], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "applied 0001_outbox" in run.stdout
+    again = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "migrate"],
+        capture_output=True,
+        text=True,
+        env={"OUTBOX_DATABASE_URL": empty_db_url, "PATH": "/usr/bin:/bin"},
+    )
+    assert again.returncode == 0, again.stderr
+    assert "up to date" in again.stdout
+
+
+def test_cli_migrate_unreachable_database() -> None:
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relay.cli",
+            "migrate",
+            "--database-url",
+            "postgresql://root:secret@127.0.0.1:1/nope",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 1
+    assert "cannot migrate" in run.stderr and "PostgreSQL is running" in run.stderr
+    assert "secret" not in run.stderr
+
+
+def test_cli_migrate_bad_url() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "migrate", "--database-url", "mysql://x/y"],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 1 and "postgresql://" in run.stderr
+
+
+CATALOG = {
+    "columns": """
+        SELECT column_name, data_type, is_nullable, column_default, is_identity,
+               identity_generation
+        FROM information_schema.columns
+        WHERE table_schema = 'public' AND table_name = 'outbox' ORDER BY ordinal_position
+    """,
+    "indexes": """
+        SELECT indexname, indexdef FROM pg_indexes
+        WHERE schemaname = 'public' AND tablename = 'outbox' ORDER BY indexname
+    """,
+    "constraints": """
+        SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
+        WHERE conrelid = 'public.outbox'::regclass ORDER BY conname
+    """,
+}
+
+
+async def catalog(url: str) -> dict[str, list[tuple[object, ...]]]:
+    return {k: [tuple(r) for r in await fetch(url, q)] for k, q in CATALOG.items()}
+
+
+async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> None:
+    """The SQLAlchemy model, created by SQLAlchemy, yields the catalog the migrations yield."""
+    engine = create_engine("postgresql+psycopg://" + empty_db_url.partition("://")[2])
+    try:
+        model_metadata.create_all(engine)
+    finally:
+        engine.dispose()
+    migrated, modelled = await catalog(db_url), await catalog(empty_db_url)
+    assert len(migrated["columns"]) == 14
+    assert migrated == modelled
+
+
+async def test_claim_query_uses_partial_index(db_url: str) -> None:
+    """With a table full of history, the claim-shaped query reads the partial index only."""
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await conn.execute(
+            """
+            INSERT INTO outbox (destination, payload, status, delivered_at)
+            SELECT 'orders', '\\x00'::bytea, 'delivered', now() FROM generate_series(1, 50000)
+            """
+        )
+        await conn.execute(
+            "INSERT INTO outbox (destination, payload) SELECT 'orders', '\\x00'::bytea "
+            "FROM generate_series(1, 100)"
+        )
+        await conn.execute("VACUUM ANALYZE outbox")
+        plan = await conn.fetchval(
+            """
+            EXPLAIN (FORMAT JSON)
+            SELECT id FROM outbox WHERE status = 'pending' AND run_after <= now()
+            ORDER BY run_after, id LIMIT 100 FOR UPDATE SKIP LOCKED
+            """
+        )
+    finally:
+        await conn.close()
+    text = json.dumps(plan)
+    assert "outbox_claim_idx" in text
+    assert "Seq Scan" not in text
+
+
+async def test_one_notify_per_transaction(db_url: str) -> None:
+    listener = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    writer = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    got: list[tuple[str, str]] = []
+    arrived = asyncio.Event()
+
+    def on_notify(_c: object, _pid: int, channel: str, payload: str) -> None:
+        got.append((channel, payload))
+        arrived.set()
+
+    try:
+        await listener.add_listener("public.outbox", on_notify)
+        async with writer.transaction():
+            for _ in range(5):
+                await writer.execute("INSERT INTO outbox (destination, payload) VALUES ('a', 'x')")
+            await writer.execute(
+                "INSERT INTO outbox (destination, payload) SELECT 'a', 'x' "
+                "FROM generate_series(1,9)"
+            )
+        await asyncio.wait_for(arrived.wait(), 5)
+        # A second transaction notifies again.
+        arrived.clear()
+        await writer.execute("INSERT INTO outbox (destination, payload) VALUES ('b', 'y')")
+        await asyncio.wait_for(arrived.wait(), 5)
+        await asyncio.sleep(0.2)  # room for any stray extra notification to show up
+        assert got == [("public.outbox", ""), ("public.outbox", "")]
+    finally:
+        await listener.close()
+        await writer.close()
+
+
+@pytest.mark.parametrize("bad", ["0001-outbox.sql", "x_outbox.sql"])
+def test_migration_file_names_are_checked(tmp_path, bad: str) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / bad).write_text("SELECT 1")
+    with pytest.raises(ValueError, match=r"NNNN_name\.sql"):
+        load_migrations(tmp_path)
