@@ -84,3 +84,92 @@ RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2
 # A fixed key so concurrent `migrate` runs on one database queue up instead of racing.
 MIGRATE_LOCK = "SELECT pg_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
+
+# --- relay ----------------------------------------------------------------------------------
+
+# The claim: one statement. Pick claimable rows of the destinations this relay serves, skip
+# rows other relays are locking, mark them running under this relay's lease, return them.
+CLAIM = """
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'pending' AND run_after <= now() AND destination = ANY($1::text[])
+    ORDER BY run_after, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
+          o.attempts, o.created_at
+"""
+
+# All outcomes of a batch in one statement. Only rows this relay still holds are touched: if
+# its lease expired and another relay took a row over, that relay's outcome wins.
+RECORD = """
+UPDATE {table} AS o
+SET status = u.status,
+    attempts = o.attempts + u.counted,
+    run_after = CASE WHEN u.status = 'pending'
+                     THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
+    last_error = COALESCE(u.error, o.last_error),
+    delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
+    locked_by = NULL,
+    locked_until = NULL
+FROM unnest($1::bigint[], $2::text[], $3::int[], $4::float8[], $5::text[])
+     AS u(id, status, counted, delay, error)
+WHERE o.id = u.id AND o.status = 'running' AND o.locked_by = $6
+"""
+
+HEARTBEAT = """
+UPDATE {table} SET locked_until = now() + make_interval(secs => $3)
+WHERE id = ANY($1::bigint[]) AND status = 'running' AND locked_by = $2
+"""
+
+# Rows whose relay stopped heartbeating go back to pending (or to failed once they have used
+# every attempt: a row that crashes its relay each time must not loop for ever).
+REAP = """
+WITH expired AS (
+    SELECT id FROM {table}
+    WHERE status = 'running' AND locked_until < now()
+    ORDER BY locked_until
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = CASE WHEN o.attempts + 1 >= $1 THEN 'failed' ELSE 'pending' END,
+    attempts = o.attempts + 1,
+    run_after = now(),
+    last_error = 'lease expired: relay ' || coalesce(o.locked_by, '?')
+                 || ' stopped before recording an outcome',
+    locked_by = NULL,
+    locked_until = NULL
+FROM expired
+WHERE o.id = expired.id
+RETURNING o.id, o.status, o.destination
+"""
+
+# On clean shutdown: rows claimed but not attempted go back untouched (no attempt counted).
+RELEASE = """
+UPDATE {table}
+SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
+WHERE status = 'running' AND locked_by = $1 AND id = ANY($2::bigint[])
+"""
+
+UNKNOWN_DESTINATIONS = """
+SELECT destination, count(*) AS rows, min(created_at) AS oldest
+FROM {table}
+WHERE status = 'pending' AND NOT (destination = ANY($1::text[]))
+GROUP BY destination
+ORDER BY destination
+"""
+
+FAIL_UNKNOWN_DESTINATIONS = """
+UPDATE {table}
+SET status = 'failed',
+    last_error = 'unknown destination ' || quote_literal(destination)
+                 || ': add it to the relay config, then run outbox-relay retry'
+WHERE status = 'pending' AND NOT (destination = ANY($1::text[]))
+RETURNING destination
+"""

@@ -1,0 +1,63 @@
+"""What flows through the relay: claimed rows in, delivery outcomes out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+
+@dataclass(frozen=True, slots=True)
+class Envelope:
+    """One claimed outbox row, as sinks see it."""
+
+    id: int
+    destination: str
+    key: str | None
+    payload: bytes
+    content_type: str
+    headers: dict[str, str]
+    attempts: int  # attempts before this one
+    created_at: datetime
+
+
+class Result(StrEnum):
+    DELIVERED = "delivered"
+    RETRY = "retry"  # transient: back to pending after backoff, counts as an attempt
+    FAILED = "failed"  # permanent: retrying cannot help
+    DEFER = "defer"  # not attempted (e.g. circuit open): back to pending, attempt not counted
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    id: int
+    result: Result
+    error: str | None = None
+    # Seconds until the next attempt, when the sink knows better than the backoff schedule
+    # (a webhook's Retry-After, a circuit's cool-down).
+    retry_in: float | None = None
+
+    @classmethod
+    def delivered(cls, id: int) -> Outcome:
+        return cls(id, Result.DELIVERED)
+
+    @classmethod
+    def retry(cls, id: int, error: str, retry_in: float | None = None) -> Outcome:
+        return cls(id, Result.RETRY, error, retry_in)
+
+    @classmethod
+    def failed(cls, id: int, error: str) -> Outcome:
+        return cls(id, Result.FAILED, error)
+
+    @classmethod
+    def defer(cls, id: int, reason: str, retry_in: float) -> Outcome:
+        return cls(id, Result.DEFER, reason, retry_in)
+
+
+MAX_ERROR_CHARS = 2000
+
+
+def truncate_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """Keep ``last_error`` readable and bounded: one line-ish, at most ``limit`` chars."""
+    text = text.replace("\x00", "")
+    return text if len(text) <= limit else text[: limit - 15] + "… [truncated]"
