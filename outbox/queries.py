@@ -85,6 +85,8 @@ RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2
 MIGRATE_LOCK = "SELECT pg_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 
+TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
+
 # --- relay ----------------------------------------------------------------------------------
 
 # The claim: one statement. Pick claimable rows of the destinations this relay serves, skip

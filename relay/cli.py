@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
 
 from outbox.dburl import redact
 from outbox.migrate import migrate as run_migrations
+from relay.config import ConfigError, Settings, load_settings
 
 DATABASE_URL_HELP = "PostgreSQL URL (postgresql:// or postgresql+asyncpg://)."
 
@@ -63,6 +66,50 @@ def migrate(database_url: str, schema: str, dry_run: bool) -> None:
             click.echo(m.sql)
         else:
             click.echo(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
+
+
+def _load(config: Path | None) -> Settings:
+    try:
+        return load_settings(config)
+    except ConfigError as exc:
+        click.echo(f"outbox-relay: {exc}", err=True)
+        sys.exit(2)
+
+
+@main.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="OUTBOX_CONFIG",
+    show_envvar=True,
+    help="relay.toml; every key can also come from OUTBOX_* environment variables.",
+)
+@click.option("--check", is_flag=True, help="Validate the configuration and exit.")
+def run(config: Path | None, check: bool) -> None:
+    """Run the relay until SIGTERM/SIGINT."""
+    settings = _load(config)
+    if check:
+        click.echo(f"configuration OK: {len(settings.destinations)} destination(s)")
+        return
+    from relay.logging import configure
+
+    configure(settings.log_level, settings.log_format)
+    sys.exit(asyncio.run(_run(settings)))
+
+
+async def _run(settings: Settings) -> int:
+    from relay.relay import Relay, RelayStartupError
+
+    relay = Relay(settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, relay.stop)
+    try:
+        return await relay.run()
+    except RelayStartupError as exc:
+        click.echo(f"outbox-relay: {exc}", err=True)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -74,6 +74,9 @@ class RelaySettings(_Section):
         30.0, gt=0, description="seconds between checks for rows of unknown destinations"
     )
     pool_size: int = Field(4, ge=2, le=64, description="database connections (plus LISTEN)")
+    startup_timeout: float = Field(
+        60.0, ge=0, description="seconds to keep retrying an unreachable database at start-up"
+    )
 
     @property
     def db_schema(self) -> str:
@@ -99,9 +102,7 @@ class KafkaSettings(_Section):
     max_request_size: int = Field(1_048_576, ge=1024, description="largest message, bytes")
     request_timeout_ms: int = Field(30_000, ge=1000)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
-        None
-    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
     sasl_plain_username: str | None = None
     sasl_plain_password: SecretStr | None = None
     ssl_cafile: str | None = None
@@ -200,8 +201,10 @@ def _format_errors(exc: ValidationError) -> str:
             if loc == "database_url":
                 msg += " (set database_url in the file or OUTBOX_DATABASE_URL)"
         got = err.get("input")
-        shown = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else (
-            f" (got {got!r})"
+        shown = (
+            ""
+            if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict)
+            else (f" (got {got!r})")
         )
         if "url" in loc or "password" in loc or "secret" in loc:
             shown = ""

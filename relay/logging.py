@@ -9,9 +9,7 @@ from typing import Literal
 import structlog
 
 
-def configure(
-    level: str = "info", fmt: Literal["auto", "json", "console"] = "auto"
-) -> None:
+def configure(level: str = "info", fmt: Literal["auto", "json", "console"] = "auto") -> None:
     use_json = fmt == "json" or (fmt == "auto" and not sys.stdout.isatty())
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer()

@@ -139,11 +139,7 @@ class KafkaSink:
 
     @staticmethod
     def _headers(env: Envelope) -> list[tuple[str, bytes]]:
-        hs = [
-            (k, v.encode())
-            for k, v in env.headers.items()
-            if k not in (OUTBOX_ID, CONTENT_TYPE)
-        ]
+        hs = [(k, v.encode()) for k, v in env.headers.items() if k not in (OUTBOX_ID, CONTENT_TYPE)]
         hs.append((OUTBOX_ID, str(env.id).encode()))
         hs.append((CONTENT_TYPE, env.content_type.encode()))
         return hs

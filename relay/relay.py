@@ -1,0 +1,426 @@
+"""The relay process: claim, deliver outside any transaction, record, and keep leases alive.
+
+Stages overlap: while one batch is being delivered the next is claimed, up to
+``max_in_flight`` rows held at once, and outcomes are written by the completer in the
+background. Side tasks (listener, heartbeat, reaper, reporter, completer) are supervised: if
+one dies the relay stops with a non-zero status rather than running half-alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import asyncpg
+import structlog
+
+from relay import backoff
+from relay.completer import Completer
+from relay.config import Settings
+from relay.listener import Listener
+from relay.model import Envelope, Outcome, Result, truncate_error
+from relay.sinks import Sink
+from relay.sinks.factory import build_sinks
+from relay.store import DB_ERRORS, Record, Store, create_pool
+
+log = structlog.get_logger("relay")
+
+
+class RelayStartupError(Exception):
+    """The relay cannot start; the message says what to do."""
+
+
+class Relay:
+    def __init__(
+        self,
+        settings: Settings,
+        sinks: dict[str, Sink] | None = None,
+        *,
+        relay_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.id = relay_id or settings.relay_id()
+        self.sinks = sinks if sinks is not None else build_sinks(settings)
+        self.stats: Counter[str] = Counter()
+        self.started = asyncio.Event()  # for tests and probes: set once claiming has begun
+        self._in_flight: dict[int, Envelope] = {}
+        self._wake = asyncio.Event()
+        self._capacity = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._deliveries: set[asyncio.Task[None]] = set()
+        self._store: Store | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._completer: Completer | None = None
+        self._listener: Listener | None = None
+        self._db_down = False
+
+    # --- public -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Begin a graceful shutdown (safe to call from a signal handler)."""
+        if not self._stopping.is_set():
+            log.info("relay.stopping", relay_id=self.id, in_flight=len(self._in_flight))
+        self._stopping.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def store(self) -> Store:
+        assert self._store is not None, "relay not started"
+        return self._store
+
+    async def run(self) -> int:
+        """Run until :meth:`stop`; returns the process exit status."""
+        await self._start()
+        assert self._completer is not None and self._listener is not None
+        rs = self.settings.relay
+        background = {
+            asyncio.create_task(self._completer.run(), name="completer"),
+            asyncio.create_task(self._listener.run(), name="listener"),
+            asyncio.create_task(self._every(rs.lease / 3, self._heartbeat), name="heartbeat"),
+            asyncio.create_task(self._every(max(rs.lease / 2, 0.5), self._reap), name="reaper"),
+            asyncio.create_task(self._every(rs.report_interval, self._report), name="reporter"),
+            asyncio.create_task(self._every(10.0, self._progress, first=10.0), name="progress"),
+        }
+        claimer = asyncio.create_task(self._claim_loop(), name="claimer")
+        stop_wait = asyncio.create_task(self._stopping.wait())
+        self.started.set()
+        log.info(
+            "relay.started",
+            relay_id=self.id,
+            destinations=sorted(self.sinks),
+            batch_size=rs.batch_size,
+            max_in_flight=rs.max_in_flight,
+            lease_s=rs.lease,
+        )
+        done, _ = await asyncio.wait(
+            {*background, claimer, stop_wait}, return_when=asyncio.FIRST_COMPLETED
+        )
+        status = 0
+        for task in done - {stop_wait}:
+            if (
+                task is claimer
+                and self._stopping.is_set()
+                and not task.cancelled()
+                and task.exception() is None
+            ):
+                continue  # it saw the stop request first: a normal exit
+            status = 1
+            exc = task.exception() if not task.cancelled() else None
+            log.error(
+                "relay.task.crashed",
+                task=task.get_name(),
+                error=f"{type(exc).__name__}: {exc}" if exc else "exited",
+                exc_info=exc,
+            )
+        self._stopping.set()
+        await self._shutdown(claimer, background)
+        stop_wait.cancel()
+        log.info("relay.stopped", relay_id=self.id, status=status, **dict(self.stats))
+        return status
+
+    # --- start-up -----------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        rs = self.settings.relay
+        if not self.sinks:
+            raise RelayStartupError(
+                "no destinations configured: add a [destinations.NAME] table to the config "
+                '(kind = "kafka" with a topic, or kind = "webhook" with a url)'
+            )
+        deadline = time.monotonic() + rs.startup_timeout
+        delay = 0.5
+        while True:
+            try:
+                self._pool = await create_pool(self.settings.dsn, self.id, rs.pool_size)
+                break
+            except DB_ERRORS as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RelayStartupError(
+                        f"cannot reach the database after {rs.startup_timeout:.0f}s: "
+                        f"{type(exc).__name__}: {exc}. Check database_url / "
+                        "OUTBOX_DATABASE_URL and that PostgreSQL is up."
+                    ) from exc
+                log.warning(
+                    "relay.database.unavailable",
+                    error=f"{type(exc).__name__}: {exc}",
+                    retry_in=round(delay, 1),
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        self._store = Store(self._pool, rs.db_schema, self.id, rs.lease)
+        if not await self._store.table_exists():
+            await self._pool.close()
+            raise RelayStartupError(
+                f"no outbox table in schema {rs.db_schema!r}: run `outbox-relay migrate` first"
+            )
+        self._completer = Completer(self._store, self._on_recorded)
+        self._listener = Listener(
+            self.settings.dsn, self._store.channel, self.wake, f"outbox-relay-listen:{self.id}"
+        )
+        for sink in {id(s): s for s in self.sinks.values()}.values():
+            await sink.start()
+
+    # --- the claim loop -----------------------------------------------------------------
+
+    async def _wait(self, event: asyncio.Event | None, timeout: float | None) -> None:
+        """Sleep until ``event``, a stop request, or ``timeout``; whichever comes first."""
+        waits = [asyncio.ensure_future(self._stopping.wait())]
+        if event is not None:
+            waits.append(asyncio.ensure_future(event.wait()))
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    def _claimable(self) -> list[str]:
+        return [name for name, sink in self.sinks.items() if sink.available(name)]
+
+    async def _claim_loop(self) -> None:
+        rs = self.settings.relay
+        retry = 0.1
+        while not self._stopping.is_set():
+            free = rs.max_in_flight - len(self._in_flight)
+            if free <= 0:
+                self._capacity.clear()
+                await self._wait(self._capacity, None)
+                continue
+            destinations = self._claimable()
+            if not destinations:
+                await self._wait(self._wake, rs.poll_interval)
+                continue
+            limit = min(rs.batch_size, free)
+            # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
+            self._wake.clear()
+            try:
+                batch = await self.store.claim(destinations, limit)
+            except DB_ERRORS as exc:
+                self._database_down(exc, retry)
+                await self._wait(None, retry)
+                retry = min(retry * 2, 5.0)
+                continue
+            retry = 0.1
+            self._database_up()
+            if batch:
+                self._dispatch(batch)
+            if len(batch) < limit:
+                await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
+
+    def _database_down(self, exc: BaseException, retry_in: float) -> None:
+        if not self._db_down:
+            self._db_down = True
+            log.error(
+                "relay.database.unavailable",
+                error=f"{type(exc).__name__}: {exc}",
+                retry_in=round(retry_in, 1),
+                action="reconnecting with backoff; claimed rows stay leased",
+            )
+
+    def _database_up(self) -> None:
+        if self._db_down:
+            self._db_down = False
+            log.info("relay.database.recovered")
+
+    def _dispatch(self, batch: list[Envelope]) -> None:
+        for env in batch:
+            self._in_flight[env.id] = env
+        self.stats["claimed"] += len(batch)
+        log.debug(
+            "relay.batch.claimed", count=len(batch), first_id=batch[0].id, last_id=batch[-1].id
+        )
+        groups: dict[int, tuple[Sink, list[Envelope]]] = {}
+        for env in batch:
+            sink = self.sinks[env.destination]
+            groups.setdefault(id(sink), (sink, []))[1].append(env)
+        for sink, envs in groups.values():
+            task = asyncio.create_task(self._deliver(sink, envs))
+            self._deliveries.add(task)
+            task.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, sink: Sink, envs: list[Envelope]) -> None:
+        started = time.monotonic()
+        try:
+            outcomes = await sink.deliver(envs)
+        except Exception as exc:
+            log.exception("relay.sink.error", count=len(envs))
+            outcomes = [
+                Outcome.retry(e.id, f"sink error: {type(exc).__name__}: {exc}") for e in envs
+            ]
+        by_id = {o.id: o for o in outcomes}
+        records = []
+        counts: Counter[str] = Counter()
+        for env in envs:
+            outcome = by_id.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
+            rec = self._to_record(env, outcome)
+            counts[rec.status if outcome.result is not Result.DEFER else "deferred"] += 1
+            if rec.status == "failed":
+                log.error(
+                    "relay.delivery.failed",
+                    id=env.id,
+                    destination=env.destination,
+                    attempts=env.attempts + rec.counted,
+                    error=rec.error,
+                )
+            records.append(rec)
+        if counts["pending"]:
+            sample = next(o for o in outcomes if o.result is Result.RETRY)
+            log.warning(
+                "relay.delivery.retrying",
+                count=counts["pending"],
+                destinations=sorted({e.destination for e in envs}),
+                error=sample.error,
+            )
+        log.debug(
+            "relay.batch.delivered",
+            count=len(envs),
+            delivered=counts["delivered"],
+            retrying=counts["pending"],
+            failed=counts["failed"],
+            deferred=counts["deferred"],
+            duration_ms=round((time.monotonic() - started) * 1000, 1),
+        )
+        assert self._completer is not None
+        self._completer.add(records)
+
+    def _to_record(self, env: Envelope, outcome: Outcome) -> Record:
+        error = truncate_error(outcome.error) if outcome.error else None
+        if outcome.result is Result.DELIVERED:
+            return Record(env.id, "delivered", 1, 0.0, None)
+        if outcome.result is Result.FAILED:
+            return Record(env.id, "failed", 1, 0.0, error)
+        if outcome.result is Result.DEFER:
+            return Record(env.id, "pending", 0, max(0.0, outcome.retry_in or 0.0), error)
+        attempt = env.attempts + 1
+        if attempt >= self.settings.max_attempts(env.destination):
+            return Record(env.id, "failed", 1, 0.0, f"gave up after {attempt} attempts: {error}")
+        wait = outcome.retry_in
+        if wait is None:
+            wait = backoff.delay(self.settings.backoff(env.destination), attempt)
+        return Record(env.id, "pending", 1, wait, error)
+
+    def _on_recorded(self, records: Sequence[Record]) -> None:
+        for r in records:
+            self._in_flight.pop(r.id, None)
+            self.stats[r.status if r.counted else "deferred"] += 1
+        self._capacity.set()
+
+    # --- side tasks ---------------------------------------------------------------------
+
+    async def _every(
+        self, interval: float, job: Callable[[], Awaitable[Any]], first: float = 0.0
+    ) -> None:
+        await asyncio.sleep(first)
+        while True:
+            try:
+                await job()
+            except DB_ERRORS as exc:
+                log.warning(
+                    "relay.maintenance.failed",
+                    job=job.__name__,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            await asyncio.sleep(interval * random.uniform(0.9, 1.1))
+
+    async def _heartbeat(self) -> None:
+        ids = list(self._in_flight)
+        if ids:
+            await self.store.heartbeat(ids)
+
+    async def _reap(self) -> None:
+        rows = await self.store.reap(self.settings.relay.max_attempts)
+        if rows:
+            failed = [r["id"] for r in rows if r["status"] == "failed"]
+            log.warning(
+                "relay.lease.expired",
+                count=len(rows),
+                first_id=min(r["id"] for r in rows),
+                last_id=max(r["id"] for r in rows),
+                failed=len(failed),
+                destinations=sorted({r["destination"] for r in rows}),
+            )
+            self.wake()
+
+    async def _report(self) -> None:
+        known = list(self.settings.destinations)
+        if self.settings.relay.unknown_destinations == "fail":
+            failed = await self.store.fail_unknown_destinations(known)
+            for dest, n in Counter(r["destination"] for r in failed).items():
+                log.error(
+                    "relay.destination.unknown",
+                    destination=dest,
+                    rows=n,
+                    action="marked failed; add it to the config, then outbox-relay retry",
+                )
+            return
+        for r in await self.store.unknown_destinations(known):
+            log.warning(
+                "relay.destination.unknown",
+                destination=r["destination"],
+                rows=r["rows"],
+                oldest=r["oldest"].isoformat(),
+                action=f"rows wait as pending; add [destinations.{r['destination']}] to the "
+                "relay config of some relay",
+            )
+
+    async def _progress(self) -> None:
+        log.info("relay.progress", in_flight=len(self._in_flight), **dict(self.stats))
+
+    # --- shutdown -----------------------------------------------------------------------
+
+    async def _shutdown(
+        self, claimer: asyncio.Task[None], background: set[asyncio.Task[Any]]
+    ) -> None:
+        rs = self.settings.relay
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + rs.shutdown_timeout
+        # The claim loop is never cancelled mid-claim: rows it claims must reach _in_flight.
+        try:
+            await asyncio.wait_for(asyncio.shield(claimer), timeout=max(rs.shutdown_timeout, 5))
+        except (TimeoutError, Exception):
+            claimer.cancel()
+        if self._deliveries:
+            _, late = await asyncio.wait(
+                set(self._deliveries), timeout=max(0.0, deadline - loop.time())
+            )
+            for t in late:
+                t.cancel()
+            if late:
+                await asyncio.gather(*late, return_exceptions=True)
+                log.warning("relay.shutdown.timeout", unfinished_batches=len(late))
+        completer_task = next((t for t in background if t.get_name() == "completer"), None)
+        if completer_task is not None:
+            completer_task.cancel()
+        if self._completer is not None:
+            await self._completer.drain(timeout=max(5.0, deadline - loop.time()))
+        leftover = list(self._in_flight)
+        if leftover:
+            try:
+                await self.store.release(leftover)
+                log.info("relay.released", count=len(leftover))
+            except DB_ERRORS as exc:
+                log.error(
+                    "relay.release.failed",
+                    count=len(leftover),
+                    error=f"{type(exc).__name__}: {exc}",
+                    action="the reaper returns them to pending when their lease expires",
+                )
+        for t in background:
+            t.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        for sink in {id(s): s for s in self.sinks.values()}.values():
+            try:
+                await sink.close()
+            except Exception:
+                log.exception("relay.sink.close_failed")
+        if self._pool is not None:
+            await self._pool.close()

@@ -1,0 +1,111 @@
+"""The relay's database side: every statement it runs, over one asyncpg pool."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from outbox import queries
+from relay.model import Envelope
+
+# Errors that mean "the database is unreachable or restarting", as opposed to a bug.
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One outcome as the RECORD statement takes it."""
+
+    id: int
+    status: str  # delivered | pending | failed
+    counted: int  # 1 if this was an attempt, 0 if deferred
+    delay: float  # seconds until run_after, for pending
+    error: str | None
+
+
+class Store:
+    def __init__(self, pool: asyncpg.Pool, schema: str, relay_id: str, lease: float) -> None:
+        self.pool = pool
+        self.relay_id = relay_id
+        self.lease = lease
+        table = queries.qualified_table(schema)
+        self.channel = f"{schema}.outbox"
+        self._claim = queries.render(queries.CLAIM, table)
+        self._record = queries.render(queries.RECORD, table)
+        self._heartbeat = queries.render(queries.HEARTBEAT, table)
+        self._reap = queries.render(queries.REAP, table)
+        self._release = queries.render(queries.RELEASE, table)
+        self._unknown = queries.render(queries.UNKNOWN_DESTINATIONS, table)
+        self._fail_unknown = queries.render(queries.FAIL_UNKNOWN_DESTINATIONS, table)
+        self._table = table
+
+    async def table_exists(self) -> bool:
+        return bool(await self.pool.fetchval(queries.TABLE_EXISTS, self._table))
+
+    async def claim(self, destinations: Sequence[str], limit: int) -> list[Envelope]:
+        rows = await self.pool.fetch(
+            self._claim, list(destinations), limit, self.relay_id, self.lease
+        )
+        return [
+            Envelope(
+                id=r[0],
+                destination=r[1],
+                key=r[2],
+                payload=r[3],
+                content_type=r[4],
+                headers={} if r[5] == "{}" else json.loads(r[5]),
+                attempts=r[6],
+                created_at=r[7],
+            )
+            for r in rows
+        ]
+
+    async def record(self, records: Sequence[Record]) -> str:
+        return str(
+            await self.pool.execute(
+                self._record,
+                [r.id for r in records],
+                [r.status for r in records],
+                [r.counted for r in records],
+                [r.delay for r in records],
+                [r.error for r in records],
+                self.relay_id,
+            )
+        )
+
+    async def heartbeat(self, ids: Sequence[int]) -> None:
+        await self.pool.execute(self._heartbeat, list(ids), self.relay_id, self.lease)
+
+    async def reap(self, max_attempts: int, limit: int = 5000) -> list[asyncpg.Record]:
+        return list(await self.pool.fetch(self._reap, max_attempts, limit))
+
+    async def release(self, ids: Sequence[int]) -> None:
+        await self.pool.execute(self._release, self.relay_id, list(ids))
+
+    async def unknown_destinations(self, known: Sequence[str]) -> list[asyncpg.Record]:
+        return list(await self.pool.fetch(self._unknown, list(known)))
+
+    async def fail_unknown_destinations(self, known: Sequence[str]) -> list[asyncpg.Record]:
+        return list(await self.pool.fetch(self._fail_unknown, list(known)))
+
+
+async def create_pool(dsn: str, relay_id: str, size: int) -> asyncpg.Pool:
+    return await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=size,
+        server_settings={
+            "application_name": f"outbox-relay:{relay_id}"[:63],
+            # A plan cached while the table was empty turns into a seq scan + sort once it
+            # fills up; plan every claim against current statistics instead.
+            "plan_cache_mode": "force_custom_plan",
+        },
+    )

@@ -1,0 +1,380 @@
+"""The relay end to end: real PostgreSQL, real Kafka-protocol broker, in-process relays."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from datetime import UTC, datetime
+
+import asyncpg
+import pytest
+from structlog.testing import capture_logs
+
+import outbox
+from outbox.dburl import to_asyncpg_dsn
+from relay.localbroker import LocalBroker
+from relay.relay import Relay, RelayStartupError
+from tests.support.kafka import consume
+from tests.support.relays import running, settings, status_counts, wait_until
+
+
+def topic() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+async def enqueue_n(db_url: str, n: int, destination: str = "orders", **kw: object) -> list[int]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with conn.transaction():
+            return await outbox.enqueue_many(
+                conn,
+                [
+                    {"destination": destination, "key": f"k{i % 10}", "payload": {"i": i}, **kw}  # type: ignore[typeddict-item]
+                    for i in range(n)
+                ],
+            )
+    finally:
+        await conn.close()
+
+
+async def fetch_rows(db_url: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        return list(await conn.fetch("SELECT * FROM outbox ORDER BY id"))
+    finally:
+        await conn.close()
+
+
+async def test_committed_events_arrive_with_key_headers_and_id(
+    db_url: str, kafka_bootstrap: str
+) -> None:
+    t = topic()
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with conn.transaction():
+            kept = await outbox.enqueue(
+                conn,
+                destination="orders",
+                key="order-1",
+                payload={"type": "order.created"},
+                headers={"event-type": "order.created", "outbox-id": "spoofed"},
+            )
+        with pytest.raises(RuntimeError):
+            async with conn.transaction():
+                await outbox.enqueue(conn, destination="orders", payload={"rolled": "back"})
+                raise RuntimeError
+        async with conn.transaction():
+            raw = await outbox.enqueue(conn, destination="orders", payload=b"\x00\xff")
+    finally:
+        await conn.close()
+    async with running(settings(db_url, kafka_bootstrap, topic=t)):
+        await wait_until(lambda: status_counts(db_url), what="delivered")  # any state visible
+        await wait_until(lambda: _all_delivered(db_url, 2), what="both rows delivered")
+    records = await consume(kafka_bootstrap, t, count=2)
+    assert len(records) == 2
+    by_id = {int(dict(r.headers)["outbox-id"]): r for r in records}
+    assert set(by_id) == {kept, raw}
+    r = by_id[kept]
+    assert r.key == b"order-1"
+    assert json.loads(r.value) == {"type": "order.created"}
+    headers = dict(r.headers)
+    assert headers["event-type"] == b"order.created"
+    assert headers["outbox-id"] == str(kept).encode()  # the row's header cannot spoof it
+    assert headers["content-type"] == b"application/json"
+    assert by_id[raw].value == b"\x00\xff" and by_id[raw].key is None
+    rows = await fetch_rows(db_url)
+    assert [(x["status"], x["attempts"]) for x in rows] == [("delivered", 1), ("delivered", 1)]
+    assert all(x["delivered_at"] is not None and x["locked_by"] is None for x in rows)
+
+
+async def _all_delivered(db_url: str, n: int) -> bool:
+    return (await status_counts(db_url)).get("delivered", 0) == n
+
+
+async def test_oversize_message_fails_alone(db_url: str, kafka_bootstrap: str) -> None:
+    t = topic()
+    ids = await enqueue_n(db_url, 5)
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with conn.transaction():
+            big = await outbox.enqueue(conn, destination="orders", payload=b"x" * 20_000)
+    finally:
+        await conn.close()
+    s = settings(db_url, kafka_bootstrap, topic=t, kafka={"max_request_size": 4096})
+    async with running(s):
+        await wait_until(lambda: _settled(db_url), what="all rows settled")
+    rows = {r["id"]: r for r in await fetch_rows(db_url)}
+    assert rows[big]["status"] == "failed"
+    assert "MessageSizeTooLarge" in rows[big]["last_error"]
+    assert rows[big]["attempts"] == 1  # not retried: retrying cannot help
+    assert all(rows[i]["status"] == "delivered" for i in ids)
+    records = await consume(kafka_bootstrap, t, count=5)
+    assert sorted(int(dict(r.headers)["outbox-id"]) for r in records) == ids
+
+
+async def _settled(db_url: str) -> bool:
+    c = await status_counts(db_url)
+    return not c.get("pending") and not c.get("running")
+
+
+async def test_notify_wakes_an_idle_relay(db_url: str, kafka_bootstrap: str) -> None:
+    t = topic()
+    s = settings(db_url, kafka_bootstrap, topic=t, relay={"poll_interval": 60})
+    async with running(s) as relay:
+        assert relay._listener is not None
+        await asyncio.wait_for(relay._listener.connected.wait(), 10)
+        await asyncio.sleep(0.3)  # the relay has polled once and is now idle
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await enqueue_n(db_url, 1)
+        await wait_until(lambda: _all_delivered(db_url, 1), timeout=10, interval=0.01)
+        elapsed = loop.time() - started
+    # Delivered long before the 60 s poll could have found it.
+    assert elapsed < 5, elapsed
+
+
+async def test_three_relays_deliver_each_event_exactly_once(
+    db_url: str, kafka_bootstrap: str
+) -> None:
+    t = topic()
+    ids = []
+    for _ in range(4):
+        ids += await enqueue_n(db_url, 5000)
+    s = settings(db_url, kafka_bootstrap, topic=t, relay={"batch_size": 200})
+    async with running(s) as a, running(s) as b, running(s) as c:
+        await wait_until(lambda: _all_delivered(db_url, 20_000), timeout=90, what="20k delivered")
+        claimed = [a.stats["claimed"], b.stats["claimed"], c.stats["claimed"]]
+    records = await consume(kafka_bootstrap, t, count=20_000, timeout=60)
+    seen = [int(dict(r.headers)["outbox-id"]) for r in records]
+    assert len(seen) == 20_000 and sorted(seen) == sorted(ids)  # none missing, none twice
+    assert sum(claimed) == 20_000  # no row claimed twice
+    assert sum(1 for n in claimed if n > 0) >= 2  # the work really was shared
+
+
+async def test_unknown_destination_waits_and_is_reported(db_url: str, kafka_bootstrap: str) -> None:
+    t = topic()
+    await enqueue_n(db_url, 3, destination="nowhere")
+    known = await enqueue_n(db_url, 2)
+    s = settings(db_url, kafka_bootstrap, topic=t, relay={"report_interval": 0.2})
+    with capture_logs() as logs:
+        async with running(s):
+            await wait_until(lambda: _all_delivered(db_url, 2))
+            await wait_until(
+                lambda: any(e["event"] == "relay.destination.unknown" for e in logs),
+                what="unknown destination reported",
+            )
+    event = next(e for e in logs if e["event"] == "relay.destination.unknown")
+    assert event["destination"] == "nowhere" and event["rows"] == 3
+    assert "add [destinations.nowhere]" in event["action"]
+    rows = await fetch_rows(db_url)
+    assert {r["id"] for r in rows if r["status"] == "delivered"} == set(known)
+    assert [r["status"] for r in rows if r["destination"] == "nowhere"] == ["pending"] * 3
+    assert all(r["attempts"] == 0 for r in rows if r["destination"] == "nowhere")
+
+
+async def test_unknown_destination_fail_policy(db_url: str, kafka_bootstrap: str) -> None:
+    await enqueue_n(db_url, 2, destination="nowhere")
+    s = settings(
+        db_url,
+        kafka_bootstrap,
+        topic=topic(),
+        relay={"report_interval": 0.2, "unknown_destinations": "fail"},
+    )
+    async with running(s):
+        await wait_until(lambda: _failed(db_url, 2), what="unknown rows failed")
+    rows = await fetch_rows(db_url)
+    assert all("unknown destination 'nowhere'" in r["last_error"] for r in rows)
+
+
+async def _failed(db_url: str, n: int) -> bool:
+    return (await status_counts(db_url)).get("failed", 0) == n
+
+
+async def test_broker_outage_backs_off_and_recovers(db_url: str) -> None:
+    """Stop the broker with rows in flight: they return to pending with backoff, the relay
+    stays up, and everything is delivered once the broker is back."""
+    broker = LocalBroker()
+    broker.start()
+    t = topic()
+    s = settings(
+        db_url,
+        broker.bootstrap,
+        topic=t,
+        relay={"backoff": {"base": 0.5, "factor": 2, "max": 2, "jitter": 0}},
+        kafka={"request_timeout_ms": 1500},
+    )
+    try:
+        with capture_logs() as logs:
+            async with running(s) as relay:
+                await enqueue_n(db_url, 10)
+                await wait_until(lambda: _all_delivered(db_url, 10), what="first 10")
+                broker.stop()
+                later = await enqueue_n(db_url, 20)
+                await wait_until(
+                    lambda: _retried(db_url, later), timeout=30, what="rows backing off"
+                )
+                during = await fetch_rows(db_url)
+                broker.start()  # same port; memory storage: the old topic is gone
+                await wait_until(
+                    lambda: _all_delivered(db_url, 30), timeout=60, what="all 30 delivered"
+                )
+                assert relay.stats["delivered"] == 30
+    finally:
+        broker.stop()
+    backing_off = [r for r in during if r["id"] in later and r["status"] == "pending"]
+    assert backing_off, "no row was sent back to pending during the outage"
+    for r in backing_off:
+        assert r["attempts"] >= 1 and r["last_error"]
+        assert r["run_after"] > r["created_at"]
+    events = [e["event"] for e in logs]
+    # The outage is logged as a state change, not once per row.
+    assert 1 <= events.count("relay.sink.unavailable") <= 5
+    assert "relay.sink.recovered" in events
+    rows = await fetch_rows(db_url)
+    assert all(r["status"] == "delivered" for r in rows)
+
+
+async def _retried(db_url: str, ids: list[int]) -> bool:
+    rows = await fetch_rows(db_url)
+    return any(r["id"] in ids and r["attempts"] >= 1 and r["status"] == "pending" for r in rows)
+
+
+async def test_unreachable_broker_spends_no_attempts(db_url: str) -> None:
+    """While the producer cannot even connect, rows wait as pending with attempts intact."""
+    from relay.localbroker import free_port
+
+    s = settings(
+        db_url,
+        f"127.0.0.1:{free_port()}",
+        topic=topic(),
+        relay={"max_attempts": 2, "backoff": {"base": 0.1, "jitter": 0}},
+    )
+    await enqueue_n(db_url, 3)
+    # Nothing listens on that port: the sink defers (no attempt spent) while it cannot connect.
+    async with running(s):
+        await asyncio.sleep(1.5)
+    rows = await fetch_rows(db_url)
+    assert all(r["status"] == "pending" and r["attempts"] == 0 for r in rows), [
+        (r["status"], r["attempts"]) for r in rows
+    ]
+
+
+async def test_dead_side_task_stops_the_relay(db_url: str, kafka_bootstrap: str) -> None:
+    class Broken(Relay):
+        async def _report(self) -> None:
+            raise RuntimeError("reporter bug")
+
+    await enqueue_n(db_url, 3)
+    relay = Broken(settings(db_url, kafka_bootstrap, topic=topic()))
+    with capture_logs() as logs:
+        status = await asyncio.wait_for(relay.run(), 30)
+    assert status == 1
+    crashed = [e for e in logs if e["event"] == "relay.task.crashed"]
+    assert crashed and crashed[0]["task"] == "reporter" and "reporter bug" in crashed[0]["error"]
+    assert (await status_counts(db_url)).get("running", 0) == 0
+
+
+async def test_startup_without_table_says_migrate(pg_admin_url: str, empty_db_url: str) -> None:
+    relay = Relay(settings(empty_db_url, "127.0.0.1:1"))
+    with pytest.raises(RelayStartupError, match="outbox-relay migrate"):
+        await relay.run()
+
+
+async def test_startup_with_unreachable_database() -> None:
+    s = settings("postgresql://root@127.0.0.1:1/x", "127.0.0.1:1", relay={"startup_timeout": 1})
+    with pytest.raises(RelayStartupError, match="cannot reach the database"):
+        await Relay(s).run()
+
+
+async def test_expired_lease_is_reaped_and_redelivered(db_url: str, kafka_bootstrap: str) -> None:
+    """Rows held by a relay that vanished go back to pending and are delivered by another."""
+    t = topic()
+    ids = await enqueue_n(db_url, 4)
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await conn.execute(
+            "UPDATE outbox SET status = 'running', locked_by = 'ghost', "
+            "locked_until = now() - interval '1 second' WHERE id = ANY($1)",
+            ids[:2],
+        )
+    finally:
+        await conn.close()
+    with capture_logs() as logs:
+        async with running(settings(db_url, kafka_bootstrap, topic=t, relay={"lease": 2})):
+            await wait_until(lambda: _all_delivered(db_url, 4), what="reaped rows delivered")
+    rows = {r["id"]: r for r in await fetch_rows(db_url)}
+    assert rows[ids[0]]["attempts"] == 2  # the lost attempt counts
+    assert "lease expired: relay ghost" in rows[ids[0]]["last_error"]
+    assert any(e["event"] == "relay.lease.expired" for e in logs)
+    assert datetime.now(UTC) >= rows[ids[0]]["delivered_at"]
+
+
+class FlakySink:
+    """In-memory sink for the relay's own bookkeeping: fails the first ``fail`` attempts."""
+
+    def __init__(self, fail: int, retry_in: float | None = None) -> None:
+        self.fail = fail
+        self.retry_in = retry_in
+        self.calls: dict[int, int] = {}
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def available(self, destination: str) -> bool:
+        return True
+
+    async def deliver(self, batch):  # type: ignore[no-untyped-def]
+        from relay.model import Outcome
+
+        out = []
+        for env in batch:
+            n = self.calls[env.id] = self.calls.get(env.id, 0) + 1
+            if n <= self.fail:
+                out.append(Outcome.retry(env.id, f"boom {n}", self.retry_in))
+            else:
+                out.append(Outcome.delivered(env.id))
+        return out
+
+
+async def test_retries_with_backoff_then_fails_after_max_attempts(db_url: str) -> None:
+    ids = await enqueue_n(db_url, 3)
+    sink = FlakySink(fail=10)
+    s = settings(
+        db_url,
+        "127.0.0.1:1",
+        relay={
+            "max_attempts": 3,
+            "poll_interval": 0.05,
+            "backoff": {"base": 0.3, "factor": 2, "jitter": 0},
+        },
+    )
+    async with running(s, sinks={"orders": sink}):
+        await wait_until(lambda: _failed(db_url, 3), what="rows failed after 3 attempts")
+    rows = await fetch_rows(db_url)
+    assert all(r["attempts"] == 3 for r in rows)
+    assert all(r["last_error"] == "gave up after 3 attempts: boom 3" for r in rows)
+    assert all(sink.calls[i] == 3 for i in ids)
+
+
+async def test_backoff_and_retry_in_set_run_after(db_url: str) -> None:
+    await enqueue_n(db_url, 2)
+    s = settings(
+        db_url,
+        "127.0.0.1:1",
+        relay={"backoff": {"base": 30, "jitter": 0}, "poll_interval": 0.05},
+    )
+    async with running(s, sinks={"orders": FlakySink(fail=1)}):
+        await wait_until(lambda: _retried(db_url, [1, 2]), what="first failure recorded")
+        await asyncio.sleep(0.3)
+    rows = await fetch_rows(db_url)
+    for r in rows:
+        assert r["status"] == "pending" and r["attempts"] == 1 and r["last_error"] == "boom 1"
+        wait = (r["run_after"] - datetime.now(UTC)).total_seconds()
+        assert 25 < wait <= 30, wait  # the backoff's first delay, not an immediate retry
+    await enqueue_n(db_url, 1)
+    async with running(s, sinks={"orders": FlakySink(fail=1, retry_in=120)}):
+        await wait_until(lambda: _retried(db_url, [3]), what="retry_in honoured")
+    r = (await fetch_rows(db_url))[2]
+    assert 110 < (r["run_after"] - datetime.now(UTC)).total_seconds() <= 120
