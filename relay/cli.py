@@ -112,5 +112,29 @@ async def _run(settings: Settings) -> int:
         return 1
 
 
+@main.command()
+@click.option(
+    "--database-url",
+    envvar="OUTBOX_DATABASE_URL",
+    default="postgresql://root@127.0.0.1:5432/postgres",
+    show_default=True,
+    show_envvar=True,
+    help="Server to create the scratch database on.",
+)
+@click.option("--bootstrap", help="Use this Kafka broker instead of starting a local one.")
+@click.option("--count", default=20, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--keep", is_flag=True, help="Keep the scratch database afterwards.")
+@click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")
+def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic: str) -> None:
+    """Relay real events end to end on this machine (scratch database, local broker)."""
+    from relay.demo import run_demo
+    from relay.localbroker import LocalBrokerError
+
+    try:
+        sys.exit(asyncio.run(run_demo(database_url, bootstrap, count, keep, topic)))
+    except (OSError, LocalBrokerError) as exc:
+        raise click.ClickException(f"demo failed: {exc}") from exc
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
