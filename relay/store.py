@@ -97,11 +97,17 @@ class Store:
         return list(await self.pool.fetch(self._fail_unknown, list(known)))
 
 
+async def _no_reset(conn: asyncpg.Connection) -> None:
+    """The relay never changes session state on pooled connections (no SET, no LISTEN, only
+    transaction-scoped advisory locks), so skip asyncpg's reset round trip on every release."""
+
+
 async def create_pool(dsn: str, relay_id: str, size: int) -> asyncpg.Pool:
     return await asyncpg.create_pool(
         dsn,
         min_size=1,
         max_size=size,
+        reset=_no_reset,
         server_settings={
             "application_name": f"outbox-relay:{relay_id}"[:63],
             # A plan cached while the table was empty turns into a seq scan + sort once it

@@ -378,3 +378,29 @@ async def test_backoff_and_retry_in_set_run_after(db_url: str) -> None:
         await wait_until(lambda: _retried(db_url, [3]), what="retry_in honoured")
     r = (await fetch_rows(db_url))[2]
     assert 110 < (r["run_after"] - datetime.now(UTC)).total_seconds() <= 120
+
+
+async def test_messages_larger_than_a_producer_batch_are_sent_alone(
+    db_url: str, kafka_bootstrap: str
+) -> None:
+    t = topic()
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with conn.transaction():
+            ids = await outbox.enqueue_many(
+                conn,
+                [
+                    {"destination": "orders", "key": "k", "payload": b"y" * size}
+                    for size in (10, 5000, 20, 3000, 30)
+                ],
+            )
+    finally:
+        await conn.close()
+    s = settings(db_url, kafka_bootstrap, topic=t, kafka={"max_batch_size": 1024})
+    async with running(s):
+        await wait_until(lambda: _all_delivered(db_url, 5), what="all delivered")
+    records = await consume(kafka_bootstrap, t, count=5)
+    got = {int(dict(r.headers)["outbox-id"]): len(r.value) for r in records}
+    assert got == dict(zip(ids, (10, 5000, 20, 3000, 30), strict=True))
+    # One key, one partition: the broker keeps them in enqueue order.
+    assert [int(dict(r.headers)["outbox-id"]) for r in records] == ids

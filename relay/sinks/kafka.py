@@ -20,10 +20,11 @@ from aiokafka.errors import (
     UnsupportedForMessageFormatError,
 )
 from aiokafka.helpers import create_ssl_context
+from aiokafka.partitioner import DefaultPartitioner
 
 from relay.breaker import Breaker
 from relay.config import KafkaDestination, KafkaSettings
-from relay.model import Envelope, Outcome, truncate_error
+from relay.model import Envelope, Outcome, Result, truncate_error
 
 log = structlog.get_logger("relay.sink.kafka")
 
@@ -37,6 +38,12 @@ PERMANENT: tuple[type[BaseException], ...] = (
     ClusterAuthorizationFailedError,
     UnsupportedForMessageFormatError,
 )
+
+# Bytes a record adds around key, value and headers (varints, attributes, offsets); used to
+# refuse a message the broker would refuse, before it holds up a batch.
+RECORD_OVERHEAD = 64
+
+_Item = tuple[Envelope, bytes | None, list[tuple[str, bytes]]]
 
 OUTBOX_ID = "outbox-id"
 CONTENT_TYPE = "content-type"
@@ -92,6 +99,7 @@ class KafkaSink:
         self.topics = {name: d.topic for name, d in destinations.items()}
         self.breaker = breaker or Breaker(threshold=1, cooldown=2.0, max_cooldown=60.0)
         self._producer: AIOKafkaProducer | None = None
+        self._partitioner = DefaultPartitioner()
         self._start_lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -105,7 +113,9 @@ class KafkaSink:
     async def _ensure_started(self) -> AIOKafkaProducer:
         async with self._start_lock:
             if self._producer is None:
-                producer = AIOKafkaProducer(**producer_options(self.settings))
+                producer = AIOKafkaProducer(
+                    **producer_options(self.settings), partitioner=self._partitioner
+                )
                 try:
                     await producer.start()
                 except BaseException:
@@ -154,54 +164,156 @@ class KafkaSink:
             return [Outcome.defer(e.id, reason, wait) for e in batch]
 
         outcomes: list[Outcome] = []
-        pending: list[tuple[Envelope, asyncio.Future[Any]]] = []
-        broken: BaseException | None = None
-        for env in batch:
+        groups, broken = await self._partition(producer, batch, outcomes)
+        sends: list[tuple[asyncio.Future[Any], list[Envelope]]] = []
+        singles: list[Envelope] = []
+        for (topic, partition), items in groups.items():
             if broken is not None:
-                # The client could not even queue a message (metadata timeout, closed
-                # producer): the rest would each wait the same timeout. Retry them later.
-                outcomes.append(Outcome.retry(env.id, f"not sent: {describe(broken)}"))
+                outcomes.extend(self._not_sent(env, broken) for env, _, _ in items)
                 continue
+            try:
+                await self._send_batches(producer, topic, partition, items, sends, singles)
+            except (KafkaError, OSError) as exc:
+                broken = exc
+                sent = {e.id for _, envs in sends for e in envs} | {e.id for e in singles}
+                outcomes.extend(
+                    self._not_sent(env, exc) for env, _, _ in items if env.id not in sent
+                )
+
+        results = await asyncio.gather(*(f for f, _ in sends), return_exceptions=True)
+        failures: list[BaseException] = []
+        for (_, envs), res in zip(sends, results, strict=True):
+            if not isinstance(res, BaseException):
+                outcomes.extend(Outcome.delivered(e.id) for e in envs)
+            elif isinstance(res, asyncio.CancelledError):
+                raise res
+            elif isinstance(res, PERMANENT) and len(envs) > 1:
+                # The broker refused the batch as a whole (e.g. its size): find the message at
+                # fault by sending them one by one, so the others are not failed with it.
+                singles.extend(envs)
+            else:
+                failures.append(res)
+                outcomes.extend(self._outcome_for(e.id, res) for e in envs)
+        if singles:
+            single_outcomes = await self._send_singly(producer, singles)
+            failures.extend(o_exc for _, o_exc in single_outcomes if o_exc is not None)
+            outcomes.extend(o for o, _ in single_outcomes)
+
+        delivered = any(o.result is Result.DELIVERED for o in outcomes)
+        transient = [f for f in failures if not isinstance(f, PERMANENT)]
+        if broken is not None or (transient and not delivered):
+            self._unavailable(broken or transient[0])
+        elif delivered:
+            self._recovered()
+        return outcomes
+
+    def _not_sent(self, env: Envelope, exc: BaseException) -> Outcome:
+        return Outcome.retry(env.id, truncate_error(f"not sent: {describe(exc)}"))
+
+    @staticmethod
+    def _outcome_for(id: int, exc: BaseException) -> Outcome:
+        if isinstance(exc, PERMANENT):
+            return Outcome.failed(id, truncate_error(describe(exc)))
+        return Outcome.retry(id, truncate_error(describe(exc)))
+
+    async def _partition(
+        self,
+        producer: AIOKafkaProducer,
+        batch: Sequence[Envelope],
+        outcomes: list[Outcome],
+    ) -> tuple[dict[tuple[str, int], list[_Item]], BaseException | None]:
+        """Group envelopes by topic partition, as the producer's own partitioner would."""
+        groups: dict[tuple[str, int], list[_Item]] = {}
+        partitions: dict[str, list[int]] = {}
+        broken: BaseException | None = None
+        limit = self.settings.max_request_size
+        for env in batch:
             topic = self.topics.get(env.destination)
             if topic is None:
                 outcomes.append(
                     Outcome.failed(env.id, f"destination {env.destination!r} is not a Kafka one")
                 )
                 continue
+            if broken is not None:
+                outcomes.append(self._not_sent(env, broken))
+                continue
+            parts = partitions.get(topic)
+            if parts is None:
+                try:
+                    # Waits for metadata (creating the topic where the broker does that).
+                    parts = partitions[topic] = sorted(await producer.partitions_for(topic))
+                except (KafkaError, OSError) as exc:
+                    broken = exc
+                    outcomes.append(self._not_sent(env, exc))
+                    continue
+            key = env.key.encode() if env.key is not None else None
+            headers = self._headers(env)
+            size = len(env.payload) + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
+            if size + RECORD_OVERHEAD > limit:
+                outcomes.append(
+                    Outcome.failed(
+                        env.id,
+                        f"MessageSizeTooLargeError: the message is about {size} bytes, above "
+                        f"kafka.max_request_size ({limit}); it cannot be sent as it is",
+                    )
+                )
+                continue
+            partition = self._partitioner(key, parts, parts)
+            groups.setdefault((topic, partition), []).append((env, key, headers))
+        return groups, broken
+
+    async def _send_batches(
+        self,
+        producer: AIOKafkaProducer,
+        topic: str,
+        partition: int,
+        items: list[_Item],
+        sends: list[tuple[asyncio.Future[Any], list[Envelope]]],
+        singles: list[Envelope],
+    ) -> None:
+        builder = producer.create_batch()
+        envs: list[Envelope] = []
+        for env, key, headers in items:
+            if builder.append(key=key, value=env.payload, timestamp=None, headers=headers):
+                envs.append(env)
+                continue
+            if envs:  # the batch is full: ship it and start the next
+                sends.append((await producer.send_batch(builder, topic, partition=partition), envs))
+                builder, envs = producer.create_batch(), []
+                if builder.append(key=key, value=env.payload, timestamp=None, headers=headers):
+                    envs.append(env)
+                    continue
+            singles.append(env)  # larger than a whole batch: the producer sizes one for it
+        if envs:
+            sends.append((await producer.send_batch(builder, topic, partition=partition), envs))
+
+    async def _send_singly(
+        self, producer: AIOKafkaProducer, envs: list[Envelope]
+    ) -> list[tuple[Outcome, BaseException | None]]:
+        futures: list[tuple[Envelope, asyncio.Future[Any] | BaseException]] = []
+        for env in envs:
             try:
                 fut = await producer.send(
-                    topic,
+                    self.topics[env.destination],
                     value=env.payload,
                     key=env.key.encode() if env.key is not None else None,
                     headers=self._headers(env),
                 )
-            except PERMANENT as exc:
-                outcomes.append(Outcome.failed(env.id, truncate_error(describe(exc))))
             except (KafkaError, OSError) as exc:
-                broken = exc
-                outcomes.append(Outcome.retry(env.id, truncate_error(describe(exc))))
+                futures.append((env, exc))
             else:
-                pending.append((env, fut))
-
-        results = await asyncio.gather(*(f for _, f in pending), return_exceptions=True)
-        transient = 0
-        for (env, _), res in zip(pending, results, strict=True):
-            if not isinstance(res, BaseException):
-                outcomes.append(Outcome.delivered(env.id))
-            elif isinstance(res, PERMANENT):
-                outcomes.append(Outcome.failed(env.id, truncate_error(describe(res))))
-            elif isinstance(res, asyncio.CancelledError):
-                raise res
-            else:
-                transient += 1
-                outcomes.append(Outcome.retry(env.id, truncate_error(describe(res))))
-
-        sent_ok = len(pending) - transient
-        if broken is not None or (transient and not sent_ok):
-            self._unavailable(broken or next(r for r in results if isinstance(r, BaseException)))
-        elif sent_ok:
-            self._recovered()
-        return outcomes
+                futures.append((env, fut))
+        pending = [f for _, f in futures if isinstance(f, asyncio.Future)]
+        await asyncio.gather(*pending, return_exceptions=True)
+        out: list[tuple[Outcome, BaseException | None]] = []
+        for env, f in futures:
+            err = f if isinstance(f, BaseException) else f.exception()
+            out.append(
+                (Outcome.delivered(env.id), None)
+                if err is None
+                else (self._outcome_for(env.id, err), err)
+            )
+        return out
 
     async def close(self) -> None:
         if self._producer is not None:
