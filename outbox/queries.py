@@ -27,6 +27,15 @@ def render_schema(sql: str, schema: str) -> str:
     return sql.replace("{schema}", quote_ident(schema))
 
 
+def render_database(sql: str, name: str) -> str:
+    return sql.replace("{database}", quote_ident(name))
+
+
+# Scratch databases of the demo and the benchmark.
+CREATE_DATABASE = "CREATE DATABASE {database}"
+DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
+
+
 # --- enqueue --------------------------------------------------------------------------------
 
 # SQLAlchemy text() form (named binds); works for every SQLAlchemy PostgreSQL driver.

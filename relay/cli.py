@@ -136,5 +136,13 @@ def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic
         raise click.ClickException(f"demo failed: {exc}") from exc
 
 
+def _register_bench() -> None:
+    from relay.bench.cli import bench
+
+    main.add_command(bench)
+
+
+_register_bench()
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -10,10 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator
 from decimal import Decimal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import asyncpg
 import click
@@ -28,6 +26,7 @@ from relay.config import load_settings
 from relay.localbroker import LocalBroker
 from relay.logging import configure
 from relay.relay import Relay
+from relay.scratch import scratch_database
 
 ORDERS = """
 CREATE TABLE IF NOT EXISTS orders (
@@ -37,31 +36,6 @@ CREATE TABLE IF NOT EXISTS orders (
     created_at timestamptz NOT NULL DEFAULT now()
 )
 """
-
-
-def _with_db(url: str, name: str) -> str:
-    return urlunsplit(urlsplit(to_asyncpg_dsn(url))._replace(path="/" + name))
-
-
-@contextlib.asynccontextmanager
-async def scratch_database(admin_url: str, keep: bool) -> AsyncIterator[str]:
-    name = f"outbox_demo_{uuid.uuid4().hex[:8]}"
-    admin = await asyncpg.connect(to_asyncpg_dsn(admin_url))
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-    finally:
-        await admin.close()
-    try:
-        yield _with_db(admin_url, name)
-    finally:
-        if keep:
-            click.echo(f"kept database {name}")
-        else:
-            admin = await asyncpg.connect(to_asyncpg_dsn(admin_url))
-            try:
-                await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-            finally:
-                await admin.close()
 
 
 async def place_orders(db_url: str, count: int) -> list[int]:
@@ -159,7 +133,7 @@ async def run_demo(
         click.echo(f"started a local Kafka-protocol broker (Tansu, in memory) at {bootstrap}")
     assert bootstrap is not None
     try:
-        async with scratch_database(admin_url, keep) as db_url:
+        async with scratch_database(admin_url, "outbox_demo", keep) as db_url:
             await migrate(db_url)
             click.echo(f"migrated scratch database {urlsplit(db_url).path[1:]}")
             started = time.monotonic()

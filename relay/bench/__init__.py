@@ -1,0 +1,1 @@
+"""``outbox-relay bench``: measure the relay on your own machine and database."""

@@ -1,0 +1,120 @@
+"""``drain``: prefill N events, then time relays emptying the table; optionally the naive loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import asyncpg
+
+from outbox.dburl import to_asyncpg_dsn
+from relay.bench.common import DESTINATION, Target, prefill, rss_mb
+from relay.config import load_settings
+from relay.model import Envelope
+from relay.relay import Relay
+
+# The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
+# done. Kept here (not in outbox.queries) because the product never runs it.
+NAIVE_PICK = """
+SELECT id, destination, key, payload, content_type, attempts, created_at FROM outbox
+WHERE status = 'pending' AND run_after <= now() ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED
+"""
+NAIVE_RUNNING = "UPDATE outbox SET status = 'running' WHERE id = $1"
+NAIVE_DONE = "UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE id = $1"
+
+
+def relay_settings(db_url: str, batch_size: int, max_in_flight: int | None) -> Any:
+    return load_settings(
+        None,
+        database_url=db_url,
+        log_level="warning",
+        relay={
+            "batch_size": batch_size,
+            "max_in_flight": max_in_flight or batch_size * 4,
+            "poll_interval": 0.5,
+        },
+        # Placeholders: the benchmark passes its sinks in directly.
+        destinations={DESTINATION: {"kind": "kafka", "topic": "unused"}},
+    )
+
+
+async def drain(
+    db_url: str,
+    target: Target,
+    *,
+    events: int,
+    payload: int,
+    keys: int,
+    batch_size: int,
+    relays: int,
+    max_in_flight: int | None,
+    max_seconds: float,
+) -> dict[str, Any]:
+    await prefill(db_url, events, payload, keys)
+    settings = relay_settings(db_url, batch_size, max_in_flight)
+    running = [Relay(settings, sinks={DESTINATION: target.make_sink()}) for _ in range(relays)]
+    cpu0 = time.process_time()
+    started = time.monotonic()
+    tasks = [asyncio.create_task(r.run()) for r in running]
+    try:
+        deadline = started + max_seconds
+        while sum(r.stats["delivered"] for r in running) < events:
+            if time.monotonic() > deadline or any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.005)
+        elapsed = time.monotonic() - started
+        cpu = time.process_time() - cpu0
+    finally:
+        for r in running:
+            r.stop()
+        await asyncio.gather(*tasks)
+    delivered = sum(r.stats["delivered"] for r in running)
+    statements = sum(r.store.statements["claim"] + r.store.statements["record"] for r in running)
+    return {
+        "events": events,
+        "delivered": delivered,
+        "complete": delivered == events,
+        "relays": relays,
+        "batch_size": batch_size,
+        "payload_bytes": payload,
+        "seconds": round(elapsed, 3),
+        "events_per_s": round(delivered / elapsed, 1),
+        "hot_path_statements": statements,
+        "statements_per_event": round(statements / max(delivered, 1), 4),
+        "relay_cpu_per_event_us": round(cpu / max(delivered, 1) * 1e6, 1),
+        "max_rss_mb": round(rss_mb(), 1),
+    }
+
+
+async def naive(
+    db_url: str, target: Target, *, events: int, payload: int, keys: int, max_seconds: float
+) -> dict[str, Any]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    await conn.execute("TRUNCATE outbox")
+    await prefill(db_url, events, payload, keys)
+    sink = target.make_sink()
+    await sink.start()
+    done = 0
+    started = time.monotonic()
+    try:
+        while done < events and time.monotonic() - started < max_seconds:
+            async with conn.transaction():
+                row = await conn.fetchrow(NAIVE_PICK)
+                if row is None:
+                    break
+                await conn.execute(NAIVE_RUNNING, row[0])
+            env = Envelope(row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6])
+            await sink.deliver([env])
+            await conn.execute(NAIVE_DONE, row[0])
+            done += 1
+        elapsed = time.monotonic() - started
+    finally:
+        await sink.close()
+        await conn.close()
+    return {
+        "events": done,
+        "seconds": round(elapsed, 3),
+        "events_per_s": round(done / elapsed, 1),
+        "round_trips_per_event": 5,  # BEGIN, SELECT … FOR UPDATE, UPDATE, COMMIT, UPDATE
+    }

@@ -1,0 +1,80 @@
+"""`outbox-relay bench` runs each scenario end to end (small sizes; no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+
+def bench(*args: str, admin: str) -> dict[str, Any]:
+    res = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "bench", *args, "--database-url", admin, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    out: dict[str, Any] = json.loads(res.stdout[res.stdout.index("{") :])
+    assert out["machine"]["cores"] >= 1 and out["machine"]["postgresql"]
+    return out
+
+
+def test_drain_against_kafka_with_naive_comparison(pg_admin_url: str, kafka_bootstrap: str) -> None:
+    out = bench(
+        "drain",
+        "--events",
+        "3000",
+        "--bootstrap",
+        kafka_bootstrap,
+        "--no-idempotence",
+        "--compare-naive",
+        "--naive-events",
+        "100",
+        "--batch-size",
+        "200",
+        admin=pg_admin_url,
+    )
+    d = out["drain"]
+    assert d["complete"] is True and d["delivered"] == 3000
+    # 3000 events at batch 200: 15 claims and a handful of recordings, never one per row.
+    assert d["hot_path_statements"] < 100
+    assert out["naive loop"]["events"] == 100
+    assert out["sink"].startswith("kafka")
+
+
+def test_steady_reports_latency_and_idle_cost(pg_admin_url: str) -> None:
+    out = bench(
+        "steady",
+        "--sink",
+        "null",
+        "--rate",
+        "200",
+        "--seconds",
+        "1",
+        "--idle-seconds",
+        "0.5",
+        admin=pg_admin_url,
+    )
+    s = out["steady 200/s"]
+    assert s["events"] == 200 and s["acked"] == 200
+    assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
+
+
+def test_enqueue_and_history(pg_admin_url: str) -> None:
+    out = bench(
+        "enqueue",
+        "--transactions",
+        "50",
+        "--bulk-rows",
+        "3000",
+        "--chunk",
+        "1000",
+        admin=pg_admin_url,
+    )
+    e = out["enqueue"]
+    assert e["enqueue_many_rows"] == 3000 and e["tx_with_event_ms"] > 0
+    out = bench("history", "--rows", "20000", "--rounds", "10", admin=pg_admin_url)
+    h = out["history"]
+    assert h["delivered_rows"] == 20000 and h["empty_p50_ms"] > 0 and h["history_p50_ms"] > 0
