@@ -19,7 +19,14 @@ from outbox.enqueue import (
 )
 from outbox.errors import OutboxError, OutboxValidationError
 from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES
-from outbox.schema import Status, define_outbox_table, metadata, outbox_table
+from outbox.schema import (
+    Status,
+    define_outbox_table,
+    define_paused_table,
+    metadata,
+    outbox_table,
+    paused_table,
+)
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -29,10 +36,12 @@ __all__ = [
     "OutboxValidationError",
     "Status",
     "define_outbox_table",
+    "define_paused_table",
     "enqueue",
     "enqueue_many",
     "enqueue_many_sync",
     "enqueue_sync",
     "metadata",
     "outbox_table",
+    "paused_table",
 ]

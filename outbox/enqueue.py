@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox import queries
+from outbox import queries, tracing
 from outbox.errors import OutboxError, OutboxValidationError
 from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES, NewMessage, Payload, build_message
 
@@ -68,7 +68,10 @@ class Outbox:
         headers: Mapping[str, str] | None,
         run_after: datetime | None,
         content_type: str | None,
+        trace: Mapping[str, str] | None = None,
     ) -> NewMessage:
+        if trace and (headers is None or isinstance(headers, Mapping)):
+            headers = tracing.with_trace_headers(headers, trace)
         return build_message(
             destination=destination,
             payload=payload,
@@ -81,9 +84,10 @@ class Outbox:
 
     def _messages(self, events: Iterable[EventSpec]) -> list[NewMessage]:
         out = []
+        trace = tracing.current_trace_headers()  # once per call: the same span for every event
         for i, ev in enumerate(events):
             try:
-                out.append(self._message(**_spec_kwargs(ev)))
+                out.append(self._message(**_spec_kwargs(ev), trace=trace))
             except OutboxValidationError as exc:
                 raise OutboxValidationError(f"events[{i}].{exc.field}", exc.message) from exc
         return out
@@ -124,7 +128,15 @@ class Outbox:
         content_type: str | None = None,
     ) -> int:
         """Add one event to ``conn``'s open transaction and return its id."""
-        m = self._message(destination, payload, key, headers, run_after, content_type)
+        m = self._message(
+            destination,
+            payload,
+            key,
+            headers,
+            run_after,
+            content_type,
+            tracing.current_trace_headers(),
+        )
         if isinstance(conn, AsyncSession | AsyncConnection):
             result = await conn.execute(self._one_sa, self._params(m))
             return int(result.scalar_one())
@@ -168,7 +180,15 @@ class Outbox:
         content_type: str | None = None,
     ) -> int:
         """``enqueue`` for a SQLAlchemy ``Session`` or ``Connection``."""
-        m = self._message(destination, payload, key, headers, run_after, content_type)
+        m = self._message(
+            destination,
+            payload,
+            key,
+            headers,
+            run_after,
+            content_type,
+            tracing.current_trace_headers(),
+        )
         _require_sync(conn)
         return int(conn.execute(self._one_sa, self._params(m)).scalar_one())
 

@@ -36,6 +36,13 @@ CREATE_DATABASE = "CREATE DATABASE {database}"
 DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
 
 
+def render_ops(sql: str, schema: str) -> str:
+    """Fill in ``{table}`` (the outbox) and ``{paused}`` (outbox_paused) of ``schema``."""
+    return sql.replace("{table}", qualified_table(schema)).replace(
+        "{paused}", qualified_table(schema, PAUSED_TABLE)
+    )
+
+
 # --- enqueue --------------------------------------------------------------------------------
 
 # SQLAlchemy text() form (named binds); works for every SQLAlchemy PostgreSQL driver.
@@ -183,4 +190,182 @@ SET status = 'failed',
                  || ': add it to the relay config, then run outbox-relay retry'
 WHERE status = 'pending' AND NOT (destination = ANY($1::text[]))
 RETURNING destination
+"""
+
+# With retention = 0: delivered rows are deleted by the statement that records them, the rest
+# updated as in RECORD. Still one statement; the two parts touch disjoint rows.
+RECORD_DELETING = """
+WITH u AS (
+    SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[], $4::float8[], $5::text[])
+         AS u(id, status, counted, delay, error)
+),
+gone AS (
+    DELETE FROM {table} AS o
+    USING u
+    WHERE o.id = u.id AND u.status = 'delivered' AND o.status = 'running' AND o.locked_by = $6
+)
+UPDATE {table} AS o
+SET status = u.status,
+    attempts = o.attempts + u.counted,
+    run_after = CASE WHEN u.status = 'pending'
+                     THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
+    last_error = COALESCE(u.error, o.last_error),
+    locked_by = NULL,
+    locked_until = NULL
+FROM u
+WHERE o.id = u.id AND u.status <> 'delivered' AND o.status = 'running' AND o.locked_by = $6
+"""
+
+# --- operations: pause, retention, gauges -----------------------------------------------------
+
+PAUSED_TABLE = "outbox_paused"
+PAUSED = "SELECT destination FROM {paused}"
+
+PAUSED_DETAIL = """
+SELECT destination, paused_at, paused_by, reason FROM {paused} ORDER BY destination
+"""
+
+PAUSE = """
+INSERT INTO {paused} (destination, paused_by, reason)
+VALUES ($1, $2, $3)
+ON CONFLICT (destination) DO UPDATE
+SET reason = COALESCE(EXCLUDED.reason, {paused}.reason)
+RETURNING paused_at, (xmax = 0) AS inserted
+"""
+
+RESUME = "DELETE FROM {paused} WHERE destination = $1 RETURNING paused_at"
+
+# Jobs that one relay at a time should run take this lock in their own short transaction. It
+# is released at commit or when the connection dies, so a crashed relay never holds it.
+TRY_JOB_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay:' || $1, 0))"
+
+# Pending rows per destination, for the gauges: the partial claim index holds exactly them.
+PENDING_BY_DESTINATION = """
+SELECT destination, count(*) AS rows,
+       extract(epoch FROM now() - min(created_at))::float8 AS oldest_age
+FROM {table}
+WHERE status = 'pending'
+GROUP BY destination
+"""
+
+PING = "SELECT 1"
+NOTIFY = "SELECT pg_notify($1, '')"
+
+# --- operations: the CLI ----------------------------------------------------------------------
+
+STATUS_COUNTS = """
+SELECT destination,
+       count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND run_after <= now()) AS due,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       count(*) FILTER (WHERE status = 'delivered') AS delivered,
+       count(*) FILTER (WHERE status = 'failed') AS failed,
+       extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
+           AS oldest_pending_age,
+       max(delivered_at) AS last_delivered_at
+FROM {table}
+GROUP BY destination
+ORDER BY destination
+"""
+
+STATUS_LEASES = """
+SELECT destination, locked_by, count(*) AS rows,
+       extract(epoch FROM min(locked_until) - now())::float8 AS lease_left
+FROM {table}
+WHERE status = 'running'
+GROUP BY destination, locked_by
+ORDER BY destination, locked_by
+"""
+
+STATUS_ERRORS = """
+SELECT destination, last_error, count(*) AS rows
+FROM {table}
+WHERE status = 'failed'
+GROUP BY destination, last_error
+ORDER BY destination, rows DESC
+"""
+
+SHOW = """
+SELECT id, destination, key, status, attempts, run_after, locked_by, locked_until, last_error,
+       created_at, delivered_at, content_type, headers::text AS headers,
+       octet_length(payload) AS payload_bytes, substring(payload FROM 1 FOR $2) AS payload_head
+FROM {table}
+WHERE id = ANY($1::bigint[])
+ORDER BY id
+"""
+
+# Failed rows matching the retry filters; a NULL filter matches everything.
+_FAILED_MATCHING = """
+FROM {table}
+WHERE status = 'failed'
+  AND ($1::text[] IS NULL OR destination = ANY($1::text[]))
+  AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
+  AND ($3::timestamptz IS NULL OR created_at >= $3::timestamptz)
+  AND ($4::text IS NULL OR last_error ILIKE $4::text)
+"""
+
+RETRY_PREVIEW = (
+    """
+SELECT destination, count(*) AS rows, min(id) AS first_id, max(id) AS last_id
+"""
+    + _FAILED_MATCHING
+    + """
+GROUP BY destination
+ORDER BY destination
+"""
+)
+
+RETRY = (
+    """
+WITH matching AS (
+    SELECT id
+"""
+    + _FAILED_MATCHING
+    + """
+    FOR UPDATE
+)
+UPDATE {table} AS o
+SET status = 'pending', attempts = 0, run_after = now(), locked_by = NULL, locked_until = NULL
+FROM matching
+WHERE o.id = matching.id
+RETURNING o.id, o.destination
+"""
+)
+
+ID_STATUSES = "SELECT id, status FROM {table} WHERE id = ANY($1::bigint[])"
+
+# purge: delivered rows age from delivered_at (found through outbox_delivered_idx), failed
+# rows from created_at. $1: seconds, $2: destinations or NULL, $3: batch size.
+PURGE_PREVIEW = """
+SELECT destination, status, count(*) AS rows
+FROM {table}
+WHERE ((status = 'delivered' AND delivered_at < now() - make_interval(secs => $1))
+       OR (status = 'failed' AND $3::bool AND created_at < now() - make_interval(secs => $1)))
+  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+GROUP BY destination, status
+ORDER BY destination, status
+"""
+
+PURGE_DELIVERED = """
+DELETE FROM {table}
+WHERE status = 'delivered' AND id IN (
+    SELECT id FROM {table}
+    WHERE status = 'delivered' AND delivered_at < now() - make_interval(secs => $1)
+      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+    ORDER BY delivered_at
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+PURGE_FAILED = """
+DELETE FROM {table}
+WHERE status = 'failed' AND id IN (
+    SELECT id FROM {table}
+    WHERE status = 'failed' AND created_at < now() - make_interval(secs => $1)
+      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+    ORDER BY id
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
 """

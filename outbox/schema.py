@@ -1,4 +1,4 @@
-"""The outbox table as SQLAlchemy metadata, for teams that manage their schema with Alembic.
+"""The outbox tables as SQLAlchemy metadata, for teams that manage their schema with Alembic.
 
 ``migrations/`` is the source of truth; a test migrates a database and checks that this model
 matches it column for column and index for index.
@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 
 TABLE_NAME = "outbox"
+PAUSED_TABLE_NAME = "outbox_paused"
 
 
 class Status(StrEnum):
@@ -69,9 +70,29 @@ def define_outbox_table(metadata: MetaData, schema: str | None = None) -> Table:
             postgresql_where=text("status = 'pending'"),
         ),
         Index("outbox_lease_idx", "locked_until", postgresql_where=text("status = 'running'")),
+        Index(
+            "outbox_delivered_idx",
+            "delivered_at",
+            postgresql_where=text("status = 'delivered'"),
+        ),
+        schema=schema,
+    )
+
+
+def define_paused_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_paused`` (destinations no relay claims) to ``metadata``."""
+    return Table(
+        PAUSED_TABLE_NAME,
+        metadata,
+        Column("destination", Text, primary_key=True),
+        Column("paused_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("paused_by", Text, nullable=True),
+        Column("reason", Text, nullable=True),
+        CheckConstraint("destination <> ''", name="outbox_paused_destination_check"),
         schema=schema,
     )
 
 
 metadata = MetaData()
 outbox_table = define_outbox_table(metadata)
+paused_table = define_paused_table(metadata)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SecretStr,
@@ -27,10 +28,20 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.durations import parse_duration
 
 
 class ConfigError(Exception):
     """The configuration cannot be used; the message names every bad key."""
+
+
+# Seconds, or a string such as "90s", "15m", "1h", "7d", "1h30m" (see relay.durations).
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+# Delivered rows are kept this long by default: long enough to answer "was event 123
+# delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
+# 1,000 events/s keep the table to a few million small rows. Set 0 for the fastest relay.
+DEFAULT_RETENTION = 3600.0
 
 
 class _Section(BaseModel):
@@ -76,6 +87,21 @@ class RelaySettings(_Section):
     pool_size: int = Field(4, ge=2, le=64, description="database connections (plus LISTEN)")
     startup_timeout: float = Field(
         60.0, ge=0, description="seconds to keep retrying an unreachable database at start-up"
+    )
+
+    retention: Duration = Field(
+        DEFAULT_RETENTION,
+        ge=0,
+        description="how long delivered rows are kept; 0 deletes them as they are recorded",
+    )
+    retention_interval: Duration = Field(
+        60.0, gt=0, description="seconds between retention runs (one relay at a time)"
+    )
+    retention_batch_size: int = Field(
+        1000, ge=1, le=100_000, description="delivered rows deleted per statement"
+    )
+    stats_interval: Duration = Field(
+        15.0, gt=0, description="seconds between pending-row gauge queries"
     )
 
     @property
@@ -126,6 +152,14 @@ class KafkaDestination(_Section):
 Destination = Annotated[KafkaDestination, Field(discriminator="kind")]
 
 
+class HttpSettings(_Section):
+    """The relay's own HTTP listener: /metrics, /healthz, /readyz."""
+
+    enabled: bool = True
+    host: str = Field("0.0.0.0", min_length=1, description="address to listen on")  # noqa: S104
+    port: int = Field(9090, ge=0, le=65535, description="0 picks a free port (tests)")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="OUTBOX_",
@@ -140,6 +174,7 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "console"] = "auto"
     relay: RelaySettings = RelaySettings()
     kafka: KafkaSettings = KafkaSettings()
+    http: HttpSettings = HttpSettings()
     destinations: dict[str, Destination] = Field(default_factory=dict)
 
     @classmethod

@@ -36,18 +36,23 @@ class Outcome:
     # Seconds until the next attempt, when the sink knows better than the backoff schedule
     # (a webhook's Retry-After, a circuit's cool-down).
     retry_in: float | None = None
+    # The HTTP status the endpoint answered, for sinks that speak HTTP (metrics count attempts
+    # by status class); None for Kafka and when no response arrived.
+    http_status: int | None = None
 
     @classmethod
-    def delivered(cls, id: int) -> Outcome:
-        return cls(id, Result.DELIVERED)
+    def delivered(cls, id: int, *, http_status: int | None = None) -> Outcome:
+        return cls(id, Result.DELIVERED, http_status=http_status)
 
     @classmethod
-    def retry(cls, id: int, error: str, retry_in: float | None = None) -> Outcome:
-        return cls(id, Result.RETRY, error, retry_in)
+    def retry(
+        cls, id: int, error: str, retry_in: float | None = None, *, http_status: int | None = None
+    ) -> Outcome:
+        return cls(id, Result.RETRY, error, retry_in, http_status)
 
     @classmethod
-    def failed(cls, id: int, error: str) -> Outcome:
-        return cls(id, Result.FAILED, error)
+    def failed(cls, id: int, error: str, *, http_status: int | None = None) -> Outcome:
+        return cls(id, Result.FAILED, error, http_status=http_status)
 
     @classmethod
     def defer(cls, id: int, reason: str, retry_in: float) -> Outcome:

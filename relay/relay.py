@@ -18,10 +18,13 @@ from typing import Any
 import asyncpg
 import structlog
 
-from relay import backoff
+from relay import backoff, tracing
+from relay.breaker import Breaker
 from relay.completer import Completer
 from relay.config import Settings
+from relay.httpserver import HttpServer, HttpStartupError, build_app
 from relay.listener import Listener
+from relay.metrics import Metrics
 from relay.model import Envelope, Outcome, Result, truncate_error
 from relay.sinks import Sink
 from relay.sinks.factory import build_sinks
@@ -57,6 +60,12 @@ class Relay:
         self._completer: Completer | None = None
         self._listener: Listener | None = None
         self._db_down = False
+        self.paused: frozenset[str] = frozenset()
+        self.metrics = Metrics()
+        self.metrics.in_flight.set_function(lambda: len(self._in_flight))
+        self.metrics.watch_circuits(self._circuits)
+        self.http: HttpServer | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # --- public -------------------------------------------------------------------------
 
@@ -90,9 +99,23 @@ class Relay:
             asyncio.create_task(self._every(max(rs.lease / 2, 0.5), self._reap), name="reaper"),
             asyncio.create_task(self._every(rs.report_interval, self._report), name="reporter"),
             asyncio.create_task(self._every(10.0, self._progress, first=10.0), name="progress"),
+            asyncio.create_task(
+                self._every(rs.poll_interval, self._refresh_paused, first=rs.poll_interval),
+                name="pauses",
+            ),
+            asyncio.create_task(self._every(rs.stats_interval, self._stats), name="stats"),
+            asyncio.create_task(
+                self._every(rs.retention_interval, self._retain, first=min(5.0, rs.poll_interval)),
+                name="retention",
+            ),
         }
+        # The listener is supervised like the rest, but stopped last (probes answer "not
+        # ready" while the relay drains), by _shutdown.
+        http_task = {self.http.task} if self.http is not None and self.http.task else set()
         claimer = asyncio.create_task(self._claim_loop(), name="claimer")
         stop_wait = asyncio.create_task(self._stopping.wait())
+        self._tasks = {*background, *http_task, claimer}
+        self.metrics.up.set(1)
         self.started.set()
         log.info(
             "relay.started",
@@ -101,10 +124,11 @@ class Relay:
             batch_size=rs.batch_size,
             max_in_flight=rs.max_in_flight,
             lease_s=rs.lease,
+            retention_s=rs.retention,
+            paused=sorted(self.paused),
+            http_port=self.http.port if self.http else None,
         )
-        done, _ = await asyncio.wait(
-            {*background, claimer, stop_wait}, return_when=asyncio.FIRST_COMPLETED
-        )
+        done, _ = await asyncio.wait({*self._tasks, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         status = 0
         for task in done - {stop_wait}:
             if (
@@ -157,12 +181,27 @@ class Relay:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        self._store = Store(self._pool, rs.db_schema, self.id, rs.lease)
-        if not await self._store.table_exists():
+        self._store = Store(
+            self._pool, rs.db_schema, self.id, rs.lease, delete_delivered=rs.retention == 0
+        )
+        if not await self._store.table_exists() or not await self._store.paused_table_exists():
             await self._pool.close()
             raise RelayStartupError(
-                f"no outbox table in schema {rs.db_schema!r}: run `outbox-relay migrate` first"
+                f"the outbox tables in schema {rs.db_schema!r} are missing or not up to date: "
+                "run `outbox-relay migrate` first"
             )
+        # Before the first claim: a relay that starts while a destination is paused never
+        # claims it.
+        await self._refresh_paused()
+        if self.settings.http.enabled:
+            self.http = HttpServer(
+                self.settings.http, build_app(self.metrics.registry, self.health, self.readiness)
+            )
+            try:
+                await self.http.start()
+            except HttpStartupError as exc:
+                await self._pool.close()
+                raise RelayStartupError(str(exc)) from exc
         self._completer = Completer(self._store, self._on_recorded)
         self._listener = Listener(
             self.settings.dsn, self._store.channel, self.wake, f"outbox-relay-listen:{self.id}"
@@ -184,7 +223,10 @@ class Relay:
                 w.cancel()
 
     def _claimable(self) -> list[str]:
-        return [name for name, sink in self.sinks.items() if sink.available(name)]
+        paused = self.paused
+        return [
+            name for name, sink in self.sinks.items() if name not in paused and sink.available(name)
+        ]
 
     async def _claim_loop(self) -> None:
         rs = self.settings.relay
@@ -235,6 +277,7 @@ class Relay:
         for env in batch:
             self._in_flight[env.id] = env
         self.stats["claimed"] += len(batch)
+        self.metrics.batch_size.observe(len(batch))
         log.debug(
             "relay.batch.claimed", count=len(batch), first_id=batch[0].id, last_id=batch[-1].id
         )
@@ -249,6 +292,7 @@ class Relay:
 
     async def _deliver(self, sink: Sink, envs: list[Envelope]) -> None:
         started = time.monotonic()
+        spans = tracing.start_delivery_spans(envs, _sink_kind(sink))
         try:
             outcomes = await sink.deliver(envs)
         except Exception as exc:
@@ -256,13 +300,25 @@ class Relay:
             outcomes = [
                 Outcome.retry(e.id, f"sink error: {type(exc).__name__}: {exc}") for e in envs
             ]
+        acked = time.time()
         by_id = {o.id: o for o in outcomes}
+        tracing.end_delivery_spans(spans, by_id)
         records = []
         counts: Counter[str] = Counter()
+        # (destination, record status or "deferred", outcome, http status class) -> rows
+        observed: Counter[tuple[str, str, str, str]] = Counter()
+        latencies: dict[str, list[float]] = {}
         for env in envs:
             outcome = by_id.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
             rec = self._to_record(env, outcome)
-            counts[rec.status if outcome.result is not Result.DEFER else "deferred"] += 1
+            kind = rec.status if outcome.result is not Result.DEFER else "deferred"
+            counts[kind] += 1
+            code = outcome.http_status
+            observed[
+                env.destination, kind, outcome.result.value, f"{code // 100}xx" if code else "none"
+            ] += 1
+            if outcome.result is Result.DELIVERED:
+                latencies.setdefault(env.destination, []).append(acked - env.created_at.timestamp())
             if rec.status == "failed":
                 log.error(
                     "relay.delivery.failed",
@@ -289,8 +345,25 @@ class Relay:
             deferred=counts["deferred"],
             duration_ms=round((time.monotonic() - started) * 1000, 1),
         )
+        self._observe(observed, latencies)
         assert self._completer is not None
         self._completer.add(records)
+
+    def _observe(
+        self, observed: Counter[tuple[str, str, str, str]], latencies: dict[str, list[float]]
+    ) -> None:
+        """Add one batch's outcomes to the metrics: a few calls per batch, not per row."""
+        m = self.metrics
+        for (dest, kind, result, code), n in observed.items():
+            m.attempts.labels(dest, result, code).inc(n)
+            if kind == "delivered":
+                m.delivered.labels(dest).inc(n)
+            elif kind == "failed":
+                m.failed.labels(dest).inc(n)
+            elif kind == "pending":
+                m.retried.labels(dest).inc(n)
+        for dest, values in latencies.items():
+            m.latency.observe_many(values, dest)
 
     def _to_record(self, env: Envelope, outcome: Outcome) -> Record:
         error = truncate_error(outcome.error) if outcome.error else None
@@ -339,6 +412,7 @@ class Relay:
     async def _reap(self) -> None:
         rows = await self.store.reap(self.settings.relay.max_attempts)
         if rows:
+            self.metrics.reaped.inc(len(rows))
             failed = [r["id"] for r in rows if r["status"] == "failed"]
             log.warning(
                 "relay.lease.expired",
@@ -371,6 +445,81 @@ class Relay:
                 action=f"rows wait as pending; add [destinations.{r['destination']}] to the "
                 "relay config of some relay",
             )
+
+    async def _refresh_paused(self) -> None:
+        paused = frozenset(await self.store.paused())
+        if paused != self.paused:
+            resumed = self.paused - paused
+            for d in sorted(paused - self.paused):
+                log.warning("relay.destination.paused", destination=d)
+            for d in sorted(resumed):
+                log.info("relay.destination.resumed", destination=d)
+            self.paused = paused
+            if resumed:
+                self.wake()
+        self.metrics.set_paused(self.sinks, paused)
+
+    async def _stats(self) -> None:
+        rows = await self.store.pending_stats()
+        if rows is not None:
+            self.metrics.set_pending(self.sinks, rows)
+
+    async def _retain(self) -> None:
+        """Delete delivered rows past retention, a batch per transaction, while any are left."""
+        rs = self.settings.relay
+        total = 0
+        while not self._stopping.is_set():
+            n = await self.store.delete_delivered(rs.retention, rs.retention_batch_size)
+            if n is None:  # another relay is on it
+                break
+            total += n
+            self.metrics.retention_deleted.inc(n)
+            if n < rs.retention_batch_size:
+                break
+            await asyncio.sleep(0)  # let deliveries and probes run between batches
+        if total:
+            log.info("relay.retention.deleted", rows=total, retention_s=rs.retention)
+
+    def _circuits(self) -> list[tuple[str, str, Breaker]]:
+        found: list[tuple[str, str, Breaker]] = []
+        for sink in {id(s): s for s in self.sinks.values()}.values():
+            circuits = getattr(sink, "circuits", None)
+            if callable(circuits):
+                found.extend((_sink_kind(sink), ep, b) for ep, b in circuits().items())
+        return found
+
+    # --- probes -------------------------------------------------------------------------
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """Liveness: the process answers, and none of its supervised loops has ended."""
+        dead = sorted(t.get_name() for t in self._tasks if t.done())
+        if not self.started.is_set():
+            return True, {"starting": True}
+        return not dead, {"dead_tasks": dead} if dead else {}
+
+    async def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Readiness: started, not shutting down, database answering, sinks ready."""
+        checks: dict[str, Any] = {}
+        if self._store is None:
+            return False, {"starting": True}
+        ok = self.started.is_set() and not self._stopping.is_set()
+        if self._stopping.is_set():
+            checks["shutting_down"] = True
+        try:
+            await asyncio.wait_for(self.store.ping(), 2.0)
+            checks["database"] = "ok"
+        except DB_ERRORS as exc:
+            ok = False
+            checks["database"] = f"{type(exc).__name__}: {exc}"
+        sinks = {}
+        for name, sink in self.sinks.items():
+            ready = getattr(sink, "ready", None)
+            sinks[name] = bool(ready()) if callable(ready) else sink.available(name)
+        checks["sinks"] = sinks
+        if sinks and not any(sinks.values()):
+            ok = False
+        checks["paused"] = sorted(self.paused)
+        return ok, checks
 
     async def _progress(self) -> None:
         log.info("relay.progress", in_flight=len(self._in_flight), **dict(self.stats))
@@ -422,5 +571,13 @@ class Relay:
                 await sink.close()
             except Exception:
                 log.exception("relay.sink.close_failed")
+        self.metrics.up.set(0)
+        if self.http is not None:
+            await self.http.stop()
         if self._pool is not None:
             await self._pool.close()
+
+
+def _sink_kind(sink: Sink) -> str:
+    """ "kafka", "webhook", …: the sink class name without "Sink", lower-case."""
+    return type(sink).__name__.removesuffix("Sink").lower() or "sink"

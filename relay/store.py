@@ -33,25 +33,78 @@ class Record:
 
 
 class Store:
-    def __init__(self, pool: asyncpg.Pool, schema: str, relay_id: str, lease: float) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        schema: str,
+        relay_id: str,
+        lease: float,
+        *,
+        delete_delivered: bool = False,
+    ) -> None:
         self.pool = pool
         # Statements run, by name: the benchmark reports statements per event from these.
         self.statements: Counter[str] = Counter()
         self.relay_id = relay_id
         self.lease = lease
+        self.schema = schema
         table = queries.qualified_table(schema)
         self.channel = f"{schema}.outbox"
         self._claim = queries.render(queries.CLAIM, table)
-        self._record = queries.render(queries.RECORD, table)
+        # retention = 0: delivered rows are deleted by the statement that records them.
+        self._record = queries.render(
+            queries.RECORD_DELETING if delete_delivered else queries.RECORD, table
+        )
         self._heartbeat = queries.render(queries.HEARTBEAT, table)
         self._reap = queries.render(queries.REAP, table)
         self._release = queries.render(queries.RELEASE, table)
         self._unknown = queries.render(queries.UNKNOWN_DESTINATIONS, table)
         self._fail_unknown = queries.render(queries.FAIL_UNKNOWN_DESTINATIONS, table)
+        self._paused = queries.render_ops(queries.PAUSED, schema)
+        self._pending = queries.render(queries.PENDING_BY_DESTINATION, table)
+        self._purge_delivered = queries.render(queries.PURGE_DELIVERED, table)
         self._table = table
+        self._paused_table = queries.qualified_table(schema, queries.PAUSED_TABLE)
 
     async def table_exists(self) -> bool:
         return bool(await self.pool.fetchval(queries.TABLE_EXISTS, self._table))
+
+    async def paused_table_exists(self) -> bool:
+        return bool(await self.pool.fetchval(queries.TABLE_EXISTS, self._paused_table))
+
+    async def paused(self) -> set[str]:
+        return {r[0] for r in await self.pool.fetch(self._paused)}
+
+    async def ping(self) -> None:
+        await self.pool.fetchval(queries.PING)
+
+    async def _as_only_runner(
+        self, job: str, sql: str, *args: object
+    ) -> list[asyncpg.Record] | None:
+        """Run ``sql`` in a transaction holding the job's advisory lock; None if another
+        relay holds it right now. The lock ends with the transaction, or with the connection
+        if this relay dies, so it can never be left behind."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:{job}"):
+                return None
+            return list(await conn.fetch(sql, *args))
+
+    async def pending_stats(self) -> dict[str, tuple[int, float]] | None:
+        """Pending rows and oldest pending age per destination; None if another relay is
+        computing them at this moment."""
+        rows = await self._as_only_runner("stats", self._pending)
+        if rows is None:
+            return None
+        return {r["destination"]: (r["rows"], r["oldest_age"]) for r in rows}
+
+    async def delete_delivered(self, retention: float, batch_size: int) -> int | None:
+        """Delete one batch of delivered rows older than ``retention`` seconds; the number
+        deleted, or None if another relay is running retention at this moment."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
+                return None
+            status = await conn.execute(self._purge_delivered, retention, None, batch_size)
+        return int(status.split()[-1])
 
     async def claim(self, destinations: Sequence[str], limit: int) -> list[Envelope]:
         self.statements["claim"] += 1

@@ -27,6 +27,7 @@ def config(db_url: str, bootstrap: str, topic: str, **relay: Any) -> dict[str, A
         "log_format": "json",
         "relay": {"lease": 3, "poll_interval": 0.2, "shutdown_timeout": 10, **relay},
         "kafka": {"bootstrap_servers": bootstrap, "enable_idempotence": False},
+        "http": {"host": "127.0.0.1", "port": 0},
         "destinations": {"orders": {"kind": "kafka", "topic": topic}},
     }
 

@@ -94,26 +94,30 @@ def test_cli_migrate_bad_url() -> None:
     assert run.returncode == 1 and "postgresql://" in run.stderr
 
 
+TABLES = ("outbox", "outbox_paused")
+
 CATALOG = {
     "columns": """
-        SELECT column_name, data_type, is_nullable, column_default, is_identity,
+        SELECT table_name, column_name, data_type, is_nullable, column_default, is_identity,
                identity_generation
         FROM information_schema.columns
-        WHERE table_schema = 'public' AND table_name = 'outbox' ORDER BY ordinal_position
+        WHERE table_schema = 'public' AND table_name = ANY($1::text[])
+        ORDER BY table_name, ordinal_position
     """,
     "indexes": """
-        SELECT indexname, indexdef FROM pg_indexes
-        WHERE schemaname = 'public' AND tablename = 'outbox' ORDER BY indexname
+        SELECT tablename, indexname, indexdef FROM pg_indexes
+        WHERE schemaname = 'public' AND tablename = ANY($1::text[]) ORDER BY indexname
     """,
     "constraints": """
-        SELECT conname, pg_get_constraintdef(oid) FROM pg_constraint
-        WHERE conrelid = 'public.outbox'::regclass ORDER BY conname
+        SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint
+        WHERE conrelid = ANY(ARRAY(SELECT ('public.' || t)::regclass FROM unnest($1::text[]) t))
+        ORDER BY conname
     """,
 }
 
 
 async def catalog(url: str) -> dict[str, list[tuple[object, ...]]]:
-    return {k: [tuple(r) for r in await fetch(url, q)] for k, q in CATALOG.items()}
+    return {k: [tuple(r) for r in await fetch(url, q, list(TABLES))] for k, q in CATALOG.items()}
 
 
 async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> None:
@@ -124,7 +128,9 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
     finally:
         engine.dispose()
     migrated, modelled = await catalog(db_url), await catalog(empty_db_url)
-    assert len(migrated["columns"]) == 14
+    by_table = {t: [c for c in migrated["columns"] if c[0] == t] for t in TABLES}
+    assert len(by_table["outbox"]) == 14 and len(by_table["outbox_paused"]) == 4
+    assert {i[1] for i in migrated["indexes"]} >= {"outbox_delivered_idx", "outbox_paused_pkey"}
     assert migrated == modelled
 
 

@@ -133,6 +133,14 @@ class KafkaSink:
     def available(self, destination: str) -> bool:
         return self.breaker.allows()
 
+    def ready(self) -> bool:
+        """For /readyz: the producer is connected and its circuit is not open."""
+        return self._producer is not None and self.breaker.allows()
+
+    def circuits(self) -> dict[str, Breaker]:
+        """For the outbox_circuit_state metric: one breaker for the whole cluster."""
+        return {self.bootstrap: self.breaker}
+
     def _unavailable(self, exc: BaseException) -> None:
         if self.breaker.failure():
             log.warning(

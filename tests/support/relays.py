@@ -31,6 +31,9 @@ def settings(db_url: str, bootstrap: str, **overrides: Any) -> Settings:
         "request_timeout_ms": 5000,
     }
     kafka.update(overrides.pop("kafka", {}))
+    # Many relays run side by side in tests: each listens on a free loopback port.
+    http: dict[str, Any] = {"host": "127.0.0.1", "port": 0}
+    http.update(overrides.pop("http", {}))
     destinations = overrides.pop(
         "destinations", {"orders": {"kind": "kafka", "topic": overrides.pop("topic", "orders")}}
     )
@@ -39,6 +42,7 @@ def settings(db_url: str, bootstrap: str, **overrides: Any) -> Settings:
         database_url=db_url,
         relay=relay,
         kafka=kafka,
+        http=http,
         destinations=destinations,
         **overrides,
     )
