@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import getpass
+import json
 import signal
+import socket
 import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import asyncpg
 import click
 
-from outbox.dburl import redact
+from outbox.dburl import redact, to_asyncpg_dsn
 from outbox.migrate import migrate as run_migrations
+from relay import admin
 from relay.config import ConfigError, Settings, load_settings
+from relay.durations import FORMS, format_duration, parse_duration, parse_since
+
+T = TypeVar("T")
 
 DATABASE_URL_HELP = "PostgreSQL URL (postgresql:// or postgresql+asyncpg://)."
 
@@ -143,6 +153,385 @@ def _register_bench() -> None:
 
 
 _register_bench()
+
+
+# --- operations -------------------------------------------------------------------------------
+
+# `status --fail-if-…` exits with this when its condition holds (1 is an error, 2 bad usage).
+EXIT_CONDITION = 3
+
+
+class Duration(click.ParamType[float]):
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float):
+            return value
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+class Since(click.ParamType[datetime]):
+    name = "time"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, datetime):
+            return value
+        try:
+            return parse_since(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def json_option(func: Any) -> Any:
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON, not text.")(func)
+
+
+def _with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+    """Connect, run ``action``, close; database problems become one clear error."""
+
+    async def go() -> T:
+        conn = await asyncpg.connect(
+            to_asyncpg_dsn(database_url),
+            server_settings={"application_name": "outbox-relay-cli"},
+            timeout=10,
+        )
+        try:
+            return await action(conn)
+        finally:
+            await conn.close()
+
+    try:
+        return asyncio.run(go())
+    except admin.AdminError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise click.ClickException(
+            f"database error at {redact(database_url)}: {type(exc).__name__}: {exc}. Check "
+            "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
+        ) from exc
+    except ValueError as exc:  # a URL that is not PostgreSQL
+        raise click.ClickException(str(exc)) from exc
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _age(seconds: float | None) -> str:
+    return "-" if seconds is None else format_duration(seconds)
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.option("--fail-if-failed", is_flag=True, help=f"Exit {EXIT_CONDITION} if any row is failed.")
+@click.option(
+    "--fail-if-pending-older-than",
+    type=Duration(),
+    metavar="DURATION",
+    help=f"Exit {EXIT_CONDITION} if the oldest pending row is older than this (e.g. 5m).",
+)
+def status(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    fail_if_failed: bool,
+    fail_if_pending_older_than: float | None,
+) -> None:
+    """Per destination: pending, due now, oldest pending age, in flight, delivered, failed."""
+    data = _with_db(database_url, lambda c: admin.status(c, schema))
+    dests = data["destinations"]
+    problems = []
+    if fail_if_failed and data["totals"]["failed"]:
+        problems.append(f"{data['totals']['failed']} failed row(s)")
+    if fail_if_pending_older_than is not None:
+        late = [
+            d["destination"]
+            for d in dests
+            if (d["oldest_pending_age_s"] or 0) > fail_if_pending_older_than
+        ]
+        if late:
+            problems.append(
+                f"pending rows older than {format_duration(fail_if_pending_older_than)} "
+                f"in {', '.join(late)}"
+            )
+    data["problems"] = problems
+    if as_json:
+        _echo_json(data)
+    else:
+        _print_status(data)
+    if problems:
+        if not as_json:
+            click.echo(f"problem: {'; '.join(problems)}", err=True)
+        sys.exit(EXIT_CONDITION)
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    dests = data["destinations"]
+    if not dests:
+        click.echo(f"the outbox in schema {data['schema']!r} is empty")
+        return
+    head = ("DESTINATION", "PENDING", "DUE", "OLDEST", "RUNNING", "DELIVERED", "FAILED", "STATE")
+    rows = [head]
+    for d in dests:
+        state = "active"
+        if d["paused"]:
+            p = d["paused"]
+            state = f"PAUSED since {p['since'][:19]}" + (f" by {p['by']}" if p["by"] else "")
+            if p["reason"]:
+                state += f": {p['reason']}"
+        rows.append(
+            (
+                d["destination"],
+                str(d["pending"]),
+                str(d["due_now"]),
+                _age(d["oldest_pending_age_s"]),
+                str(d["running"]),
+                str(d["delivered"]),
+                str(d["failed"]),
+                state,
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    for r in rows:
+        cells = [
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=False))
+        ]
+        click.echo("  ".join([*cells, r[-1]]))
+    leases = [(d["destination"], x) for d in dests for x in d["in_flight"]]
+    if leases:
+        click.echo("\nin flight:")
+        for name, x in leases:
+            left = x["lease_left_s"]
+            lease = f"lease {format_duration(left)} left" if left >= 0 else "LEASE EXPIRED"
+            click.echo(f"  {name}: {x['rows']} row(s) held by {x['relay']} ({lease})")
+    errors = [(d["destination"], e) for d in dests for e in d["failed_errors"]]
+    if errors:
+        click.echo("\nfailed (retry with `outbox-relay retry --destination NAME`):")
+        for name, e in errors:
+            err = (e["error"] or "no error recorded").replace("\n", " ")
+            click.echo(f"  {name}: {e['rows']} x {err[:160]}")
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.option(
+    "--preview-bytes",
+    type=click.IntRange(0),
+    default=512,
+    show_default=True,
+    help="Payload bytes shown.",
+)
+def show(
+    database_url: str, schema: str, as_json: bool, ids: tuple[int, ...], preview_bytes: int
+) -> None:
+    """Show outbox rows in full: status, attempts, last error, headers, payload preview."""
+    found, missing = _with_db(
+        database_url, lambda c: admin.show(c, schema, list(ids), preview_bytes)
+    )
+    if as_json:
+        _echo_json({"rows": found, "missing": missing})
+    else:
+        for i, row in enumerate(found):
+            if i:
+                click.echo()
+            for k, v in row.items():
+                if k == "headers":
+                    v = json.dumps(v, ensure_ascii=False)
+                click.echo(f"{k + ':':<16} {'-' if v is None else v}")
+    if missing:
+        raise click.ClickException(
+            f"no outbox row with id {', '.join(map(str, missing))} (delivered rows are deleted "
+            "after relay.retention)"
+        )
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.option(
+    "--destination", "destinations", multiple=True, help="Only this destination (repeatable)."
+)
+@click.option("--id", "ids", multiple=True, type=int, help="Only this row id (repeatable).")
+@click.option(
+    "--since",
+    type=Since(),
+    metavar="TIME",
+    help="Only rows created since then: a duration ago (2h, 7d) or an ISO-8601 timestamp.",
+)
+@click.option(
+    "--error-like",
+    metavar="PATTERN",
+    help="Only rows whose last error matches (case-insensitive; a plain word matches "
+    "anywhere, or use SQL LIKE wildcards % and _).",
+)
+@click.option(
+    "--all", "all_failed", is_flag=True, help="Every failed row (when no filter is given)."
+)
+@click.option("--dry-run", is_flag=True, help="Show what would be retried; change nothing.")
+def retry(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    destinations: tuple[str, ...],
+    ids: tuple[int, ...],
+    since: datetime | None,
+    error_like: str | None,
+    all_failed: bool,
+    dry_run: bool,
+) -> None:
+    """Move failed rows back to pending, with attempts reset and due now."""
+    if not (destinations or ids or since or error_like or all_failed):
+        raise click.UsageError(
+            "say which failed rows to retry: --destination, --id, --since, --error-like, "
+            "or --all for every failed row (add --dry-run to see them first)"
+        )
+    flt = admin.RetryFilter(
+        destinations=list(destinations) or None,
+        ids=list(ids) or None,
+        since=since,
+        error_like=error_like,
+    )
+    result = _with_db(database_url, lambda c: admin.retry(c, schema, flt, dry_run=dry_run))
+    if as_json:
+        _echo_json(result)
+        return
+    verb = "would retry" if dry_run else "retried"
+    click.echo(f"{verb} {result['rows']} failed row(s)")
+    for name, d in sorted(result["destinations"].items()):
+        click.echo(f"  {name}: {d['rows']} (ids {d['first_id']}…{d['last_id']})")
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.option(
+    "--older-than",
+    type=Duration(),
+    metavar="DURATION",
+    help=f"Required: delete rows older than this; {FORMS}.",
+)
+@click.option("--failed", is_flag=True, help="Delete failed rows too (aged by created_at).")
+@click.option(
+    "--destination", "destinations", multiple=True, help="Only this destination (repeatable)."
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=1000,
+    show_default=True,
+    help="Rows per DELETE (each its own transaction).",
+)
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+def purge(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    older_than: float | None,
+    failed: bool,
+    destinations: tuple[str, ...],
+    batch_size: int,
+    dry_run: bool,
+) -> None:
+    """Delete delivered rows (and with --failed, failed rows) older than --older-than."""
+    if older_than is None:
+        raise click.UsageError(
+            "purge needs --older-than, e.g. --older-than 7d: delivered rows older than that are "
+            "deleted (add --failed for failed rows, --dry-run to count first)"
+        )
+    result = _with_db(
+        database_url,
+        lambda c: admin.purge(
+            c,
+            schema,
+            older_than=older_than,
+            failed=failed,
+            destinations=list(destinations) or None,
+            batch_size=batch_size,
+            dry_run=dry_run,
+        ),
+    )
+    if as_json:
+        _echo_json(result)
+        return
+    if dry_run:
+        click.echo(f"would delete {result['rows']} row(s) older than {format_duration(older_than)}")
+        for name, per in sorted(result["destinations"].items()):
+            click.echo(f"  {name}: " + ", ".join(f"{n} {s}" for s, n in sorted(per.items())))
+        return
+    d = result["deleted"]
+    what = f"{d['delivered']} delivered" + (f" and {d['failed']} failed" if failed else "")
+    click.echo(
+        f"deleted {what} row(s) older than {format_duration(older_than)} "
+        f"in {result['batches']} batch(es)"
+    )
+
+
+def _default_by() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("destination")
+@click.option("--reason", help="Why; shown by `status`.")
+@click.option("--by", help="Who (default: user@host).")
+def pause(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    destination: str,
+    reason: str | None,
+    by: str | None,
+) -> None:
+    """Stop every relay from claiming DESTINATION (its rows wait as pending)."""
+    if not destination.strip():
+        raise click.UsageError("DESTINATION must be a non-empty name")
+    result = _with_db(
+        database_url, lambda c: admin.pause(c, schema, destination, by or _default_by(), reason)
+    )
+    if as_json:
+        _echo_json(result)
+    elif result["already_paused"]:
+        click.echo(f"{destination} was already paused (since {result['since']})")
+    else:
+        click.echo(
+            f"paused {destination}: relays stop claiming it within one poll interval; "
+            f"in-flight rows finish. Undo with `outbox-relay resume {destination}`."
+        )
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("destination")
+def resume(database_url: str, schema: str, as_json: bool, destination: str) -> None:
+    """Let relays claim DESTINATION again."""
+    result = _with_db(database_url, lambda c: admin.resume(c, schema, destination))
+    if as_json:
+        _echo_json(result)
+    elif result["was_paused"]:
+        click.echo(f"resumed {destination}: relays claim it again within one poll interval")
+    else:
+        click.echo(f"{destination} was not paused; nothing to do")
+
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -1,0 +1,295 @@
+"""What the operations commands do, as plain async functions returning JSON-ready data.
+
+``relay.cli`` renders their results for people (or as JSON); tests call the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+from outbox import queries
+
+
+class AdminError(Exception):
+    """The request cannot be carried out; the message says why and what to do."""
+
+
+def _iso(ts: datetime | None) -> str | None:
+    return ts.isoformat() if ts is not None else None
+
+
+def _sql(sql: str, schema: str) -> str:
+    return queries.render_ops(sql, schema)
+
+
+async def _check_tables(conn: asyncpg.Connection, schema: str) -> None:
+    for table in ("outbox", queries.PAUSED_TABLE):
+        if not await conn.fetchval(queries.TABLE_EXISTS, queries.qualified_table(schema, table)):
+            raise AdminError(
+                f"no {table} table in schema {schema!r}: run `outbox-relay migrate` "
+                "(with the same --database-url and --schema)"
+            )
+
+
+# --- status ---------------------------------------------------------------------------------
+
+
+async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
+    await _check_tables(conn, schema)
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        counts = await conn.fetch(_sql(queries.STATUS_COUNTS, schema))
+        leases = await conn.fetch(_sql(queries.STATUS_LEASES, schema))
+        errors = await conn.fetch(_sql(queries.STATUS_ERRORS, schema))
+        paused = await conn.fetch(_sql(queries.PAUSED_DETAIL, schema))
+    dests: dict[str, dict[str, Any]] = {}
+
+    def dest(name: str) -> dict[str, Any]:
+        return dests.setdefault(
+            name,
+            {
+                "destination": name,
+                "paused": None,
+                "pending": 0,
+                "due_now": 0,
+                "running": 0,
+                "delivered": 0,
+                "failed": 0,
+                "oldest_pending_age_s": None,
+                "last_delivered_at": None,
+                "in_flight": [],
+                "failed_errors": [],
+            },
+        )
+
+    for r in counts:
+        d = dest(r["destination"])
+        d.update(
+            pending=r["pending"],
+            due_now=r["due"],
+            running=r["running"],
+            delivered=r["delivered"],
+            failed=r["failed"],
+            oldest_pending_age_s=(
+                round(r["oldest_pending_age"], 3) if r["oldest_pending_age"] is not None else None
+            ),
+            last_delivered_at=_iso(r["last_delivered_at"]),
+        )
+    for r in leases:
+        dest(r["destination"])["in_flight"].append(
+            {
+                "relay": r["locked_by"],
+                "rows": r["rows"],
+                "lease_left_s": round(r["lease_left"], 3) if r["lease_left"] is not None else None,
+            }
+        )
+    for r in errors:
+        dest(r["destination"])["failed_errors"].append(
+            {"error": r["last_error"], "rows": r["rows"]}
+        )
+    for r in paused:
+        dest(r["destination"])["paused"] = {
+            "since": _iso(r["paused_at"]),
+            "by": r["paused_by"],
+            "reason": r["reason"],
+        }
+    rows = [dests[k] for k in sorted(dests)]
+    totals = {
+        k: sum(d[k] for d in rows) for k in ("pending", "due_now", "running", "delivered", "failed")
+    }
+    return {"schema": schema, "destinations": rows, "totals": totals}
+
+
+# --- show -----------------------------------------------------------------------------------
+
+
+def preview(payload: bytes, content_type: str, total: int) -> str:
+    """Readable start of a payload: text as text, anything else as hex."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    texty = media.startswith("text/") or media.endswith(("json", "xml")) or "+json" in media
+    if texty:
+        try:
+            text = payload.decode("utf-8")
+        except UnicodeDecodeError:
+            text = payload.decode("utf-8", errors="replace")
+    else:
+        text = payload.hex(" ")
+    return text + (f"… ({total} bytes)" if total > len(payload) else "")
+
+
+async def show(
+    conn: asyncpg.Connection, schema: str, ids: list[int], preview_bytes: int = 512
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The rows with these ids, in full; and the ids that do not exist."""
+    await _check_tables(conn, schema)
+    rows = await conn.fetch(_sql(queries.SHOW, schema), ids, preview_bytes)
+    found = []
+    for r in rows:
+        found.append(
+            {
+                "id": r["id"],
+                "destination": r["destination"],
+                "key": r["key"],
+                "status": r["status"],
+                "attempts": r["attempts"],
+                "last_error": r["last_error"],
+                "created_at": _iso(r["created_at"]),
+                "run_after": _iso(r["run_after"]),
+                "delivered_at": _iso(r["delivered_at"]),
+                "locked_by": r["locked_by"],
+                "locked_until": _iso(r["locked_until"]),
+                "content_type": r["content_type"],
+                "headers": json.loads(r["headers"]),
+                "payload_bytes": r["payload_bytes"],
+                "payload_preview": preview(
+                    bytes(r["payload_head"]), r["content_type"], r["payload_bytes"]
+                ),
+            }
+        )
+    missing = sorted(set(ids) - {r["id"] for r in rows})
+    return found, missing
+
+
+# --- retry ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetryFilter:
+    destinations: list[str] | None = None
+    ids: list[int] | None = None
+    since: datetime | None = None
+    error_like: str | None = None
+
+    def args(self) -> tuple[Any, ...]:
+        pattern = self.error_like
+        if pattern is not None and "%" not in pattern and "_" not in pattern:
+            pattern = f"%{pattern}%"  # a plain word matches anywhere in the error
+        return (self.destinations, self.ids, self.since, pattern)
+
+
+async def retry(
+    conn: asyncpg.Connection, schema: str, flt: RetryFilter, *, dry_run: bool
+) -> dict[str, Any]:
+    """Move matching failed rows back to pending (attempts 0, due now)."""
+    await _check_tables(conn, schema)
+    async with conn.transaction():
+        if flt.ids:
+            found = {
+                r["id"]: r["status"]
+                for r in await conn.fetch(_sql(queries.ID_STATUSES, schema), flt.ids)
+            }
+            missing = [i for i in flt.ids if i not in found]
+            if missing:
+                raise AdminError(
+                    f"no outbox row with id {', '.join(map(str, missing))}; check the id "
+                    "(`outbox-relay status` lists failed rows per destination). Nothing changed."
+                )
+            not_failed = {i: s for i, s in found.items() if s != "failed"}
+            if not_failed:
+                listed = ", ".join(f"{i} is {s}" for i, s in sorted(not_failed.items()))
+                raise AdminError(
+                    f"only failed rows can be retried: {listed}. Leave them out. Nothing changed."
+                )
+        if dry_run:
+            groups = await conn.fetch(_sql(queries.RETRY_PREVIEW, schema), *flt.args())
+            per = {
+                g["destination"]: {
+                    "rows": g["rows"],
+                    "first_id": g["first_id"],
+                    "last_id": g["last_id"],
+                }
+                for g in groups
+            }
+            return {"dry_run": True, "rows": sum(g["rows"] for g in groups), "destinations": per}
+        changed = await conn.fetch(_sql(queries.RETRY, schema), *flt.args())
+        if changed:
+            await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+    per_dest: dict[str, dict[str, Any]] = {}
+    for r in changed:
+        d = per_dest.setdefault(r["destination"], {"rows": 0, "first_id": r["id"], "last_id": 0})
+        d["rows"] += 1
+        d["first_id"] = min(d["first_id"], r["id"])
+        d["last_id"] = max(d["last_id"], r["id"])
+    return {"dry_run": False, "rows": len(changed), "destinations": per_dest}
+
+
+# --- purge ----------------------------------------------------------------------------------
+
+
+async def purge(
+    conn: asyncpg.Connection,
+    schema: str,
+    *,
+    older_than: float,
+    failed: bool,
+    destinations: list[str] | None,
+    batch_size: int,
+    dry_run: bool,
+) -> dict[str, Any]:
+    """Delete delivered (and with ``failed``, failed) rows older than ``older_than`` seconds,
+    one small transaction per batch."""
+    await _check_tables(conn, schema)
+    preview_rows = await conn.fetch(
+        _sql(queries.PURGE_PREVIEW, schema), older_than, destinations, failed
+    )
+    if dry_run:
+        per: dict[str, dict[str, int]] = {}
+        for r in preview_rows:
+            per.setdefault(r["destination"], {})[r["status"]] = r["rows"]
+        total = sum(r["rows"] for r in preview_rows)
+        return {"dry_run": True, "rows": total, "destinations": per}
+    deleted = {"delivered": 0, "failed": 0}
+    statements = [("delivered", queries.PURGE_DELIVERED)]
+    if failed:
+        statements.append(("failed", queries.PURGE_FAILED))
+    batches = 0
+    for status_name, sql in statements:
+        rendered = _sql(sql, schema)
+        while True:
+            result = await conn.execute(rendered, older_than, destinations, batch_size)
+            n = int(result.split()[-1])
+            deleted[status_name] += n
+            batches += 1
+            if n < batch_size:
+                break
+    return {
+        "dry_run": False,
+        "rows": deleted["delivered"] + deleted["failed"],
+        "deleted": deleted,
+        "batches": batches,
+    }
+
+
+# --- pause / resume -------------------------------------------------------------------------
+
+
+async def pause(
+    conn: asyncpg.Connection, schema: str, destination: str, by: str | None, reason: str | None
+) -> dict[str, Any]:
+    await _check_tables(conn, schema)
+    r = await conn.fetchrow(_sql(queries.PAUSE, schema), destination, by, reason)
+    assert r is not None
+    return {
+        "destination": destination,
+        "paused": True,
+        "already_paused": not r["inserted"],
+        "since": _iso(r["paused_at"]),
+    }
+
+
+async def resume(conn: asyncpg.Connection, schema: str, destination: str) -> dict[str, Any]:
+    await _check_tables(conn, schema)
+    async with conn.transaction():
+        r = await conn.fetchrow(_sql(queries.RESUME, schema), destination)
+        if r is not None:
+            await conn.execute(queries.NOTIFY, f"{schema}.outbox")
+    return {
+        "destination": destination,
+        "paused": False,
+        "was_paused": r is not None,
+        "paused_since": _iso(r["paused_at"]) if r is not None else None,
+    }
