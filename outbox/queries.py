@@ -346,9 +346,10 @@ GROUP BY destination, status
 ORDER BY destination, status
 """
 
+# The batch is picked in a CTE, which runs once: as `id IN (SELECT … LIMIT n)` the planner
+# may choose a nested loop that re-runs the LIMIT subquery and deletes more than n rows.
 PURGE_DELIVERED = """
-DELETE FROM {table}
-WHERE status = 'delivered' AND id IN (
+WITH doomed AS (
     SELECT id FROM {table}
     WHERE status = 'delivered' AND delivered_at < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
@@ -356,11 +357,13 @@ WHERE status = 'delivered' AND id IN (
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 )
+DELETE FROM {table} AS o
+USING doomed
+WHERE o.id = doomed.id AND o.status = 'delivered'
 """
 
 PURGE_FAILED = """
-DELETE FROM {table}
-WHERE status = 'failed' AND id IN (
+WITH doomed AS (
     SELECT id FROM {table}
     WHERE status = 'failed' AND created_at < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
@@ -368,4 +371,7 @@ WHERE status = 'failed' AND id IN (
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 )
+DELETE FROM {table} AS o
+USING doomed
+WHERE o.id = doomed.id AND o.status = 'failed'
 """
