@@ -61,6 +61,7 @@ class Relay:
         self._listener: Listener | None = None
         self._db_down = False
         self.paused: frozenset[str] = frozenset()
+        self.paused_refreshes = 0  # for tests: how often the paused set was read
         self.metrics = Metrics()
         self.metrics.in_flight.set_function(lambda: len(self._in_flight))
         self.metrics.watch_circuits(self._circuits)
@@ -448,6 +449,7 @@ class Relay:
 
     async def _refresh_paused(self) -> None:
         paused = frozenset(await self.store.paused())
+        self.paused_refreshes += 1
         if paused != self.paused:
             resumed = self.paused - paused
             for d in sorted(paused - self.paused):

@@ -208,9 +208,7 @@ def test_show_missing_id_is_an_error(db_url: str) -> None:
 
 
 def test_retry_dry_run_then_filters(db_url: str) -> None:
-    timeouts = insert(
-        db_url, "orders", "failed", n=3, error="RequestTimedOut: broker", attempts=25
-    )
+    timeouts = insert(db_url, "orders", "failed", n=3, error="RequestTimedOut: broker", attempts=25)
     [size] = insert(db_url, "orders", "failed", error="MessageSizeTooLarge", attempts=1)
     [old] = insert(db_url, "emails", "failed", error="HTTP 500", attempts=9, age="3 days")
     [new_email] = insert(db_url, "emails", "failed", error="HTTP 500", attempts=9)
@@ -235,7 +233,9 @@ def test_retry_dry_run_then_filters(db_url: str) -> None:
     after = statuses(db_url)
     assert all(after[i] == ("pending", 0) for i in timeouts)
     assert after[size] == ("failed", 1)
-    due = sql(db_url, "SELECT bool_and(run_after <= now()) FROM outbox WHERE id = ANY(%s)", timeouts)
+    due = sql(
+        db_url, "SELECT bool_and(run_after <= now()) FROM outbox WHERE id = ANY(%s)", timeouts
+    )
     assert due == [(True,)]
 
     assert cli_json(db_url, "retry", "--destination", "emails", "--since", "1d")["rows"] == 1
