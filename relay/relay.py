@@ -193,7 +193,14 @@ class Relay:
             )
         # Before the first claim: a relay that starts while a destination is paused never
         # claims it.
-        await self._refresh_paused()
+        try:
+            await self._refresh_paused()
+        except asyncpg.PostgresError as exc:
+            await self._pool.close()
+            raise RelayStartupError(
+                f"cannot read the paused destinations: {type(exc).__name__}: {exc}. The relay's "
+                "role needs SELECT on outbox_paused (see deploy/sql/relay_role.sql)"
+            ) from exc
         if self.settings.http.enabled:
             self.http = HttpServer(
                 self.settings.http, build_app(self.metrics.registry, self.health, self.readiness)

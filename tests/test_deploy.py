@@ -72,7 +72,8 @@ def load_settings_with(
 
 def http_port(config: dict[str, Any]) -> int:
     if not HTTP_PENDING:
-        return int(Settings(database_url="postgresql://x@h/d", **config).http.port)  # type: ignore[attr-defined]
+        known = without(config, pending_parts(config))  # e.g. webhook destinations not merged
+        return int(Settings(database_url="postgresql://x@h/d", **known).http.port)  # type: ignore[attr-defined]
     return int(config["http"]["port"])
 
 

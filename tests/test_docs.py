@@ -6,7 +6,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from relay.config import Backoff, KafkaDestination, KafkaSettings, RelaySettings, Settings
+from relay.config import (
+    Backoff,
+    HttpSettings,
+    KafkaDestination,
+    KafkaSettings,
+    RelaySettings,
+    Settings,
+)
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 
@@ -21,6 +28,7 @@ def test_every_setting_is_documented() -> None:
         + keys(RelaySettings, "relay.")
         + keys(Backoff, "relay.backoff.")
         + keys(KafkaSettings, "kafka.")
+        + keys(HttpSettings, "http.")
         + keys(KafkaDestination, "destinations.NAME.")
     )
     missing = [k for k in expected if f"`{k}`" not in README and k != "destinations"]

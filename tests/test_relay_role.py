@@ -91,6 +91,7 @@ def test_relay_role_can_run_the_queue_and_nothing_else(db_url: str, role_name: s
             "UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE id = %s", (row_id,)
         )
         assert c.execute("DELETE FROM outbox WHERE status = 'delivered'").rowcount == 1
+        assert c.execute("SELECT destination FROM outbox_paused").fetchall() == []
 
         for forbidden in (
             "SELECT * FROM orders",
@@ -98,6 +99,7 @@ def test_relay_role_can_run_the_queue_and_nothing_else(db_url: str, role_name: s
             "CREATE TABLE mine (id int)",
             "TRUNCATE outbox",
             "ALTER TABLE outbox ADD COLUMN x int",
+            "INSERT INTO outbox_paused (destination) VALUES ('orders')",  # operators pause
         ):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 c.execute(forbidden)
