@@ -266,6 +266,23 @@ class WebhookDestination(_Section):
             )
         return v
 
+    @field_validator("allowed_networks", mode="before")
+    @classmethod
+    def _cidrs(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        nets = []
+        for item in v:
+            if isinstance(item, str):
+                try:
+                    item = ipaddress.ip_network(item)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{item!r} is not a network in CIDR form like 10.1.0.0/16 ({exc})"
+                    ) from None
+            nets.append(item)
+        return nets
+
     @field_validator("secrets")
     @classmethod
     def _whsec(cls, v: list[SecretStr]) -> list[SecretStr]:

@@ -15,9 +15,7 @@ def build_sinks(settings: Settings) -> dict[str, Sink]:
     client per relay).
     """
     kafka = {n: d for n, d in settings.destinations.items() if isinstance(d, KafkaDestination)}
-    webhooks = {
-        n: d for n, d in settings.destinations.items() if isinstance(d, WebhookDestination)
-    }
+    webhooks = {n: d for n, d in settings.destinations.items() if isinstance(d, WebhookDestination)}
     routes: dict[str, Sink] = {}
     if kafka:
         sink = KafkaSink(settings.kafka, kafka)
