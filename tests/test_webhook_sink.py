@@ -27,8 +27,12 @@ SinkFactory = Callable[..., WebhookSink]
 async def make_sink() -> AsyncIterator[SinkFactory]:
     sinks: list[WebhookSink] = []
 
-    def make(http: HttpSettings | None = None, **destinations: WebhookDestination) -> WebhookSink:
-        sink = WebhookSink(http or HttpSettings(), destinations)
+    def make(
+        http: HttpSettings | None = None,
+        slot_wait: float = 5.0,
+        **destinations: WebhookDestination,
+    ) -> WebhookSink:
+        sink = WebhookSink(http or HttpSettings(), destinations, slot_wait=slot_wait)
         sinks.append(sink)
         return sink
 
@@ -318,6 +322,30 @@ async def test_slow_endpoint_does_not_delay_a_healthy_one(
     # all arrived in a small fraction of that.
     assert slow_done >= 2.0
     assert healthy_done / slow_done < 0.25, (healthy_done, slow_done)
+
+
+async def test_rows_queued_behind_a_slow_endpoint_are_deferred_not_held(
+    make_receiver: Callable[[], Receiver], make_sink: SinkFactory
+) -> None:
+    slow, healthy = make_receiver(), make_receiver()
+    slow.respond(200, delay=1.0)
+    sink = make_sink(
+        slot_wait=0.3, slow=dest(slow.url, max_concurrency=2), healthy=dest(healthy.url)
+    )
+    batch = [envelope("slow") for _ in range(10)] + [envelope("healthy") for _ in range(3)]
+    task = asyncio.create_task(sink.deliver(batch))
+    await asyncio.to_thread(slow.wait_for, 2)
+    assert not sink.available("slow")  # congested: 10 rows for 2 slots
+    assert sink.available("healthy")
+    started = time.monotonic()
+    outcomes = {o.id: o for o in await task}
+    # The call ended when the two attempted rows did, not after five rounds of them.
+    assert time.monotonic() - started < 2.0
+    slow_results = [outcomes[e.id].result for e in batch if e.destination == "slow"]
+    assert sorted(slow_results) == sorted([Result.DELIVERED] * 2 + [Result.DEFER] * 8)
+    busy = next(o for o in outcomes.values() if o.result is Result.DEFER)
+    assert "busy" in (busy.error or "") and busy.retry_in == 1.0
+    assert len(slow.requests) == 2 and sink.available("slow")
 
 
 async def test_circuit_opens_defers_probes_and_closes(

@@ -32,6 +32,9 @@ BODY_IN_ERROR = 512  # response bytes kept in last_error
 RETRY_AFTER_STATUSES = frozenset({429, 503})
 TRANSIENT_STATUSES = frozenset({408, 425, 429})
 MIN_RETRY_AFTER = 1.0  # "Retry-After: 0" must not become a hot loop
+# An endpoint holding this many times its max_concurrency in rows is not offered more.
+CONGESTION_FACTOR = 4
+BUSY_RETRY_IN = 1.0
 
 
 class Health(enum.Enum):
@@ -53,6 +56,11 @@ class Endpoint:
     breaker: Breaker
     semaphore: asyncio.Semaphore
     probe: asyncio.Lock = field(default_factory=asyncio.Lock)
+    in_hand: int = 0  # rows inside deliver() for this endpoint: waiting or in flight
+
+    @property
+    def congested(self) -> bool:
+        return self.in_hand >= self.config.max_concurrency * CONGESTION_FACTOR
 
     @property
     def origin(self) -> str:
@@ -96,8 +104,16 @@ class WebhookSink:
         destinations: Mapping[str, WebhookDestination],
         *,
         client: httpx.AsyncClient | None = None,
+        slot_wait: float = 5.0,
     ) -> None:
+        """``slot_wait``: seconds a row waits for one of its endpoint's request slots.
+
+        The relay records a batch's outcomes when ``deliver`` returns, so rows queued behind
+        a slow endpoint would hold every other endpoint's results (and the relay's in-flight
+        capacity). Rows that get no slot in time are deferred instead, unattempted.
+        """
         self.http = http
+        self.slot_wait = slot_wait
         self.endpoints = {name: self._endpoint(name, d) for name, d in destinations.items()}
         self._client = client
         self._own_client = client is None
@@ -135,7 +151,7 @@ class WebhookSink:
 
     def available(self, destination: str) -> bool:
         ep = self.endpoints.get(destination)
-        return ep is None or ep.breaker.state is not State.OPEN
+        return ep is None or (ep.breaker.state is not State.OPEN and not ep.congested)
 
     async def close(self) -> None:
         client, self._client = self._client, None
@@ -186,8 +202,20 @@ class WebhookSink:
         return outcomes
 
     async def _attempt(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
+        ep.in_hand += 1
         try:
-            async with ep.semaphore:
+            try:
+                async with asyncio.timeout(self.slot_wait):
+                    await ep.semaphore.acquire()
+            except TimeoutError:
+                return Outcome.defer(
+                    env.id,
+                    f"endpoint {ep.origin} busy: no free request slot within "
+                    f"{self.slot_wait:g} s (max_concurrency {ep.config.max_concurrency}); "
+                    "not attempted",
+                    BUSY_RETRY_IN,
+                )
+            try:
                 # Checked after the wait for a slot: the circuit may have opened meanwhile.
                 state = ep.breaker.state
                 if state is State.HALF_OPEN:
@@ -199,10 +227,14 @@ class WebhookSink:
                 if state is State.OPEN:
                     return self._defer(ep, env)
                 return await self._send(client, ep, env)
+            finally:
+                ep.semaphore.release()
         except Exception as exc:
             # A bug in this sink: keep it to this row (retried later), loudly.
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
+        finally:
+            ep.in_hand -= 1
 
     def _defer(self, ep: Endpoint, env: Envelope) -> Outcome:
         wait = max(ep.breaker.retry_in(), 1.0)
