@@ -63,12 +63,12 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def make_receiver() -> Iterator[Callable[[], Receiver]]:
-    """More receivers for one test (several endpoints); all stopped at the end."""
+def make_receiver() -> Iterator[Callable[..., Receiver]]:
+    """More receivers for one test (several endpoints, a chosen port); all stopped at the end."""
     made: list[Receiver] = []
 
-    def make() -> Receiver:
-        r = Receiver()
+    def make(port: int = 0) -> Receiver:
+        r = Receiver(port)
         r.start()
         made.append(r)
         return r

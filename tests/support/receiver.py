@@ -38,7 +38,7 @@ class Script:
 
 
 class Receiver:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.requests: list[Recorded] = []
         self._scripts: deque[Script] = deque()
         self._default = Script()
@@ -98,7 +98,7 @@ class Receiver:
             # once, which looks like a slow endpoint; real servers listen with far more.
             request_queue_size = 128
 
-        self.server = Server(("127.0.0.1", 0), Handler)
+        self.server = Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         # A short poll interval: stop() waits for one, once per test.
