@@ -6,7 +6,16 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from relay.config import Backoff, KafkaDestination, KafkaSettings, RelaySettings, Settings
+from relay.config import (
+    Backoff,
+    Circuit,
+    HttpSettings,
+    KafkaDestination,
+    KafkaSettings,
+    RelaySettings,
+    Settings,
+    WebhookDestination,
+)
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 
@@ -22,6 +31,9 @@ def test_every_setting_is_documented() -> None:
         + keys(Backoff, "relay.backoff.")
         + keys(KafkaSettings, "kafka.")
         + keys(KafkaDestination, "destinations.NAME.")
+        + keys(WebhookDestination, "destinations.NAME.")
+        + keys(Circuit, "destinations.NAME.circuit.")
+        + keys(HttpSettings, "http.")
     )
     missing = [k for k in expected if f"`{k}`" not in README and k != "destinations"]
     # Keys documented together on one row (ssl files) count once.

@@ -98,7 +98,7 @@ async def test_flaky_endpoint_gets_every_event_in_the_end(
         )
         receiver = make_receiver(port=port)
         receiver.respond(reset=True, times=2)
-        receiver.respond(200, delay=1.5, times=2)  # past the 0.5 s timeout
+        receiver.respond(200, delay=1.0, times=2)  # past the 0.5 s timeout
         receiver.respond(503, headers={"Retry-After": "1"}, times=2)
         await wait_until(lambda: all_in(db_url, ids, "delivered"), timeout=30, what="all delivered")
     seen = receiver.requests
