@@ -172,9 +172,13 @@ async def test_dead_endpoint_does_not_slow_a_healthy_one(
     # Healthy deliveries took a small fraction of one dead-endpoint timeout.
     assert healthy_time / dead_time < 0.3, (healthy_time, dead_time)
     got = await rows(db_url)
-    # Two attempts opened the circuit; the other rows were deferred, no attempt spent.
-    assert sorted(got[i]["attempts"] for i in dead_ids) == [0, 0, 0, 0, 1, 1]
-    assert len(dead.requests) == 2
+    # Two failures open the circuit; with two requests in flight, a third row may have
+    # taken a freed slot before the second failure landed. The rest were deferred, with no
+    # attempt spent.
+    attempts = sorted(got[i]["attempts"] for i in dead_ids)
+    attempted = sum(attempts)
+    assert 2 <= attempted <= 3 and set(attempts) == {0, 1}, attempts
+    assert len(dead.requests) == attempted
 
 
 async def _dead_settled(db_url: str, ids: list[int]) -> bool:
