@@ -135,7 +135,7 @@ def package_version() -> str:
         return "0+unknown"
 
 
-class HttpSettings(_Section):
+class WebhookClientSettings(_Section):
     """The one HTTP client the relay shares between all webhook destinations."""
 
     max_connections: int = Field(
@@ -211,7 +211,9 @@ class WebhookDestination(_Section):
         None, description="environment variable holding the secret(s), read at start-up"
     )
     timeout: float = Field(15.0, gt=0, le=300, description="seconds per request, in total")
-    connect_timeout: float | None = Field(None, gt=0, description="overrides http.connect_timeout")
+    connect_timeout: float | None = Field(
+        None, gt=0, description="overrides webhooks.connect_timeout"
+    )
     max_concurrency: int = Field(16, ge=1, le=1000, description="in-flight requests, at most")
     headers: dict[str, str] = Field(default_factory=dict, repr=False)
     retry_client_errors: bool = Field(
@@ -331,7 +333,8 @@ class Settings(BaseSettings):
     log_format: Literal["auto", "json", "console"] = "auto"
     relay: RelaySettings = RelaySettings()
     kafka: KafkaSettings = KafkaSettings()
-    http: HttpSettings = HttpSettings()
+    # Not "http": that section belongs to the relay's own metrics/health server.
+    webhooks: WebhookClientSettings = WebhookClientSettings()
     destinations: dict[str, Destination] = Field(default_factory=dict)
 
     @classmethod

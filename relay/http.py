@@ -7,7 +7,7 @@ import ssl
 import httpcore
 import httpx
 
-from relay.config import HttpSettings
+from relay.config import WebhookClientSettings
 from relay.ssrf import PUBLIC_ONLY, AddressPolicy, GuardedBackend
 
 # Request extension naming the AddressPolicy a request must obey (httpcore ignores it).
@@ -22,7 +22,9 @@ class GuardedTransport(httpx.AsyncBaseTransport):
     lend that connection to one that is not. Nearly every relay has one policy, one pool.
     """
 
-    def __init__(self, settings: HttpSettings, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, settings: WebhookClientSettings, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
         self._settings = settings
         self._ssl = ssl_context or httpx.create_ssl_context()
         self._pools: dict[AddressPolicy, httpx.AsyncHTTPTransport] = {}
@@ -58,7 +60,7 @@ class GuardedTransport(httpx.AsyncBaseTransport):
             await transport.aclose()
 
 
-def build_client(settings: HttpSettings) -> httpx.AsyncClient:
+def build_client(settings: WebhookClientSettings) -> httpx.AsyncClient:
     return httpx.AsyncClient(
         transport=GuardedTransport(settings),
         follow_redirects=False,  # a 3xx is an answer, not an instruction: it may point inside

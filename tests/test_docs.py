@@ -9,11 +9,11 @@ from pydantic import BaseModel
 from relay.config import (
     Backoff,
     Circuit,
-    HttpSettings,
     KafkaDestination,
     KafkaSettings,
     RelaySettings,
     Settings,
+    WebhookClientSettings,
     WebhookDestination,
 )
 
@@ -33,7 +33,7 @@ def test_every_setting_is_documented() -> None:
         + keys(KafkaDestination, "destinations.NAME.")
         + keys(WebhookDestination, "destinations.NAME.")
         + keys(Circuit, "destinations.NAME.circuit.")
-        + keys(HttpSettings, "http.")
+        + keys(WebhookClientSettings, "webhooks.")
     )
     missing = [k for k in expected if f"`{k}`" not in README and k != "destinations"]
     # Keys documented together on one row (ssl files) count once.

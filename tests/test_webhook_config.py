@@ -1,4 +1,4 @@
-"""Webhook destinations and the [http] section: validated at load, secrets never shown."""
+"""Webhook destinations and the [webhooks] section: validated at load, secrets never shown."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_webhook_destination_from_toml(tmp_path: Path) -> None:
         write(
             tmp_path,
             f"""
-[http]
+[webhooks]
 connect_timeout = 2
 max_connections = 50
 
@@ -47,7 +47,7 @@ headers = {{ "X-Team" = "orders" }}
     d = s.destinations["billing"]
     assert isinstance(d, WebhookDestination)
     assert d.headers == {"X-Team": "orders"} and d.max_concurrency == 16
-    assert s.http.connect_timeout == 2 and s.http.user_agent.startswith("outbox-relay/")
+    assert s.webhooks.connect_timeout == 2 and s.webhooks.user_agent.startswith("outbox-relay/")
     # The relay reads these per destination: a long schedule over about two days.
     assert s.max_attempts("billing") == 10
     schedule = s.backoff("billing").schedule
@@ -146,9 +146,9 @@ def test_both_secrets_and_secret_env_refused(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_http_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OUTBOX_HTTP_MAX_RESPONSE_BYTES", "100")
+    monkeypatch.setenv("OUTBOX_WEBHOOKS_MAX_RESPONSE_BYTES", "100")
     s = load_settings(database_url=DB)
-    assert s.http.max_response_bytes == 100
+    assert s.webhooks.max_response_bytes == 100
 
 
 def test_signer_repr_hides_keys() -> None:

@@ -13,7 +13,7 @@ import pytest
 import structlog
 from standardwebhooks import WebhookVerificationError
 
-from relay.config import HttpSettings, WebhookDestination
+from relay.config import WebhookClientSettings, WebhookDestination
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import Sink
 from relay.sinks.webhook import WebhookSink, parse_retry_after
@@ -28,11 +28,11 @@ async def make_sink() -> AsyncIterator[SinkFactory]:
     sinks: list[WebhookSink] = []
 
     def make(
-        http: HttpSettings | None = None,
+        http: WebhookClientSettings | None = None,
         slot_wait: float = 5.0,
         **destinations: WebhookDestination,
     ) -> WebhookSink:
-        sink = WebhookSink(http or HttpSettings(), destinations, slot_wait=slot_wait)
+        sink = WebhookSink(http or WebhookClientSettings(), destinations, slot_wait=slot_wait)
         sinks.append(sink)
         return sink
 

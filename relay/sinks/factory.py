@@ -21,6 +21,6 @@ def build_sinks(settings: Settings) -> dict[str, Sink]:
         sink = KafkaSink(settings.kafka, kafka)
         routes.update(dict.fromkeys(kafka, sink))
     if webhooks:
-        hooks = WebhookSink(settings.http, webhooks)
+        hooks = WebhookSink(settings.webhooks, webhooks)
         routes.update(dict.fromkeys(webhooks, hooks))
     return routes

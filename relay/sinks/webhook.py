@@ -20,7 +20,7 @@ import httpx
 import structlog
 
 from relay.breaker import Breaker, State
-from relay.config import RESERVED_HEADERS, HttpSettings, WebhookDestination, header_problem
+from relay.config import RESERVED_HEADERS, WebhookClientSettings, WebhookDestination, header_problem
 from relay.http import POLICY, build_client
 from relay.model import Envelope, Outcome, truncate_error
 from relay.signing import Signer
@@ -100,7 +100,7 @@ class WebhookSink:
 
     def __init__(
         self,
-        http: HttpSettings,
+        http: WebhookClientSettings,
         destinations: Mapping[str, WebhookDestination],
         *,
         client: httpx.AsyncClient | None = None,
@@ -141,7 +141,7 @@ class WebhookSink:
                 "relay.webhook.pool_too_small",
                 max_connections=self.http.max_connections,
                 sum_of_max_concurrency=wanted,
-                hint="raise http.max_connections",
+                hint="raise webhooks.max_connections",
             )
 
     def _ensure_client(self) -> httpx.AsyncClient:
