@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -60,3 +60,21 @@ def receiver() -> Iterator[Receiver]:
         yield r
     finally:
         r.stop()
+
+
+@pytest.fixture
+def make_receiver() -> Iterator[Callable[..., Receiver]]:
+    """More receivers for one test (several endpoints, a chosen port); all stopped at the end."""
+    made: list[Receiver] = []
+
+    def make(port: int = 0) -> Receiver:
+        r = Receiver(port)
+        r.start()
+        made.append(r)
+        return r
+
+    try:
+        yield make
+    finally:
+        for r in made:
+            r.stop()

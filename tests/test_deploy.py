@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 from example_app import main as example_app
 
-from relay.config import Settings
+from relay.config import HttpSettings, Settings
 from tests.support.deploy import (
     DEPLOY,
     K8S,
@@ -32,10 +32,8 @@ from tests.support.deploy import (
     dockerfile_stages,
     exec_form,
     k8s_objects,
-    pending_parts,
     read_toml,
     settings_env_names,
-    without,
     yaml_docs,
 )
 
@@ -43,9 +41,6 @@ RELAY_DOCKERFILE = DEPLOY / "Dockerfile"
 APP_DOCKERFILE = DEPLOY / "example-app" / "Dockerfile"
 COMPOSE = DEPLOY / "compose.yaml"
 ROLE_SQL = DEPLOY / "sql" / "relay_role.sql"
-
-HTTP_PENDING = "http" not in Settings.model_fields
-HTTP_REASON = "the [http] settings section is not on this branch yet"
 
 
 def valid_env_names() -> set[str]:
@@ -71,10 +66,7 @@ def load_settings_with(
 
 
 def http_port(config: dict[str, Any]) -> int:
-    if not HTTP_PENDING:
-        known = without(config, pending_parts(config))  # e.g. webhook destinations not merged
-        return int(Settings(database_url="postgresql://x@h/d", **known).http.port)  # type: ignore[attr-defined]
-    return int(config["http"]["port"])
+    return HttpSettings(**config.get("http", {})).port
 
 
 def deploy_configs() -> dict[str, dict[str, Any]]:
@@ -85,18 +77,16 @@ def deploy_configs() -> dict[str, dict[str, Any]]:
     }
 
 
-PENDING = {name: pending_parts(config) for name, config in deploy_configs().items()}
+def test_deploy_configs_validate_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every relay.toml we ship loads as the relay would load it (secrets from the env)."""
+    import base64
 
-
-@pytest.mark.xfail(
-    any(PENDING.values()),
-    reason=f"announced settings not on this branch yet: {PENDING}",
-    strict=True,
-)
-def test_deploy_configs_validate_whole() -> None:
-    """The other tests check the configs without the parts announced but not yet merged
-    ([http], webhook destinations); this one turns green (and its mark must go) once they are."""
     for config in deploy_configs().values():
+        for dest in config.get("destinations", {}).values():
+            if "secret_env" in dest:
+                monkeypatch.setenv(
+                    dest["secret_env"], "whsec_" + base64.b64encode(b"k" * 32).decode()
+                )
         Settings(database_url="postgresql://relay@db/app", **config)
 
 
@@ -292,9 +282,7 @@ def test_compose_relay_config_loads_and_reaches_the_stack(
     config_path = relay["command"][relay["command"].index("--config") + 1]
     host_file = (COMPOSE.parent / next(h for h, c in mounts.items() if c == config_path)).resolve()
     config = read_toml(host_file.read_text())
-    pending = pending_parts(config)
-    assert set(pending) <= {"http"}
-    settings = load_settings_with(monkeypatch, without(config, pending), service_env(relay))
+    settings = load_settings_with(monkeypatch, config, service_env(relay))
 
     # The relay reads the example app's destination and delivers it to the stack's Kafka.
     kafka_env = service_env(compose["services"]["kafka"])
@@ -451,9 +439,7 @@ def test_relay_sidecar_config_and_env_match_the_settings(
     _, config = relay_toml_from_configmap(k8s, relay, pod)
     env = resolved_env(k8s, relay)
     assert not outbox_env(env) - valid_env_names()
-    pending = pending_parts(config)
-    assert set(pending) <= {"http", "destinations.billing"}
-    settings = load_settings_with(monkeypatch, without(config, pending), env)
+    settings = load_settings_with(monkeypatch, config, env)
     assert settings.relay.relay_id == "orders-7d9f8-abcde"  # the pod's name
     assert urlsplit(settings.database_url.get_secret_value()).username == "outbox_relay"
     assert settings.destinations[example_app.ORDERS_DESTINATION].topic == "orders"

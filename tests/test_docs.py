@@ -8,11 +8,14 @@ from pydantic import BaseModel
 
 from relay.config import (
     Backoff,
+    Circuit,
     HttpSettings,
     KafkaDestination,
     KafkaSettings,
     RelaySettings,
     Settings,
+    WebhookClientSettings,
+    WebhookDestination,
 )
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -30,6 +33,9 @@ def test_every_setting_is_documented() -> None:
         + keys(KafkaSettings, "kafka.")
         + keys(HttpSettings, "http.")
         + keys(KafkaDestination, "destinations.NAME.")
+        + keys(WebhookDestination, "destinations.NAME.")
+        + keys(Circuit, "destinations.NAME.circuit.")
+        + keys(WebhookClientSettings, "webhooks.")
     )
     missing = [k for k in expected if f"`{k}`" not in README and k != "destinations"]
     # Keys documented together on one row (ssl files) count once.

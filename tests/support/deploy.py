@@ -171,36 +171,5 @@ def known_destination_kinds() -> set[str]:
     return kinds
 
 
-# Announced interfaces being built in parallel. Only these may be missing from Settings; any
-# other unknown key fails the tests at once.
-UPCOMING_SECTIONS = {"http"}
-UPCOMING_KINDS = {"webhook"}
-
-
-def pending_parts(config: dict[str, Any]) -> list[str]:
-    """Parts of a relay.toml that the Settings on this branch do not know yet.
-
-    The deploy files are written against the relay's documented interface (``[http]``,
-    webhook destinations); until those land, the rest of the file is still checked.
-    """
-    pending = [k for k in config if k in UPCOMING_SECTIONS and k not in Settings.model_fields]
-    kinds = known_destination_kinds()
-    for name, dest in config.get("destinations", {}).items():
-        if dest.get("kind") in UPCOMING_KINDS and dest.get("kind") not in kinds:
-            pending.append(f"destinations.{name}")
-    return pending
-
-
-def without(config: dict[str, Any], parts: list[str]) -> dict[str, Any]:
-    out = json.loads(json.dumps(config))
-    for part in parts:
-        section, _, key = part.partition(".")
-        if key:
-            del out[section][key]
-        else:
-            del out[section]
-    return out
-
-
 def read_toml(text: str) -> dict[str, Any]:
     return tomllib.loads(text)

@@ -1,14 +1,19 @@
 """A real HTTP server on loopback that records webhook requests.
 
 Tests script its answers: ``receiver.respond(status=500, times=2)`` makes the next two
-requests fail, ``respond(delay=1.0)`` slows them, ``respond(headers={"Retry-After": "3"})``.
+requests fail, ``respond(delay=1.0)`` slows them, ``respond(headers={"Retry-After": "3"})``,
+``respond(reset=True)`` drops the connection without an answer (a TCP reset).
+``max_in_flight`` is the most requests it ever handled at the same time.
 """
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -29,13 +34,16 @@ class Script:
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
     times: int | None = None  # None: for every request until replaced
+    reset: bool = False  # close the connection with a TCP RST instead of answering
 
 
 class Receiver:
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.requests: list[Recorded] = []
         self._scripts: deque[Script] = deque()
         self._default = Script()
+        self.in_flight = 0
+        self.max_in_flight = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         receiver = self
@@ -57,23 +65,46 @@ class Receiver:
                             time.monotonic(),
                         )
                     )
+                    receiver.in_flight += 1
+                    receiver.max_in_flight = max(receiver.max_in_flight, receiver.in_flight)
                     receiver._cond.notify_all()
-                if script.delay:
-                    time.sleep(script.delay)
-                self.send_response(script.status)
-                for k, v in script.headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Length", str(len(script.body)))
-                self.end_headers()
-                self.wfile.write(script.body)
+                try:
+                    if script.delay:
+                        time.sleep(script.delay)
+                    if script.reset:
+                        self.connection.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                        self.connection.close()  # linger 0: the peer gets a reset
+                        self.close_connection = True
+                        return
+                    self.send_response(script.status)
+                    for k, v in script.headers.items():
+                        self.send_header(k, v)
+                    self.send_header("Content-Length", str(len(script.body)))
+                    self.end_headers()
+                    self.wfile.write(script.body)
+                except (BrokenPipeError, ConnectionResetError):
+                    self.close_connection = True  # the client gave up first (its timeout)
+                finally:
+                    with receiver._cond:
+                        receiver.in_flight -= 1
 
             def log_message(self, format: str, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            # The default backlog of 5 drops SYNs when a relay opens many connections at
+            # once, which looks like a slow endpoint; real servers listen with far more.
+            request_queue_size = 128
+
+        self.server = Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # A short poll interval: stop() waits for one, once per test.
+        self._thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -87,8 +118,9 @@ class Receiver:
         headers: dict[str, str] | None = None,
         body: bytes = b"",
         times: int | None = None,
+        reset: bool = False,
     ) -> None:
-        script = Script(status, delay, headers or {}, body, times)
+        script = Script(status, delay, headers or {}, body, times, reset)
         with self._lock:
             if times is None:
                 self._default = script
@@ -115,6 +147,19 @@ class Receiver:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"got {len(self.requests)} requests, wanted {count}")
+                self._cond.wait(left)
+            return list(self.requests)
+
+    def wait_until(
+        self, predicate: Callable[[list[Recorded]], bool], timeout: float = 10.0
+    ) -> list[Recorded]:
+        """Block until ``predicate(requests)`` holds, or fail after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(self.requests):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"condition not met; got {len(self.requests)} requests")
                 self._cond.wait(left)
             return list(self.requests)
 

@@ -1,0 +1,63 @@
+"""Shared bits for the webhook tests: secrets, destinations, envelopes, an independent verifier."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import socket
+from datetime import UTC, datetime
+from typing import Any
+
+from standardwebhooks import Webhook
+
+from relay.config import WebhookDestination
+from relay.model import Envelope
+
+
+def new_secret() -> str:
+    return "whsec_" + base64.b64encode(os.urandom(32)).decode()
+
+
+SECRET = new_secret()
+_ids = itertools.count(1000)
+
+
+def dest(url: str, **kw: Any) -> WebhookDestination:
+    """A webhook destination for the loopback receiver (private networks allowed)."""
+    kw.setdefault("secrets", [SECRET])
+    kw.setdefault("allow_private_networks", True)
+    return WebhookDestination.model_validate({"kind": "webhook", "url": url, **kw})
+
+
+def envelope(
+    destination: str = "hook",
+    payload: bytes = b'{"type":"order.created","id":1}',
+    *,
+    id: int | None = None,
+    headers: dict[str, str] | None = None,
+    attempts: int = 0,
+    content_type: str = "application/json",
+) -> Envelope:
+    return Envelope(
+        id=id if id is not None else next(_ids),
+        destination=destination,
+        key=None,
+        payload=payload,
+        content_type=content_type,
+        headers=headers or {},
+        attempts=attempts,
+        created_at=datetime.now(UTC),
+    )
+
+
+def verify(secret: str, body: bytes, headers: dict[str, str]) -> None:
+    """Check a request's signature with the reference library, not with the relay's signer."""
+    Webhook(secret).verify(body, headers, json_parse=False)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connecting to it is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
