@@ -146,7 +146,8 @@ WHERE id = ANY($1::bigint[]) AND status = 'running' AND locked_by = $2
 """
 
 # Rows whose relay stopped heartbeating go back to pending (or to failed once they have used
-# every attempt: a row that crashes its relay each time must not loop for ever).
+# every attempt: a row that crashes its relay each time must not loop for ever). $3/$4 give
+# per-destination attempt limits; $1 is the limit for any other destination.
 REAP = """
 WITH expired AS (
     SELECT id FROM {table}
@@ -154,9 +155,15 @@ WITH expired AS (
     ORDER BY locked_until
     LIMIT $2
     FOR UPDATE SKIP LOCKED
+),
+limits AS (
+    SELECT * FROM unnest($3::text[], $4::int[]) AS l(destination, max_attempts)
 )
 UPDATE {table} AS o
-SET status = CASE WHEN o.attempts + 1 >= $1 THEN 'failed' ELSE 'pending' END,
+SET status = CASE WHEN o.attempts + 1 >= coalesce(
+                      (SELECT l.max_attempts FROM limits AS l WHERE l.destination = o.destination),
+                      $1)
+                  THEN 'failed' ELSE 'pending' END,
     attempts = o.attempts + 1,
     run_after = now(),
     last_error = 'lease expired: relay ' || coalesce(o.locked_by, '?')
@@ -374,4 +381,128 @@ WITH doomed AS (
 DELETE FROM {table} AS o
 USING doomed
 WHERE o.id = doomed.id AND o.status = 'failed'
+"""
+
+# --- per-key ordered delivery ----------------------------------------------------------------
+
+# The smallest fence key an inserting transaction still holds (see migrations/0003): rows up
+# to it can no longer be preceded by a row that has not committed yet.
+_FENCE = """
+    SELECT coalesce(min(((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904),
+                    9223372036854775807) AS safe_id
+    FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid >= 1073741824 AND l.classid < 1342177280
+"""
+
+# A row of a key blocks the later rows of that key while it is open: pending, running, or
+# failed under the "block" poison policy ({park} lists the destinations whose policy is "park").
+_OPEN_PREDECESSOR = """
+    SELECT 1 FROM {table} AS p
+    WHERE p.destination = c.destination AND p.key = c.key AND p.id < c.id
+      AND p.status IN ('pending', 'running', 'failed')
+      AND (p.status <> 'failed' OR NOT (p.destination = ANY({park}::text[])))
+"""
+
+# The ordered claim, one statement: scan due candidates; a candidate whose key has an earlier
+# open row is parked (run_after = 'infinity', so later scans skip it until its predecessor is
+# done); the heads that the fence allows are claimed, at most one per key at a time.
+CLAIM_ORDERED = (
+    """
+WITH fence AS ("""
+    + _FENCE
+    + """),
+cand AS (
+    SELECT id, destination, key FROM {table}
+    WHERE status = 'pending' AND run_after <= now() AND destination = ANY($1::text[])
+    ORDER BY run_after, id
+    LIMIT $5
+    FOR UPDATE SKIP LOCKED
+),
+judged AS (
+    SELECT c.id, c.key, c.key IS NULL OR NOT EXISTS ("""
+    + _OPEN_PREDECESSOR.replace("{park}", "$6")
+    + """) AS head
+    FROM cand AS c
+),
+parked AS (
+    UPDATE {table} AS o SET run_after = 'infinity'
+    FROM judged AS j
+    WHERE o.id = j.id AND NOT j.head
+),
+picked AS (
+    SELECT j.id FROM judged AS j, fence AS f
+    WHERE j.head AND (j.key IS NULL OR j.id <= f.safe_id)
+    ORDER BY j.id
+    LIMIT $2
+)
+UPDATE {table} AS o
+SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
+FROM picked
+WHERE o.id = picked.id
+RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
+          o.attempts, o.created_at
+"""
+)
+
+# After a head is done (delivered, skipped, or failed under "park"), wake the next row of its
+# key at once instead of leaving it to the sweeper.
+ACTIVATE_NEXT = """
+UPDATE {table} AS o SET run_after = now()
+FROM (
+    SELECT DISTINCT ON (n.destination, n.key) n.id
+    FROM unnest($1::text[], $2::text[], $3::bigint[]) AS d(destination, key, id)
+    JOIN {table} AS n
+      ON n.destination = d.destination AND n.key = d.key AND n.id > d.id
+     AND n.status IN ('pending', 'running', 'failed')
+    ORDER BY n.destination, n.key, n.id
+) AS nxt
+WHERE o.id = nxt.id AND o.status = 'pending' AND o.run_after = 'infinity'
+"""
+
+# The safety net: a parked row whose key has no open predecessor any more (its activation was
+# lost to a crash or raced with the parking) is woken; so are parked rows of destinations
+# that are no longer ordered ($1: ordered destinations, $2: those with the "park" policy).
+UNPARK = (
+    """
+UPDATE {table} AS o SET run_after = now()
+FROM (
+    SELECT DISTINCT ON (destination, key) id, destination, key FROM {table}
+    WHERE status = 'pending' AND run_after = 'infinity'
+    ORDER BY destination, key, id
+) AS c
+WHERE o.id = c.id AND o.status = 'pending' AND o.run_after = 'infinity'
+  AND (NOT (c.destination = ANY($1::text[])) OR c.key IS NULL OR NOT EXISTS ("""
+    + _OPEN_PREDECESSOR.replace("{park}", "$2")
+    + """))
+RETURNING o.id
+"""
+)
+
+# Keys held up by a failed row: the key's first failed row, with later rows of the key parked
+# behind it (parked rows exist only for ordered destinations). $1: destinations, or NULL.
+BLOCKED_KEYS = """
+SELECT f.destination, f.key, f.id AS failed_id, f.last_error, count(n.id) AS waiting
+FROM {table} AS f
+JOIN {table} AS n
+  ON n.destination = f.destination AND n.key = f.key AND n.id > f.id
+ AND n.status = 'pending' AND n.run_after = 'infinity'
+WHERE f.status = 'failed' AND f.key IS NOT NULL
+  AND ($1::text[] IS NULL OR f.destination = ANY($1::text[]))
+  AND NOT EXISTS (SELECT 1 FROM {table} AS e
+                  WHERE e.destination = f.destination AND e.key = f.key AND e.id < f.id
+                    AND e.status = 'failed')
+GROUP BY f.destination, f.key, f.id, f.last_error
+ORDER BY f.destination, f.key
+"""
+
+# An operator gives up on failed rows: they will not be delivered, and an ordered key they
+# were blocking moves on.
+SKIP = """
+UPDATE {table}
+SET status = 'skipped',
+    last_error = coalesce(last_error, '') || ' [skipped by ' || $2 || ' at ' || now() || ']'
+WHERE id = ANY($1::bigint[]) AND status = 'failed'
+RETURNING id, destination, key
 """

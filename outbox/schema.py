@@ -9,6 +9,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 from sqlalchemy import (
+    DDL,
     BigInteger,
     CheckConstraint,
     Column,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    event,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -33,10 +35,61 @@ class Status(StrEnum):
     RUNNING = "running"
     DELIVERED = "delivered"
     FAILED = "failed"
+    SKIPPED = "skipped"  # an operator chose not to deliver a failed row
+
+
+# The functions and triggers of migrations 0001 and 0003, created with the table by
+# metadata.create_all so a schema managed with Alembic gets the wake-up and the ordering fence
+# too. The drift test checks they match what the migrations create.
+_NOTIFY_FUNCTION = """
+CREATE FUNCTION {schema}outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    RETURN NULL;
+END
+$$
+"""
+_NOTIFY_TRIGGER = """
+CREATE TRIGGER outbox_notify AFTER INSERT ON {schema}outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_notify()
+"""
+_FENCE_FUNCTION = """
+CREATE FUNCTION {schema}outbox_fence_lock() RETURNS trigger
+LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
+BEGIN
+    -- SECURITY DEFINER: reading the sequence needs a privilege INSERT alone does not give.
+    PERFORM pg_advisory_xact_lock_shared(4611686018427387904 + coalesce(pg_sequence_last_value(
+        pg_get_serial_sequence(quote_ident(TG_TABLE_SCHEMA) || '.' || quote_ident(TG_TABLE_NAME),
+                               'id')::regclass), 0));
+    RETURN NULL;
+END
+$$
+"""
+_FENCE_TRIGGER = """
+CREATE TRIGGER outbox_fence_lock BEFORE INSERT ON {schema}outbox
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_fence_lock()
+"""
+
+
+def _attach_triggers(table: Table, schema: str | None) -> None:
+    prefix = f'"{schema}".' if schema else ""
+    for sql in (_NOTIFY_FUNCTION, _FENCE_FUNCTION):
+        event.listen(table, "before_create", DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
+    for sql in (_NOTIFY_TRIGGER, _FENCE_TRIGGER):
+        event.listen(table, "after_create", DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
 
 
 def define_outbox_table(metadata: MetaData, schema: str | None = None) -> Table:
-    """Add the outbox table to ``metadata`` (in ``schema``, or the search path when None)."""
+    """Add the outbox table to ``metadata`` (in ``schema``, or the search path when None).
+
+    ``create_all`` also creates its NOTIFY and ordering-fence triggers.
+    """
+    table = _outbox_table(metadata, schema)
+    _attach_triggers(table, schema)
+    return table
+
+
+def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
     return Table(
         TABLE_NAME,
         metadata,
@@ -61,7 +114,8 @@ def define_outbox_table(metadata: MetaData, schema: str | None = None) -> Table:
         Column("delivered_at", DateTime(timezone=True), nullable=True),
         CheckConstraint("destination <> ''", name="outbox_destination_check"),
         CheckConstraint(
-            "status IN ('pending', 'running', 'delivered', 'failed')", name="outbox_status_check"
+            "status IN ('pending', 'running', 'delivered', 'failed', 'skipped')",
+            name="outbox_status_check",
         ),
         Index(
             "outbox_claim_idx",
@@ -74,6 +128,13 @@ def define_outbox_table(metadata: MetaData, schema: str | None = None) -> Table:
             "outbox_delivered_idx",
             "delivered_at",
             postgresql_where=text("status = 'delivered'"),
+        ),
+        Index(
+            "outbox_key_idx",
+            "destination",
+            "key",
+            "id",
+            postgresql_where=text("status IN ('pending', 'running', 'failed') AND key IS NOT NULL"),
         ),
         schema=schema,
     )

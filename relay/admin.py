@@ -46,6 +46,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
         leases = await conn.fetch(_sql(queries.STATUS_LEASES, schema))
         errors = await conn.fetch(_sql(queries.STATUS_ERRORS, schema))
         paused = await conn.fetch(_sql(queries.PAUSED_DETAIL, schema))
+        blocked = await conn.fetch(_sql(queries.BLOCKED_KEYS, schema), None)
     dests: dict[str, dict[str, Any]] = {}
 
     def dest(name: str) -> dict[str, Any]:
@@ -63,6 +64,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
                 "last_delivered_at": None,
                 "in_flight": [],
                 "failed_errors": [],
+                "blocked_keys": [],
             },
         )
 
@@ -90,6 +92,15 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
     for r in errors:
         dest(r["destination"])["failed_errors"].append(
             {"error": r["last_error"], "rows": r["rows"]}
+        )
+    for r in blocked:
+        dest(r["destination"])["blocked_keys"].append(
+            {
+                "key": r["key"],
+                "failed_id": r["failed_id"],
+                "waiting": r["waiting"],
+                "error": r["last_error"],
+            }
         )
     for r in paused:
         dest(r["destination"])["paused"] = {
@@ -293,3 +304,37 @@ async def resume(conn: asyncpg.Connection, schema: str, destination: str) -> dic
         "was_paused": r is not None,
         "paused_since": _iso(r["paused_at"]) if r is not None else None,
     }
+
+
+# --- skip -----------------------------------------------------------------------------------
+
+
+async def skip(
+    conn: asyncpg.Connection, schema: str, ids: list[int], by: str, *, dry_run: bool
+) -> dict[str, Any]:
+    """Mark failed rows ``skipped`` (never delivered) and let their keys move on."""
+    await _check_tables(conn, schema)
+    async with conn.transaction():
+        found = {
+            r["id"]: r["status"] for r in await conn.fetch(_sql(queries.ID_STATUSES, schema), ids)
+        }
+        missing = [i for i in ids if i not in found]
+        if missing:
+            raise AdminError(
+                f"no outbox row with id {', '.join(map(str, missing))}. Nothing changed."
+            )
+        not_failed = {i: s for i, s in found.items() if s != "failed"}
+        if not_failed:
+            listed = ", ".join(f"{i} is {s}" for i, s in sorted(not_failed.items()))
+            raise AdminError(f"only failed rows can be skipped: {listed}. Nothing changed.")
+        if dry_run:
+            return {"dry_run": True, "rows": len(ids), "ids": sorted(ids)}
+        done = await conn.fetch(_sql(queries.SKIP, schema), ids, by)
+        await conn.execute(
+            _sql(queries.ACTIVATE_NEXT, schema),
+            [r["destination"] for r in done],
+            [r["key"] for r in done],
+            [r["id"] for r in done],
+        )
+        await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+    return {"dry_run": False, "rows": len(done), "ids": sorted(r["id"] for r in done)}

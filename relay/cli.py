@@ -316,6 +316,17 @@ def _print_status(data: dict[str, Any]) -> None:
         for name, e in errors:
             err = (e["error"] or "no error recorded").replace("\n", " ")
             click.echo(f"  {name}: {e['rows']} x {err[:160]}")
+    blocked = [(d["destination"], b) for d in dests for b in d["blocked_keys"]]
+    if blocked:
+        click.echo(
+            "\nblocked keys (ordered; `outbox-relay retry --id ID` or `outbox-relay skip ID`):"
+        )
+        for name, b in blocked:
+            err = (b["error"] or "").replace("\n", " ")
+            click.echo(
+                f"  {name}: key {b['key']!r} held by failed row {b['failed_id']}, "
+                f"{b['waiting']} row(s) waiting: {err[:120]}"
+            )
 
 
 @main.command()
@@ -531,6 +542,33 @@ def resume(database_url: str, schema: str, as_json: bool, destination: str) -> N
         click.echo(f"resumed {destination}: relays claim it again within one poll interval")
     else:
         click.echo(f"{destination} was not paused; nothing to do")
+
+
+@main.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("ids", nargs=-1, type=int, required=True)
+@click.option("--by", help="Who skips (recorded in last_error); default user@host.")
+@click.option("--dry-run", is_flag=True, help="Check the rows; change nothing.")
+def skip(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    ids: tuple[int, ...],
+    by: str | None,
+    dry_run: bool,
+) -> None:
+    """Give up on failed rows: mark them skipped (never delivered); a key they block moves on."""
+    result = _with_db(
+        database_url,
+        lambda c: admin.skip(c, schema, list(ids), by or _default_by(), dry_run=dry_run),
+    )
+    if as_json:
+        _echo_json(result)
+        return
+    verb = "would skip" if dry_run else "skipped"
+    click.echo(f"{verb} {result['rows']} row(s): {', '.join(map(str, result['ids']))}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -147,7 +147,21 @@ class KafkaSettings(_Section):
         return self
 
 
-class KafkaDestination(_Section):
+class _Delivery(_Section):
+    """What every destination kind shares: how its rows are ordered and what blocks a key."""
+
+    ordering: Literal["none", "key"] = Field(
+        "none",
+        description="key: rows of one key are delivered one at a time, in enqueue (id) order",
+    )
+    poison_policy: Literal["block", "park"] = Field(
+        "block",
+        description="with ordering = key, a failed row blocks its key (block) until retried or "
+        "skipped, or is set aside so the key moves on (park)",
+    )
+
+
+class KafkaDestination(_Delivery):
     kind: Literal["kafka"]
     topic: str = Field(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")
     max_attempts: int | None = Field(None, ge=1, description="overrides relay.max_attempts")
@@ -227,7 +241,7 @@ class Circuit(_Section):
     )
 
 
-class WebhookDestination(_Section):
+class WebhookDestination(_Delivery):
     kind: Literal["webhook"]
     url: str = Field(description="http(s) URL the events are POSTed to")
     secrets: list[SecretStr] = Field(
@@ -412,6 +426,14 @@ class Settings(BaseSettings):
     def backoff(self, destination: str) -> Backoff:
         d = self.destinations[destination]
         return d.backoff or self.relay.backoff
+
+    def ordered(self, destination: str) -> bool:
+        d = self.destinations.get(destination)
+        return d is not None and d.ordering == "key"
+
+    def parks_poison(self, destination: str) -> bool:
+        d = self.destinations.get(destination)
+        return d is not None and d.poison_policy == "park"
 
 
 def default_relay_id() -> str:

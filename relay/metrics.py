@@ -184,6 +184,12 @@ class Metrics:
             ["destination"],
             registry=r,
         )
+        self.blocked_keys = Gauge(
+            "outbox_blocked_keys",
+            "Keys of ordered destinations held by a failed row (poison_policy = block)",
+            ["destination"],
+            registry=r,
+        )
         self.batch_size = BatchHistogram("outbox_claim_batch_size", "Rows per claim", BATCH_BUCKETS)
         self.latency = BatchHistogram(
             "outbox_commit_to_ack_seconds",

@@ -99,6 +99,7 @@ class Relay:
             asyncio.create_task(self._every(rs.lease / 3, self._heartbeat), name="heartbeat"),
             asyncio.create_task(self._every(max(rs.lease / 2, 0.5), self._reap), name="reaper"),
             asyncio.create_task(self._every(rs.report_interval, self._report), name="reporter"),
+            asyncio.create_task(self._every(5.0, self._unpark, first=1.0), name="sweeper"),
             asyncio.create_task(self._every(10.0, self._progress, first=10.0), name="progress"),
             asyncio.create_task(
                 self._every(rs.poll_interval, self._refresh_paused, first=rs.poll_interval),
@@ -210,7 +211,7 @@ class Relay:
             except HttpStartupError as exc:
                 await self._pool.close()
                 raise RelayStartupError(str(exc)) from exc
-        self._completer = Completer(self._store, self._on_recorded)
+        self._completer = Completer(self._store, self._on_recorded, self._activate_next)
         self._listener = Listener(
             self.settings.dsn, self._store.channel, self.wake, f"outbox-relay-listen:{self.id}"
         )
@@ -253,7 +254,7 @@ class Relay:
             # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
             self._wake.clear()
             try:
-                batch = await self.store.claim(destinations, limit)
+                batch = await self._claim(destinations, limit)
             except DB_ERRORS as exc:
                 self._database_down(exc, retry)
                 await self._wait(None, retry)
@@ -265,6 +266,21 @@ class Relay:
                 self._dispatch(batch)
             if len(batch) < limit:
                 await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
+
+    async def _claim(self, destinations: list[str], limit: int) -> list[Envelope]:
+        """One claim statement per kind of destination: ordered ones first (their heads are
+        few and waiting on them holds a whole key), then the rest with what is left."""
+        ordered = [d for d in destinations if self.settings.ordered(d)]
+        batch: list[Envelope] = []
+        if ordered:
+            parking = [d for d in ordered if self.settings.parks_poison(d)]
+            # Candidates beyond the heads get parked, so scanning a few batches' worth keeps
+            # a long backlog of one key from crowding out the heads of the others.
+            batch = await self.store.claim_ordered(ordered, limit, parking, scan=limit * 4)
+        if len(ordered) < len(destinations) and len(batch) < limit:
+            unordered = [d for d in destinations if not self.settings.ordered(d)]
+            batch += await self.store.claim(unordered, limit - len(batch))
+        return batch
 
     def _database_down(self, exc: BaseException, retry_in: float) -> None:
         if not self._db_down:
@@ -289,10 +305,11 @@ class Relay:
         log.debug(
             "relay.batch.claimed", count=len(batch), first_id=batch[0].id, last_id=batch[-1].id
         )
-        groups: dict[int, tuple[Sink, list[Envelope]]] = {}
+        # One delivery per destination, recorded as soon as it is done: a slow endpoint holds
+        # only its own rows, never the outcomes of another destination.
+        groups: dict[str, tuple[Sink, list[Envelope]]] = {}
         for env in batch:
-            sink = self.sinks[env.destination]
-            groups.setdefault(id(sink), (sink, []))[1].append(env)
+            groups.setdefault(env.destination, (self.sinks[env.destination], []))[1].append(env)
         for sink, envs in groups.values():
             task = asyncio.create_task(self._deliver(sink, envs))
             self._deliveries.add(task)
@@ -376,18 +393,58 @@ class Relay:
     def _to_record(self, env: Envelope, outcome: Outcome) -> Record:
         error = truncate_error(outcome.error) if outcome.error else None
         if outcome.result is Result.DELIVERED:
-            return Record(env.id, "delivered", 1, 0.0, None)
+            return Record(env.id, "delivered", 1, 0.0, None, env.destination, env.key)
         if outcome.result is Result.FAILED:
-            return Record(env.id, "failed", 1, 0.0, error)
+            return Record(env.id, "failed", 1, 0.0, error, env.destination, env.key)
         if outcome.result is Result.DEFER:
-            return Record(env.id, "pending", 0, max(0.0, outcome.retry_in or 0.0), error)
+            return Record(
+                env.id,
+                "pending",
+                0,
+                max(0.0, outcome.retry_in or 0.0),
+                error,
+                env.destination,
+                env.key,
+            )
         attempt = env.attempts + 1
         if attempt >= self.settings.max_attempts(env.destination):
-            return Record(env.id, "failed", 1, 0.0, f"gave up after {attempt} attempts: {error}")
+            return Record(
+                env.id,
+                "failed",
+                1,
+                0.0,
+                f"gave up after {attempt} attempts: {error}",
+                env.destination,
+                env.key,
+            )
         wait = outcome.retry_in
         if wait is None:
             wait = backoff.delay(self.settings.backoff(env.destination), attempt)
-        return Record(env.id, "pending", 1, wait, error)
+        return Record(env.id, "pending", 1, wait, error, env.destination, env.key)
+
+    async def _activate_next(self, records: list[Record]) -> None:
+        """A key's row that is done lets the key's next row go at once (ordered only)."""
+        done = [
+            r
+            for r in records
+            if r.key is not None
+            and self.settings.ordered(r.destination)
+            and (
+                r.status == "delivered"
+                or (r.status == "failed" and self.settings.parks_poison(r.destination))
+            )
+        ]
+        if done:
+            await self.store.activate_next(done)
+            self.wake()
+
+    async def _unpark(self) -> None:
+        ordered = [d for d in self.settings.destinations if self.settings.ordered(d)]
+        parking = [d for d in ordered if self.settings.parks_poison(d)]
+        woken = await self.store.unpark(ordered, parking)
+        if woken:
+            log.info("relay.ordered.unparked", rows=woken)
+            self.wake()
 
     def _on_recorded(self, records: Sequence[Record]) -> None:
         for r in records:
@@ -418,7 +475,8 @@ class Relay:
             await self.store.heartbeat(ids)
 
     async def _reap(self) -> None:
-        rows = await self.store.reap(self.settings.relay.max_attempts)
+        limits = {name: self.settings.max_attempts(name) for name in self.settings.destinations}
+        rows = await self.store.reap(self.settings.relay.max_attempts, limits)
         if rows:
             self.metrics.reaped.inc(len(rows))
             failed = [r["id"] for r in rows if r["status"] == "failed"]
@@ -433,6 +491,7 @@ class Relay:
             self.wake()
 
     async def _report(self) -> None:
+        await self._report_blocked()
         known = list(self.settings.destinations)
         if self.settings.relay.unknown_destinations == "fail":
             failed = await self.store.fail_unknown_destinations(known)
@@ -453,6 +512,32 @@ class Relay:
                 action=f"rows wait as pending; add [destinations.{r['destination']}] to the "
                 "relay config of some relay",
             )
+
+    async def _report_blocked(self) -> None:
+        blocking = [
+            d
+            for d in self.settings.destinations
+            if self.settings.ordered(d) and not self.settings.parks_poison(d)
+        ]
+        if not blocking:
+            return
+        rows = await self.store.blocked_keys(blocking)
+        per: Counter[str] = Counter(r["destination"] for r in rows)
+        for d in blocking:
+            self.metrics.blocked_keys.labels(d).set(per.get(d, 0))
+        for r in rows[:20]:
+            log.warning(
+                "relay.key.blocked",
+                destination=r["destination"],
+                key=r["key"],
+                failed_id=r["failed_id"],
+                waiting=r["waiting"],
+                error=r["last_error"],
+                action=f"outbox-relay retry --id {r['failed_id']} to deliver it again, or "
+                f"outbox-relay skip {r['failed_id']} to let the key move on",
+            )
+        if len(rows) > 20:
+            log.warning("relay.key.blocked.more", keys=len(rows) - 20)
 
     async def _refresh_paused(self) -> None:
         paused = frozenset(await self.store.paused())

@@ -30,6 +30,9 @@ class Record:
     counted: int  # 1 if this was an attempt, 0 if deferred
     delay: float  # seconds until run_after, for pending
     error: str | None
+    # For ordered destinations: which key's next row a final outcome lets go.
+    destination: str = ""
+    key: str | None = None
 
 
 class Store:
@@ -51,6 +54,10 @@ class Store:
         table = queries.qualified_table(schema)
         self.channel = f"{schema}.outbox"
         self._claim = queries.render(queries.CLAIM, table)
+        self._claim_ordered = queries.render(queries.CLAIM_ORDERED, table)
+        self._activate_next = queries.render(queries.ACTIVATE_NEXT, table)
+        self._unpark = queries.render(queries.UNPARK, table)
+        self._blocked_keys = queries.render(queries.BLOCKED_KEYS, table)
         # retention = 0: delivered rows are deleted by the statement that records them.
         self._record = queries.render(
             queries.RECORD_DELETING if delete_delivered else queries.RECORD, table
@@ -111,6 +118,10 @@ class Store:
         rows = await self.pool.fetch(
             self._claim, list(destinations), limit, self.relay_id, self.lease
         )
+        return self._envelopes(rows)
+
+    @staticmethod
+    def _envelopes(rows: Sequence[asyncpg.Record]) -> list[Envelope]:
         return [
             Envelope(
                 id=r[0],
@@ -143,9 +154,51 @@ class Store:
         self.statements["heartbeat"] += 1
         await self.pool.execute(self._heartbeat, list(ids), self.relay_id, self.lease)
 
-    async def reap(self, max_attempts: int, limit: int = 5000) -> list[asyncpg.Record]:
+    async def reap(
+        self, max_attempts: int, per_destination: dict[str, int], limit: int = 5000
+    ) -> list[asyncpg.Record]:
         self.statements["reap"] += 1
-        return list(await self.pool.fetch(self._reap, max_attempts, limit))
+        return list(
+            await self.pool.fetch(
+                self._reap,
+                max_attempts,
+                limit,
+                list(per_destination),
+                list(per_destination.values()),
+            )
+        )
+
+    async def claim_ordered(
+        self, destinations: Sequence[str], limit: int, parking: Sequence[str], scan: int
+    ) -> list[Envelope]:
+        """Claim heads of keys (see queries.CLAIM_ORDERED); ``scan`` bounds the candidates."""
+        self.statements["claim"] += 1
+        rows = await self.pool.fetch(
+            self._claim_ordered,
+            list(destinations),
+            limit,
+            self.relay_id,
+            self.lease,
+            scan,
+            list(parking),
+        )
+        return self._envelopes(rows)
+
+    async def activate_next(self, done: Sequence[Record]) -> None:
+        self.statements["activate"] += 1
+        await self.pool.execute(
+            self._activate_next,
+            [r.destination for r in done],
+            [r.key for r in done],
+            [r.id for r in done],
+        )
+
+    async def unpark(self, ordered: Sequence[str], parking: Sequence[str]) -> int:
+        rows = await self.pool.fetch(self._unpark, list(ordered), list(parking))
+        return len(rows)
+
+    async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
+        return list(await self.pool.fetch(self._blocked_keys, list(blocking)))
 
     async def release(self, ids: Sequence[int]) -> None:
         await self.pool.execute(self._release, self.relay_id, list(ids))

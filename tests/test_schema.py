@@ -113,6 +113,18 @@ CATALOG = {
         WHERE conrelid = ANY(ARRAY(SELECT ('public.' || t)::regclass FROM unnest($1::text[]) t))
         ORDER BY conname
     """,
+    "triggers": """
+        SELECT tgrelid::regclass::text, tgname, pg_get_triggerdef(oid) FROM pg_trigger
+        WHERE NOT tgisinternal
+          AND tgrelid = ANY(ARRAY(SELECT ('public.' || t)::regclass FROM unnest($1::text[]) t))
+        ORDER BY tgname
+    """,
+    "functions": r"""
+        SELECT p.proname, regexp_replace(pg_get_functiondef(p.oid), '\s+', ' ', 'g')
+        FROM pg_proc AS p JOIN pg_namespace AS n ON n.oid = p.pronamespace
+        WHERE n.nspname = 'public' AND p.proname LIKE 'outbox%' AND $1::text[] IS NOT NULL
+        ORDER BY p.proname
+    """,
 }
 
 

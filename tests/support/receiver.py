@@ -25,6 +25,8 @@ class Recorded:
     headers: dict[str, str]
     body: bytes
     at: float
+    status: int | None = None  # what it was answered (None: reset, or still answering)
+    done: float | None = None  # when the answer was sent
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Receiver:
         self.requests: list[Recorded] = []
         self._scripts: deque[Script] = deque()
         self._default = Script()
+        self._chooser: Callable[[], Script] | None = None
         self.in_flight = 0
         self.max_in_flight = 0
         self._lock = threading.Lock()
@@ -55,16 +58,15 @@ class Receiver:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length)
                 script = receiver._next_script()
+                rec = Recorded(
+                    "POST",
+                    self.path,
+                    {k.lower(): v for k, v in self.headers.items()},
+                    body,
+                    time.monotonic(),
+                )
                 with receiver._cond:
-                    receiver.requests.append(
-                        Recorded(
-                            "POST",
-                            self.path,
-                            {k.lower(): v for k, v in self.headers.items()},
-                            body,
-                            time.monotonic(),
-                        )
-                    )
+                    receiver.requests.append(rec)
                     receiver.in_flight += 1
                     receiver.max_in_flight = max(receiver.max_in_flight, receiver.in_flight)
                     receiver._cond.notify_all()
@@ -84,6 +86,8 @@ class Receiver:
                     self.send_header("Content-Length", str(len(script.body)))
                     self.end_headers()
                     self.wfile.write(script.body)
+                    self.wfile.flush()
+                    rec.status, rec.done = script.status, time.monotonic()
                 except (BrokenPipeError, ConnectionResetError):
                     self.close_connection = True  # the client gave up first (its timeout)
                 finally:
@@ -127,8 +131,15 @@ class Receiver:
             else:
                 self._scripts.append(script)
 
+    def respond_with(self, choose: Callable[[], Script] | None) -> None:
+        """Let ``choose()`` script every request (e.g. random failures); None: back to normal."""
+        with self._lock:
+            self._chooser = choose
+
     def _next_script(self) -> Script:
         with self._lock:
+            if self._chooser is not None:
+                return self._chooser()
             while self._scripts:
                 s = self._scripts[0]
                 assert s.times is not None
