@@ -31,6 +31,11 @@ ALTER TABLE outbox DROP CONSTRAINT outbox_status_check;
 ALTER TABLE outbox ADD CONSTRAINT outbox_status_check
     CHECK (status IN ('pending', 'running', 'delivered', 'failed', 'skipped'));
 
--- The ordered claim asks "does this row's key have an earlier open row?" for each candidate.
+-- The ordered claim walks the keys with open rows and finds each key's first open row here.
 CREATE INDEX outbox_key_idx ON outbox (destination, key, id)
     WHERE status IN ('pending', 'running', 'failed') AND key IS NOT NULL;
+
+-- Rows without a key in an ordered destination are not ordered; the claim finds them here
+-- without walking past the keyed ones.
+CREATE INDEX outbox_unkeyed_idx ON outbox (destination, run_after, id)
+    WHERE status = 'pending' AND key IS NULL;

@@ -396,98 +396,95 @@ _FENCE = """
       AND l.classid >= 1073741824 AND l.classid < 1342177280
 """
 
-# A row of a key blocks the later rows of that key while it is open: pending, running, or
-# failed under the "block" poison policy ({park} lists the destinations whose policy is "park").
-_OPEN_PREDECESSOR = """
-    SELECT 1 FROM {table} AS p
-    WHERE p.destination = c.destination AND p.key = c.key AND p.id < c.id
-      AND p.status IN ('pending', 'running', 'failed')
-      AND (p.status <> 'failed' OR NOT (p.destination = ANY({park}::text[])))
-"""
-
-# The ordered claim, one statement: scan due candidates; a candidate whose key has an earlier
-# open row is parked (run_after = 'infinity', so later scans skip it until its predecessor is
-# done); the heads that the fence allows are claimed, at most one per key at a time.
+# The ordered claim, one statement per ordered destination ($1). It walks the destination's
+# keys that have open rows in key order with a loose index scan (a recursive CTE that jumps
+# from key to key on outbox_key_idx), starting after the cursor $7 (NULL: from the first
+# key), at most $5 keys. A key's head is its lowest open row: pending, running, or failed
+# unless the destination parks poison rows ($6). A head is claimed if it is pending, due, and
+# inside the fence; a key whose head is running, backing off, blocked or too new is passed
+# over, and nothing behind a head is ever looked at, so no state has to be kept for waiting
+# rows. Rows without a key are not ordered and are claimed as they come. The last row of the
+# result (id -1) carries the cursor for the next claim in `key`: the last key claimed when the
+# batch filled up, the last key examined when the scan limit cut it short, NULL when the scan
+# reached the end (start again from the first key).
 CLAIM_ORDERED = (
     """
-WITH fence AS ("""
+WITH RECURSIVE fence AS ("""
     + _FENCE
     + """),
-cand AS (
-    SELECT id, destination, key FROM {table}
-    WHERE status = 'pending' AND run_after <= now() AND destination = ANY($1::text[])
-    ORDER BY run_after, id
-    LIMIT $5
+k AS (
+    (SELECT o.key, 1 AS n FROM {table} AS o
+     WHERE o.destination = $1 AND ($7::text IS NULL OR o.key > $7::text)
+       AND o.key IS NOT NULL AND o.status IN ('pending', 'running', 'failed')
+     ORDER BY o.key
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.key, k.n + 1
+    FROM k CROSS JOIN LATERAL (
+        SELECT o.key FROM {table} AS o
+        WHERE o.destination = $1 AND o.key > k.key
+          AND o.status IN ('pending', 'running', 'failed')
+        ORDER BY o.key
+        LIMIT 1
+    ) AS nxt
+    WHERE k.n < $5
+),
+heads AS (
+    SELECT h.id, k.key FROM k
+    CROSS JOIN LATERAL (
+        SELECT o.id, o.status, o.run_after FROM {table} AS o
+        WHERE o.destination = $1 AND o.key = k.key
+          AND o.status IN ('pending', 'running', 'failed')
+          AND (o.status <> 'failed' OR NOT $6::bool)
+        ORDER BY o.id
+        LIMIT 1
+    ) AS h
+    WHERE h.status = 'pending' AND h.run_after <= now()
+      AND h.id <= (SELECT safe_id FROM fence)
+    LIMIT $2
+),
+unkeyed AS (
+    SELECT o.id FROM {table} AS o
+    WHERE o.destination = $1 AND o.status = 'pending' AND o.key IS NULL
+      AND o.run_after <= now()
+    ORDER BY o.run_after, o.id
+    LIMIT $2
+),
+locked AS (
+    -- Another relay may have claimed a head since this statement's snapshot: the lock
+    -- re-reads the row and the status check drops it.
+    SELECT o.id FROM {table} AS o
+    WHERE o.id = ANY(ARRAY(SELECT id FROM heads UNION ALL SELECT id FROM unkeyed))
+      AND o.status = 'pending'
+    ORDER BY o.id
+    LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
-judged AS (
-    SELECT c.id, c.key, c.key IS NULL OR NOT EXISTS ("""
-    + _OPEN_PREDECESSOR.replace("{park}", "$6")
-    + """) AS head
-    FROM cand AS c
-),
-parked AS (
-    UPDATE {table} AS o SET run_after = 'infinity'
-    FROM judged AS j
-    WHERE o.id = j.id AND NOT j.head
-),
-picked AS (
-    SELECT j.id FROM judged AS j, fence AS f
-    WHERE j.head AND (j.key IS NULL OR j.id <= f.safe_id)
-    ORDER BY j.id
-    LIMIT $2
+claimed AS (
+    UPDATE {table} AS o
+    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
+    WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
+    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
+              o.attempts, o.created_at
 )
-UPDATE {table} AS o
-SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
-FROM picked
-WHERE o.id = picked.id
-RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
-          o.attempts, o.created_at
+SELECT * FROM claimed
+UNION ALL
+SELECT -1, NULL, CASE
+           WHEN (SELECT count(*) FROM heads) >= $2 THEN (SELECT max(key) FROM heads)
+           WHEN (SELECT count(*) FROM k) >= $5 THEN (SELECT key FROM k ORDER BY n DESC LIMIT 1)
+       END,
+       NULL, NULL, NULL, 0, NULL
 """
 )
 
-# After a head is done (delivered, skipped, or failed under "park"), wake the next row of its
-# key at once instead of leaving it to the sweeper.
-ACTIVATE_NEXT = """
-UPDATE {table} AS o SET run_after = now()
-FROM (
-    SELECT DISTINCT ON (n.destination, n.key) n.id
-    FROM unnest($1::text[], $2::text[], $3::bigint[]) AS d(destination, key, id)
-    JOIN {table} AS n
-      ON n.destination = d.destination AND n.key = d.key AND n.id > d.id
-     AND n.status IN ('pending', 'running', 'failed')
-    ORDER BY n.destination, n.key, n.id
-) AS nxt
-WHERE o.id = nxt.id AND o.status = 'pending' AND o.run_after = 'infinity'
-"""
-
-# The safety net: a parked row whose key has no open predecessor any more (its activation was
-# lost to a crash or raced with the parking) is woken; so are parked rows of destinations
-# that are no longer ordered ($1: ordered destinations, $2: those with the "park" policy).
-UNPARK = (
-    """
-UPDATE {table} AS o SET run_after = now()
-FROM (
-    SELECT DISTINCT ON (destination, key) id, destination, key FROM {table}
-    WHERE status = 'pending' AND run_after = 'infinity'
-    ORDER BY destination, key, id
-) AS c
-WHERE o.id = c.id AND o.status = 'pending' AND o.run_after = 'infinity'
-  AND (NOT (c.destination = ANY($1::text[])) OR c.key IS NULL OR NOT EXISTS ("""
-    + _OPEN_PREDECESSOR.replace("{park}", "$2")
-    + """))
-RETURNING o.id
-"""
-)
-
-# Keys held up by a failed row: the key's first failed row, with later rows of the key parked
-# behind it (parked rows exist only for ordered destinations). $1: destinations, or NULL.
+# Keys held up by a failed row: a key's first failed row with later rows of the key pending
+# behind it. For a destination with ordering = "key" and poison_policy = "block" those rows
+# wait; elsewhere they flow anyway. $1: destinations, or NULL for all.
 BLOCKED_KEYS = """
 SELECT f.destination, f.key, f.id AS failed_id, f.last_error, count(n.id) AS waiting
 FROM {table} AS f
 JOIN {table} AS n
-  ON n.destination = f.destination AND n.key = f.key AND n.id > f.id
- AND n.status = 'pending' AND n.run_after = 'infinity'
+  ON n.destination = f.destination AND n.key = f.key AND n.id > f.id AND n.status = 'pending'
 WHERE f.status = 'failed' AND f.key IS NOT NULL
   AND ($1::text[] IS NULL OR f.destination = ANY($1::text[]))
   AND NOT EXISTS (SELECT 1 FROM {table} AS e
@@ -498,7 +495,7 @@ ORDER BY f.destination, f.key
 """
 
 # An operator gives up on failed rows: they will not be delivered, and an ordered key they
-# were blocking moves on.
+# were blocking moves on (its next row is the key's head from now on).
 SKIP = """
 UPDATE {table}
 SET status = 'skipped',

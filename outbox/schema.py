@@ -136,6 +136,13 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
             "id",
             postgresql_where=text("status IN ('pending', 'running', 'failed') AND key IS NOT NULL"),
         ),
+        Index(
+            "outbox_unkeyed_idx",
+            "destination",
+            "run_after",
+            "id",
+            postgresql_where=text("status = 'pending' AND key IS NULL"),
+        ),
         schema=schema,
     )
 

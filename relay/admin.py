@@ -330,11 +330,6 @@ async def skip(
         if dry_run:
             return {"dry_run": True, "rows": len(ids), "ids": sorted(ids)}
         done = await conn.fetch(_sql(queries.SKIP, schema), ids, by)
-        await conn.execute(
-            _sql(queries.ACTIVATE_NEXT, schema),
-            [r["destination"] for r in done],
-            [r["key"] for r in done],
-            [r["id"] for r in done],
-        )
-        await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+        # The key's next row is its head now; wake the relays at commit to claim it.
+        await conn.execute(queries.NOTIFY, f"{schema}.outbox")
     return {"dry_run": False, "rows": len(done), "ids": sorted(r["id"] for r in done)}

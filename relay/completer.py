@@ -8,7 +8,7 @@ relay records a lone outcome at once. A failed write keeps its outcomes and trie
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import structlog
 
@@ -22,13 +22,11 @@ class Completer:
         self,
         store: Store,
         on_recorded: Callable[[Sequence[Record]], None],
-        after_write: Callable[[list[Record]], Awaitable[None]] | None = None,
         *,
         max_batch: int = 5000,
     ) -> None:
         self.store = store
         self.on_recorded = on_recorded
-        self.after_write = after_write
         self.max_batch = max_batch
         self._buffer: list[Record] = []
         self._ready = asyncio.Event()
@@ -66,12 +64,6 @@ class Completer:
         if self._db_down:
             self._db_down = False
             log.info("relay.record.recovered", rows=len(batch))
-        if self.after_write is not None:
-            try:
-                await self.after_write(batch)
-            except DB_ERRORS as exc:
-                # Only a speed-up (waking the next row of a key); the sweeper catches up.
-                log.warning("relay.activate.failed", error=f"{type(exc).__name__}: {exc}")
         self.on_recorded(batch)
         return True
 

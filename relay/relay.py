@@ -60,6 +60,9 @@ class Relay:
         self._completer: Completer | None = None
         self._listener: Listener | None = None
         self._db_down = False
+        self._scan_progressed = False
+        # Per ordered destination: the key after which the next claim continues its walk.
+        self._cursors: dict[str, str | None] = {}
         self.paused: frozenset[str] = frozenset()
         self.paused_refreshes = 0  # for tests: how often the paused set was read
         self.metrics = Metrics()
@@ -99,7 +102,6 @@ class Relay:
             asyncio.create_task(self._every(rs.lease / 3, self._heartbeat), name="heartbeat"),
             asyncio.create_task(self._every(max(rs.lease / 2, 0.5), self._reap), name="reaper"),
             asyncio.create_task(self._every(rs.report_interval, self._report), name="reporter"),
-            asyncio.create_task(self._every(5.0, self._unpark, first=1.0), name="sweeper"),
             asyncio.create_task(self._every(10.0, self._progress, first=10.0), name="progress"),
             asyncio.create_task(
                 self._every(rs.poll_interval, self._refresh_paused, first=rs.poll_interval),
@@ -211,7 +213,7 @@ class Relay:
             except HttpStartupError as exc:
                 await self._pool.close()
                 raise RelayStartupError(str(exc)) from exc
-        self._completer = Completer(self._store, self._on_recorded, self._activate_next)
+        self._completer = Completer(self._store, self._on_recorded)
         self._listener = Listener(
             self.settings.dsn, self._store.channel, self.wake, f"outbox-relay-listen:{self.id}"
         )
@@ -264,19 +266,27 @@ class Relay:
             self._database_up()
             if batch:
                 self._dispatch(batch)
-            if len(batch) < limit:
+            if len(batch) < limit and not self._scan_progressed:
                 await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
 
     async def _claim(self, destinations: list[str], limit: int) -> list[Envelope]:
-        """One claim statement per kind of destination: ordered ones first (their heads are
-        few and waiting on them holds a whole key), then the rest with what is left."""
+        """Ordered destinations first, one claim each (their heads are few, and a key waits
+        on them), then every other destination in one claim with what capacity is left."""
         ordered = [d for d in destinations if self.settings.ordered(d)]
         batch: list[Envelope] = []
-        if ordered:
-            parking = [d for d in ordered if self.settings.parks_poison(d)]
-            # Candidates beyond the heads get parked, so scanning a few batches' worth keeps
-            # a long backlog of one key from crowding out the heads of the others.
-            batch = await self.store.claim_ordered(ordered, limit, parking, scan=limit * 4)
+        self._scan_progressed = False
+        for dest in ordered:
+            if len(batch) >= limit:
+                self._scan_progressed = True  # the others' turn comes at once
+                break
+            cursor = self._cursors.get(dest)
+            rows, nxt = await self.store.claim_ordered(
+                dest, limit - len(batch), self.settings.parks_poison(dest), limit * 4, cursor
+            )
+            self._cursors[dest] = nxt
+            # A cursor means the walk stopped before the last key: claim again at once.
+            self._scan_progressed |= nxt is not None
+            batch += rows
         if len(ordered) < len(destinations) and len(batch) < limit:
             unordered = [d for d in destinations if not self.settings.ordered(d)]
             batch += await self.store.claim(unordered, limit - len(batch))
@@ -422,35 +432,17 @@ class Relay:
             wait = backoff.delay(self.settings.backoff(env.destination), attempt)
         return Record(env.id, "pending", 1, wait, error, env.destination, env.key)
 
-    async def _activate_next(self, records: list[Record]) -> None:
-        """A key's row that is done lets the key's next row go at once (ordered only)."""
-        done = [
-            r
-            for r in records
-            if r.key is not None
-            and self.settings.ordered(r.destination)
-            and (
-                r.status == "delivered"
-                or (r.status == "failed" and self.settings.parks_poison(r.destination))
-            )
-        ]
-        if done:
-            await self.store.activate_next(done)
-            self.wake()
-
-    async def _unpark(self) -> None:
-        ordered = [d for d in self.settings.destinations if self.settings.ordered(d)]
-        parking = [d for d in ordered if self.settings.parks_poison(d)]
-        woken = await self.store.unpark(ordered, parking)
-        if woken:
-            log.info("relay.ordered.unparked", rows=woken)
-            self.wake()
-
     def _on_recorded(self, records: Sequence[Record]) -> None:
+        next_heads = False
         for r in records:
             self._in_flight.pop(r.id, None)
             self.stats[r.status if r.counted else "deferred"] += 1
+            # A finished head makes its key's next row the head: claim it now, not at the
+            # next poll (nothing NOTIFYs for an update).
+            next_heads |= r.status != "pending" and r.key is not None
         self._capacity.set()
+        if next_heads and self._cursors:
+            self.wake()
 
     # --- side tasks ---------------------------------------------------------------------
 

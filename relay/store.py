@@ -55,8 +55,6 @@ class Store:
         self.channel = f"{schema}.outbox"
         self._claim = queries.render(queries.CLAIM, table)
         self._claim_ordered = queries.render(queries.CLAIM_ORDERED, table)
-        self._activate_next = queries.render(queries.ACTIVATE_NEXT, table)
-        self._unpark = queries.render(queries.UNPARK, table)
         self._blocked_keys = queries.render(queries.BLOCKED_KEYS, table)
         # retention = 0: delivered rows are deleted by the statement that records them.
         self._record = queries.render(
@@ -169,33 +167,22 @@ class Store:
         )
 
     async def claim_ordered(
-        self, destinations: Sequence[str], limit: int, parking: Sequence[str], scan: int
-    ) -> list[Envelope]:
-        """Claim heads of keys (see queries.CLAIM_ORDERED); ``scan`` bounds the candidates."""
+        self, destination: str, limit: int, parks_poison: bool, scan: int, cursor: str | None
+    ) -> tuple[list[Envelope], str | None]:
+        """Claim heads of ``destination``'s keys (see queries.CLAIM_ORDERED), examining at most
+        ``scan`` keys after ``cursor``; returns the rows and the cursor for the next claim."""
         self.statements["claim"] += 1
         rows = await self.pool.fetch(
             self._claim_ordered,
-            list(destinations),
+            destination,
             limit,
             self.relay_id,
             self.lease,
             scan,
-            list(parking),
+            parks_poison,
+            cursor,
         )
-        return self._envelopes(rows)
-
-    async def activate_next(self, done: Sequence[Record]) -> None:
-        self.statements["activate"] += 1
-        await self.pool.execute(
-            self._activate_next,
-            [r.destination for r in done],
-            [r.key for r in done],
-            [r.id for r in done],
-        )
-
-    async def unpark(self, ordered: Sequence[str], parking: Sequence[str]) -> int:
-        rows = await self.pool.fetch(self._unpark, list(ordered), list(parking))
-        return len(rows)
+        return self._envelopes(rows[:-1]), rows[-1][2]
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
         return list(await self.pool.fetch(self._blocked_keys, list(blocking)))

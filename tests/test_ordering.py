@@ -38,6 +38,17 @@ async def add(conn: asyncpg.Connection, key: str | None, n: int = 1, dest: str =
         )
 
 
+async def claim(store: Store, limit: int = 10, park: bool = False, scan: int = 40) -> list[int]:
+    """Claim from destination "o" through every key (following the cursor to the end)."""
+    ids: list[int] = []
+    cursor: str | None = None
+    while True:
+        rows, cursor = await store.claim_ordered("o", limit - len(ids), park, scan, cursor)
+        ids += [e.id for e in rows]
+        if cursor is None or len(ids) >= limit:
+            return sorted(ids)
+
+
 async def test_fence_holds_rows_behind_an_uncommitted_lower_id(db_url: str, store: Store) -> None:
     a, b = await connect(db_url), await connect(db_url)
     try:
@@ -48,22 +59,18 @@ async def test_fence_holds_rows_behind_an_uncommitted_lower_id(db_url: str, stor
         (other,) = await add(b, "j")
         assert first < second < other
         # id 1 may still commit: nothing after it can go, whatever its key.
-        assert await store.claim_ordered(["o"], 10, [], 40) == []
+        assert await claim(store) == []
         await tx.commit()
-        claimed = await store.claim_ordered(["o"], 10, [], 40)
-        # One head per key; the key's later row is parked, not claimed.
-        assert sorted(e.id for e in claimed) == [first, other]
-        parked = await a.fetchval("SELECT run_after = 'infinity' FROM outbox WHERE id = $1", second)
-        assert parked
-        assert await store.claim_ordered(["o"], 10, [], 40) == []
+        # One head per key: the key's later row waits for its head.
+        assert await claim(store) == [first, other]
+        assert await claim(store) == []
         await store.record(
             [
                 Record(first, "delivered", 1, 0.0, None, "o", "k"),
                 Record(other, "delivered", 1, 0.0, None, "o", "j"),
             ]
         )
-        await store.activate_next([Record(first, "delivered", 1, 0.0, None, "o", "k")])
-        assert [e.id for e in await store.claim_ordered(["o"], 10, [], 40)] == [second]
+        assert await claim(store) == [second]
     finally:
         await a.close()
         await b.close()
@@ -76,42 +83,71 @@ async def test_rolled_back_lower_id_releases_the_fence(db_url: str, store: Store
         await tx.start()
         await outbox.enqueue(a, destination="o", key="k", payload=b"gone")
         (kept,) = await add(b, "k")
-        assert await store.claim_ordered(["o"], 10, [], 40) == []
+        assert await claim(store) == []
         await tx.rollback()
-        assert [e.id for e in await store.claim_ordered(["o"], 10, [], 40)] == [kept]
+        assert await claim(store) == [kept]
     finally:
         await a.close()
         await b.close()
 
 
-async def test_failed_head_blocks_or_is_parked(db_url: str, store: Store) -> None:
+async def test_failed_head_blocks_or_is_passed_over(db_url: str, store: Store) -> None:
     conn = await connect(db_url)
     try:
         ids = await add(conn, "k", 3)
-        (head,) = await store.claim_ordered(["o"], 10, [], 40)
-        await store.record([Record(head.id, "failed", 1, 0.0, "poison", "o", "k")])
+        assert await claim(store) == [ids[0]]
+        await store.record([Record(ids[0], "failed", 1, 0.0, "poison", "o", "k")])
         # block: the key waits, and says why.
-        assert await store.claim_ordered(["o"], 10, [], 40) == []
-        assert await store.unpark(["o"], []) == 0
+        assert await claim(store) == []
         blocked = await store.blocked_keys(["o"])
         assert [(r["key"], r["failed_id"], r["waiting"]) for r in blocked] == [("k", ids[0], 2)]
-        # park (the policy of this destination changed): the failed row no longer blocks.
-        assert await store.unpark(["o"], ["o"]) == 1
-        assert [e.id for e in await store.claim_ordered(["o"], 10, ["o"], 40)] == [ids[1]]
+        # park: the failed row no longer counts as the key's head.
+        assert await claim(store, park=True) == [ids[1]]
     finally:
         await conn.close()
 
 
-async def test_unpark_wakes_rows_of_destinations_no_longer_ordered(
-    db_url: str, store: Store
-) -> None:
+async def test_backing_off_head_holds_its_key_only(db_url: str, store: Store) -> None:
     conn = await connect(db_url)
     try:
-        ids = await add(conn, "k", 2)
-        await store.claim_ordered(["o"], 10, [], 40)  # claims ids[0], parks ids[1]
-        assert await store.claim(["o"], 10) == []  # parked rows are not due
-        assert await store.unpark([], []) == 1
-        assert [e.id for e in await store.claim(["o"], 10)] == [ids[1]]
+        k = await add(conn, "k", 2)
+        j = await add(conn, "j", 2)
+        assert await claim(store) == [k[0], j[0]]
+        await store.record(
+            [
+                Record(k[0], "pending", 1, 60.0, "try later", "o", "k"),  # backoff
+                Record(j[0], "delivered", 1, 0.0, None, "o", "j"),
+            ]
+        )
+        assert await claim(store) == [j[1]]  # k's head is not due, so k waits
+    finally:
+        await conn.close()
+
+
+async def test_walk_resumes_after_the_cursor(db_url: str, store: Store) -> None:
+    conn = await connect(db_url)
+    try:
+        heads = [(await add(conn, f"key-{i:02}"))[0] for i in range(12)]
+        # Examine at most 5 keys per claim: the cursor carries the walk over all keys.
+        first, cursor = await store.claim_ordered("o", 100, False, 5, None)
+        assert [e.id for e in first] == heads[:5] and cursor == "key-04"
+        second, cursor = await store.claim_ordered("o", 100, False, 5, cursor)
+        assert [e.id for e in second] == heads[5:10] and cursor == "key-09"
+        third, cursor = await store.claim_ordered("o", 100, False, 5, cursor)
+        assert [e.id for e in third] == heads[10:] and cursor is None
+        # A full batch stops at its last key and says so.
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+        rows, cursor = await store.claim_ordered("o", 3, False, 50, None)
+        assert [e.id for e in rows] == heads[:3] and cursor == "key-02"
+    finally:
+        await conn.close()
+
+
+async def test_rows_without_a_key_are_not_ordered(db_url: str, store: Store) -> None:
+    conn = await connect(db_url)
+    try:
+        loose = await add(conn, None, 3)
+        assert await claim(store) == loose
     finally:
         await conn.close()
 

@@ -13,6 +13,7 @@ import click
 
 from outbox.migrate import migrate
 from relay.bench.common import Target, emit, machine
+from relay.bench.receiver import local_receiver
 from relay.localbroker import LocalBroker
 from relay.scratch import scratch_database
 
@@ -30,12 +31,22 @@ def common(func: Any) -> Any:
         ),
         click.option(
             "--sink",
-            type=click.Choice(["kafka", "null"]),
+            type=click.Choice(["kafka", "webhook", "null"]),
             default="kafka",
             show_default=True,
-            help="kafka, or null to measure the database side alone.",
+            help="kafka, webhook, or null to measure the database side alone.",
         ),
         click.option("--bootstrap", help="Kafka broker; default: start a local one (Tansu)."),
+        click.option(
+            "--webhook-url",
+            help="Endpoint for --sink webhook; default: start a fast local receiver.",
+        ),
+        click.option(
+            "--webhook-concurrency",
+            default=64,
+            show_default=True,
+            help="max_concurrency of the webhook destination.",
+        ),
         click.option(
             "--idempotence/--no-idempotence",
             default=None,
@@ -50,31 +61,30 @@ def common(func: Any) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def target(
-    sink: str, bootstrap: str | None, idempotence: bool | None
-) -> AsyncIterator[Target]:
-    broker = None
-    if sink == "kafka" and not bootstrap:
-        broker = LocalBroker()
-        broker.start()
-        bootstrap = broker.bootstrap
-    try:
-        idem = idempotence if idempotence is not None else broker is None
-        yield Target(kind=sink, bootstrap=bootstrap, idempotent=idem)
-    finally:
-        if broker is not None:
-            broker.stop()
+async def target(opts: dict[str, Any]) -> AsyncIterator[Target]:
+    sink, bootstrap = opts["sink"], opts.get("bootstrap")
+    with contextlib.ExitStack() as stack:
+        broker = None
+        if sink == "kafka" and not bootstrap:
+            broker = stack.enter_context(LocalBroker())
+            bootstrap = broker.bootstrap
+        url = opts.get("webhook_url")
+        if sink == "webhook" and not url:
+            url = stack.enter_context(local_receiver())
+        idempotence = opts.get("idempotence")
+        yield Target(
+            kind=sink,
+            bootstrap=bootstrap,
+            idempotent=idempotence if idempotence is not None else broker is None,
+            webhook_url=url,
+            webhook_concurrency=opts.get("webhook_concurrency", 64),
+        )
 
 
-async def run_scenarios(
-    database_url: str,
-    sink: str,
-    bootstrap: str | None,
-    idempotence: bool | None,
-    scenarios: dict[str, Scenario],
-) -> dict[str, Any]:
+async def run_scenarios(opts: dict[str, Any], scenarios: dict[str, Scenario]) -> dict[str, Any]:
+    database_url = opts["database_url"]
     results: dict[str, Any] = {}
-    async with target(sink, bootstrap, idempotence) as t:
+    async with target(opts) as t:
         results["sink"] = t.describe()
         for name, scenario in scenarios.items():
             # Each scenario gets a database of its own, so none measures another's leftovers.
@@ -85,15 +95,17 @@ async def run_scenarios(
     return results
 
 
-def execute(opts: dict[str, Any], scenarios: dict[str, Scenario]) -> dict[str, Any]:
+def execute(
+    opts: dict[str, Any],
+    scenarios: dict[str, Scenario],
+    derive: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     from relay.logging import configure
 
     configure("warning", "console")
-    results = asyncio.run(
-        run_scenarios(
-            opts["database_url"], opts["sink"], opts["bootstrap"], opts["idempotence"], scenarios
-        )
-    )
+    results = asyncio.run(run_scenarios(opts, scenarios))
+    if derive is not None:
+        derive(results)
     emit(results, opts["as_json"])
     return results
 
@@ -106,45 +118,55 @@ def bench() -> None:
     """
 
 
-def _drain_scenarios(
-    events: int,
-    payload: int,
-    keys: int,
-    batch_size: int,
-    relays: int,
-    max_in_flight: int | None,
-    compare_naive: bool,
-    naive_events: int,
-    max_seconds: float,
-) -> dict[str, Scenario]:
+def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
     from relay.bench.drain import drain, naive
 
-    scenarios: dict[str, Scenario] = {
-        "drain": lambda db, t: drain(
+    def run(ordering: str) -> Scenario:
+        return lambda db, t: drain(
             db,
             t,
-            events=events,
-            payload=payload,
-            keys=keys,
-            batch_size=batch_size,
-            relays=relays,
-            max_in_flight=max_in_flight,
-            max_seconds=max_seconds,
+            events=opts["events"],
+            payload=opts["payload"],
+            keys=opts["keys"],
+            batch_size=opts["batch_size"],
+            relays=opts["relays"],
+            max_in_flight=opts["max_in_flight"],
+            max_seconds=opts["max_seconds"],
+            ordering=ordering,
         )
-    }
-    if compare_naive:
+
+    scenarios: dict[str, Scenario] = {}
+    if opts["ordering"] in ("none", "both"):
+        scenarios["drain"] = run("none")
+    if opts["ordering"] in ("key", "both"):
+        scenarios["drain ordering=key"] = run("key")
+    if opts["compare_naive"]:
         scenarios["naive loop"] = lambda db, t: naive(
-            db, t, events=naive_events, payload=payload, keys=keys, max_seconds=max_seconds
+            db,
+            t,
+            events=opts["naive_events"],
+            payload=opts["payload"],
+            keys=opts["keys"],
+            max_seconds=opts["max_seconds"],
         )
     return scenarios
 
 
-def _ratio(results: dict[str, Any], as_json: bool) -> None:
-    if "naive loop" in results:
-        ratio = results["drain"]["events_per_s"] / results["naive loop"]["events_per_s"]
-        results["drain_vs_naive"] = round(ratio, 1)
-        if not as_json:
-            click.echo(f"\nrelay vs naive loop: {ratio:.1f}x")
+def _ratios(results: dict[str, Any]) -> None:
+    rate = {
+        k: v["events_per_s"]
+        for k, v in results.items()
+        if isinstance(v, dict) and "events_per_s" in v
+    }
+    ratios = {}
+    if "drain" in rate and "naive loop" in rate:
+        ratios["relay_vs_naive"] = round(rate["drain"] / rate["naive loop"], 1)
+    if "drain ordering=key" in rate and "naive loop" in rate:
+        ratios["ordered_vs_naive"] = round(rate["drain ordering=key"] / rate["naive loop"], 1)
+    if "drain" in rate and "drain ordering=key" in rate:
+        ratios["ordered_vs_unordered"] = round(rate["drain ordering=key"] / rate["drain"], 2)
+    if ratios:
+        results["ratios"] = ratios
 
 
 @bench.command("drain")
@@ -155,24 +177,19 @@ def _ratio(results: dict[str, Any], as_json: bool) -> None:
 @click.option("--batch-size", default=500, show_default=True)
 @click.option("--relays", default=1, show_default=True, help="Relays (in this process).")
 @click.option("--max-in-flight", type=int, help="Default: 4 batches.")
+@click.option(
+    "--ordering",
+    type=click.Choice(["none", "key", "both"]),
+    default="none",
+    show_default=True,
+    help="Destination ordering; both: run unordered and ordered and print the ratio.",
+)
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
 @click.option("--naive-events", default=3000, show_default=True)
 @click.option("--max-seconds", default=120.0, show_default=True, help="Stop a phase after this.")
 def drain_cmd(**opts: Any) -> None:
     """Prefill events, then time the relay emptying the table."""
-    scenarios = _drain_scenarios(
-        opts["events"],
-        opts["payload"],
-        opts["keys"],
-        opts["batch_size"],
-        opts["relays"],
-        opts["max_in_flight"],
-        opts["compare_naive"],
-        opts["naive_events"],
-        opts["max_seconds"],
-    )
-    results = execute(opts, scenarios)
-    _ratio(results, opts["as_json"])
+    execute(opts, _drain_scenarios(opts), derive=_ratios)
 
 
 @bench.command("steady")

@@ -16,11 +16,17 @@ import asyncpg
 import click
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.config import KafkaDestination, KafkaSettings
+from relay.config import (
+    KafkaDestination,
+    KafkaSettings,
+    WebhookClientSettings,
+    WebhookDestination,
+)
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import Sink
 from relay.sinks.kafka import KafkaSink
 from relay.sinks.null import NullSink
+from relay.sinks.webhook import WebhookSink
 
 DESTINATION = "bench"
 
@@ -47,6 +53,7 @@ class Target:
     bootstrap: str | None = None
     idempotent: bool = True
     webhook_url: str | None = None
+    webhook_concurrency: int = 64
     topics: list[str] = field(default_factory=list)
 
     def make_sink(self, max_request_size: int = 1_048_576) -> Sink:
@@ -62,12 +69,26 @@ class Target:
                 max_request_size=max_request_size,
             )
             return KafkaSink(settings, {DESTINATION: KafkaDestination(kind="kafka", topic=topic)})
+        if self.kind == "webhook":
+            assert self.webhook_url
+            dest = WebhookDestination(
+                kind="webhook",
+                url=self.webhook_url,
+                # The benchmark's own receiver is on loopback; a --webhook-url elsewhere is
+                # the user's to choose.
+                allow_private_networks=True,
+                max_concurrency=self.webhook_concurrency,
+            )
+            client = WebhookClientSettings(max_connections=max(100, self.webhook_concurrency))
+            return WebhookSink(client, {DESTINATION: dest})
         raise click.UsageError(f"unknown sink {self.kind!r}")
 
     def describe(self) -> str:
         if self.kind == "kafka":
             idem = "idempotent" if self.idempotent else "idempotence off"
             return f"kafka at {self.bootstrap} ({idem})"
+        if self.kind == "webhook":
+            return f"webhook to {self.webhook_url} (max_concurrency {self.webhook_concurrency})"
         return self.kind
 
 

@@ -24,7 +24,9 @@ NAIVE_RUNNING = "UPDATE outbox SET status = 'running' WHERE id = $1"
 NAIVE_DONE = "UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE id = $1"
 
 
-def relay_settings(db_url: str, batch_size: int, max_in_flight: int | None) -> Any:
+def relay_settings(
+    db_url: str, batch_size: int, max_in_flight: int | None, ordering: str = "none"
+) -> Any:
     return load_settings(
         None,
         database_url=db_url,
@@ -35,7 +37,7 @@ def relay_settings(db_url: str, batch_size: int, max_in_flight: int | None) -> A
             "poll_interval": 0.5,
         },
         # Placeholders: the benchmark passes its sinks in directly.
-        destinations={DESTINATION: {"kind": "kafka", "topic": "unused"}},
+        destinations={DESTINATION: {"kind": "kafka", "topic": "unused", "ordering": ordering}},
     )
 
 
@@ -50,9 +52,10 @@ async def drain(
     relays: int,
     max_in_flight: int | None,
     max_seconds: float,
+    ordering: str = "none",
 ) -> dict[str, Any]:
     await prefill(db_url, events, payload, keys)
-    settings = relay_settings(db_url, batch_size, max_in_flight)
+    settings = relay_settings(db_url, batch_size, max_in_flight, ordering)
     running = [Relay(settings, sinks={DESTINATION: target.make_sink()}) for _ in range(relays)]
     cpu0 = time.process_time()
     started = time.monotonic()
@@ -70,12 +73,16 @@ async def drain(
             r.stop()
         await asyncio.gather(*tasks)
     delivered = sum(r.stats["delivered"] for r in running)
-    statements = sum(r.store.statements["claim"] + r.store.statements["record"] for r in running)
+    statements = sum(
+        sum(r.store.statements[k] for k in ("claim", "record", "activate")) for r in running
+    )
     return {
         "events": events,
         "delivered": delivered,
         "complete": delivered == events,
         "relays": relays,
+        "ordering": ordering,
+        "keys": keys,
         "batch_size": batch_size,
         "payload_bytes": payload,
         "seconds": round(elapsed, 3),
