@@ -385,15 +385,23 @@ WHERE o.id = doomed.id AND o.status = 'failed'
 
 # --- per-key ordered delivery ----------------------------------------------------------------
 
-# The smallest fence key an inserting transaction still holds (see migrations/0003): rows up
-# to it can no longer be preceded by a row that has not committed yet.
-_FENCE = """
-    SELECT coalesce(min(((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904),
-                    9223372036854775807) AS safe_id
-    FROM pg_locks AS l
-    WHERE l.locktype = 'advisory' AND l.objsubid = 1
-      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-      AND l.classid >= 1073741824 AND l.classid < 1342177280
+# The visibility fence (see migrations/0003), read in a statement of its own *before* the
+# ordered claim, whose snapshot must be younger than this reading: a transaction that commits
+# between a claim's snapshot and its reading of pg_locks would release its lock while its
+# rows stay invisible to that claim. Every id up to the result belongs to a transaction that
+# had finished when it was read: the smallest fence key still held (taken before its holder
+# drew any id), capped at the highest id then visible (ids are drawn in increasing order, so
+# a row at or below it was drawn before this reading, and so were all lower ids).
+FENCE = """
+SELECT least(
+    (SELECT coalesce(min(((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904),
+                     9223372036854775807)
+     FROM pg_locks AS l
+     WHERE l.locktype = 'advisory' AND l.objsubid = 1
+       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+       AND l.classid >= 1073741824 AND l.classid < 1342177280),
+    (SELECT coalesce(max(id), 0) FROM {table})
+)
 """
 
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's
@@ -401,18 +409,14 @@ _FENCE = """
 # from key to key on outbox_key_idx), starting after the cursor $7 (NULL: from the first
 # key), at most $5 keys. A key's head is its lowest open row: pending, running, or failed
 # unless the destination parks poison rows ($6). A head is claimed if it is pending, due, and
-# inside the fence; a key whose head is running, backing off, blocked or too new is passed
-# over, and nothing behind a head is ever looked at, so no state has to be kept for waiting
-# rows. Rows without a key are not ordered and are claimed as they come. The last row of the
-# result (id -1) carries the cursor for the next claim in `key`: the last key claimed when the
-# batch filled up, the last key examined when the scan limit cut it short, NULL when the scan
-# reached the end (start again from the first key).
-CLAIM_ORDERED = (
-    """
-WITH RECURSIVE fence AS ("""
-    + _FENCE
-    + """),
-k AS (
+# inside the fence ($8, read by FENCE just before); a key whose head is running, backing off,
+# blocked or too new is passed over, and nothing behind a head is ever looked at, so no state
+# has to be kept for waiting rows. Rows without a key are not ordered and are claimed as they
+# come. The last row of the result (id -1) carries the cursor for the next claim in `key`: the
+# last key claimed when the batch filled up, the last key examined when the scan limit cut it
+# short, NULL when the scan reached the end (start again from the first key).
+CLAIM_ORDERED = """
+WITH RECURSIVE k AS (
     (SELECT o.key, 1 AS n FROM {table} AS o
      WHERE o.destination = $1 AND ($7::text IS NULL OR o.key > $7::text)
        AND o.key IS NOT NULL AND o.status IN ('pending', 'running', 'failed')
@@ -440,7 +444,7 @@ heads AS (
         LIMIT 1
     ) AS h
     WHERE h.status = 'pending' AND h.run_after <= now()
-      AND h.id <= (SELECT safe_id FROM fence)
+      AND h.id <= $8
     LIMIT $2
 ),
 unkeyed AS (
@@ -475,7 +479,6 @@ SELECT -1, NULL, CASE
        END,
        NULL, NULL, NULL, 0, NULL
 """
-)
 
 # Keys held up by a failed row: a key's first failed row with later rows of the key pending
 # behind it. For a destination with ordering = "key" and poison_policy = "block" those rows

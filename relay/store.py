@@ -55,6 +55,7 @@ class Store:
         self.channel = f"{schema}.outbox"
         self._claim = queries.render(queries.CLAIM, table)
         self._claim_ordered = queries.render(queries.CLAIM_ORDERED, table)
+        self._fence = queries.render(queries.FENCE, table)
         self._blocked_keys = queries.render(queries.BLOCKED_KEYS, table)
         # retention = 0: delivered rows are deleted by the statement that records them.
         self._record = queries.render(
@@ -171,6 +172,9 @@ class Store:
     ) -> tuple[list[Envelope], str | None]:
         """Claim heads of ``destination``'s keys (see queries.CLAIM_ORDERED), examining at most
         ``scan`` keys after ``cursor``; returns the rows and the cursor for the next claim."""
+        # Two statements, in this order: the claim's snapshot must be younger than the fence.
+        self.statements["fence"] += 1
+        safe_id = await self.pool.fetchval(self._fence)
         self.statements["claim"] += 1
         rows = await self.pool.fetch(
             self._claim_ordered,
@@ -181,6 +185,7 @@ class Store:
             scan,
             parks_poison,
             cursor,
+            safe_id,
         )
         return self._envelopes(rows[:-1]), rows[-1][2]
 

@@ -78,3 +78,25 @@ def test_enqueue_and_history(pg_admin_url: str) -> None:
     out = bench("history", "--rows", "20000", "--rounds", "10", admin=pg_admin_url)
     h = out["history"]
     assert h["delivered_rows"] == 20000 and h["empty_p50_ms"] > 0 and h["history_p50_ms"] > 0
+
+
+def test_drain_ordered_vs_unordered_and_webhook_sink(pg_admin_url: str) -> None:
+    out = bench(
+        "drain",
+        "--sink",
+        "null",
+        "--events",
+        "3000",
+        "--keys",
+        "50",
+        "--ordering",
+        "both",
+        admin=pg_admin_url,
+    )
+    assert out["drain"]["complete"] is True and out["drain"]["ordering"] == "none"
+    ordered = out["drain ordering=key"]
+    assert ordered["complete"] is True and ordered["ordering"] == "key"
+    assert out["ratios"]["ordered_vs_unordered"] > 0
+    out = bench("drain", "--sink", "webhook", "--events", "1000", admin=pg_admin_url)
+    assert out["drain"]["complete"] is True and out["drain"]["delivered"] == 1000
+    assert out["sink"].startswith("webhook to http://127.0.0.1:")

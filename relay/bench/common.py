@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import platform
@@ -78,6 +79,8 @@ class Target:
                 # the user's to choose.
                 allow_private_networks=True,
                 max_concurrency=self.webhook_concurrency,
+                # Signing is part of every real delivery, so it is part of the measurement.
+                secrets=["whsec_" + base64.b64encode(os.urandom(32)).decode()],
             )
             client = WebhookClientSettings(max_connections=max(100, self.webhook_concurrency))
             return WebhookSink(client, {DESTINATION: dest})

@@ -80,6 +80,9 @@ class Receiver:
                         self.connection.close()  # linger 0: the peer gets a reset
                         self.close_connection = True
                         return
+                    # Stamped before the answer leaves: anything the client does after
+                    # reading it (the next request) is recorded later than this.
+                    rec.status, rec.done = script.status, time.monotonic()
                     self.send_response(script.status)
                     for k, v in script.headers.items():
                         self.send_header(k, v)
@@ -87,8 +90,8 @@ class Receiver:
                     self.end_headers()
                     self.wfile.write(script.body)
                     self.wfile.flush()
-                    rec.status, rec.done = script.status, time.monotonic()
                 except (BrokenPipeError, ConnectionResetError):
+                    rec.status = rec.done = None  # the client never read an answer
                     self.close_connection = True  # the client gave up first (its timeout)
                 finally:
                     with receiver._cond:
