@@ -196,7 +196,13 @@ def drain_cmd(**opts: Any) -> None:
 @common
 @click.option("--rate", default=1000.0, show_default=True, help="Events offered per second.")
 @click.option("--seconds", default=10.0, show_default=True)
-@click.option("--writers", default=8, show_default=True, help="Concurrent app connections.")
+@click.option("--writers", default=8, show_default=True, help="Connections per writer process.")
+@click.option(
+    "--processes", default=1, show_default=True, help="Writer processes (like app instances)."
+)
+@click.option(
+    "--per-tx", default=1, show_default=True, help="Events per app transaction (enqueue_many)."
+)
 @click.option("--batch-size", default=500, show_default=True)
 @click.option("--idle-seconds", default=3.0, show_default=True, help="Idle CPU sample after.")
 def steady_cmd(**opts: Any) -> None:
@@ -216,6 +222,8 @@ def steady_cmd(**opts: Any) -> None:
                     writers=opts["writers"],
                     idle_seconds=opts["idle_seconds"],
                     tmp=Path(tmp),
+                    processes=opts["processes"],
+                    per_tx=opts["per_tx"],
                 )
             },
         )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import click
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
@@ -27,24 +28,47 @@ BUSINESS = "CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, t
 ORDER = "INSERT INTO bench_orders (total) VALUES ($1) RETURNING id"
 
 
-async def _write(db_url: str, rate: float, seconds: float, conns: int, out: str) -> None:
+async def _write(
+    db_url: str, rate: float, seconds: float, conns: int, per_tx: int, start_at: float, out: str
+) -> None:
     pool = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=conns, max_size=conns)
     assert pool is not None
     commits: list[tuple[int, float]] = []
-    total = int(rate * seconds)
-    start = time.monotonic() + 0.2
+    total = int(rate * seconds / per_tx)  # transactions of this process
+    tx_rate = rate / per_tx
+    # All writer processes start on the same wall-clock instant.
+    start = time.monotonic() + max(0.0, start_at - time.time())
 
     async def worker(j: int) -> None:
         for i in range(j, total, conns):
-            delay = start + i / rate - time.monotonic()
+            delay = start + i / tx_rate - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             async with pool.acquire() as conn, conn.transaction():
                 order = await conn.fetchval(ORDER, i)
-                eid = await outbox.enqueue(
-                    conn, destination=DESTINATION, key=f"order-{order}", payload={"order": order}
-                )
-            commits.append((eid, time.time()))
+                if per_tx == 1:
+                    ids = [
+                        await outbox.enqueue(
+                            conn,
+                            destination=DESTINATION,
+                            key=f"order-{order}",
+                            payload={"order": order},
+                        )
+                    ]
+                else:
+                    ids = await outbox.enqueue_many(
+                        conn,
+                        [
+                            {
+                                "destination": DESTINATION,
+                                "key": f"order-{order}",
+                                "payload": {"order": order, "n": n},
+                            }
+                            for n in range(per_tx)
+                        ],
+                    )
+            now = time.time()
+            commits.extend((eid, now) for eid in ids)
 
     await asyncio.gather(*(worker(j) for j in range(conns)))
     elapsed = time.monotonic() - start
@@ -52,8 +76,13 @@ async def _write(db_url: str, rate: float, seconds: float, conns: int, out: str)
     Path(out).write_text(json.dumps({"commits": commits, "elapsed": elapsed}))
 
 
-def _writer_main(db_url: str, rate: float, seconds: float, conns: int, out: str) -> None:
-    asyncio.run(_write(db_url, rate, seconds, conns, out))
+def _writer_main(
+    db_url: str, rate: float, seconds: float, conns: int, per_tx: int, start_at: float, out: str
+) -> None:
+    try:
+        asyncio.run(_write(db_url, rate, seconds, conns, per_tx, start_at, out))
+    except Exception as exc:  # reported by the parent, which names what to change
+        Path(out).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
 
 
 async def steady(
@@ -66,6 +95,8 @@ async def steady(
     writers: int,
     idle_seconds: float,
     tmp: Path,
+    processes: int = 1,
+    per_tx: int = 1,
 ) -> dict[str, Any]:
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
@@ -76,16 +107,36 @@ async def steady(
     relay = Relay(relay_settings(db_url, batch_size, None), sinks={DESTINATION: sink})
     task = asyncio.create_task(relay.run())
     await relay.started.wait()
-    out = tmp / "commits.json"
     ctx = multiprocessing.get_context("spawn")
-    proc = ctx.Process(target=_writer_main, args=(db_url, rate, seconds, writers, str(out)))
+    start_at = time.time() + 2.0  # room for the processes to start and connect
+    outs = [tmp / f"commits-{i}.json" for i in range(processes)]
+    procs = [
+        ctx.Process(
+            target=_writer_main,
+            args=(db_url, rate / processes, seconds, writers, per_tx, start_at, str(out)),
+        )
+        for out in outs
+    ]
     try:
-        proc.start()
-        await asyncio.to_thread(proc.join, seconds * 3 + 60)
-        if proc.exitcode != 0:
-            raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
-        data = json.loads(out.read_text())
-        commits: dict[int, float] = dict(data["commits"])
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            await asyncio.to_thread(proc.join, seconds * 3 + 60)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
+        commits: dict[int, float] = {}
+        elapsed = 0.0
+        for out in outs:
+            data = json.loads(out.read_text())
+            if "error" in data:
+                hint = (
+                    "; lower --writers or --processes (PostgreSQL's max_connections)"
+                    if "TooManyConnections" in data["error"]
+                    else ""
+                )
+                raise click.ClickException(f"the load generator failed: {data['error']}{hint}")
+            commits.update(dict(data["commits"]))
+            elapsed = max(elapsed, data["elapsed"])
         deadline = time.monotonic() + 30
         while len(sink.acked) < len(commits) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -94,14 +145,17 @@ async def steady(
         await asyncio.sleep(idle_seconds)
         idle_cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
     finally:
-        if proc.is_alive():
-            proc.kill()
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
         relay.stop()
         await task
     latencies = [(sink.acked[i] - t) * 1000 for i, t in commits.items() if i in sink.acked]
     return {
         "offered_per_s": rate,
-        "achieved_per_s": round(len(commits) / data["elapsed"], 1),
+        "achieved_per_s": round(len(commits) / elapsed, 1),
+        "events_per_tx": per_tx,
+        "writer_processes": processes,
         "events": len(commits),
         "acked": len(latencies),
         "p50_ms": round(percentile(latencies, 50), 2),
