@@ -17,12 +17,15 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from prometheus_client import generate_latest
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from tests.support.kafka import consume
+from tests.support.receiver import Receiver
 from tests.support.relays import running, settings, wait_until
 from tests.test_relay import fetch_rows
+from tests.webhook_helpers import SECRET
 
 _EXPORTER = InMemorySpanExporter()
 
@@ -94,6 +97,42 @@ async def test_trace_context_travels_from_enqueue_to_the_kafka_header(
     assert delivery.attributes["messaging.system"] == "kafka"  # type: ignore[index]
     assert delivery.attributes["outbox.outcome"] == "delivered"  # type: ignore[index]
     assert delivery.status.is_ok
+
+
+async def test_trace_context_reaches_the_webhook_header_and_metrics_see_the_endpoint(
+    db_url: str, receiver: Receiver, spans: InMemorySpanExporter
+) -> None:
+    receiver.respond(503, times=1)  # one retry first, so attempts show two status classes
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("place-order") as span:
+        ctx = span.get_span_context()
+        traced = await _enqueue(db_url)
+    expected = f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+    s = settings(
+        db_url,
+        "127.0.0.1:1",
+        destinations={
+            "orders": {
+                "kind": "webhook",
+                "url": receiver.url + "/hook",
+                "secrets": [SECRET],
+                "allow_private_networks": True,
+                "backoff": {"base": 0.05, "jitter": 0},
+            }
+        },
+        relay={"poll_interval": 0.05},
+    )
+    async with running(s) as relay:
+        await wait_until(lambda: relay.stats["delivered"] == 1, what="delivered")
+        metrics = generate_latest(relay.metrics.registry).decode()
+    ok = [r for r in receiver.requests if r.status == 200]
+    assert [int(r.headers["webhook-id"]) for r in ok] == [traced]
+    assert ok[0].headers["traceparent"] == expected
+    attempts = 'outbox_delivery_attempts_total{destination="orders",outcome="%s",status_class="%s"}'
+    assert attempts % ("retry", "5xx") + " 1.0" in metrics
+    assert attempts % ("delivered", "2xx") + " 1.0" in metrics
+    origin = receiver.url.removeprefix("http://")
+    assert f'outbox_circuit_state{{endpoint="orders http://{origin}",sink="webhook"}}' in metrics
 
 
 async def test_enqueue_many_and_sync_enqueue_carry_the_context(

@@ -132,6 +132,11 @@ class WebhookSink:
             semaphore=asyncio.Semaphore(d.max_concurrency),
         )
 
+    def circuits(self) -> dict[str, Breaker]:
+        """For the outbox_circuit_state metric: one breaker per endpoint (scheme://host:port,
+        never the path or query, which may carry tokens)."""
+        return {f"{name} {ep.origin}": ep.breaker for name, ep in self.endpoints.items()}
+
     async def start(self) -> None:
         self._ensure_client()
         wanted = sum(ep.config.max_concurrency for ep in self.endpoints.values())
@@ -331,7 +336,7 @@ class WebhookSink:
     ) -> tuple[Outcome, Health]:
         status = response.status_code
         if 200 <= status < 300:
-            return Outcome.delivered(env.id), Health.UP
+            return Outcome.delivered(env.id, http_status=status), Health.UP
         error = f"HTTP {status} in {latency_ms:.0f} ms from {ep.origin}"
         if status in (301, 302, 303, 307, 308) and "location" in response.headers:
             error += " (redirects are not followed; point the destination at the final URL)"
@@ -341,7 +346,7 @@ class WebhookSink:
         error = truncate_error(error)
 
         if status == 410:
-            return Outcome.failed(env.id, error), Health.UNKNOWN
+            return Outcome.failed(env.id, error, http_status=status), Health.UNKNOWN
         if status in TRANSIENT_STATUSES or status >= 500:
             retry_in = None
             if status in RETRY_AFTER_STATUSES:
@@ -349,12 +354,12 @@ class WebhookSink:
                 if asked is not None:
                     retry_in = min(max(asked, MIN_RETRY_AFTER), ep.config.retry_after_max)
             health = Health.UNKNOWN if status == 425 else Health.DOWN
-            return Outcome.retry(env.id, error, retry_in), health
+            return Outcome.retry(env.id, error, retry_in, http_status=status), health
         # Other 4xx, 3xx, and odd codes: retried by default, as Svix and Hook0 do, since
         # such answers are often a deployment mistake that gets fixed.
         if ep.config.retry_client_errors:
-            return Outcome.retry(env.id, error), Health.UNKNOWN
-        return Outcome.failed(env.id, error), Health.UNKNOWN
+            return Outcome.retry(env.id, error, http_status=status), Health.UNKNOWN
+        return Outcome.failed(env.id, error, http_status=status), Health.UNKNOWN
 
     def _record(self, ep: Endpoint, health: Health, error: str | None) -> None:
         breaker = ep.breaker
