@@ -319,7 +319,9 @@ def _print_status(data: dict[str, Any]) -> None:
     blocked = [(d["destination"], b) for d in dests for b in d["blocked_keys"]]
     if blocked:
         click.echo(
-            "\nblocked keys (ordered; `outbox-relay retry --id ID` or `outbox-relay skip ID`):"
+            "\nkeys with a failed row ahead of pending rows (they wait where the destination "
+            'has ordering = "key" and poison_policy = "block"; unblock with '
+            "`outbox-relay retry --id ID` or `outbox-relay skip ID`):"
         )
         for name, b in blocked:
             err = (b["error"] or "").replace("\n", " ")

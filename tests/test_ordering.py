@@ -351,7 +351,9 @@ async def test_poison_head(db_url: str, policy: str) -> None:
     assert dest["blocked_keys"] == [
         {"key": "a", "failed_id": bad, "waiting": 2, "error": "unparseable by the consumer"}
     ]
-    assert "key 'a' held by failed row" in run_cli("status", "--database-url", db_url)
+    human = run_cli("status", "--database-url", db_url)
+    assert "keys with a failed row ahead of pending rows" in human
+    assert "key 'a' held by failed row" in human
     # The operator gives up on the poison row: the key continues, in order.
     assert f"skipped 1 row(s): {bad}" in run_cli("skip", str(bad), "--database-url", db_url)
     async with running(s, sinks={"o": sink}):
