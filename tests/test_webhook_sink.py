@@ -66,7 +66,7 @@ async def test_signed_delivery_verifies_with_reference_library(
             "X-Team": "row-loses",
         }
     )
-    assert await one(sink, env) == Outcome.delivered(env.id)
+    assert await one(sink, env) == Outcome.delivered(env.id, http_status=200)
 
     [req] = receiver.wait_for(1)
     assert (req.method, req.path, req.body) == ("POST", "/hooks/orders", env.payload)
