@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import pytest
 
@@ -78,3 +78,72 @@ def make_receiver() -> Iterator[Callable[..., Receiver]]:
     finally:
         for r in made:
             r.stop()
+
+
+# --- fault suite: --long, and the figures each fault test publishes -------------------------
+
+FAULT_REPORTS = pytest.StashKey[list[dict[str, object]]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        default=False,
+        help="fault suite at full size (e.g. 50k events, 5 relay kills) instead of CI size",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[FAULT_REPORTS] = []
+
+
+@pytest.fixture
+def long_run(request: pytest.FixtureRequest) -> bool:
+    """True under ``--long``: fault tests scale their counts up."""
+    return bool(request.config.getoption("--long"))
+
+
+@pytest.fixture
+def fault_report(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """A dict the test fills with its figures; published in the terminal summary and in
+    ``fault-report.json`` (path printed there) once the test has passed."""
+    report: dict[str, object] = {}
+    yield report
+    rep = getattr(request.node, "rep_call", None)
+    if report and rep is not None and rep.passed:
+        report = {"test": request.node.name, **report}
+        request.config.stash[FAULT_REPORTS].append(report)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    # Keep each phase's report on the item so fixtures can tell whether the test passed.
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    reports = config.stash[FAULT_REPORTS]
+    if not reports:
+        return
+    import json
+    import tempfile
+    from pathlib import Path
+
+    mode = "long" if config.getoption("--long") else "ci"
+    path = Path(
+        os.environ.get("OUTBOX_FAULT_REPORT")
+        or Path(tempfile.gettempdir()) / "outbox-fault-report.json"
+    )
+    path.write_text(json.dumps({"mode": mode, "results": reports}, indent=2, default=str) + "\n")
+    terminalreporter.section(f"fault suite figures ({mode})")
+    for r in reports:
+        figures = ", ".join(f"{k}={v}" for k, v in r.items() if k != "test")
+        terminalreporter.write_line(f"{r['test']}: {figures}")
+    terminalreporter.write_line(f"written to {path}")

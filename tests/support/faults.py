@@ -1,0 +1,269 @@
+"""Tools of the fault suite: a paced writer, a sampler of stuck rows, relay fleets, and the
+checks every fault test ends with (nothing lost, duplicates only where a fault allows them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+import outbox
+from outbox.dburl import to_asyncpg_dsn
+from tests.support.kafka import consume, outbox_id
+from tests.support.relays import RelayProcess, write_config
+
+
+def relay_config(
+    db_url: str,
+    bootstrap: str,
+    topic: str,
+    *,
+    relay_id: str | None = None,
+    **relay: Any,
+) -> dict[str, Any]:
+    """A relay.toml for fault tests: short lease and poll so recovery is quick to observe."""
+    rs: dict[str, Any] = {
+        "lease": 4,
+        "poll_interval": 0.25,
+        "shutdown_timeout": 10,
+        "batch_size": 200,
+        "max_in_flight": 1000,
+        "backoff": {"base": 0.2, "factor": 2, "max": 2, "jitter": 0.2},
+        **relay,
+    }
+    if relay_id is not None:
+        rs["relay_id"] = relay_id
+    return {
+        "database_url": db_url,
+        "log_format": "json",
+        "relay": rs,
+        "kafka": {
+            "bootstrap_servers": bootstrap,
+            "enable_idempotence": False,  # the test broker rejects aiokafka's idempotent producer
+            "request_timeout_ms": 5000,
+        },
+        "destinations": {"orders": {"kind": "kafka", "topic": topic}},
+    }
+
+
+class Fleet:
+    """Relay subprocesses of one test; every one is killed at the end, whatever happens."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[RelayProcess] = []
+
+    def start(
+        self, cfg: dict[str, Any], name: str, env: dict[str, str] | None = None
+    ) -> RelayProcess:
+        path = write_config(self.tmp / f"{name}.toml", cfg)
+        proc = RelayProcess(path, env=env).start()
+        self.procs.append(proc)
+        return proc
+
+    def alive(self) -> list[RelayProcess]:
+        return [p for p in self.procs if p.proc is not None and p.proc.poll() is None]
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            p.stop()
+
+    def logs(self) -> str:
+        return "\n".join(p.output() for p in self.procs)
+
+
+@contextlib.contextmanager
+def fleet(tmp: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp)
+    try:
+        yield f
+    finally:
+        f.stop_all()
+
+
+def events(lines: str, name: str) -> list[dict[str, Any]]:
+    """The JSON log lines of ``lines`` whose event is ``name``."""
+    out = []
+    for line in lines.splitlines():
+        if f'"{name}"' not in line:
+            continue
+        with contextlib.suppress(ValueError):
+            ev = json.loads(line)
+            if ev.get("event") == name:
+                out.append(ev)
+    return out
+
+
+@dataclass
+class Writer:
+    """Enqueues ``total`` events over ``keys`` keys, ``chunk`` per transaction, at about
+    ``rate`` events/s: the application keeps committing while the test breaks things."""
+
+    db_url: str
+    total: int
+    keys: int = 200
+    chunk: int = 250
+    rate: float = 2000.0
+    destination: str = "orders"
+    ids: list[int] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    async def run(self) -> list[int]:
+        conn = await asyncpg.connect(to_asyncpg_dsn(self.db_url))
+        started = time.monotonic()
+        try:
+            n = 0
+            while n < self.total:
+                size = min(self.chunk, self.total - n)
+                batch = [
+                    {
+                        "destination": self.destination,
+                        "key": f"key-{(n + i) % self.keys}",
+                        "payload": {"n": n + i},
+                        "headers": {"seq": str(n + i)},
+                    }
+                    for i in range(size)
+                ]
+                async with conn.transaction():
+                    self.ids += await outbox.enqueue_many(conn, batch)  # type: ignore[arg-type]
+                n += size
+                # Pace against the start, not the last batch: a slow commit is caught up.
+                ahead = started + n / self.rate - time.monotonic()
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+        finally:
+            await conn.close()
+        return self.ids
+
+
+class Sampler:
+    """Polls the table and keeps the worst figures seen: how long a row stayed ``running``
+    past its lease (a dead relay's row waiting for the reaper), and how many rows were
+    ``running`` at once."""
+
+    def __init__(self, db_url: str, interval: float = 0.1) -> None:
+        self.db_url = db_url
+        self.interval = interval
+        self.max_overrun = 0.0
+        self.max_running = 0
+        self.samples = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        conn = await asyncpg.connect(to_asyncpg_dsn(self.db_url))
+        try:
+            while True:
+                row = await conn.fetchrow(
+                    "SELECT coalesce(extract(epoch FROM max(clock_timestamp() - locked_until)"
+                    "), 0)::float8 AS overrun, count(*) AS running "
+                    "FROM outbox WHERE status = 'running'"
+                )
+                assert row is not None
+                self.max_overrun = max(self.max_overrun, row["overrun"])
+                self.max_running = max(self.max_running, row["running"])
+                self.samples += 1
+                await asyncio.sleep(self.interval)
+        finally:
+            await conn.close()
+
+    def __enter__(self) -> Sampler:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._task is not None
+        if self._task.done() and not self._task.cancelled() and self._task.exception():
+            raise AssertionError("the sampler died") from self._task.exception()
+        self._task.cancel()
+
+
+async def fetch(db_url: str, sql: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        return list(await conn.fetch(sql, *args))
+    finally:
+        await conn.close()
+
+
+async def fetchval(db_url: str, sql: str, *args: Any) -> Any:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        return await conn.fetchval(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def all_delivered(db_url: str, n: int) -> bool:
+    return bool(
+        await fetchval(db_url, "SELECT count(*) = $1 FROM outbox WHERE status = 'delivered'", n)
+    )
+
+
+async def max_lag(db_url: str) -> float:
+    """Worst commit-to-delivery time of the run, seconds."""
+    lag = await fetchval(
+        db_url, "SELECT extract(epoch FROM max(delivered_at - created_at))::float8 FROM outbox"
+    )
+    return round(float(lag or 0.0), 2)
+
+
+@dataclass
+class Copies:
+    """What reached Kafka: how many copies of each outbox id."""
+
+    per_id: Counter[int]
+
+    @property
+    def duplicates(self) -> int:
+        return sum(n - 1 for n in self.per_id.values())
+
+    @property
+    def duplicated_ids(self) -> set[int]:
+        return {i for i, n in self.per_id.items() if n > 1}
+
+
+async def read_copies(bootstrap: str, topic: str, ids: list[int], timeout: float = 60) -> Copies:
+    """Read every copy of ``ids`` from ``topic`` and check what a consumer relies on:
+    a redelivery is the same message (key, value, headers) under the same ``outbox-id``,
+    and one event (the writer's ``n``) never appears under two ids."""
+    want = set(ids)
+    records = await consume(
+        bootstrap,
+        topic,
+        count=len(want),
+        timeout=timeout,
+        done=lambda recs: want <= {outbox_id(r) for r in recs},
+    )
+    per_id: Counter[int] = Counter()
+    first: dict[int, tuple[Any, ...]] = {}
+    ids_of_event: defaultdict[int, set[int]] = defaultdict(set)
+    for r in records:
+        i = outbox_id(r)
+        per_id[i] += 1
+        shape = (r.key, r.value, tuple(sorted(r.headers)))
+        assert first.setdefault(i, shape) == shape, f"outbox-id {i} arrived with other content"
+        assert r.value is not None
+        ids_of_event[json.loads(r.value)["n"]].add(i)
+    missing = want - set(per_id)
+    assert not missing, f"{len(missing)} events never reached Kafka: {sorted(missing)[:5]}…"
+    assert all(len(s) == 1 for s in ids_of_event.values()), "an event arrived under two ids"
+    return Copies(per_id)
+
+
+def kill(proc: RelayProcess) -> None:
+    proc.signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+def jitter(lo: float, hi: float) -> float:
+    return random.uniform(lo, hi)
