@@ -100,7 +100,13 @@ class Relay:
             asyncio.create_task(self._completer.run(), name="completer"),
             asyncio.create_task(self._listener.run(), name="listener"),
             asyncio.create_task(self._every(rs.lease / 3, self._heartbeat), name="heartbeat"),
-            asyncio.create_task(self._every(max(rs.lease / 2, 0.5), self._reap), name="reaper"),
+            # Every poll interval (at most lease / 2): a dead relay's rows are claimable again
+            # within one lease and one poll interval. The query reads only the small partial
+            # index of running rows, so running it this often is cheap.
+            asyncio.create_task(
+                self._every(min(rs.poll_interval, max(rs.lease / 2, 0.5)), self._reap),
+                name="reaper",
+            ),
             asyncio.create_task(self._every(rs.report_interval, self._report), name="reporter"),
             asyncio.create_task(self._every(10.0, self._progress, first=10.0), name="progress"),
             asyncio.create_task(
