@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 
@@ -13,11 +15,15 @@ from outbox import queries
 from relay.model import Envelope
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
+# InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
+# statement ("cannot switch to state …; another operation is in progress", MagicStack/asyncpg
+# issue 1069); Store discards such a connection, so the retry gets a fresh one.
 DB_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
 )
 
 
@@ -72,17 +78,34 @@ class Store:
         self._table = table
         self._paused_table = queries.qualified_table(schema, queries.PAUSED_TABLE)
 
+    @contextlib.asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
+        """A pooled connection. One that fails in the middle of a statement is closed rather
+        than returned to the pool: it may be left mid-protocol (the pool skips its reset, see
+        ``_no_reset``), and every later use of it would fail."""
+        async with self.pool.acquire() as conn:
+            try:
+                yield conn
+            except BaseException as exc:
+                if not _is_plain_sql_error(exc):
+                    conn.terminate()
+                raise
+
+    async def _call(self, method: str, sql: str, *args: Any) -> Any:
+        async with self._connection() as conn:
+            return await getattr(conn, method)(sql, *args)
+
     async def table_exists(self) -> bool:
-        return bool(await self.pool.fetchval(queries.TABLE_EXISTS, self._table))
+        return bool(await self._call("fetchval", queries.TABLE_EXISTS, self._table))
 
     async def paused_table_exists(self) -> bool:
-        return bool(await self.pool.fetchval(queries.TABLE_EXISTS, self._paused_table))
+        return bool(await self._call("fetchval", queries.TABLE_EXISTS, self._paused_table))
 
     async def paused(self) -> set[str]:
-        return {r[0] for r in await self.pool.fetch(self._paused)}
+        return {r[0] for r in await self._call("fetch", self._paused)}
 
     async def ping(self) -> None:
-        await self.pool.fetchval(queries.PING)
+        await self._call("fetchval", queries.PING)
 
     async def _as_only_runner(
         self, job: str, sql: str, *args: object
@@ -90,7 +113,7 @@ class Store:
         """Run ``sql`` in a transaction holding the job's advisory lock; None if another
         relay holds it right now. The lock ends with the transaction, or with the connection
         if this relay dies, so it can never be left behind."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:{job}"):
                 return None
             return list(await conn.fetch(sql, *args))
@@ -106,7 +129,7 @@ class Store:
     async def delete_delivered(self, retention: float, batch_size: int) -> int | None:
         """Delete one batch of delivered rows older than ``retention`` seconds; the number
         deleted, or None if another relay is running retention at this moment."""
-        async with self.pool.acquire() as conn, conn.transaction():
+        async with self._connection() as conn, conn.transaction():
             if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
                 return None
             status = await conn.execute(self._purge_delivered, retention, None, batch_size)
@@ -114,8 +137,8 @@ class Store:
 
     async def claim(self, destinations: Sequence[str], limit: int) -> list[Envelope]:
         self.statements["claim"] += 1
-        rows = await self.pool.fetch(
-            self._claim, list(destinations), limit, self.relay_id, self.lease
+        rows = await self._call(
+            "fetch", self._claim, list(destinations), limit, self.relay_id, self.lease
         )
         return self._envelopes(rows)
 
@@ -138,7 +161,8 @@ class Store:
     async def record(self, records: Sequence[Record]) -> str:
         self.statements["record"] += 1
         return str(
-            await self.pool.execute(
+            await self._call(
+                "execute",
                 self._record,
                 [r.id for r in records],
                 [r.status for r in records],
@@ -151,14 +175,15 @@ class Store:
 
     async def heartbeat(self, ids: Sequence[int]) -> None:
         self.statements["heartbeat"] += 1
-        await self.pool.execute(self._heartbeat, list(ids), self.relay_id, self.lease)
+        await self._call("execute", self._heartbeat, list(ids), self.relay_id, self.lease)
 
     async def reap(
         self, max_attempts: int, per_destination: dict[str, int], limit: int = 5000
     ) -> list[asyncpg.Record]:
         self.statements["reap"] += 1
         return list(
-            await self.pool.fetch(
+            await self._call(
+                "fetch",
                 self._reap,
                 max_attempts,
                 limit,
@@ -174,9 +199,10 @@ class Store:
         ``scan`` keys after ``cursor``; returns the rows and the cursor for the next claim."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         self.statements["fence"] += 1
-        safe_id = await self.pool.fetchval(self._fence)
+        safe_id = await self._call("fetchval", self._fence)
         self.statements["claim"] += 1
-        rows = await self.pool.fetch(
+        rows = await self._call(
+            "fetch",
             self._claim_ordered,
             destination,
             limit,
@@ -190,16 +216,23 @@ class Store:
         return self._envelopes(rows[:-1]), rows[-1][2]
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
-        return list(await self.pool.fetch(self._blocked_keys, list(blocking)))
+        return list(await self._call("fetch", self._blocked_keys, list(blocking)))
 
     async def release(self, ids: Sequence[int]) -> None:
-        await self.pool.execute(self._release, self.relay_id, list(ids))
+        await self._call("execute", self._release, self.relay_id, list(ids))
 
     async def unknown_destinations(self, known: Sequence[str]) -> list[asyncpg.Record]:
-        return list(await self.pool.fetch(self._unknown, list(known)))
+        return list(await self._call("fetch", self._unknown, list(known)))
 
     async def fail_unknown_destinations(self, known: Sequence[str]) -> list[asyncpg.Record]:
-        return list(await self.pool.fetch(self._fail_unknown, list(known)))
+        return list(await self._call("fetch", self._fail_unknown, list(known)))
+
+
+def _is_plain_sql_error(exc: BaseException) -> bool:
+    """An error the server reported for the statement, on a connection that is still fine."""
+    return isinstance(exc, asyncpg.PostgresError) and not isinstance(
+        exc, asyncpg.PostgresConnectionError | asyncpg.AdminShutdownError
+    )
 
 
 async def _no_reset(conn: asyncpg.Connection) -> None:
