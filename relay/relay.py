@@ -272,6 +272,9 @@ class Relay:
             self._database_up()
             if batch:
                 self._dispatch(batch)
+                # Let the deliveries start, so a sink that is now full says so (available())
+                # before the next claim: claims follow the sinks' free capacity.
+                await asyncio.sleep(0)
             if len(batch) < limit and not self._scan_progressed:
                 await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
 

@@ -56,7 +56,7 @@ class Endpoint:
     breaker: Breaker
     semaphore: asyncio.Semaphore
     probe: asyncio.Lock = field(default_factory=asyncio.Lock)
-    in_hand: int = 0  # rows inside deliver() for this endpoint: waiting or in flight
+    in_hand: int = 0  # rows handed to deliver() for this endpoint and not yet returned
 
     @property
     def congested(self) -> bool:
@@ -175,9 +175,20 @@ class WebhookSink:
             else:
                 reason = f"destination {env.destination!r} is not a webhook one"
                 outcomes.append(Outcome.failed(env.id, reason))
-        results = await asyncio.gather(
-            *(self._deliver_group(client, self.endpoints[d], envs) for d, envs in groups.items())
-        )
+        # Counted before the first await: the relay asks available() right after handing a
+        # batch over, and must see these rows already, or it claims more for a busy endpoint.
+        for d, envs in groups.items():
+            self.endpoints[d].in_hand += len(envs)
+        try:
+            results = await asyncio.gather(
+                *(
+                    self._deliver_group(client, self.endpoints[d], envs)
+                    for d, envs in groups.items()
+                )
+            )
+        finally:
+            for d, envs in groups.items():
+                self.endpoints[d].in_hand -= len(envs)
         for group in results:
             outcomes.extend(group)
         return outcomes
@@ -207,7 +218,6 @@ class WebhookSink:
         return outcomes
 
     async def _attempt(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
-        ep.in_hand += 1
         try:
             try:
                 async with asyncio.timeout(self.slot_wait):
@@ -238,8 +248,6 @@ class WebhookSink:
             # A bug in this sink: keep it to this row (retried later), loudly.
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
-        finally:
-            ep.in_hand -= 1
 
     def _defer(self, ep: Endpoint, env: Envelope) -> Outcome:
         wait = max(ep.breaker.retry_in(), 1.0)

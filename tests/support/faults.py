@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import tomli_w
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from tests.support.kafka import consume, outbox_id
-from tests.support.relays import RelayProcess, write_config
+from tests.support.relays import RelayProcess
 
 
 def relay_config(
@@ -46,6 +47,8 @@ def relay_config(
     return {
         "database_url": db_url,
         "log_format": "json",
+        # A free port each: several relays run at once (and the default 9090 may be taken).
+        "http": {"host": "127.0.0.1", "port": 0},
         "relay": rs,
         "kafka": {
             "bootstrap_servers": bootstrap,
@@ -66,7 +69,9 @@ class Fleet:
     def start(
         self, cfg: dict[str, Any], name: str, env: dict[str, str] | None = None
     ) -> RelayProcess:
-        path = write_config(self.tmp / f"{name}.toml", cfg)
+        # tomli-w writes tables at any depth (destinations.NAME.backoff, …).
+        path = self.tmp / f"{name}.toml"
+        path.write_text(tomli_w.dumps(cfg))
         proc = RelayProcess(path, env=env).start()
         self.procs.append(proc)
         return proc

@@ -79,6 +79,7 @@ class Receiver:
                         )
                         self.connection.close()  # linger 0: the peer gets a reset
                         self.close_connection = True
+                        rec.done = time.monotonic()  # status stays None: no answer
                         return
                     # Stamped before the answer leaves: anything the client does after
                     # reading it (the next request) is recorded later than this.
