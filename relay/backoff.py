@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 from relay.config import Backoff
@@ -13,9 +14,11 @@ def delay(policy: Backoff, attempt: int, rng: random.Random | None = None) -> fl
     if policy.schedule:
         base = policy.schedule[min(n, len(policy.schedule)) - 1]
     else:
-        # Compare exponents rather than computing factor**n, which overflows for large n.
+        # Compare logarithms rather than computing factor**(n-1), which overflows a float
+        # (the old guard, n < 1100, held for factor 2 only: factor 3 overflowed at n = 647).
+        grows = (n - 1) * math.log(policy.factor)
         base = policy.max
-        if policy.factor == 1 or n < 1100:
+        if grows < math.log(policy.max / policy.base):
             base = min(policy.max, policy.base * policy.factor ** (n - 1))
     if policy.jitter and base > 0:
         r = (rng or random).uniform(-policy.jitter, policy.jitter)

@@ -29,7 +29,12 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from outbox.dburl import to_asyncpg_dsn
 from relay.durations import parse_duration
@@ -478,8 +483,17 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     data.update(overrides)
+    where = f" in {path}" if path else ""
+    # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
+    # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
+    private = sorted(k for k in data if k.startswith("_"))
+    if private:
+        bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
+        raise ConfigError(f"invalid configuration{where}:\n{bad}")
     try:
         return Settings(**data)
     except ValidationError as exc:
-        where = f" in {path}" if path else ""
         raise ConfigError(f"invalid configuration{where}:\n{_format_errors(exc)}") from exc
+    except SettingsError as exc:
+        # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
+        raise ConfigError(f"invalid configuration in the environment: {exc}") from exc

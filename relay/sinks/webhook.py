@@ -264,7 +264,9 @@ class WebhookSink:
             problem = header_problem(name, value)
             if problem:
                 return f"row header cannot be sent: {problem}"
-            headers[name] = value
+            # Blanks around a field value are not part of it in HTTP, and h11 refuses to send
+            # them: the row failed as "not sendable" although Kafka carries the same header.
+            headers[name] = value.strip(" \t")
         for name, value in ep.config.headers.items():
             headers[name] = value  # the endpoint's configuration wins over a row's header
         headers["content-type"] = env.content_type
