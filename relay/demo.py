@@ -149,6 +149,8 @@ async def run_demo(
                 # deployments keep the default (idempotent, acks=all).
                 kafka={"bootstrap_servers": bootstrap, "enable_idempotence": False},
                 relay={"poll_interval": 0.5, "shutdown_timeout": 5},
+                # No metrics listener: the demo must not take the port of a relay on this host.
+                http={"enabled": False},
                 destinations={"orders": {"kind": "kafka", "topic": topic}},
             )
             configure("info", "console")

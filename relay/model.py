@@ -66,3 +66,20 @@ def truncate_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     """Keep ``last_error`` readable and bounded: one line-ish, at most ``limit`` chars."""
     text = text.replace("\x00", "")
     return text if len(text) <= limit else text[: limit - 15] + "… [truncated]"
+
+
+def header_problem(headers: object) -> str | None:
+    """Why a row's stored headers cannot be sent, or None. enqueue() validates them; rows
+    inserted with plain SQL are checked here."""
+    if not isinstance(headers, dict):
+        return (
+            f"headers must be a JSON object of strings, found {type(headers).__name__}; fix the "
+            "row (UPDATE … SET headers = …) and run outbox-relay retry --id"
+        )
+    for name, value in headers.items():
+        if not isinstance(value, str):
+            return (
+                f"header {name!r} has a {type(value).__name__} value; header values must be "
+                "strings: fix the row and run outbox-relay retry --id"
+            )
+    return None

@@ -25,7 +25,7 @@ from relay.config import Settings
 from relay.httpserver import HttpServer, HttpStartupError, build_app
 from relay.listener import Listener
 from relay.metrics import Metrics
-from relay.model import Envelope, Outcome, Result, truncate_error
+from relay.model import Envelope, Outcome, Result, header_problem, truncate_error
 from relay.sinks import Sink
 from relay.sinks.factory import build_sinks
 from relay.store import DB_ERRORS, Record, Store, create_pool
@@ -337,12 +337,20 @@ class Relay:
     async def _deliver(self, sink: Sink, envs: list[Envelope]) -> None:
         started = time.monotonic()
         spans = tracing.start_delivery_spans(envs, _sink_kind(sink))
+        # Rows written around enqueue() (plain SQL) can carry headers no sink can send; they
+        # fail alone, with the reason, instead of failing the batch they came in.
+        unsendable = [
+            Outcome.failed(e.id, problem)
+            for e in envs
+            if (problem := header_problem(e.headers)) is not None
+        ]
+        sendable = [e for e in envs if header_problem(e.headers) is None] if unsendable else envs
         try:
-            outcomes = await sink.deliver(envs)
+            outcomes = unsendable + (await sink.deliver(sendable) if sendable else [])
         except Exception as exc:
             log.exception("relay.sink.error", count=len(envs))
-            outcomes = [
-                Outcome.retry(e.id, f"sink error: {type(exc).__name__}: {exc}") for e in envs
+            outcomes = unsendable + [
+                Outcome.retry(e.id, f"sink error: {type(exc).__name__}: {exc}") for e in sendable
             ]
         acked = time.time()
         by_id = {o.id: o for o in outcomes}

@@ -404,3 +404,33 @@ async def test_messages_larger_than_a_producer_batch_are_sent_alone(
     assert got == dict(zip(ids, (10, 5000, 20, 3000, 30), strict=True))
     # One key, one partition: the broker keeps them in enqueue order.
     assert [int(dict(r.headers)["outbox-id"]) for r in records] == ids
+
+
+async def test_rows_with_unsendable_headers_fail_alone(db_url: str, kafka_bootstrap: str) -> None:
+    """Rows written with plain SQL skip enqueue()'s checks: a bad one fails by itself, with
+    the reason, and its batch neighbours are delivered."""
+    t = topic()
+    good = await enqueue_n(db_url, 3)
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        number, listed = [
+            await conn.fetchval(
+                "INSERT INTO outbox (destination, payload, headers) "
+                "VALUES ('orders', 'x', $1::jsonb) RETURNING id",
+                h,
+            )
+            for h in ('{"n": 5}', "[1, 2]")
+        ]
+    finally:
+        await conn.close()
+    async with running(settings(db_url, kafka_bootstrap, topic=t)):
+        await wait_until(lambda: _settled(db_url), what="all rows settled")
+    rows = {r["id"]: r for r in await fetch_rows(db_url)}
+    assert all(rows[i]["status"] == "delivered" for i in good)
+    assert (
+        rows[number]["status"] == "failed"
+        and "header 'n' has a int value" in rows[number]["last_error"]
+    )
+    assert rows[listed]["status"] == "failed" and "JSON object" in rows[listed]["last_error"]
+    records = await consume(kafka_bootstrap, t, count=3)
+    assert sorted(int(dict(r.headers)["outbox-id"]) for r in records) == good

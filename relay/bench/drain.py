@@ -38,6 +38,8 @@ def relay_settings(
         },
         # Placeholders: the benchmark passes its sinks in directly.
         destinations={DESTINATION: {"kind": "kafka", "topic": "unused", "ordering": ordering}},
+        # No metrics listener: a benchmark must not take the port of a relay on this host.
+        http={"enabled": False},
     )
 
 
