@@ -63,6 +63,7 @@ class Relay:
         self._scan_progressed = False
         # Per ordered destination: the key after which the next claim continues its walk.
         self._cursors: dict[str, str | None] = {}
+        self._turn = 0  # rotates which destination claims first
         self.paused: frozenset[str] = frozenset()
         self.paused_refreshes = 0  # for tests: how often the paused set was read
         self.metrics = Metrics()
@@ -279,26 +280,37 @@ class Relay:
                 await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
 
     async def _claim(self, destinations: list[str], limit: int) -> list[Envelope]:
-        """Ordered destinations first, one claim each (their heads are few, and a key waits
-        on them), then every other destination in one claim with what capacity is left."""
+        """One claim per ordered destination and one for all the others, in an order that
+        rotates from claim to claim, so a destination that always has a full batch waiting
+        cannot starve the rest."""
         ordered = [d for d in destinations if self.settings.ordered(d)]
+        unordered = [d for d in destinations if not self.settings.ordered(d)]
+        groups: list[list[str]] = [[d] for d in ordered]
+        if unordered:
+            groups.append(unordered)
+        self._turn += 1
+        start = self._turn % len(groups)
         batch: list[Envelope] = []
         self._scan_progressed = False
-        for dest in ordered:
+        for group in groups[start:] + groups[:start]:
             if len(batch) >= limit:
                 self._scan_progressed = True  # the others' turn comes at once
                 break
-            cursor = self._cursors.get(dest)
+            if group is unordered:
+                batch += await self.store.claim(unordered, limit - len(batch))
+                continue
+            (dest,) = group
             rows, nxt = await self.store.claim_ordered(
-                dest, limit - len(batch), self.settings.parks_poison(dest), limit * 4, cursor
+                dest,
+                limit - len(batch),
+                self.settings.parks_poison(dest),
+                limit * 4,
+                self._cursors.get(dest),
             )
             self._cursors[dest] = nxt
             # A cursor means the walk stopped before the last key: claim again at once.
             self._scan_progressed |= nxt is not None
             batch += rows
-        if len(ordered) < len(destinations) and len(batch) < limit:
-            unordered = [d for d in destinations if not self.settings.ordered(d)]
-            batch += await self.store.claim(unordered, limit - len(batch))
         return batch
 
     def _database_down(self, exc: BaseException, retry_in: float) -> None:

@@ -383,3 +383,48 @@ def test_skip_refuses_rows_that_are_not_failed(db_url: str) -> None:
         timeout=60,
     )
     assert res.returncode != 0 and "no outbox row with id 999" in res.stderr
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def available(self, destination: str) -> bool:
+        return True
+
+    async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
+        self.seen.extend(e.destination for e in batch)
+        return [Outcome.delivered(e.id) for e in batch]
+
+
+async def test_busy_destinations_take_turns(db_url: str) -> None:
+    """Each destination always has a full batch waiting; all of them progress together."""
+    conn = await connect(db_url)
+    try:
+        for dest in ("o1", "o2", "u"):
+            async with conn.transaction():
+                await outbox.enqueue_many(
+                    conn,
+                    [{"destination": dest, "key": f"k{i}", "payload": b"x"} for i in range(400)],
+                )
+    finally:
+        await conn.close()
+    sink = RecordingSink()
+    s = settings(
+        db_url,
+        "127.0.0.1:1",
+        destinations={
+            "o1": {"kind": "kafka", "topic": "a", "ordering": "key"},
+            "o2": {"kind": "kafka", "topic": "b", "ordering": "key"},
+            "u": {"kind": "kafka", "topic": "c"},
+        },
+        relay={"batch_size": 50, "max_in_flight": 50, "poll_interval": 0.05},
+    )
+    async with running(s, sinks={"o1": sink, "o2": sink, "u": sink}):
+        await wait_until(lambda: len(sink.seen) >= 300, what="300 deliveries")
+    first = sink.seen[:300]
+    assert {d: first.count(d) for d in ("o1", "o2", "u")} == {"o1": 100, "o2": 100, "u": 100}
