@@ -20,8 +20,9 @@ CREATE TABLE outbox (
 );
 
 -- Holds only claimable rows, so the claim stays constant-time however much delivered or
--- failed history the table keeps.
-CREATE INDEX outbox_claim_idx ON outbox (run_after, id) WHERE status = 'pending';
+-- failed history the table keeps. Led by destination because relays claim per destination:
+-- a backlog of one (paused, unknown to this relay, or ordered) is never scanned past.
+CREATE INDEX outbox_claim_idx ON outbox (destination, run_after, id) WHERE status = 'pending';
 
 -- Lets the reaper find expired leases without scanning history.
 CREATE INDEX outbox_lease_idx ON outbox (locked_until) WHERE status = 'running';

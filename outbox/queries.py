@@ -105,20 +105,20 @@ TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
 
 # --- relay ----------------------------------------------------------------------------------
 
-# The claim: one statement. Pick claimable rows of the destinations this relay serves, skip
-# rows other relays are locking, mark them running under this relay's lease, return them.
+# The claim: one statement per destination ($1). Pick its claimable rows in order, skip rows
+# other relays are locking, mark them running under this relay's lease, return them. The
+# index range is the destination's own, so other destinations' backlogs cost nothing.
 CLAIM = """
 WITH picked AS (
     SELECT id FROM {table}
-    WHERE status = 'pending' AND run_after <= now() AND destination = ANY($1::text[])
+    WHERE status = 'pending' AND run_after <= now() AND destination = $1
     ORDER BY run_after, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
 SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
-FROM picked
-WHERE o.id = picked.id
+WHERE o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
           o.attempts, o.created_at
 """

@@ -119,6 +119,7 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
         ),
         Index(
             "outbox_claim_idx",
+            "destination",
             "run_after",
             "id",
             postgresql_where=text("status = 'pending'"),

@@ -280,26 +280,20 @@ class Relay:
                 await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
 
     async def _claim(self, destinations: list[str], limit: int) -> list[Envelope]:
-        """One claim per ordered destination and one for all the others, in an order that
-        rotates from claim to claim, so a destination that always has a full batch waiting
-        cannot starve the rest."""
-        ordered = [d for d in destinations if self.settings.ordered(d)]
-        unordered = [d for d in destinations if not self.settings.ordered(d)]
-        groups: list[list[str]] = [[d] for d in ordered]
-        if unordered:
-            groups.append(unordered)
+        """One claim per destination, in an order that rotates from claim to claim, until the
+        batch is full: a destination with a full batch always waiting cannot starve the
+        others, and each claim reads only its own destination's part of the index."""
         self._turn += 1
-        start = self._turn % len(groups)
+        start = self._turn % len(destinations)
         batch: list[Envelope] = []
         self._scan_progressed = False
-        for group in groups[start:] + groups[:start]:
+        for dest in destinations[start:] + destinations[:start]:
             if len(batch) >= limit:
                 self._scan_progressed = True  # the others' turn comes at once
                 break
-            if group is unordered:
-                batch += await self.store.claim(unordered, limit - len(batch))
+            if not self.settings.ordered(dest):
+                batch += await self.store.claim(dest, limit - len(batch))
                 continue
-            (dest,) = group
             rows, nxt = await self.store.claim_ordered(
                 dest,
                 limit - len(batch),

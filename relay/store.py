@@ -135,11 +135,9 @@ class Store:
             status = await conn.execute(self._purge_delivered, retention, None, batch_size)
         return int(status.split()[-1])
 
-    async def claim(self, destinations: Sequence[str], limit: int) -> list[Envelope]:
+    async def claim(self, destination: str, limit: int) -> list[Envelope]:
         self.statements["claim"] += 1
-        rows = await self._call(
-            "fetch", self._claim, list(destinations), limit, self.relay_id, self.lease
-        )
+        rows = await self._call("fetch", self._claim, destination, limit, self.relay_id, self.lease)
         return self._envelopes(rows)
 
     @staticmethod

@@ -6,12 +6,15 @@ import asyncio
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import asyncpg
 import pytest
 from sqlalchemy import create_engine
 
 from outbox import metadata as model_metadata
+from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import load_migrations, migrate
 
@@ -147,8 +150,11 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
 
 
 async def test_claim_query_uses_partial_index(db_url: str) -> None:
-    """With a table full of history, the claim-shaped query reads the partial index only."""
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    """With a table full of history and another destination's backlog ahead, the claim
+    reads only its own destination's claimable rows from the partial index."""
+    conn = await asyncpg.connect(
+        to_asyncpg_dsn(db_url), server_settings={"plan_cache_mode": "force_custom_plan"}
+    )
     try:
         await conn.execute(
             """
@@ -156,23 +162,35 @@ async def test_claim_query_uses_partial_index(db_url: str) -> None:
             SELECT 'orders', '\\x00'::bytea, 'delivered', now() FROM generate_series(1, 50000)
             """
         )
+        await conn.execute(  # e.g. a paused destination, enqueued earlier
+            "INSERT INTO outbox (destination, payload) SELECT 'paused', '\\x00'::bytea "
+            "FROM generate_series(1, 20000)"
+        )
         await conn.execute(
             "INSERT INTO outbox (destination, payload) SELECT 'orders', '\\x00'::bytea "
             "FROM generate_series(1, 100)"
         )
         await conn.execute("VACUUM ANALYZE outbox")
-        plan = await conn.fetchval(
-            """
-            EXPLAIN (FORMAT JSON)
-            SELECT id FROM outbox WHERE status = 'pending' AND run_after <= now()
-            ORDER BY run_after, id LIMIT 100 FOR UPDATE SKIP LOCKED
-            """
+        claim = queries.render(queries.CLAIM, queries.qualified_table("public"))
+        raw = await conn.fetchval(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + claim, "orders", 100, "r", 30.0
         )
     finally:
         await conn.close()
+    plan = json.loads(raw) if isinstance(raw, str) else raw
     text = json.dumps(plan)
     assert "outbox_claim_idx" in text
     assert "Seq Scan" not in text
+    # Only the 100 rows of 'orders' were read: nothing of the other backlog was skipped.
+    scans = [n for n in _nodes(plan[0]["Plan"]) if n.get("Index Name") == "outbox_claim_idx"]
+    assert scans
+    assert all(n["Actual Rows"] <= 100 and n.get("Rows Removed by Filter", 0) == 0 for n in scans)
+
+
+def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
 
 
 async def test_one_notify_per_transaction(db_url: str) -> None:
