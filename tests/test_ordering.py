@@ -16,6 +16,7 @@ from outbox.dburl import to_asyncpg_dsn
 from relay.model import Envelope, Outcome
 from relay.store import Record, Store, create_pool
 from tests.support.relays import running, settings, status_counts, wait_until
+from tests.support.sinks import MemorySink
 
 
 @pytest.fixture
@@ -171,7 +172,7 @@ async def test_claim_uses_key_index(db_url: str) -> None:
     assert "outbox_key_idx" in str(plan)
 
 
-class OrderChecker:
+class OrderChecker(MemorySink):
     """A sink that fails at random (transiently) and checks the ordering promise itself: a
     row is first sent only after every earlier row of its key was acknowledged."""
 
@@ -182,13 +183,6 @@ class OrderChecker:
         self.sent_before_ack: list[tuple[int, int]] = []
         self.by_key: dict[str, list[int]] = defaultdict(list)  # first deliveries, in order
         self.expected: dict[str, list[int]] = {}
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def available(self, destination: str) -> bool:
-        return True
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         out = []
@@ -238,10 +232,10 @@ async def test_three_relays_keep_per_key_order_with_failures_and_late_commits(
         finally:
             await conn.close()
 
-    # Ids are known only after commit; the checker needs each key's full list up front, so
-    # the writers run before the relays see rows of keys they have not finished... instead,
-    # let the checker look the list up lazily from this shared dict.
-    sink.expected = ids  # type: ignore[assignment]
+    # The writers add ids here as they commit, so while running the checker knows only the
+    # committed rows of each key; the comparison with the complete lists after the run is the
+    # decisive check.
+    sink.expected = ids
     with capture_logs():
         async with (
             running(s, sinks={"o": sink}),
@@ -261,18 +255,11 @@ async def _delivered(db_url: str, n: int) -> bool:
     return (await status_counts(db_url)).get("delivered", 0) == n
 
 
-class PoisonSink:
+class PoisonSink(MemorySink):
     """Delivers everything except the rows whose payload says poison (permanent failure)."""
 
     def __init__(self) -> None:
         self.delivered: list[int] = []
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def available(self, destination: str) -> bool:
-        return True
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         out = []
@@ -385,16 +372,9 @@ def test_skip_refuses_rows_that_are_not_failed(db_url: str) -> None:
     assert res.returncode != 0 and "no outbox row with id 999" in res.stderr
 
 
-class RecordingSink:
+class RecordingSink(MemorySink):
     def __init__(self) -> None:
         self.seen: list[str] = []
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def available(self, destination: str) -> bool:
-        return True
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         self.seen.extend(e.destination for e in batch)

@@ -17,6 +17,7 @@ from relay.localbroker import LocalBroker
 from relay.relay import Relay, RelayStartupError
 from tests.support.kafka import consume
 from tests.support.relays import running, settings, status_counts, wait_until
+from tests.support.sinks import MemorySink
 
 
 def topic() -> str:
@@ -69,7 +70,6 @@ async def test_committed_events_arrive_with_key_headers_and_id(
     finally:
         await conn.close()
     async with running(settings(db_url, kafka_bootstrap, topic=t)):
-        await wait_until(lambda: status_counts(db_url), what="delivered")  # any state visible
         await wait_until(lambda: _all_delivered(db_url, 2), what="both rows delivered")
     records = await consume(kafka_bootstrap, t, count=2)
     assert len(records) == 2
@@ -235,6 +235,13 @@ async def test_broker_outage_backs_off_and_recovers(db_url: str) -> None:
     assert all(r["status"] == "delivered" for r in rows)
 
 
+async def _all_retried(db_url: str, ids: list[int]) -> bool:
+    rows = [r for r in await fetch_rows(db_url) if r["id"] in ids]
+    return len(rows) == len(ids) and all(
+        r["attempts"] >= 1 and r["status"] == "pending" for r in rows
+    )
+
+
 async def _retried(db_url: str, ids: list[int]) -> bool:
     rows = await fetch_rows(db_url)
     return any(r["id"] in ids and r["attempts"] >= 1 and r["status"] == "pending" for r in rows)
@@ -310,20 +317,13 @@ async def test_expired_lease_is_reaped_and_redelivered(db_url: str, kafka_bootst
     assert datetime.now(UTC) >= rows[ids[0]]["delivered_at"]
 
 
-class FlakySink:
+class FlakySink(MemorySink):
     """In-memory sink for the relay's own bookkeeping: fails the first ``fail`` attempts."""
 
     def __init__(self, fail: int, retry_in: float | None = None) -> None:
         self.fail = fail
         self.retry_in = retry_in
         self.calls: dict[int, int] = {}
-
-    async def start(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    def available(self, destination: str) -> bool:
-        return True
 
     async def deliver(self, batch):  # type: ignore[no-untyped-def]
         from relay.model import Outcome
@@ -359,24 +359,23 @@ async def test_retries_with_backoff_then_fails_after_max_attempts(db_url: str) -
 
 
 async def test_backoff_and_retry_in_set_run_after(db_url: str) -> None:
-    await enqueue_n(db_url, 2)
+    first = await enqueue_n(db_url, 2)
     s = settings(
         db_url,
         "127.0.0.1:1",
         relay={"backoff": {"base": 30, "jitter": 0}, "poll_interval": 0.05},
     )
     async with running(s, sinks={"orders": FlakySink(fail=1)}):
-        await wait_until(lambda: _retried(db_url, [1, 2]), what="first failure recorded")
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: _all_retried(db_url, first), what="first failures recorded")
     rows = await fetch_rows(db_url)
     for r in rows:
         assert r["status"] == "pending" and r["attempts"] == 1 and r["last_error"] == "boom 1"
         wait = (r["run_after"] - datetime.now(UTC)).total_seconds()
         assert 25 < wait <= 30, wait  # the backoff's first delay, not an immediate retry
-    await enqueue_n(db_url, 1)
+    (later,) = await enqueue_n(db_url, 1)
     async with running(s, sinks={"orders": FlakySink(fail=1, retry_in=120)}):
-        await wait_until(lambda: _retried(db_url, [3]), what="retry_in honoured")
-    r = (await fetch_rows(db_url))[2]
+        await wait_until(lambda: _all_retried(db_url, [later]), what="retry_in honoured")
+    (r,) = [x for x in await fetch_rows(db_url) if x["id"] == later]
     assert 110 < (r["run_after"] - datetime.now(UTC)).total_seconds() <= 120
 
 

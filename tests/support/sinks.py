@@ -1,0 +1,21 @@
+"""In-memory sinks for the relay's own bookkeeping (integration tests use the real ones)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from relay.model import Envelope, Outcome
+
+
+class MemorySink:
+    """Always available, nothing to start or close; subclasses decide each outcome."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def available(self, destination: str) -> bool:
+        return True
+
+    async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
+        raise NotImplementedError
