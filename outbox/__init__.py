@@ -23,9 +23,11 @@ from outbox.schema import (
     Status,
     define_outbox_table,
     define_paused_table,
+    define_relays_table,
     metadata,
     outbox_table,
     paused_table,
+    relays_table,
 )
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "Status",
     "define_outbox_table",
     "define_paused_table",
+    "define_relays_table",
     "enqueue",
     "enqueue_many",
     "enqueue_many_sync",
@@ -44,4 +47,5 @@ __all__ = [
     "metadata",
     "outbox_table",
     "paused_table",
+    "relays_table",
 ]

@@ -37,9 +37,12 @@ DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
 
 
 def render_ops(sql: str, schema: str) -> str:
-    """Fill in ``{table}`` (the outbox) and ``{paused}`` (outbox_paused) of ``schema``."""
-    return sql.replace("{table}", qualified_table(schema)).replace(
-        "{paused}", qualified_table(schema, PAUSED_TABLE)
+    """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused) and ``{relays}``
+    (outbox_relays) of ``schema``."""
+    return (
+        sql.replace("{table}", qualified_table(schema))
+        .replace("{paused}", qualified_table(schema, PAUSED_TABLE))
+        .replace("{relays}", qualified_table(schema, RELAYS_TABLE))
     )
 
 
@@ -117,14 +120,17 @@ WITH picked AS (
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {table} AS o
-SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
+SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
+    claims = o.claims + 1
 WHERE o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
-          o.attempts, o.created_at
+          o.attempts, o.created_at, o.claims
 """
 
-# All outcomes of a batch in one statement. Only rows this relay still holds are touched: if
-# its lease expired and another relay took a row over, that relay's outcome wins.
+# All outcomes of a batch in one statement. Only rows this relay still holds under the claim
+# that produced the outcome are touched ($2: each row's fencing token, the `claims` value its
+# claim returned): if the lease expired and the row was claimed again, by another relay or by
+# this one, the newer claim's outcome wins. Returns the ids it recorded.
 RECORD = """
 UPDATE {table} AS o
 SET status = u.status,
@@ -133,16 +139,26 @@ SET status = u.status,
                      THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
     last_error = COALESCE(u.error, o.last_error),
     delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
+    finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
+    -- Unchanged (the WHERE demands it), and written so that a trigger auditing the table can
+    -- tell which claim an outcome belongs to (the fault suite counts outcomes recorded over a
+    -- newer claim that way).
+    claims = u.token,
     locked_by = NULL,
     locked_until = NULL
-FROM unnest($1::bigint[], $2::text[], $3::int[], $4::float8[], $5::text[])
-     AS u(id, status, counted, delay, error)
-WHERE o.id = u.id AND o.status = 'running' AND o.locked_by = $6
+FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[], $6::text[])
+     AS u(id, token, status, counted, delay, error)
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
+RETURNING o.id
 """
 
+# Extends the lease of the rows this relay still holds under its claims' tokens; returns their
+# ids. A row missing from the answer was lost (reaped after a stall, and maybe claimed again).
 HEARTBEAT = """
-UPDATE {table} SET locked_until = now() + make_interval(secs => $3)
-WHERE id = ANY($1::bigint[]) AND status = 'running' AND locked_by = $2
+UPDATE {table} AS o SET locked_until = now() + make_interval(secs => $4)
+FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
+RETURNING o.id
 """
 
 # Rows whose relay stopped heartbeating go back to pending (or to failed once they have used
@@ -168,6 +184,10 @@ SET status = CASE WHEN o.attempts + 1 >= coalesce(
     run_after = now(),
     last_error = 'lease expired: relay ' || coalesce(o.locked_by, '?')
                  || ' stopped before recording an outcome',
+    finished_at = CASE WHEN o.attempts + 1 >= coalesce(
+                      (SELECT l.max_attempts FROM limits AS l WHERE l.destination = o.destination),
+                      $1)
+                  THEN now() END,
     locked_by = NULL,
     locked_until = NULL
 FROM expired
@@ -175,57 +195,92 @@ WHERE o.id = expired.id
 RETURNING o.id, o.status, o.destination
 """
 
-# On clean shutdown: rows claimed but not attempted go back untouched (no attempt counted).
+# On clean shutdown: rows claimed but not attempted go back untouched (no attempt counted),
+# if this relay still holds them under the same claim.
 RELEASE = """
-UPDATE {table}
+UPDATE {table} AS o
 SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
-WHERE status = 'running' AND locked_by = $1 AND id = ANY($2::bigint[])
+FROM unnest($2::bigint[], $3::int[]) AS u(id, token)
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $1
 """
 
-UNKNOWN_DESTINATIONS = """
+# Pending rows of destinations that neither this relay ($1) nor any relay seen in the last $2
+# seconds serves (see the relay registry): nobody will deliver them until a config changes.
+# Failing them ($3) spares rows younger than a grace period, so a relay that serves them has
+# time to start (a new deployment, a relay added for a new destination).
+_UNSERVED = """
+WHERE status = 'pending' AND NOT (destination = ANY($1::text[]))
+  AND NOT EXISTS (SELECT 1 FROM {relays} AS r
+                  WHERE r.seen_at > now() - make_interval(secs => $2)
+                    AND {table}.destination = ANY(r.destinations))
+"""
+
+UNKNOWN_DESTINATIONS = (
+    """
 SELECT destination, count(*) AS rows, min(created_at) AS oldest
 FROM {table}
-WHERE status = 'pending' AND NOT (destination = ANY($1::text[]))
+"""
+    + _UNSERVED
+    + """
 GROUP BY destination
 ORDER BY destination
 """
+)
 
-FAIL_UNKNOWN_DESTINATIONS = """
+FAIL_UNKNOWN_DESTINATIONS = (
+    """
 UPDATE {table}
 SET status = 'failed',
+    finished_at = now(),
     last_error = 'unknown destination ' || quote_literal(destination)
-                 || ': add it to the relay config, then run outbox-relay retry'
-WHERE status = 'pending' AND NOT (destination = ANY($1::text[]))
+                 || ': no running relay serves it; add it to a relay config, then run '
+                 || 'outbox-relay retry'
+"""
+    + _UNSERVED
+    + """
+  AND created_at < now() - make_interval(secs => $3)
 RETURNING destination
 """
+)
 
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
 # updated as in RECORD. Still one statement; the two parts touch disjoint rows.
 RECORD_DELETING = """
 WITH u AS (
-    SELECT * FROM unnest($1::bigint[], $2::text[], $3::int[], $4::float8[], $5::text[])
-         AS u(id, status, counted, delay, error)
+    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[],
+                         $6::text[])
+         AS u(id, token, status, counted, delay, error)
 ),
 gone AS (
     DELETE FROM {table} AS o
     USING u
-    WHERE o.id = u.id AND u.status = 'delivered' AND o.status = 'running' AND o.locked_by = $6
+    WHERE o.id = u.id AND u.status = 'delivered'
+      AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
+    RETURNING o.id
+),
+kept AS (
+    UPDATE {table} AS o
+    SET status = u.status,
+        attempts = o.attempts + u.counted,
+        run_after = CASE WHEN u.status = 'pending'
+                         THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
+        last_error = COALESCE(u.error, o.last_error),
+        finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
+        claims = u.token,  -- unchanged; see RECORD
+        locked_by = NULL,
+        locked_until = NULL
+    FROM u
+    WHERE o.id = u.id AND u.status <> 'delivered'
+      AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
+    RETURNING o.id
 )
-UPDATE {table} AS o
-SET status = u.status,
-    attempts = o.attempts + u.counted,
-    run_after = CASE WHEN u.status = 'pending'
-                     THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
-    last_error = COALESCE(u.error, o.last_error),
-    locked_by = NULL,
-    locked_until = NULL
-FROM u
-WHERE o.id = u.id AND u.status <> 'delivered' AND o.status = 'running' AND o.locked_by = $6
+SELECT id FROM gone UNION ALL SELECT id FROM kept
 """
 
 # --- operations: pause, retention, gauges -----------------------------------------------------
 
 PAUSED_TABLE = "outbox_paused"
+RELAYS_TABLE = "outbox_relays"
 PAUSED = "SELECT destination FROM {paused}"
 
 PAUSED_DETAIL = """
@@ -256,6 +311,30 @@ GROUP BY destination
 """
 
 PING = "SELECT 1"
+
+# --- the relay registry (outbox_relays) -------------------------------------------------------
+
+# A relay says it is alive, and what it serves, every few seconds (one row per relay).
+REGISTER = """
+INSERT INTO {relays} (relay_id, host, pid, version, destinations)
+VALUES ($1, $2, $3, $4, $5::text[])
+ON CONFLICT (relay_id) DO UPDATE
+SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
+    destinations = EXCLUDED.destinations, seen_at = now(), stopped_at = NULL
+"""
+
+# On a clean stop. The row stays: its destinations still count as served for a while, so a
+# rolling restart does not make another relay fail their rows as unknown.
+UNREGISTER = "UPDATE {relays} SET stopped_at = now(), seen_at = now() WHERE relay_id = $1"
+
+FORGET_RELAYS = "DELETE FROM {relays} WHERE seen_at < now() - make_interval(secs => $1)"
+
+RELAYS = """
+SELECT relay_id, host, pid, version, destinations, started_at, seen_at, stopped_at,
+       extract(epoch FROM now() - seen_at)::float8 AS seen_age
+FROM {relays}
+ORDER BY relay_id
+"""
 NOTIFY = "SELECT pg_notify($1, '')"
 
 # --- operations: the CLI ----------------------------------------------------------------------
@@ -267,6 +346,7 @@ SELECT destination,
        count(*) FILTER (WHERE status = 'running') AS running,
        count(*) FILTER (WHERE status = 'delivered') AS delivered,
        count(*) FILTER (WHERE status = 'failed') AS failed,
+       count(*) FILTER (WHERE status = 'skipped') AS skipped,
        extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
            AS oldest_pending_age,
        max(delivered_at) AS last_delivered_at
@@ -332,7 +412,8 @@ WITH matching AS (
     FOR UPDATE
 )
 UPDATE {table} AS o
-SET status = 'pending', attempts = 0, run_after = now(), locked_by = NULL, locked_until = NULL
+SET status = 'pending', attempts = 0, run_after = now(), locked_by = NULL, locked_until = NULL,
+    finished_at = NULL
 FROM matching
 WHERE o.id = matching.id
 RETURNING o.id, o.destination
@@ -341,13 +422,16 @@ RETURNING o.id, o.destination
 
 ID_STATUSES = "SELECT id, status FROM {table} WHERE id = ANY($1::bigint[])"
 
-# purge: delivered rows age from delivered_at (found through outbox_delivered_idx), failed
-# rows from created_at. $1: seconds, $2: destinations or NULL, $3: batch size.
+# purge: delivered rows age from delivered_at (found through outbox_delivered_idx), skipped
+# and failed rows from finished_at, when they got that status (outbox_finished_idx).
+# $1: seconds, $2: destinations or NULL, $3: whether failed rows go too.
 PURGE_PREVIEW = """
 SELECT destination, status, count(*) AS rows
 FROM {table}
 WHERE ((status = 'delivered' AND delivered_at < now() - make_interval(secs => $1))
-       OR (status = 'failed' AND $3::bool AND created_at < now() - make_interval(secs => $1)))
+       OR (status IN ('failed', 'skipped')
+           AND (status = 'skipped' OR $3::bool)
+           AND finished_at < now() - make_interval(secs => $1)))
   AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
 GROUP BY destination, status
 ORDER BY destination, status
@@ -369,18 +453,20 @@ USING doomed
 WHERE o.id = doomed.id AND o.status = 'delivered'
 """
 
-PURGE_FAILED = """
+# Failed or skipped rows ($4: which of the two) that ended more than $1 seconds ago.
+PURGE_FINISHED = """
 WITH doomed AS (
     SELECT id FROM {table}
-    WHERE status = 'failed' AND created_at < now() - make_interval(secs => $1)
+    WHERE status IN ('failed', 'skipped') AND status = ANY($4::text[])
+      AND finished_at < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-    ORDER BY id
+    ORDER BY finished_at
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 )
 DELETE FROM {table} AS o
 USING doomed
-WHERE o.id = doomed.id AND o.status = 'failed'
+WHERE o.id = doomed.id AND o.status = ANY($4::text[])
 """
 
 # --- per-key ordered delivery ----------------------------------------------------------------
@@ -391,15 +477,26 @@ WHERE o.id = doomed.id AND o.status = 'failed'
 # rows stay invisible to that claim. Every id up to the result belongs to a transaction that
 # had finished when it was read: the smallest fence key still held (taken before its holder
 # drew any id), capped at the highest id then visible (ids are drawn in increasing order, so
-# a row at or below it was drawn before this reading, and so were all lower ids).
+# a row at or below it was drawn before this reading, and so were all lower ids). Only this
+# table's keys count ($1: the table; see migrations/0004 for the key's layout), and untagged
+# keys of inserts that began under the trigger of migration 0003.
 FENCE = """
+WITH held AS (
+    SELECT l.virtualtransaction AS vxid,
+           ((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904 AS k
+    FROM pg_locks AS l
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1
+      AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+      AND l.classid::bigint >= 1073741824 AND l.classid::bigint < 2147483648
+),
+fence_keys AS (
+    SELECT vxid, k >> 48 AS tag, k & 281474976710655 AS v FROM held
+)
 SELECT least(
-    (SELECT coalesce(min(((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904),
-                     9223372036854775807)
-     FROM pg_locks AS l
-     WHERE l.locktype = 'advisory' AND l.objsubid = 1
-       AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-       AND l.classid >= 1073741824 AND l.classid < 1342177280),
+    (SELECT coalesce(min(a.v), 9223372036854775807) FROM fence_keys AS a
+     WHERE a.tag = 1 + mod($1::regclass::oid::bigint, 16383)
+        OR (a.tag = 0 AND NOT EXISTS (SELECT 1 FROM fence_keys AS b
+                                      WHERE b.vxid = a.vxid AND b.tag > 0))),
     (SELECT coalesce(max(id), 0) FROM {table})
 )
 """
@@ -466,10 +563,11 @@ locked AS (
 ),
 claimed AS (
     UPDATE {table} AS o
-    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4)
+    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
+        claims = o.claims + 1
     WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
     RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
-              o.attempts, o.created_at
+              o.attempts, o.created_at, o.claims
 )
 SELECT * FROM claimed
 UNION ALL
@@ -477,7 +575,7 @@ SELECT -1, NULL, CASE
            WHEN (SELECT count(*) FROM heads) >= $2 THEN (SELECT max(key) FROM heads)
            WHEN (SELECT count(*) FROM k) >= $5 THEN (SELECT key FROM k ORDER BY n DESC LIMIT 1)
        END,
-       NULL, NULL, NULL, 0, NULL
+       NULL, NULL, NULL, 0, NULL, 0
 """
 
 # Keys held up by a failed row: a key's first failed row with later rows of the key pending
@@ -502,6 +600,7 @@ ORDER BY f.destination, f.key
 SKIP = """
 UPDATE {table}
 SET status = 'skipped',
+    finished_at = now(),
     last_error = coalesce(last_error, '') || ' [skipped by ' || $2 || ' at ' || now() || ']'
 WHERE id = ANY($1::bigint[]) AND status = 'failed'
 RETURNING id, destination, key

@@ -24,10 +24,11 @@ from sqlalchemy import (
     event,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 TABLE_NAME = "outbox"
 PAUSED_TABLE_NAME = "outbox_paused"
+RELAYS_TABLE_NAME = "outbox_relays"
 
 
 class Status(StrEnum):
@@ -56,11 +57,15 @@ CREATE TRIGGER outbox_notify AFTER INSERT ON {schema}outbox
 _FENCE_FUNCTION = """
 CREATE FUNCTION {schema}outbox_fence_lock() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
-BEGIN
+DECLARE
     -- SECURITY DEFINER: reading the sequence needs a privilege INSERT alone does not give.
-    PERFORM pg_advisory_xact_lock_shared(4611686018427387904 + coalesce(pg_sequence_last_value(
+    last bigint := least(coalesce(pg_sequence_last_value(
         pg_get_serial_sequence(quote_ident(TG_TABLE_SCHEMA) || '.' || quote_ident(TG_TABLE_NAME),
-                               'id')::regclass), 0));
+                               'id')::regclass), 0), 281474976710655);
+BEGIN
+    PERFORM pg_advisory_xact_lock_shared(
+        4611686018427387904 + ((1 + mod(TG_RELID::bigint, 16383)) << 48) + last);
+    PERFORM pg_advisory_xact_lock_shared(4611686018427387904 + last);
     RETURN NULL;
 END
 $$
@@ -112,6 +117,10 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
         Column("last_error", Text, nullable=True),
         Column("created_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("delivered_at", DateTime(timezone=True), nullable=True),
+        # The fencing token: a claim increments it, and the claiming relay's writes apply only
+        # while the row still carries the value that claim returned.
+        Column("claims", Integer, nullable=False, server_default=text("0")),
+        Column("finished_at", DateTime(timezone=True), nullable=True),
         CheckConstraint("destination <> ''", name="outbox_destination_check"),
         CheckConstraint(
             "status IN ('pending', 'running', 'delivered', 'failed', 'skipped')",
@@ -129,6 +138,11 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
             "outbox_delivered_idx",
             "delivered_at",
             postgresql_where=text("status = 'delivered'"),
+        ),
+        Index(
+            "outbox_finished_idx",
+            "finished_at",
+            postgresql_where=text("status IN ('failed', 'skipped')"),
         ),
         Index(
             "outbox_key_idx",
@@ -162,6 +176,24 @@ def define_paused_table(metadata: MetaData, schema: str | None = None) -> Table:
     )
 
 
+def define_relays_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_relays`` (the relays that run, and what they serve) to ``metadata``."""
+    return Table(
+        RELAYS_TABLE_NAME,
+        metadata,
+        Column("relay_id", Text, primary_key=True),
+        Column("host", Text, nullable=True),
+        Column("pid", Integer, nullable=True),
+        Column("version", Text, nullable=True),
+        Column("destinations", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
+        Column("started_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("seen_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+        Column("stopped_at", DateTime(timezone=True), nullable=True),
+        schema=schema,
+    )
+
+
 metadata = MetaData()
 outbox_table = define_outbox_table(metadata)
 paused_table = define_paused_table(metadata)
+relays_table = define_relays_table(metadata)

@@ -28,7 +28,7 @@ def _sql(sql: str, schema: str) -> str:
 
 
 async def _check_tables(conn: asyncpg.Connection, schema: str) -> None:
-    for table in ("outbox", queries.PAUSED_TABLE):
+    for table in ("outbox", queries.PAUSED_TABLE, queries.RELAYS_TABLE):
         if not await conn.fetchval(queries.TABLE_EXISTS, queries.qualified_table(schema, table)):
             raise AdminError(
                 f"no {table} table in schema {schema!r}: run `outbox-relay migrate` "
@@ -47,6 +47,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
         errors = await conn.fetch(_sql(queries.STATUS_ERRORS, schema))
         paused = await conn.fetch(_sql(queries.PAUSED_DETAIL, schema))
         blocked = await conn.fetch(_sql(queries.BLOCKED_KEYS, schema), None)
+        relays = await conn.fetch(_sql(queries.RELAYS, schema))
     dests: dict[str, dict[str, Any]] = {}
 
     def dest(name: str) -> dict[str, Any]:
@@ -60,6 +61,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
                 "running": 0,
                 "delivered": 0,
                 "failed": 0,
+                "skipped": 0,
                 "oldest_pending_age_s": None,
                 "last_delivered_at": None,
                 "in_flight": [],
@@ -76,6 +78,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
             running=r["running"],
             delivered=r["delivered"],
             failed=r["failed"],
+            skipped=r["skipped"],
             oldest_pending_age_s=(
                 round(r["oldest_pending_age"], 3) if r["oldest_pending_age"] is not None else None
             ),
@@ -110,9 +113,40 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
         }
     rows = [dests[k] for k in sorted(dests)]
     totals = {
-        k: sum(d[k] for d in rows) for k in ("pending", "due_now", "running", "delivered", "failed")
+        k: sum(d[k] for d in rows)
+        for k in ("pending", "due_now", "running", "delivered", "failed", "skipped")
     }
-    return {"schema": schema, "destinations": rows, "totals": totals}
+    return {
+        "schema": schema,
+        "destinations": rows,
+        "totals": totals,
+        "relays": [_relay(r) for r in relays],
+    }
+
+
+# A running relay refreshes its registration at least every 10 s.
+RELAY_SILENT_AFTER = 30.0
+
+
+def _relay(r: asyncpg.Record) -> dict[str, Any]:
+    if r["stopped_at"] is not None:
+        state = "stopped"
+    elif r["seen_age"] > RELAY_SILENT_AFTER:
+        state = "silent"  # stopped without saying so (killed), or cut off from the database
+    else:
+        state = "running"
+    return {
+        "relay_id": r["relay_id"],
+        "state": state,
+        "host": r["host"],
+        "pid": r["pid"],
+        "version": r["version"],
+        "destinations": list(r["destinations"]),
+        "started_at": _iso(r["started_at"]),
+        "seen_at": _iso(r["seen_at"]),
+        "seen_age_s": round(r["seen_age"], 3),
+        "stopped_at": _iso(r["stopped_at"]),
+    }
 
 
 # --- show -----------------------------------------------------------------------------------
@@ -241,8 +275,8 @@ async def purge(
     batch_size: int,
     dry_run: bool,
 ) -> dict[str, Any]:
-    """Delete delivered (and with ``failed``, failed) rows older than ``older_than`` seconds,
-    one small transaction per batch."""
+    """Delete delivered and skipped (and with ``failed``, failed) rows that reached that
+    status more than ``older_than`` seconds ago, one small transaction per batch."""
     await _check_tables(conn, schema)
     preview_rows = await conn.fetch(
         _sql(queries.PURGE_PREVIEW, schema), older_than, destinations, failed
@@ -253,15 +287,18 @@ async def purge(
             per.setdefault(r["destination"], {})[r["status"]] = r["rows"]
         total = sum(r["rows"] for r in preview_rows)
         return {"dry_run": True, "rows": total, "destinations": per}
-    deleted = {"delivered": 0, "failed": 0}
-    statements = [("delivered", queries.PURGE_DELIVERED)]
+    deleted = {"delivered": 0, "skipped": 0, "failed": 0}
+    statements: list[tuple[str, str, tuple[Any, ...]]] = [
+        ("delivered", queries.PURGE_DELIVERED, ()),
+        ("skipped", queries.PURGE_FINISHED, (["skipped"],)),
+    ]
     if failed:
-        statements.append(("failed", queries.PURGE_FAILED))
+        statements.append(("failed", queries.PURGE_FINISHED, (["failed"],)))
     batches = 0
-    for status_name, sql in statements:
+    for status_name, sql, extra in statements:
         rendered = _sql(sql, schema)
         while True:
-            result = await conn.execute(rendered, older_than, destinations, batch_size)
+            result = await conn.execute(rendered, older_than, destinations, batch_size, *extra)
             n = int(result.split()[-1])
             deleted[status_name] += n
             batches += 1
@@ -269,7 +306,7 @@ async def purge(
                 break
     return {
         "dry_run": False,
-        "rows": deleted["delivered"] + deleted["failed"],
+        "rows": sum(deleted.values()),
         "deleted": deleted,
         "batches": batches,
     }

@@ -270,12 +270,38 @@ def status(
         sys.exit(EXIT_CONDITION)
 
 
+def _print_relays(relays: list[dict[str, Any]]) -> None:
+    if not relays:
+        return
+    click.echo("\nrelays:")
+    for r in relays:
+        when = {
+            "running": f"seen {_age(r['seen_age_s'])} ago",
+            "silent": f"SILENT for {_age(r['seen_age_s'])} (killed, or cut off from the database)",
+            "stopped": f"stopped at {(r['stopped_at'] or '')[:19]}",
+        }[r["state"]]
+        where = f"{r['host']} pid {r['pid']}" if r["host"] else "?"
+        serves = ", ".join(r["destinations"]) or "-"
+        click.echo(f"  {r['relay_id']}: {r['state']} on {where}, {when}; serves {serves}")
+
+
 def _print_status(data: dict[str, Any]) -> None:
     dests = data["destinations"]
     if not dests:
         click.echo(f"the outbox in schema {data['schema']!r} is empty")
+        _print_relays(data["relays"])
         return
-    head = ("DESTINATION", "PENDING", "DUE", "OLDEST", "RUNNING", "DELIVERED", "FAILED", "STATE")
+    head = (
+        "DESTINATION",
+        "PENDING",
+        "DUE",
+        "OLDEST",
+        "RUNNING",
+        "DELIVERED",
+        "FAILED",
+        "SKIPPED",
+        "STATE",
+    )
     rows = [head]
     for d in dests:
         state = "active"
@@ -293,6 +319,7 @@ def _print_status(data: dict[str, Any]) -> None:
                 str(d["running"]),
                 str(d["delivered"]),
                 str(d["failed"]),
+                str(d["skipped"]),
                 state,
             )
         )
@@ -303,6 +330,7 @@ def _print_status(data: dict[str, Any]) -> None:
             for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
         click.echo("  ".join([*cells, r[-1]]))
+    _print_relays(data["relays"])
     leases = [(d["destination"], x) for d in dests for x in d["in_flight"]]
     if leases:
         click.echo("\nin flight:")
@@ -483,7 +511,9 @@ def purge(
             click.echo(f"  {name}: " + ", ".join(f"{n} {s}" for s, n in sorted(per.items())))
         return
     d = result["deleted"]
-    what = f"{d['delivered']} delivered" + (f" and {d['failed']} failed" if failed else "")
+    what = f"{d['delivered']} delivered, {d['skipped']} skipped" + (
+        f" and {d['failed']} failed" if failed else ""
+    )
     click.echo(
         f"deleted {what} row(s) older than {format_duration(older_than)} "
         f"in {result['batches']} batch(es)"

@@ -45,8 +45,13 @@ class ConfigError(Exception):
     """The configuration cannot be used; the message names every bad key."""
 
 
+# The longest duration any setting takes: ten years. Every delay ends up in a PostgreSQL
+# interval added to now() (lease, run_after) or in an asyncio timer; both hold far more, and
+# nothing a relay waits for is longer. inf and nan are refused everywhere (allow_inf_nan).
+MAX_SECONDS = 10 * 365 * 86400.0
+
 # Seconds, or a string such as "90s", "15m", "1h", "7d", "1h30m" (see relay.durations).
-Duration = Annotated[float, BeforeValidator(parse_duration)]
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(le=MAX_SECONDS)]
 
 # Delivered rows are kept this long by default: long enough to answer "was event 123
 # delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
@@ -55,7 +60,7 @@ DEFAULT_RETENTION = 3600.0
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class Backoff(_Section):
@@ -65,11 +70,11 @@ class Backoff(_Section):
     and later retries repeat its last entry.
     """
 
-    base: float = Field(1.0, gt=0, description="seconds before the first retry")
-    factor: float = Field(2.0, ge=1)
-    max: float = Field(600.0, gt=0, description="cap on one delay, seconds")
+    base: float = Field(1.0, gt=0, le=MAX_SECONDS, description="seconds before the first retry")
+    factor: float = Field(2.0, ge=1, le=1000)
+    max: float = Field(600.0, gt=0, le=MAX_SECONDS, description="cap on one delay, seconds")
     jitter: float = Field(0.2, ge=0, le=1, description="fraction of the delay, random ±")
-    schedule: list[Annotated[float, Field(ge=0)]] | None = None
+    schedule: list[Annotated[float, Field(ge=0, le=MAX_SECONDS)]] | None = None
 
 
 class RelaySettings(_Section):
@@ -79,11 +84,13 @@ class RelaySettings(_Section):
     max_in_flight: int = Field(
         2000, ge=1, le=100_000, description="rows claimed and not yet recorded, at most"
     )
-    lease: float = Field(30.0, ge=1, description="seconds a claim is held without heartbeat")
+    lease: float = Field(
+        30.0, ge=1, le=86400, description="seconds a claim is held without heartbeat"
+    )
     poll_interval: float = Field(
         1.0, gt=0, le=300, description="seconds between polls when no NOTIFY arrives"
     )
-    shutdown_timeout: float = Field(20.0, ge=0, description="seconds to drain on SIGTERM")
+    shutdown_timeout: float = Field(20.0, ge=0, le=86400, description="seconds to drain on SIGTERM")
     max_attempts: int = Field(25, ge=1, description="attempts before a row is failed (dead)")
     backoff: Backoff = Backoff()
     unknown_destinations: Literal["wait", "fail"] = Field(
@@ -91,12 +98,24 @@ class RelaySettings(_Section):
         description="rows naming a destination this relay does not know: leave them pending "
         "(reported) or mark them failed",
     )
+    unknown_grace: Duration = Field(
+        300.0,
+        ge=0,
+        description='with unknown_destinations = "fail": how long a row of a destination no '
+        "running relay serves waits before it is failed (time for such a relay to start)",
+    )
     report_interval: float = Field(
-        30.0, gt=0, description="seconds between checks for rows of unknown destinations"
+        30.0,
+        gt=0,
+        le=86400,
+        description="seconds between checks for rows of unknown destinations",
     )
     pool_size: int = Field(4, ge=2, le=64, description="database connections (plus LISTEN)")
     startup_timeout: float = Field(
-        60.0, ge=0, description="seconds to keep retrying an unreachable database at start-up"
+        60.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="seconds to keep retrying an unreachable database at start-up",
     )
 
     retention: Duration = Field(
@@ -187,9 +206,11 @@ class WebhookClientSettings(_Section):
         100, ge=1, description="open connections at most (keep >= sum of max_concurrency)"
     )
     max_keepalive_connections: int = Field(20, ge=0, description="idle connections kept")
-    keepalive_expiry: float = Field(30.0, gt=0, description="seconds an idle connection lives")
+    keepalive_expiry: float = Field(
+        30.0, gt=0, le=86400, description="seconds an idle connection lives"
+    )
     connect_timeout: float = Field(
-        5.0, gt=0, description="seconds for DNS + TCP + TLS; destinations may override"
+        5.0, gt=0, le=300, description="seconds for DNS + TCP + TLS; destinations may override"
     )
     max_response_bytes: int = Field(
         4096, ge=0, le=1_048_576, description="response body bytes read, at most"
@@ -240,9 +261,14 @@ class Circuit(_Section):
     """Per-endpoint circuit breaker: stop sending after consecutive failures, then probe."""
 
     threshold: int = Field(5, ge=1, description="consecutive failures that open the circuit")
-    cooldown: float = Field(30.0, gt=0, description="seconds open before the first probe")
+    cooldown: float = Field(
+        30.0, gt=0, le=MAX_SECONDS, description="seconds open before the first probe"
+    )
     max_cooldown: float = Field(
-        600.0, gt=0, description="cap on the cool-down, which doubles per failed probe"
+        600.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="cap on the cool-down, which doubles per failed probe",
     )
 
 
@@ -257,7 +283,7 @@ class WebhookDestination(_Delivery):
     )
     timeout: float = Field(15.0, gt=0, le=300, description="seconds per request, in total")
     connect_timeout: float | None = Field(
-        None, gt=0, description="overrides webhooks.connect_timeout"
+        None, gt=0, le=300, description="overrides webhooks.connect_timeout"
     )
     max_concurrency: int = Field(16, ge=1, le=1000, description="in-flight requests, at most")
     headers: dict[str, str] = Field(default_factory=dict, repr=False)
@@ -265,7 +291,10 @@ class WebhookDestination(_Delivery):
         True, description="retry 3xx and 4xx (but 408/410/425/429); false: fail them at once"
     )
     retry_after_max: float = Field(
-        3600.0, ge=1, description="cap on a Retry-After the endpoint asks for, seconds"
+        3600.0,
+        ge=1,
+        le=MAX_SECONDS,
+        description="cap on a Retry-After the endpoint asks for, seconds",
     )
     allow_private_networks: bool = Field(
         False, description="allow loopback/private/link-local/... addresses (SSRF guard off)"
@@ -379,6 +408,7 @@ class Settings(BaseSettings):
         env_nested_max_split=1,
         extra="forbid",
         frozen=True,
+        allow_inf_nan=False,
     )
 
     database_url: SecretStr

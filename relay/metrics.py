@@ -158,6 +158,17 @@ class Metrics:
         self.reaped = Counter(
             "outbox_leases_expired", "Rows taken back from relays that stopped", registry=r
         )
+        self.leases_lost = Counter(
+            "outbox_leases_lost",
+            "Rows this relay found it no longer held (it stalled past the lease): not sent or "
+            "not recorded by it",
+            registry=r,
+        )
+        self.delivery_errors = Counter(
+            "outbox_delivery_errors",
+            "Deliveries that raised unexpectedly (a bug); their rows were retried",
+            registry=r,
+        )
         self.retention_deleted = Counter(
             "outbox_retention_deleted_rows",
             "Delivered rows deleted by retention (by this relay)",

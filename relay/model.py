@@ -2,12 +2,41 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
 
-@dataclass(frozen=True, slots=True)
+class Lease:
+    """This relay's hold on one claimed row.
+
+    ``token`` is the fencing token the claim returned (the row's ``claims``): every write the
+    relay makes about the row (heartbeat, outcome, release) applies only while the row still
+    carries it. ``until`` is when the hold is certain to end on this process's monotonic
+    clock, measured from before the statement that set it, so it never outlives the lease
+    PostgreSQL recorded. A row whose lease is not ``held()`` is not sent: another relay may
+    have it by now.
+    """
+
+    __slots__ = ("handed_off", "lost", "token", "until")
+
+    def __init__(self, token: int, until: float) -> None:
+        self.token = token
+        self.until = until
+        self.lost = False
+        # The row's outcome is with the completer: a heartbeat that no longer finds the row
+        # running may just have raced its recording, so it is not "lost".
+        self.handed_off = False
+
+    def held(self) -> bool:
+        return not self.lost and time.monotonic() < self.until
+
+    def __repr__(self) -> str:
+        return f"Lease(token={self.token}, held={self.held()})"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Envelope:
     """One claimed outbox row, as sinks see it."""
 
@@ -19,6 +48,7 @@ class Envelope:
     headers: dict[str, str]
     attempts: int  # attempts before this one
     created_at: datetime
+    lease: Lease
 
 
 class Result(StrEnum):

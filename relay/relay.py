@@ -9,28 +9,40 @@ one dies the relay stops with a non-zero status rather than running half-alive.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import asyncpg
 import structlog
 
-from relay import backoff, tracing
+from relay import backoff, outcomes, tracing
 from relay.breaker import Breaker
 from relay.completer import Completer
-from relay.config import Settings
+from relay.config import Settings, package_version
+from relay.errors import describe
 from relay.httpserver import HttpServer, HttpStartupError, build_app
 from relay.listener import Listener
 from relay.metrics import Metrics
-from relay.model import Envelope, Outcome, Result, header_problem, truncate_error
+from relay.model import Envelope, Outcome, Result, header_problem
 from relay.sinks import Sink
 from relay.sinks.factory import build_sinks
-from relay.store import DB_ERRORS, Record, Store, create_pool
+from relay.store import DB_ERRORS, Record, Store, create_pool, is_plain_sql_error
 
 log = structlog.get_logger("relay")
+
+# A destination counts as served by another relay if one that serves it was seen this
+# recently (rolling restarts included): unknown_destinations = "fail" spares its rows.
+SERVED_WITHIN = 600.0
+# Registrations of relays not seen for this long are deleted.
+FORGET_RELAYS_AFTER = 7 * 86400.0
+# Retry delay for rows whose delivery raised (when the backoff itself is what raised).
+CRASH_RETRY_DELAY = 5.0
+LOST_IDS_LOGGED = 20
 
 
 class RelayStartupError(Exception):
@@ -101,6 +113,10 @@ class Relay:
             asyncio.create_task(self._completer.run(), name="completer"),
             asyncio.create_task(self._listener.run(), name="listener"),
             asyncio.create_task(self._every(rs.lease / 3, self._heartbeat), name="heartbeat"),
+            asyncio.create_task(
+                self._every(min(rs.lease / 3, 10.0), self._register, first=min(rs.lease / 3, 10.0)),
+                name="registry",
+            ),
             # Every poll interval (at most lease / 2): a dead relay's rows are claimable again
             # within one lease and one poll interval. The query reads only the small partial
             # index of running rows, so running it this often is cheap.
@@ -154,7 +170,7 @@ class Relay:
             log.error(
                 "relay.task.crashed",
                 task=task.get_name(),
-                error=f"{type(exc).__name__}: {exc}" if exc else "exited",
+                error=describe(exc) if exc else "exited",
                 exc_info=exc,
             )
         self._stopping.set()
@@ -176,41 +192,28 @@ class Relay:
         delay = 0.5
         while True:
             try:
-                self._pool = await create_pool(self.settings.dsn, self.id, rs.pool_size)
+                await self._connect()
                 break
             except DB_ERRORS as exc:
+                if self._pool is not None:
+                    await self._pool.close()
+                    self._pool = None
+                if isinstance(exc, asyncpg.PostgresError) and is_plain_sql_error(exc):
+                    # The server answered, and said no: waiting will not change it.
+                    raise RelayStartupError(_refused_at_startup(exc)) from exc
                 if time.monotonic() + delay > deadline:
                     raise RelayStartupError(
                         f"cannot reach the database after {rs.startup_timeout:.0f}s: "
-                        f"{type(exc).__name__}: {exc}. Check database_url / "
+                        f"{describe(exc)}. Check database_url / "
                         "OUTBOX_DATABASE_URL and that PostgreSQL is up."
                     ) from exc
                 log.warning(
                     "relay.database.unavailable",
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=describe(exc),
                     retry_in=round(delay, 1),
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
-        self._store = Store(
-            self._pool, rs.db_schema, self.id, rs.lease, delete_delivered=rs.retention == 0
-        )
-        if not await self._store.table_exists() or not await self._store.paused_table_exists():
-            await self._pool.close()
-            raise RelayStartupError(
-                f"the outbox tables in schema {rs.db_schema!r} are missing or not up to date: "
-                "run `outbox-relay migrate` first"
-            )
-        # Before the first claim: a relay that starts while a destination is paused never
-        # claims it.
-        try:
-            await self._refresh_paused()
-        except asyncpg.PostgresError as exc:
-            await self._pool.close()
-            raise RelayStartupError(
-                f"cannot read the paused destinations: {type(exc).__name__}: {exc}. The relay's "
-                "role needs SELECT on outbox_paused (see deploy/sql/relay_role.sql)"
-            ) from exc
         if self.settings.http.enabled:
             self.http = HttpServer(
                 self.settings.http, build_app(self.metrics.registry, self.health, self.readiness)
@@ -218,14 +221,33 @@ class Relay:
             try:
                 await self.http.start()
             except HttpStartupError as exc:
-                await self._pool.close()
+                await self.store.pool.close()
                 raise RelayStartupError(str(exc)) from exc
-        self._completer = Completer(self._store, self._on_recorded)
+        self._completer = Completer(self.store, self._on_recorded)
         self._listener = Listener(
-            self.settings.dsn, self._store.channel, self.wake, f"outbox-relay-listen:{self.id}"
+            self.settings.dsn, self.store.channel, self.wake, f"outbox-relay-listen:{self.id}"
         )
         for sink in {id(s): s for s in self.sinks.values()}.values():
             await sink.start()
+
+    async def _connect(self) -> None:
+        """Open the pool, check the tables, read the paused destinations and register: all
+        before the first claim, so a relay that starts while a destination is paused never
+        claims it, and other relays know what this one serves."""
+        rs = self.settings.relay
+        self._pool = await create_pool(self.settings.dsn, self.id, rs.pool_size)
+        self._store = Store(
+            self._pool, rs.db_schema, self.id, rs.lease, delete_delivered=rs.retention == 0
+        )
+        missing = await self._store.missing_tables()
+        if missing:
+            await self._pool.close()
+            raise RelayStartupError(
+                f"the outbox tables in schema {rs.db_schema!r} are missing or not up to date "
+                f"(no {', '.join(missing)}): run `outbox-relay migrate` first"
+            )
+        await self._refresh_paused()
+        await self._register()
 
     # --- the claim loop -----------------------------------------------------------------
 
@@ -262,27 +284,35 @@ class Relay:
             limit = min(rs.batch_size, free)
             # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
             self._wake.clear()
-            try:
-                batch = await self._claim(destinations, limit)
-            except DB_ERRORS as exc:
-                self._database_down(exc, retry)
+            batch, error = await self._claim(destinations, limit)
+            if batch:
+                # Claimed and committed: these rows are delivered even when a later
+                # destination's claim failed, never left to wait for their lease.
+                self._dispatch(batch)
+                # Let the deliveries start, so a sink that is now full says so (available())
+                # before the next claim: claims follow the sinks' free capacity.
+                await asyncio.sleep(0)
+            if error is not None:
+                if not isinstance(error, DB_ERRORS):
+                    raise error
+                self._database_down(error, retry)
                 await self._wait(None, retry)
                 retry = min(retry * 2, 5.0)
                 continue
             retry = 0.1
             self._database_up()
-            if batch:
-                self._dispatch(batch)
-                # Let the deliveries start, so a sink that is now full says so (available())
-                # before the next claim: claims follow the sinks' free capacity.
-                await asyncio.sleep(0)
             if len(batch) < limit and not self._scan_progressed:
                 await self._wait(self._wake, rs.poll_interval * random.uniform(0.8, 1.2))
 
-    async def _claim(self, destinations: list[str], limit: int) -> list[Envelope]:
+    async def _claim(
+        self, destinations: list[str], limit: int
+    ) -> tuple[list[Envelope], BaseException | None]:
         """One claim per destination, in an order that rotates from claim to claim, until the
         batch is full: a destination with a full batch always waiting cannot starve the
-        others, and each claim reads only its own destination's part of the index."""
+        others, and each claim reads only its own destination's part of the index.
+
+        Returns what was claimed and the error that stopped it, if one did: rows already
+        claimed for earlier destinations are committed and must still be delivered."""
         self._turn += 1
         start = self._turn % len(destinations)
         batch: list[Envelope] = []
@@ -291,28 +321,33 @@ class Relay:
             if len(batch) >= limit:
                 self._scan_progressed = True  # the others' turn comes at once
                 break
-            if not self.settings.ordered(dest):
-                batch += await self.store.claim(dest, limit - len(batch))
-                continue
-            rows, nxt = await self.store.claim_ordered(
-                dest,
-                limit - len(batch),
-                self.settings.parks_poison(dest),
-                limit * 4,
-                self._cursors.get(dest),
-            )
-            self._cursors[dest] = nxt
-            # A cursor means the walk stopped before the last key: claim again at once.
-            self._scan_progressed |= nxt is not None
-            batch += rows
-        return batch
+            try:
+                batch += await self._claim_one(dest, limit - len(batch))
+            except Exception as exc:
+                return batch, exc
+        return batch, None
+
+    async def _claim_one(self, dest: str, limit: int) -> list[Envelope]:
+        if not self.settings.ordered(dest):
+            return await self.store.claim(dest, limit)
+        rows, nxt = await self.store.claim_ordered(
+            dest,
+            limit,
+            self.settings.parks_poison(dest),
+            limit * 4,
+            self._cursors.get(dest),
+        )
+        self._cursors[dest] = nxt
+        # A cursor means the walk stopped before the last key: claim again at once.
+        self._scan_progressed |= nxt is not None
+        return rows
 
     def _database_down(self, exc: BaseException, retry_in: float) -> None:
         if not self._db_down:
             self._db_down = True
             log.error(
                 "relay.database.unavailable",
-                error=f"{type(exc).__name__}: {exc}",
+                error=describe(exc),
                 retry_in=round(retry_in, 1),
                 action="reconnecting with backoff; claimed rows stay leased",
             )
@@ -324,6 +359,11 @@ class Relay:
 
     def _dispatch(self, batch: list[Envelope]) -> None:
         for env in batch:
+            earlier = self._in_flight.get(env.id)
+            if earlier is not None:
+                # This relay claimed the row again: its earlier claim expired (a stall longer
+                # than the lease) and was reaped. That claim can no longer record anything.
+                self._lose([earlier], "claimed again after the lease expired")
             self._in_flight[env.id] = env
         self.stats["claimed"] += len(batch)
         self.metrics.batch_size.observe(len(batch))
@@ -340,35 +380,60 @@ class Relay:
             self._deliveries.add(task)
             task.add_done_callback(self._deliveries.discard)
 
+    # --- delivering ---------------------------------------------------------------------
+
     async def _deliver(self, sink: Sink, envs: list[Envelope]) -> None:
-        started = time.monotonic()
-        spans = tracing.start_delivery_spans(envs, _sink_kind(sink))
-        # Rows written around enqueue() (plain SQL) can carry headers no sink can send; they
-        # fail alone, with the reason, instead of failing the batch they came in.
-        unsendable = [
-            Outcome.failed(e.id, problem)
-            for e in envs
-            if (problem := header_problem(e.headers)) is not None
-        ]
-        sendable = [e for e in envs if header_problem(e.headers) is None] if unsendable else envs
+        """Deliver one destination's rows and hand their outcomes to the completer, whatever
+        raises on the way: every claimed row ends recorded, back in pending, or (if even that
+        cannot be written) dropped from this relay's leases so the reaper takes it back."""
         try:
-            outcomes = unsendable + (await sink.deliver(sendable) if sendable else [])
+            records = await self._attempt(sink, envs)
         except Exception as exc:
-            log.exception("relay.sink.error", count=len(envs))
-            outcomes = unsendable + [
-                Outcome.retry(e.id, f"sink error: {type(exc).__name__}: {exc}") for e in sendable
-            ]
+            records = self._crashed(envs, exc)
+        await self._hand_off(records, envs)
+
+    async def _attempt(self, sink: Sink, envs: list[Envelope]) -> list[Record]:
+        started = time.monotonic()
+        outcome_of: dict[int, Outcome] = {}
+        sendable: list[Envelope] = []
+        for env in envs:
+            if not env.lease.held():
+                # The lease ran out (a stall) before the row was sent: another relay may
+                # hold it by now. Not sent; recorded as unattempted if it is still ours.
+                outcome_of[env.id] = Outcome.defer(
+                    env.id, "lease expired before sending; not attempted", 0.0
+                )
+            elif (problem := header_problem(env.headers)) is not None:
+                # Rows written around enqueue() (plain SQL) can carry headers no sink can
+                # send; they fail alone, with the reason, instead of failing their batch.
+                outcome_of[env.id] = Outcome.failed(env.id, problem)
+            else:
+                sendable.append(env)
+        spans = tracing.start_delivery_spans(sendable, _sink_kind(sink))
+        if sendable:
+            try:
+                for o in await sink.deliver(sendable):
+                    outcome_of.setdefault(o.id, o)
+            except Exception as exc:
+                log.exception("relay.sink.error", count=len(sendable), ids=_ids(sendable))
+                for e in sendable:
+                    outcome_of.setdefault(e.id, Outcome.retry(e.id, f"sink error: {describe(exc)}"))
         acked = time.time()
-        by_id = {o.id: o for o in outcomes}
-        tracing.end_delivery_spans(spans, by_id)
+        tracing.end_delivery_spans(spans, outcome_of)
         records = []
         counts: Counter[str] = Counter()
         # (destination, record status or "deferred", outcome, http status class) -> rows
         observed: Counter[tuple[str, str, str, str]] = Counter()
         latencies: dict[str, list[float]] = {}
+        retry_error: str | None = None
         for env in envs:
-            outcome = by_id.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
-            rec = self._to_record(env, outcome)
+            outcome = outcome_of.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
+            rec = outcomes.to_record(
+                env,
+                outcome,
+                self.settings.max_attempts(env.destination),
+                self.settings.backoff(env.destination),
+            )
             kind = rec.status if outcome.result is not Result.DEFER else "deferred"
             counts[kind] += 1
             code = outcome.http_status
@@ -385,14 +450,15 @@ class Relay:
                     attempts=env.attempts + rec.counted,
                     error=rec.error,
                 )
+            elif kind == "pending" and retry_error is None:
+                retry_error = rec.error
             records.append(rec)
         if counts["pending"]:
-            sample = next(o for o in outcomes if o.result is Result.RETRY)
             log.warning(
                 "relay.delivery.retrying",
                 count=counts["pending"],
                 destinations=sorted({e.destination for e in envs}),
-                error=sample.error,
+                error=retry_error,
             )
         log.debug(
             "relay.batch.delivered",
@@ -404,8 +470,61 @@ class Relay:
             duration_ms=round((time.monotonic() - started) * 1000, 1),
         )
         self._observe(observed, latencies)
-        assert self._completer is not None
-        self._completer.add(records)
+        return records
+
+    def _crashed(self, envs: list[Envelope], exc: BaseException) -> list[Record]:
+        """Records for rows whose delivery raised: retried with the error, logged once."""
+        error = describe(exc)
+        log.error(
+            "relay.delivery.crashed",
+            count=len(envs),
+            ids=_ids(envs),
+            error=error,
+            action="the rows are retried with this error as last_error; please report it",
+            exc_info=exc,
+        )
+        self.metrics.delivery_errors.inc()
+        records = []
+        for env in envs:
+            try:
+                delay = backoff.delay(self.settings.backoff(env.destination), env.attempts + 1)
+                delay = outcomes.clamp_delay(delay, CRASH_RETRY_DELAY)
+            except Exception:
+                delay = CRASH_RETRY_DELAY
+            records.append(
+                outcomes.crashed(env, error, self.settings.max_attempts(env.destination), delay)
+            )
+        return records
+
+    async def _hand_off(self, records: list[Record], envs: list[Envelope]) -> None:
+        """Give the records to the completer; if that fails, write them here; if that fails
+        too, put the rows back to pending; failing that, stop renewing their leases."""
+        for env in envs:
+            env.lease.handed_off = True
+        try:
+            assert self._completer is not None
+            self._completer.add(records)
+            return
+        except Exception as exc:
+            log.error("relay.record.handoff_failed", count=len(records), error=describe(exc))
+        try:
+            written = await self.store.record(records)
+            self._on_recorded(records, written, set())
+            return
+        except Exception as exc:
+            log.error("relay.record.direct_failed", count=len(records), error=describe(exc))
+        leases = [(e.id, e.lease.token) for e in envs]
+        try:
+            await self.store.release(leases)
+        except Exception as exc:
+            log.error(
+                "relay.release.failed",
+                count=len(envs),
+                ids=_ids(envs),
+                error=describe(exc),
+                action="the reaper returns them to pending when their lease expires",
+            )
+        self._forget(envs)
 
     def _observe(
         self, observed: Counter[tuple[str, str, str, str]], latencies: dict[str, list[float]]
@@ -423,49 +542,60 @@ class Relay:
         for dest, values in latencies.items():
             m.latency.observe_many(values, dest)
 
-    def _to_record(self, env: Envelope, outcome: Outcome) -> Record:
-        error = truncate_error(outcome.error) if outcome.error else None
-        if outcome.result is Result.DELIVERED:
-            return Record(env.id, "delivered", 1, 0.0, None, env.destination, env.key)
-        if outcome.result is Result.FAILED:
-            return Record(env.id, "failed", 1, 0.0, error, env.destination, env.key)
-        if outcome.result is Result.DEFER:
-            return Record(
-                env.id,
-                "pending",
-                0,
-                max(0.0, outcome.retry_in or 0.0),
-                error,
-                env.destination,
-                env.key,
-            )
-        attempt = env.attempts + 1
-        if attempt >= self.settings.max_attempts(env.destination):
-            return Record(
-                env.id,
-                "failed",
-                1,
-                0.0,
-                f"gave up after {attempt} attempts: {error}",
-                env.destination,
-                env.key,
-            )
-        wait = outcome.retry_in
-        if wait is None:
-            wait = backoff.delay(self.settings.backoff(env.destination), attempt)
-        return Record(env.id, "pending", 1, wait, error, env.destination, env.key)
+    # --- recording and leases -----------------------------------------------------------
 
-    def _on_recorded(self, records: Sequence[Record]) -> None:
+    def _on_recorded(
+        self, records: Sequence[Record], written: set[int], abandoned: set[int]
+    ) -> None:
         next_heads = False
+        stale: list[int] = []
         for r in records:
-            self._in_flight.pop(r.id, None)
-            self.stats[r.status if r.counted else "deferred"] += 1
-            # A finished head makes its key's next row the head: claim it now, not at the
-            # next poll (nothing NOTIFYs for an update).
-            next_heads |= r.status != "pending" and r.key is not None
+            env = self._in_flight.get(r.id)
+            if env is not None and env.lease.token == r.token:
+                del self._in_flight[r.id]
+            if r.id in written:
+                self.stats[r.status if r.counted else "deferred"] += 1
+                # A finished head makes its key's next row the head: claim it now, not at
+                # the next poll (nothing NOTIFYs for an update).
+                next_heads |= r.status != "pending" and r.key is not None
+            elif r.id not in abandoned:
+                stale.append(r.id)
+        if stale:
+            self._lease_lost_log(stale, "outcome not recorded: the row is no longer this claim's")
         self._capacity.set()
         if next_heads and self._cursors:
             self.wake()
+
+    def _lose(self, envs: Iterable[Envelope], why: str) -> None:
+        """Rows this relay found it no longer holds: never sent from now on, never renewed."""
+        lost = []
+        for env in envs:
+            env.lease.lost = True
+            if self._in_flight.get(env.id) is env:
+                del self._in_flight[env.id]
+            lost.append(env.id)
+        if lost:
+            self._lease_lost_log(lost, why)
+            self._capacity.set()
+
+    def _forget(self, envs: Iterable[Envelope]) -> None:
+        """Stop renewing leases this relay cannot settle: the reaper takes the rows back."""
+        for env in envs:
+            if self._in_flight.get(env.id) is env:
+                del self._in_flight[env.id]
+        self._capacity.set()
+
+    def _lease_lost_log(self, ids: list[int], why: str) -> None:
+        self.metrics.leases_lost.inc(len(ids))
+        self.stats["lease_lost"] += len(ids)
+        log.warning(
+            "relay.lease.lost",
+            count=len(ids),
+            ids=sorted(ids)[:LOST_IDS_LOGGED],
+            reason=why,
+            action="another claim of these rows delivers and records them; if this repeats, "
+            "the relay stalls for longer than relay.lease (raise it, or look for pauses)",
+        )
 
     # --- side tasks ---------------------------------------------------------------------
 
@@ -477,17 +607,34 @@ class Relay:
             try:
                 await job()
             except DB_ERRORS as exc:
-                log.warning(
-                    "relay.maintenance.failed",
-                    job=job.__name__,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
+                log.warning("relay.maintenance.failed", job=job.__name__, error=describe(exc))
             await asyncio.sleep(interval * random.uniform(0.9, 1.1))
 
     async def _heartbeat(self) -> None:
-        ids = list(self._in_flight)
-        if ids:
-            await self.store.heartbeat(ids)
+        held = [(i, e.lease.token) for i, e in self._in_flight.items()]
+        if not held:
+            return
+        started = time.monotonic()
+        alive = await self.store.heartbeat(held)
+        until = started + self.settings.relay.lease
+        lost = []
+        for i, token in held:
+            env = self._in_flight.get(i)
+            if env is None or env.lease.token != token:
+                continue  # recorded (or claimed again) while the heartbeat ran
+            if i in alive:
+                env.lease.until = max(env.lease.until, until)
+            elif not env.lease.handed_off:
+                # Its outcome is not being written: the row was reaped, maybe claimed again.
+                lost.append(env)
+        if lost:
+            self._lose(lost, "lease not renewed: the row was taken back after the lease expired")
+
+    async def _register(self) -> None:
+        """Tell the table this relay runs and what it serves (status, unknown destinations)."""
+        await self.store.register(
+            socket.gethostname(), os.getpid(), package_version(), sorted(self.sinks)
+        )
 
     async def _reap(self) -> None:
         limits = {name: self.settings.max_attempts(name) for name in self.settings.destinations}
@@ -507,18 +654,23 @@ class Relay:
 
     async def _report(self) -> None:
         await self._report_blocked()
+        # Destinations no relay serves: not this one's, and not one that any relay seen in
+        # the last SERVED_WITHIN seconds serves (relays may split destinations between them).
         known = list(self.settings.destinations)
         if self.settings.relay.unknown_destinations == "fail":
-            failed = await self.store.fail_unknown_destinations(known)
+            failed = await self.store.fail_unknown_destinations(
+                known, SERVED_WITHIN, self.settings.relay.unknown_grace
+            )
             for dest, n in Counter(r["destination"] for r in failed).items():
                 log.error(
                     "relay.destination.unknown",
                     destination=dest,
                     rows=n,
-                    action="marked failed; add it to the config, then outbox-relay retry",
+                    action="marked failed (no running relay serves it); add it to a relay "
+                    "config, then outbox-relay retry",
                 )
             return
-        for r in await self.store.unknown_destinations(known):
+        for r in await self.store.unknown_destinations(known, SERVED_WITHIN):
             log.warning(
                 "relay.destination.unknown",
                 destination=r["destination"],
@@ -574,11 +726,13 @@ class Relay:
             self.metrics.set_pending(self.sinks, rows)
 
     async def _retain(self) -> None:
-        """Delete delivered rows past retention, a batch per transaction, while any are left."""
+        """Delete delivered and skipped rows past retention, a batch per transaction, while
+        any are left; and registrations of relays long gone."""
         rs = self.settings.relay
         total = 0
+        await self.store.forget_relays(FORGET_RELAYS_AFTER)
         while not self._stopping.is_set():
-            n = await self.store.delete_delivered(rs.retention, rs.retention_batch_size)
+            n = await self.store.delete_finished(rs.retention, rs.retention_batch_size)
             if n is None:  # another relay is on it
                 break
             total += n
@@ -619,7 +773,18 @@ class Relay:
             checks["database"] = "ok"
         except DB_ERRORS as exc:
             ok = False
-            checks["database"] = f"{type(exc).__name__}: {exc}"
+            checks["database"] = describe(exc)
+        # Outcomes that cannot be written leave delivered rows to be sent again: not ready.
+        completer = self._completer
+        if completer is not None and completer.failing_since is not None:
+            ok = False
+            failing = time.monotonic() - completer.failing_since
+            checks["recording"] = (
+                f"failing for {failing:.0f} s ({completer.pending} outcomes kept): "
+                f"{completer.last_error}"
+            )
+        else:
+            checks["recording"] = "ok"
         sinks = {}
         for name, sink in self.sinks.items():
             ready = getattr(sink, "ready", None)
@@ -655,12 +820,18 @@ class Relay:
             if late:
                 await asyncio.gather(*late, return_exceptions=True)
                 log.warning("relay.shutdown.timeout", unfinished_batches=len(late))
-        completer_task = next((t for t in background if t.get_name() == "completer"), None)
-        if completer_task is not None:
-            completer_task.cancel()
-        if self._completer is not None:
-            await self._completer.drain(timeout=max(5.0, deadline - loop.time()))
-        leftover = list(self._in_flight)
+        # The write in progress finishes (cut short, its rows would be released and sent
+        # again), then whatever is left is written, within the remaining time.
+        if self._completer is not None and not await self._completer.close(
+            timeout=max(5.0, deadline - loop.time())
+        ):
+            log.error(
+                "relay.shutdown.unrecorded",
+                outcomes=self._completer.pending,
+                action="their rows are released below, or reaped after their lease, and "
+                "delivered again",
+            )
+        leftover = [(i, e.lease.token) for i, e in self._in_flight.items()]
         if leftover:
             try:
                 await self.store.release(leftover)
@@ -669,9 +840,13 @@ class Relay:
                 log.error(
                     "relay.release.failed",
                     count=len(leftover),
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=describe(exc),
                     action="the reaper returns them to pending when their lease expires",
                 )
+        try:
+            await self.store.unregister()
+        except DB_ERRORS as exc:
+            log.warning("relay.unregister.failed", error=describe(exc))
         for t in background:
             t.cancel()
         await asyncio.gather(*background, return_exceptions=True)
@@ -685,6 +860,30 @@ class Relay:
             await self.http.stop()
         if self._pool is not None:
             await self._pool.close()
+
+
+def _refused_at_startup(exc: asyncpg.PostgresError) -> str:
+    """What to tell an operator whose database refused the relay's start-up statements."""
+    what = f"the database refused the relay's start-up statements: {describe(exc)}."
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        return (
+            f"{what} The relay's role needs SELECT on outbox_paused and SELECT, INSERT, UPDATE, "
+            "DELETE on outbox and outbox_relays (run deploy/sql/relay_role.sql again after "
+            "migrating)"
+        )
+    if isinstance(exc, asyncpg.QueryCanceledError):
+        return (
+            f"{what} A statement_timeout (or lock_timeout) set for the relay's role or database "
+            "is too short for them; raise it or unset it for the relay's role"
+        )
+    if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
+        return f"{what} The database (or the relay's role) is read-only; the relay must write"
+    return f"{what} Check the database's logs and the relay's role"
+
+
+def _ids(envs: Sequence[Envelope]) -> list[int]:
+    """Row ids for a log line: all of a small batch, the first few of a large one."""
+    return [e.id for e in envs[:LOST_IDS_LOGGED]]
 
 
 def _sink_kind(sink: Sink) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any
 import asyncpg
 
 from outbox import queries
-from relay.model import Envelope
+from relay.model import Envelope, Lease
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
 # InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
@@ -32,6 +33,7 @@ class Record:
     """One outcome as the RECORD statement takes it."""
 
     id: int
+    token: int  # the fencing token of the claim this outcome belongs to
     status: str  # delivered | pending | failed
     counted: int  # 1 if this was an attempt, 0 if deferred
     delay: float  # seconds until run_after, for pending
@@ -59,24 +61,31 @@ class Store:
         self.schema = schema
         table = queries.qualified_table(schema)
         self.channel = f"{schema}.outbox"
-        self._claim = queries.render(queries.CLAIM, table)
-        self._claim_ordered = queries.render(queries.CLAIM_ORDERED, table)
-        self._fence = queries.render(queries.FENCE, table)
-        self._blocked_keys = queries.render(queries.BLOCKED_KEYS, table)
+
+        def sql(statement: str) -> str:
+            return queries.render_ops(statement, schema)
+
+        self._claim = sql(queries.CLAIM)
+        self._claim_ordered = sql(queries.CLAIM_ORDERED)
+        self._fence = sql(queries.FENCE)
+        self._blocked_keys = sql(queries.BLOCKED_KEYS)
         # retention = 0: delivered rows are deleted by the statement that records them.
-        self._record = queries.render(
-            queries.RECORD_DELETING if delete_delivered else queries.RECORD, table
-        )
-        self._heartbeat = queries.render(queries.HEARTBEAT, table)
-        self._reap = queries.render(queries.REAP, table)
-        self._release = queries.render(queries.RELEASE, table)
-        self._unknown = queries.render(queries.UNKNOWN_DESTINATIONS, table)
-        self._fail_unknown = queries.render(queries.FAIL_UNKNOWN_DESTINATIONS, table)
-        self._paused = queries.render_ops(queries.PAUSED, schema)
-        self._pending = queries.render(queries.PENDING_BY_DESTINATION, table)
-        self._purge_delivered = queries.render(queries.PURGE_DELIVERED, table)
+        self._record = sql(queries.RECORD_DELETING if delete_delivered else queries.RECORD)
+        self._heartbeat = sql(queries.HEARTBEAT)
+        self._reap = sql(queries.REAP)
+        self._release = sql(queries.RELEASE)
+        self._unknown = sql(queries.UNKNOWN_DESTINATIONS)
+        self._fail_unknown = sql(queries.FAIL_UNKNOWN_DESTINATIONS)
+        self._paused = sql(queries.PAUSED)
+        self._pending = sql(queries.PENDING_BY_DESTINATION)
+        self._purge_delivered = sql(queries.PURGE_DELIVERED)
+        self._purge_finished = sql(queries.PURGE_FINISHED)
+        self._register = sql(queries.REGISTER)
+        self._unregister = sql(queries.UNREGISTER)
+        self._forget_relays = sql(queries.FORGET_RELAYS)
         self._table = table
         self._paused_table = queries.qualified_table(schema, queries.PAUSED_TABLE)
+        self._relays_table = queries.qualified_table(schema, queries.RELAYS_TABLE)
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
@@ -87,19 +96,20 @@ class Store:
             try:
                 yield conn
             except BaseException as exc:
-                if not _is_plain_sql_error(exc):
-                    conn.terminate()
+                if not is_plain_sql_error(exc):
+                    # A connection the server closed is already detached from the pool.
+                    with contextlib.suppress(asyncpg.InterfaceError):
+                        conn.terminate()
                 raise
 
     async def _call(self, method: str, sql: str, *args: Any) -> Any:
         async with self._connection() as conn:
             return await getattr(conn, method)(sql, *args)
 
-    async def table_exists(self) -> bool:
-        return bool(await self._call("fetchval", queries.TABLE_EXISTS, self._table))
-
-    async def paused_table_exists(self) -> bool:
-        return bool(await self._call("fetchval", queries.TABLE_EXISTS, self._paused_table))
+    async def missing_tables(self) -> list[str]:
+        """The outbox tables this relay needs that are not in its schema."""
+        tables = (self._table, self._paused_table, self._relays_table)
+        return [t for t in tables if not await self._call("fetchval", queries.TABLE_EXISTS, t)]
 
     async def paused(self) -> set[str]:
         return {r[0] for r in await self._call("fetch", self._paused)}
@@ -126,22 +136,29 @@ class Store:
             return None
         return {r["destination"]: (r["rows"], r["oldest_age"]) for r in rows}
 
-    async def delete_delivered(self, retention: float, batch_size: int) -> int | None:
-        """Delete one batch of delivered rows older than ``retention`` seconds; the number
-        deleted, or None if another relay is running retention at this moment."""
+    async def delete_finished(self, retention: float, batch_size: int) -> int | None:
+        """Delete one batch of delivered (and skipped) rows older than ``retention`` seconds;
+        the number deleted, or None if another relay is running retention at this moment."""
         async with self._connection() as conn, conn.transaction():
             if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
                 return None
             status = await conn.execute(self._purge_delivered, retention, None, batch_size)
-        return int(status.split()[-1])
+            n = int(status.split()[-1])
+            if n < batch_size:
+                status = await conn.execute(
+                    self._purge_finished, retention, None, batch_size - n, ["skipped"]
+                )
+                n += int(status.split()[-1])
+        return n
 
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
         self.statements["claim"] += 1
+        until = time.monotonic() + self.lease  # before the statement: never later than its now()
         rows = await self._call("fetch", self._claim, destination, limit, self.relay_id, self.lease)
-        return self._envelopes(rows)
+        return self._envelopes(rows, until)
 
     @staticmethod
-    def _envelopes(rows: Sequence[asyncpg.Record]) -> list[Envelope]:
+    def _envelopes(rows: Sequence[asyncpg.Record], until: float) -> list[Envelope]:
         return [
             Envelope(
                 id=r[0],
@@ -152,28 +169,40 @@ class Store:
                 headers={} if r[5] == "{}" else json.loads(r[5]),
                 attempts=r[6],
                 created_at=r[7],
+                lease=Lease(r[8], until),
             )
             for r in rows
         ]
 
-    async def record(self, records: Sequence[Record]) -> str:
+    async def record(self, records: Sequence[Record]) -> set[int]:
+        """Write outcomes; returns the ids written (the others are no longer this relay's
+        under the claim the outcome belongs to)."""
         self.statements["record"] += 1
-        return str(
-            await self._call(
-                "execute",
-                self._record,
-                [r.id for r in records],
-                [r.status for r in records],
-                [r.counted for r in records],
-                [r.delay for r in records],
-                [r.error for r in records],
-                self.relay_id,
-            )
+        rows = await self._call(
+            "fetch",
+            self._record,
+            [r.id for r in records],
+            [r.token for r in records],
+            [r.status for r in records],
+            [r.counted for r in records],
+            [r.delay for r in records],
+            [r.error for r in records],
+            self.relay_id,
         )
+        return {r[0] for r in rows}
 
-    async def heartbeat(self, ids: Sequence[int]) -> None:
+    async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
+        """Extend the leases of (id, token) pairs; returns the ids still held."""
         self.statements["heartbeat"] += 1
-        await self._call("execute", self._heartbeat, list(ids), self.relay_id, self.lease)
+        rows = await self._call(
+            "fetch",
+            self._heartbeat,
+            [i for i, _ in leases],
+            [t for _, t in leases],
+            self.relay_id,
+            self.lease,
+        )
+        return {r[0] for r in rows}
 
     async def reap(
         self, max_attempts: int, per_destination: dict[str, int], limit: int = 5000
@@ -197,8 +226,9 @@ class Store:
         ``scan`` keys after ``cursor``; returns the rows and the cursor for the next claim."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         self.statements["fence"] += 1
-        safe_id = await self._call("fetchval", self._fence)
+        safe_id = await self._call("fetchval", self._fence, self._table)
         self.statements["claim"] += 1
+        until = time.monotonic() + self.lease
         rows = await self._call(
             "fetch",
             self._claim_ordered,
@@ -211,22 +241,48 @@ class Store:
             cursor,
             safe_id,
         )
-        return self._envelopes(rows[:-1]), rows[-1][2]
+        return self._envelopes(rows[:-1], until), rows[-1][2]
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
         return list(await self._call("fetch", self._blocked_keys, list(blocking)))
 
-    async def release(self, ids: Sequence[int]) -> None:
-        await self._call("execute", self._release, self.relay_id, list(ids))
+    async def release(self, leases: Sequence[tuple[int, int]]) -> None:
+        """Put (id, token) pairs back to pending, unattempted."""
+        await self._call(
+            "execute",
+            self._release,
+            self.relay_id,
+            [i for i, _ in leases],
+            [t for _, t in leases],
+        )
 
-    async def unknown_destinations(self, known: Sequence[str]) -> list[asyncpg.Record]:
-        return list(await self._call("fetch", self._unknown, list(known)))
+    async def unknown_destinations(
+        self, known: Sequence[str], served_within: float
+    ) -> list[asyncpg.Record]:
+        return list(await self._call("fetch", self._unknown, list(known), served_within))
 
-    async def fail_unknown_destinations(self, known: Sequence[str]) -> list[asyncpg.Record]:
-        return list(await self._call("fetch", self._fail_unknown, list(known)))
+    async def fail_unknown_destinations(
+        self, known: Sequence[str], served_within: float, grace: float
+    ) -> list[asyncpg.Record]:
+        return list(
+            await self._call("fetch", self._fail_unknown, list(known), served_within, grace)
+        )
+
+    async def register(
+        self, host: str, pid: int, version: str, destinations: Sequence[str]
+    ) -> None:
+        await self._call(
+            "execute", self._register, self.relay_id, host, pid, version, list(destinations)
+        )
+
+    async def unregister(self) -> None:
+        await self._call("execute", self._unregister, self.relay_id)
+
+    async def forget_relays(self, older_than: float) -> None:
+        await self._call("execute", self._forget_relays, older_than)
 
 
-def _is_plain_sql_error(exc: BaseException) -> bool:
+def is_plain_sql_error(exc: BaseException) -> bool:
     """An error the server reported for the statement, on a connection that is still fine."""
     return isinstance(exc, asyncpg.PostgresError) and not isinstance(
         exc, asyncpg.PostgresConnectionError | asyncpg.AdminShutdownError

@@ -42,6 +42,7 @@ def insert(
     attempts: int = 0,
     locked_by: str | None = None,
     delivered_ago: str | None = None,
+    finished_ago: str | None = None,
     payload: bytes = b'{"x":1}',
     content_type: str = "application/json",
     headers: str = "{}",
@@ -51,11 +52,13 @@ def insert(
         """
         INSERT INTO outbox (destination, payload, content_type, headers, status, attempts,
                             last_error, locked_by, locked_until, created_at, run_after,
-                            delivered_at)
+                            delivered_at, finished_at)
         SELECT %s, %s, %s, %s::jsonb, %s, %s, %s, %s,
                CASE WHEN %s::text IS NOT NULL THEN now() + interval '30 s' END,
                now() - %s::interval, now() + %s::interval,
-               CASE WHEN %s = 'delivered' THEN now() - coalesce(%s, '0s')::interval END
+               CASE WHEN %s = 'delivered' THEN now() - coalesce(%s, '0s')::interval END,
+               CASE WHEN %s IN ('delivered', 'failed', 'skipped')
+                    THEN now() - coalesce(%s, %s, '0s')::interval END
         FROM generate_series(1, %s)
         RETURNING id
         """,
@@ -71,6 +74,9 @@ def insert(
         age,
         run_in,
         status,
+        delivered_ago,
+        status,
+        finished_ago,
         delivered_ago,
         n,
     )
@@ -91,8 +97,18 @@ def test_status_reports_every_state_per_destination(db_url: str) -> None:
     insert(db_url, "orders", "delivered", n=5)
     insert(db_url, "orders", "failed", n=2, error="boom: broker said no", attempts=25)
     insert(db_url, "orders", "failed", n=1, error="other", attempts=3)
+    insert(db_url, "orders", "skipped", n=2, error="given up")
     insert(db_url, "emails", "delivered", n=1)
     assert cli(db_url, "pause", "emails", "--reason", "vendor outage", "--by", "ops").exit_code == 0
+    sql(
+        db_url,
+        """
+        INSERT INTO outbox_relays (relay_id, host, pid, version, destinations, seen_at, stopped_at)
+        VALUES ('relay-a', 'host-1', 41, '1.0', '{orders}', now(), NULL),
+               ('relay-b', 'host-2', 42, '1.0', '{emails,orders}', now() - interval '5 min', NULL),
+               ('relay-c', 'host-3', 43, '1.0', '{orders}', now() - interval '1 min', now())
+        """,
+    )
 
     data = cli_json(db_url, "status")
     assert [d["destination"] for d in data["destinations"]] == ["emails", "orders"]
@@ -101,12 +117,15 @@ def test_status_reports_every_state_per_destination(db_url: str) -> None:
     assert emails["delivered"] == 1 and emails["pending"] == 0
     assert emails["oldest_pending_age_s"] is None
     assert orders["paused"] is None
-    assert {k: orders[k] for k in ("pending", "due_now", "running", "delivered", "failed")} == {
+    assert {
+        k: orders[k] for k in ("pending", "due_now", "running", "delivered", "failed", "skipped")
+    } == {
         "pending": 5,
         "due_now": 3,
         "running": 4,
         "delivered": 5,
         "failed": 3,
+        "skipped": 2,
     }
     assert 600 <= orders["oldest_pending_age_s"] < 700
     assert [(x["relay"], x["rows"]) for x in orders["in_flight"]] == [("relay-a", 4)]
@@ -121,13 +140,22 @@ def test_status_reports_every_state_per_destination(db_url: str) -> None:
         "running": 4,
         "delivered": 6,
         "failed": 3,
+        "skipped": 2,
     }
     assert data["problems"] == []
+    relays = {r["relay_id"]: r for r in data["relays"]}
+    assert {k: r["state"] for k, r in relays.items()} == {
+        "relay-a": "running",
+        "relay-b": "silent",
+        "relay-c": "stopped",
+    }
+    assert relays["relay-b"]["destinations"] == ["emails", "orders"]
+    assert relays["relay-a"]["host"] == "host-1" and relays["relay-a"]["pid"] == 41
 
     human = cli(db_url, "status")
     assert human.exit_code == 0, human.output
     lines = human.output.splitlines()
-    assert lines[0].split()[:7] == [
+    assert lines[0].split()[:8] == [
         "DESTINATION",
         "PENDING",
         "DUE",
@@ -135,9 +163,14 @@ def test_status_reports_every_state_per_destination(db_url: str) -> None:
         "RUNNING",
         "DELIVERED",
         "FAILED",
+        "SKIPPED",
     ]
-    assert lines[1].split()[:8] == ["emails", "0", "0", "-", "0", "1", "0", "PAUSED"]
-    assert lines[2].split() == ["orders", "5", "3", "10m", "4", "5", "3", "active"]
+    assert lines[1].split()[:9] == ["emails", "0", "0", "-", "0", "1", "0", "0", "PAUSED"]
+    assert lines[2].split() == ["orders", "5", "3", "10m", "4", "5", "3", "2", "active"]
+    assert "relay-a: running on host-1 pid 41" in human.output
+    assert "relay-b: silent on host-2 pid 42, SILENT for 5m" in human.output
+    assert "serves emails, orders" in human.output
+    assert "relay-c: stopped" in human.output
     assert "4 row(s) held by relay-a" in human.output
     assert "orders: 2 x boom: broker said no" in human.output
 
@@ -267,7 +300,13 @@ def test_retry_refuses_unknown_or_unfailed_ids_and_no_filter(db_url: str) -> Non
 def test_purge_deletes_old_delivered_rows_in_batches(db_url: str) -> None:
     old = insert(db_url, "orders", "delivered", n=25, delivered_ago="8 days", age="9 days")
     recent = insert(db_url, "orders", "delivered", n=3, delivered_ago="1 day", age="9 days")
-    old_failed = insert(db_url, "orders", "failed", n=2, age="9 days", error="x")
+    old_failed = insert(
+        db_url, "orders", "failed", n=2, age="9 days", finished_ago="8 days", error="x"
+    )
+    # An old event that failed a minute ago is a minute old to the operator: kept.
+    just_failed = insert(db_url, "orders", "failed", age="9 days", finished_ago="1 min", error="x")
+    old_skipped = insert(db_url, "orders", "skipped", age="9 days", finished_ago="8 days")
+    just_skipped = insert(db_url, "orders", "skipped", age="9 days", finished_ago="1 min")
     old_pending = insert(db_url, "orders", n=2, age="9 days")
     old_running = insert(db_url, "orders", "running", n=1, age="9 days", locked_by="r")
     other = insert(db_url, "emails", "delivered", n=4, delivered_ago="8 days")
@@ -280,24 +319,28 @@ def test_purge_deletes_old_delivered_rows_in_batches(db_url: str) -> None:
     dry = cli_json(db_url, "purge", "--older-than", "7d", "--failed", "--dry-run")
     assert dry == {
         "dry_run": True,
-        "rows": 31,
-        "destinations": {"emails": {"delivered": 4}, "orders": {"delivered": 25, "failed": 2}},
+        "rows": 32,
+        "destinations": {
+            "emails": {"delivered": 4},
+            "orders": {"delivered": 25, "failed": 2, "skipped": 1},
+        },
     }
-    assert len(statuses(db_url)) == 37
+    assert len(statuses(db_url)) == 40
 
     done = cli_json(
         db_url, "purge", "--older-than", "7d", "--destination", "orders", "--batch-size", "10"
     )
-    assert done["deleted"] == {"delivered": 25, "failed": 0}
-    assert done["batches"] == 3  # 10 + 10 + 5
+    assert done["deleted"] == {"delivered": 25, "skipped": 1, "failed": 0}
+    assert done["batches"] == 4  # 10 + 10 + 5 delivered, 1 skipped
     left = set(statuses(db_url))
-    assert not left & set(old)
-    assert left == {*recent, *old_failed, *old_pending, *old_running, *other}
+    assert not left & {*old, *old_skipped}
+    kept = {*recent, *just_failed, *just_skipped, *old_pending, *old_running, *other}
+    assert left == kept | set(old_failed)
 
     res = cli(db_url, "purge", "--older-than", "7d", "--failed")
     assert res.exit_code == 0
-    assert "deleted 4 delivered and 2 failed row(s) older than 7d" in res.output
-    assert set(statuses(db_url)) == {*recent, *old_pending, *old_running}
+    assert "deleted 4 delivered, 0 skipped and 2 failed row(s) older than 7d" in res.output
+    assert set(statuses(db_url)) == kept - set(other)
 
 
 # --- pause / resume -------------------------------------------------------------------------

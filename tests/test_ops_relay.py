@@ -138,23 +138,27 @@ async def _aged_rows(db_url: str) -> dict[str, list[int]]:
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     out: dict[str, list[int]] = {}
     try:
-        for name, status, age in [
-            ("old_delivered", "delivered", "2 hours"),
-            ("new_delivered", "delivered", "1 minute"),
-            ("old_failed", "failed", "2 hours"),
-            ("old_pending", "pending", "2 hours"),
+        for name, status, age, finished in [
+            ("old_delivered", "delivered", "2 hours", "2 hours"),
+            ("new_delivered", "delivered", "1 minute", "1 minute"),
+            ("old_failed", "failed", "2 hours", "2 hours"),
+            ("old_pending", "pending", "2 hours", None),
+            ("old_skipped", "skipped", "3 hours", "2 hours"),
+            # An old event an operator skipped a minute ago: kept for the retention period.
+            ("new_skipped", "skipped", "3 hours", "1 minute"),
         ]:
             rows = await conn.fetch(
                 """
                 INSERT INTO outbox (destination, payload, status, created_at, delivered_at,
-                                    run_after)
+                                    run_after, finished_at)
                 SELECT 'elsewhere', '\\x00', $1, now() - $2::text::interval,
                        CASE WHEN $1 = 'delivered' THEN now() - $2::text::interval END,
-                       now() + interval '1 day'
+                       now() + interval '1 day', now() - $3::text::interval
                 FROM generate_series(1, 25) RETURNING id
                 """,
                 status,
                 age,
+                finished,
             )
             out[name] = sorted(r[0] for r in rows)
     finally:
@@ -162,7 +166,7 @@ async def _aged_rows(db_url: str) -> dict[str, list[int]]:
     return out
 
 
-async def test_retention_deletes_only_delivered_rows_past_retention(
+async def test_retention_deletes_only_delivered_and_skipped_rows_past_retention(
     db_url: str, kafka_bootstrap: str
 ) -> None:
     rows = await _aged_rows(db_url)
@@ -174,7 +178,8 @@ async def test_retention_deletes_only_delivered_rows_past_retention(
     )
     async with running(s) as a, running(s) as b:
         await wait_until(
-            lambda: _gone(db_url, rows["old_delivered"]), what="old delivered rows deleted"
+            lambda: _gone(db_url, rows["old_delivered"] + rows["old_skipped"]),
+            what="old delivered and skipped rows deleted",
         )
         fresh = await enqueue_n(db_url, 3)
         await wait_until(lambda: _ids_with(db_url, "delivered", fresh), what="fresh delivered")
@@ -183,10 +188,10 @@ async def test_retention_deletes_only_delivered_rows_past_retention(
         )
     left = {r["id"]: r["status"] for r in await fetch_rows(db_url)}
     assert not set(rows["old_delivered"]) & set(left)
-    for name in ("new_delivered", "old_failed", "old_pending"):
+    for name in ("new_delivered", "old_failed", "old_pending", "new_skipped"):
         assert set(rows[name]) <= set(left), name
     assert all(left[i] == "delivered" for i in fresh)  # delivered just now: kept
-    assert deleted == 25  # by whichever relay held the lock; never twice
+    assert deleted == 50  # by whichever relay held the lock; never twice
 
 
 async def _gone(db_url: str, ids: Sequence[int]) -> bool:

@@ -67,8 +67,8 @@ async def test_fence_holds_rows_behind_an_uncommitted_lower_id(db_url: str, stor
         assert await claim(store) == []
         await store.record(
             [
-                Record(first, "delivered", 1, 0.0, None, "o", "k"),
-                Record(other, "delivered", 1, 0.0, None, "o", "j"),
+                Record(first, 1, "delivered", 1, 0.0, None, "o", "k"),
+                Record(other, 1, "delivered", 1, 0.0, None, "o", "j"),
             ]
         )
         assert await claim(store) == [second]
@@ -97,7 +97,7 @@ async def test_failed_head_blocks_or_is_passed_over(db_url: str, store: Store) -
     try:
         ids = await add(conn, "k", 3)
         assert await claim(store) == [ids[0]]
-        await store.record([Record(ids[0], "failed", 1, 0.0, "poison", "o", "k")])
+        await store.record([Record(ids[0], 1, "failed", 1, 0.0, "poison", "o", "k")])
         # block: the key waits, and says why.
         assert await claim(store) == []
         blocked = await store.blocked_keys(["o"])
@@ -116,8 +116,8 @@ async def test_backing_off_head_holds_its_key_only(db_url: str, store: Store) ->
         assert await claim(store) == [k[0], j[0]]
         await store.record(
             [
-                Record(k[0], "pending", 1, 60.0, "try later", "o", "k"),  # backoff
-                Record(j[0], "delivered", 1, 0.0, None, "o", "j"),
+                Record(k[0], 1, "pending", 1, 60.0, "try later", "o", "k"),  # backoff
+                Record(j[0], 1, "delivered", 1, 0.0, None, "o", "j"),
             ]
         )
         assert await claim(store) == [j[1]]  # k's head is not due, so k waits
@@ -142,6 +142,56 @@ async def test_walk_resumes_after_the_cursor(db_url: str, store: Store) -> None:
         assert [e.id for e in rows] == heads[:3] and cursor == "key-02"
     finally:
         await conn.close()
+
+
+async def test_fence_ignores_open_inserts_into_another_schemas_outbox(
+    db_url: str, store: Store
+) -> None:
+    """Separate outboxes per schema are separate: a long transaction inserting into one
+    holds back the ordered rows of that outbox only."""
+    from outbox.migrate import migrate
+
+    await migrate(db_url, schema="elsewhere")
+    other = outbox.Outbox(schema="elsewhere")
+    a, b = await connect(db_url), await connect(db_url)
+    try:
+        tx = a.transaction()
+        await tx.start()
+        await other.enqueue(a, destination="o", key="k", payload=b"open for long")
+        (mine,) = await add(b, "k")  # a later id in a sequence of its own, committed
+        assert await claim(store) == [mine]
+        # The other outbox's own fence does wait for that transaction.
+        pool = await create_pool(to_asyncpg_dsn(db_url), "t2", 2)
+        try:
+            theirs = Store(pool, "elsewhere", "t2", 30.0)
+            async with b.transaction():
+                await other.enqueue(b, destination="o", key="j", payload=b"committed")
+            assert await claim(theirs) == []
+            await tx.commit()
+            assert len(await claim(theirs)) == 2
+        finally:
+            await pool.close()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_fence_counts_inserts_begun_under_the_old_trigger(db_url: str, store: Store) -> None:
+    """A transaction that took the untagged key of migration 0003 (it began before 0004 ran)
+    still holds the fence back: a rolling upgrade never lets a row pass an open insert."""
+    a, b = await connect(db_url), await connect(db_url)
+    try:
+        tx = a.transaction()
+        await tx.start()
+        last = await a.fetchval("SELECT coalesce(pg_sequence_last_value('outbox_id_seq'), 0)")
+        await a.execute("SELECT pg_advisory_xact_lock_shared(4611686018427387904 + $1)", last)
+        (later,) = await add(b, "k")
+        assert await claim(store) == []
+        await tx.commit()
+        assert await claim(store) == [later]
+    finally:
+        await a.close()
+        await b.close()
 
 
 async def test_rows_without_a_key_are_not_ordered(db_url: str, store: Store) -> None:

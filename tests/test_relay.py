@@ -179,12 +179,14 @@ async def test_unknown_destination_fail_policy(db_url: str, kafka_bootstrap: str
         db_url,
         kafka_bootstrap,
         topic=topic(),
-        relay={"report_interval": 0.2, "unknown_destinations": "fail"},
+        relay={"report_interval": 0.2, "unknown_destinations": "fail", "unknown_grace": 1.0},
     )
     async with running(s):
         await wait_until(lambda: _failed(db_url, 2), what="unknown rows failed")
     rows = await fetch_rows(db_url)
     assert all("unknown destination 'nowhere'" in r["last_error"] for r in rows)
+    # Not before the grace period: a relay that serves them may still be starting.
+    assert all((r["finished_at"] - r["created_at"]).total_seconds() >= 1.0 for r in rows)
 
 
 async def _failed(db_url: str, n: int) -> bool:
@@ -248,38 +250,61 @@ async def _retried(db_url: str, ids: list[int]) -> bool:
 
 
 async def test_unreachable_broker_spends_no_attempts(db_url: str) -> None:
-    """While the producer cannot even connect, rows wait as pending with attempts intact."""
+    """While the producer cannot even connect, rows wait as pending with attempts intact:
+    claimed when the circuit lets a probe through, deferred, never charged."""
     from relay.localbroker import free_port
 
     s = settings(
         db_url,
         f"127.0.0.1:{free_port()}",
         topic=topic(),
-        relay={"max_attempts": 2, "backoff": {"base": 0.1, "jitter": 0}},
+        relay={"max_attempts": 2, "backoff": {"base": 0.1, "jitter": 0}, "poll_interval": 0.1},
     )
-    await enqueue_n(db_url, 3)
-    # Nothing listens on that port: the sink defers (no attempt spent) while it cannot connect.
-    async with running(s):
-        await asyncio.sleep(1.5)
+    ids = await enqueue_n(db_url, 3)
+
+    async def claimed_and_deferred() -> bool:
+        rows = await fetch_rows(db_url)
+        return all(r["claims"] >= 1 and r["status"] == "pending" for r in rows)
+
+    # Nothing listens on that port. The circuit opens at start-up; after its cool-down (2 s)
+    # the relay claims the rows to probe, and the sink defers them.
+    async with running(s) as relay:
+        await wait_until(claimed_and_deferred, timeout=15, what="rows claimed and deferred")
+        assert relay.stats["deferred"] >= len(ids)
     rows = await fetch_rows(db_url)
     assert all(r["status"] == "pending" and r["attempts"] == 0 for r in rows), [
         (r["status"], r["attempts"]) for r in rows
     ]
+    assert all("Kafka unreachable" in r["last_error"] for r in rows)
 
 
-async def test_dead_side_task_stops_the_relay(db_url: str, kafka_bootstrap: str) -> None:
+async def test_dead_side_task_stops_the_relay(db_url: str) -> None:
+    """A side task that dies stops the relay (exit 1), and the rows it holds at that moment
+    go back to pending, unattempted."""
+
+    class Stuck(MemorySink):
+        async def deliver(self, batch):  # type: ignore[no-untyped-def]
+            await asyncio.Event().wait()  # never answers: the rows stay held
+
     class Broken(Relay):
         async def _report(self) -> None:
-            raise RuntimeError("reporter bug")
+            if self.in_flight:  # only once rows are held
+                raise RuntimeError("reporter bug")
 
-    await enqueue_n(db_url, 3)
-    relay = Broken(settings(db_url, kafka_bootstrap, topic=topic()))
+    ids = await enqueue_n(db_url, 3)
+    s = settings(db_url, "127.0.0.1:1", relay={"report_interval": 0.1, "shutdown_timeout": 1})
+    relay = Broken(s, sinks={"orders": Stuck()})
     with capture_logs() as logs:
         status = await asyncio.wait_for(relay.run(), 30)
     assert status == 1
     crashed = [e for e in logs if e["event"] == "relay.task.crashed"]
     assert crashed and crashed[0]["task"] == "reporter" and "reporter bug" in crashed[0]["error"]
-    assert (await status_counts(db_url)).get("running", 0) == 0
+    rows = await fetch_rows(db_url)
+    assert [(r["id"], r["status"], r["attempts"], r["claims"]) for r in rows] == [
+        (i, "pending", 0, 1) for i in ids
+    ]
+    released = [e for e in logs if e["event"] == "relay.released"]
+    assert released and released[0]["count"] == 3
 
 
 async def test_startup_without_table_says_migrate(pg_admin_url: str, empty_db_url: str) -> None:
@@ -313,8 +338,10 @@ async def test_expired_lease_is_reaped_and_redelivered(db_url: str, kafka_bootst
     rows = {r["id"]: r for r in await fetch_rows(db_url)}
     assert rows[ids[0]]["attempts"] == 2  # the lost attempt counts
     assert "lease expired: relay ghost" in rows[ids[0]]["last_error"]
-    assert any(e["event"] == "relay.lease.expired" for e in logs)
-    assert datetime.now(UTC) >= rows[ids[0]]["delivered_at"]
+    reaped = [e for e in logs if e["event"] == "relay.lease.expired"]
+    assert reaped and reaped[0]["first_id"] == ids[0] and reaped[0]["last_id"] == ids[1]
+    # Claimed once (the ghost's hold was set by hand), after the reap, by this relay.
+    assert [rows[i]["claims"] for i in ids] == [1, 1, 1, 1]
 
 
 class FlakySink(MemorySink):
@@ -433,3 +460,107 @@ async def test_rows_with_unsendable_headers_fail_alone(db_url: str, kafka_bootst
     assert rows[listed]["status"] == "failed" and "JSON object" in rows[listed]["last_error"]
     records = await consume(kafka_bootstrap, t, count=3)
     assert sorted(int(dict(r.headers)["outbox-id"]) for r in records) == good
+
+
+async def test_fail_policy_spares_destinations_another_relay_serves(db_url: str) -> None:
+    """Relays that split the destinations between them, each with unknown_destinations =
+    "fail": a relay fails only rows that no running relay serves, never the other's."""
+    from relay import admin
+
+    a_ids = await enqueue_n(db_url, 3, destination="a")
+    b_ids = await enqueue_n(db_url, 3, destination="b")
+    lost = await enqueue_n(db_url, 2, destination="nowhere")
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        # b's rows wait (paused) while both reporters run, again and again.
+        await admin.pause(conn, "public", "b", "test", "hold b")
+
+        def relay_for(dest: str) -> object:
+            return settings(
+                db_url,
+                "127.0.0.1:1",
+                relay={
+                    "report_interval": 0.2,
+                    "unknown_destinations": "fail",
+                    "unknown_grace": 1.5,  # both relays have registered by then
+                },
+                destinations={dest: {"kind": "kafka", "topic": dest}},
+            )
+
+        async with (
+            running(relay_for("a"), sinks={"a": FlakySink(fail=0)}) as a,  # type: ignore[arg-type]
+            running(relay_for("b"), sinks={"b": FlakySink(fail=0)}) as b,  # type: ignore[arg-type]
+        ):
+            await wait_until(lambda: _failed(db_url, 2), what="unserved rows failed")
+            await asyncio.sleep(1.0)  # several more report rounds of both relays
+            rows = {r["id"]: r for r in await fetch_rows(db_url)}
+            assert all(rows[i]["status"] == "failed" for i in lost)
+            assert "no running relay serves it" in rows[lost[0]]["last_error"]
+            assert all(rows[i]["status"] == "delivered" for i in a_ids)
+            assert all(rows[i]["status"] == "pending" and rows[i]["attempts"] == 0 for i in b_ids)
+            await admin.resume(conn, "public", "b")
+            await wait_until(lambda: _all_delivered(db_url, 6), what="b delivered after resume")
+            status = await admin.status(conn, "public")
+            serving = {r["relay_id"]: r["destinations"] for r in status["relays"]}
+            assert serving == {a.id: ["a"], b.id: ["b"]}
+            assert {r["state"] for r in status["relays"]} == {"running"}
+        stopped = await admin.status(conn, "public")
+        assert {r["state"] for r in stopped["relays"]} == {"stopped"}
+    finally:
+        await conn.close()
+
+
+async def test_startup_survives_connections_killed_while_it_starts(db_url: str) -> None:
+    """A database restarting while the relay starts (its connections killed during the table
+    check, the paused-destination read or the registration) is waited out, not a crash."""
+    s = settings(db_url, "127.0.0.1:1", relay={"relay_id": "starting", "startup_timeout": 30})
+    admin = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    stop = asyncio.Event()
+
+    async def storm() -> int:
+        killed = 0
+        while not stop.is_set():
+            killed += await admin.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'outbox-relay:starting'"
+            )
+            await asyncio.sleep(0.001)
+        return killed
+
+    killing = asyncio.create_task(storm())
+    try:
+        with capture_logs() as logs:
+            relay = Relay(s, sinks={"orders": FlakySink(fail=0)})
+            task = asyncio.create_task(relay.run())
+            await asyncio.sleep(1.5)
+            stop.set()
+            killed = await killing
+            await asyncio.wait_for(relay.started.wait(), 30)
+            relay.stop()
+            assert await asyncio.wait_for(task, 30) == 0
+    finally:
+        stop.set()
+        await admin.close()
+    assert killed > 0
+    assert any(e["event"] == "relay.database.unavailable" for e in logs)
+
+
+async def test_a_statement_timeout_at_startup_is_named_for_what_it_is(db_url: str) -> None:
+    blocker = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await blocker.execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET statement_timeout = 300', "
+            "current_database()); END $$"
+        )
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute("LOCK TABLE outbox_paused IN ACCESS EXCLUSIVE MODE")
+        s = settings(db_url, "127.0.0.1:1", relay={"startup_timeout": 5})
+        with pytest.raises(RelayStartupError) as err:
+            await Relay(s, sinks={"orders": FlakySink(fail=0)}).run()
+        await tx.rollback()
+    finally:
+        await blocker.close()
+    message = str(err.value)
+    assert "statement_timeout" in message and "QueryCanceledError" in message
+    assert "grant" not in message.lower() and "relay_role.sql" not in message

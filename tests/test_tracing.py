@@ -177,7 +177,7 @@ def test_without_opentelemetry_nothing_changes(db_url: str) -> None:
         import asyncpg, outbox
         from outbox import tracing
         from relay import tracing as relay_tracing
-        from relay.model import Envelope
+        from relay.model import Envelope, Lease
         from datetime import datetime, UTC
         assert not tracing.AVAILABLE
 
@@ -188,7 +188,7 @@ def test_without_opentelemetry_nothing_changes(db_url: str) -> None:
             h = await conn.fetchval("SELECT headers::text FROM outbox WHERE id = $1", i)
             await conn.close()
             env = Envelope(i, "orders", None, b"", "x", {{"traceparent": "00-x"}}, 0,
-                           datetime.now(UTC))
+                           datetime.now(UTC), Lease(1, 1e18))
             print(json.dumps([json.loads(h), relay_tracing.start_delivery_spans([env], "kafka")]))
 
         asyncio.run(main())

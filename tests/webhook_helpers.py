@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import itertools
 import os
 import socket
+import time
 from datetime import UTC, datetime
 from typing import Any
 
 from standardwebhooks import Webhook
 
 from relay.config import WebhookDestination
-from relay.model import Envelope
+from relay.model import Envelope, Lease
 
 
 def new_secret() -> str:
@@ -48,12 +51,26 @@ def envelope(
         headers=headers or {},
         attempts=attempts,
         created_at=datetime.now(UTC),
+        lease=Lease(1, time.monotonic() + 3600),
     )
 
 
 def verify(secret: str, body: bytes, headers: dict[str, str]) -> None:
     """Check a request's signature with the reference library, not with the relay's signer."""
     Webhook(secret).verify(body, headers, json_parse=False)
+
+
+def verify_bytes(secret: str, body: bytes, headers: dict[str, str], tolerance: float = 300) -> None:
+    """Check a signature over any body, text or not, by the Standard Webhooks spec itself
+    (the reference library takes text bodies only): base64 HMAC-SHA256 of
+    ``{webhook-id}.{webhook-timestamp}.{body}`` under the secret's key, as one of the
+    space-separated ``v1,…`` signatures, with a timestamp within ``tolerance`` seconds."""
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    signed = f"{headers['webhook-id']}.{headers['webhook-timestamp']}.".encode() + body
+    expected = "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    offered = headers["webhook-signature"].split(" ")
+    assert any(hmac.compare_digest(expected, sig) for sig in offered), "bad signature"
+    assert abs(time.time() - int(headers["webhook-timestamp"])) <= tolerance, "stale timestamp"
 
 
 def closed_port() -> int:

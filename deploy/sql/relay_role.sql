@@ -1,6 +1,7 @@
 -- The relay's least-privilege login role: it reads, claims, updates and deletes rows of the
 -- outbox table, reads the paused destinations (outbox_paused; `outbox-relay pause` is run by
--- an operator's role), and nothing else. (LISTEN and advisory locks need no privilege.)
+-- an operator's role), registers itself in outbox_relays, and nothing else. (LISTEN and
+-- advisory locks need no privilege.)
 --
 --   psql "$OWNER_URL" -v ON_ERROR_STOP=1 -v role=outbox_relay -v password="$RELAY_PASSWORD" \
 --        -v schema=public -f deploy/sql/relay_role.sql
@@ -23,3 +24,4 @@ SELECT format('GRANT CONNECT ON DATABASE %I TO %I', current_database(), :'role')
 GRANT USAGE ON SCHEMA :"schema" TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox TO :"role";
 GRANT SELECT ON TABLE :"schema".outbox_paused TO :"role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_relays TO :"role";

@@ -11,7 +11,7 @@ import asyncpg
 from outbox.dburl import to_asyncpg_dsn
 from relay.bench.common import DESTINATION, Target, prefill, rss_mb
 from relay.config import load_settings
-from relay.model import Envelope
+from relay.model import Envelope, Lease
 from relay.relay import Relay
 
 # The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
@@ -113,7 +113,8 @@ async def naive(
                 if row is None:
                     break
                 await conn.execute(NAIVE_RUNNING, row[0])
-            env = Envelope(row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6])
+            lease = Lease(0, float("inf"))  # the naive loop holds its row lock instead
+            env = Envelope(row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6], lease)
             await sink.deliver([env])
             await conn.execute(NAIVE_DONE, row[0])
             done += 1

@@ -83,7 +83,9 @@ class Receiver:
                         return
                     # Stamped before the answer leaves: anything the client does after
                     # reading it (the next request) is recorded later than this.
-                    rec.status, rec.done = script.status, time.monotonic()
+                    with receiver._cond:
+                        rec.status, rec.done = script.status, time.monotonic()
+                        receiver._cond.notify_all()  # for waits on answers, not only requests
                     self.send_response(script.status)
                     for k, v in script.headers.items():
                         self.send_header(k, v)

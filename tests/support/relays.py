@@ -49,8 +49,8 @@ def settings(db_url: str, bootstrap: str, **overrides: Any) -> Settings:
 
 
 @contextlib.asynccontextmanager
-async def running(s: Settings, **kw: Any) -> AsyncIterator[Relay]:
-    relay = Relay(s, **kw)
+async def running(s: Settings, cls: type[Relay] = Relay, **kw: Any) -> AsyncIterator[Relay]:
+    relay = cls(s, **kw)
     task = asyncio.create_task(relay.run())
     started = asyncio.create_task(relay.started.wait())
     await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED, timeout=30)

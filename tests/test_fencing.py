@@ -1,0 +1,235 @@
+"""Fencing tokens: a relay that stalled past its lease never sends a row another relay has
+taken over, and never records an outcome over a newer claim of the row."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from structlog.testing import capture_logs
+
+import outbox
+from outbox.dburl import to_asyncpg_dsn
+from relay.store import Record, Store, create_pool
+from tests.support.proxy import StallProxy
+from tests.support.receiver import Receiver
+from tests.support.relays import running, settings, wait_until
+from tests.webhook_helpers import new_secret
+
+LEASE = 2.0
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[Store]:
+    pool = await create_pool(to_asyncpg_dsn(db_url), "same", 4)
+    try:
+        yield Store(pool, "public", "same", LEASE)
+    finally:
+        await pool.close()
+
+
+async def execute(db_url: str, sql: str, *args: Any) -> Any:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        return await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
+
+
+async def add(db_url: str, n: int, key: str | None = None, destination: str = "hook") -> list[int]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with conn.transaction():
+            return await outbox.enqueue_many(
+                conn,
+                [{"destination": destination, "key": key, "payload": {"n": i}} for i in range(n)],
+            )
+    finally:
+        await conn.close()
+
+
+async def test_outcome_heartbeat_and_release_apply_only_under_their_claim(
+    db_url: str, store: Store
+) -> None:
+    """The same relay claims a row twice (its first lease expired and was reaped): what it
+    writes for the first claim is refused, what it writes for the second applies."""
+    (row,) = await add(db_url, 1)
+    (first,) = await store.claim("hook", 10)
+    await execute(db_url, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+    reaped = await store.reap(25, {})
+    assert [r["id"] for r in reaped] == [row]
+    (second,) = await store.claim("hook", 10)
+    assert (first.id, first.lease.token, second.lease.token) == (row, 1, 2)
+
+    assert await store.heartbeat([(row, first.lease.token)]) == set()
+    assert await store.heartbeat([(row, second.lease.token)]) == {row}
+    stale = Record(row, first.lease.token, "pending", 1, 60.0, "stale retry", "hook")
+    assert await store.record([stale]) == set()
+    await store.release([(row, first.lease.token)])
+    (state,) = await execute(db_url, "SELECT status, claims, last_error FROM outbox")
+    assert (state["status"], state["claims"]) == ("running", 2)  # the newer claim holds it
+    fresh = Record(row, second.lease.token, "delivered", 1, 0.0, None, "hook")
+    assert await store.record([fresh]) == {row}
+    (state,) = await execute(db_url, "SELECT status, claims, finished_at FROM outbox")
+    assert state["status"] == "delivered" and state["finished_at"] is not None
+
+
+def hook(receiver: Receiver, **kw: Any) -> dict[str, Any]:
+    return {
+        "kind": "webhook",
+        "url": receiver.url + "/in",
+        "secrets": [new_secret()],
+        "allow_private_networks": True,
+        "max_concurrency": 4,
+        **kw,
+    }
+
+
+def hook_settings(db_url: str, receiver: Receiver, relay_id: str, **kw: Any) -> Any:
+    relay = {"lease": LEASE, "poll_interval": 0.1, "relay_id": relay_id, **kw.pop("relay", {})}
+    return settings(db_url, "127.0.0.1:1", relay=relay, destinations={"hook": hook(receiver, **kw)})
+
+
+def webhook_ids(receiver: Receiver) -> list[int]:
+    return [int(r.headers["webhook-id"]) for r in receiver.requests]
+
+
+async def test_stalled_relay_never_records_over_a_newer_claim(
+    db_url: str, receiver: Receiver
+) -> None:
+    """Relay A sends a row, then its database connection hangs (all traffic stalled) for
+    longer than the lease. A replacement under the same relay id (a pod restarted while the
+    old one was frozen) reaps the row and sends it again. A's late "retry" outcome must not
+    land on the replacement's claim: the row ends delivered, by the replacement's outcome."""
+    proxy = await StallProxy.for_url(db_url).start()
+    receiver.respond(500, delay=3.0, times=1)  # A's attempt: answered late, with an error
+    receiver.respond(200, delay=4.0, times=1)  # the replacement's: answered after A's
+    backoff = {"backoff": {"schedule": [600]}}  # a retry recorded by A would wait 10 minutes
+    stalled = hook_settings(proxy.url(db_url), receiver, "pod-1", **backoff)
+    replacement = hook_settings(db_url, receiver, "pod-1", **backoff)
+    try:
+        with capture_logs() as logs:
+            async with running(stalled) as a:
+                (row,) = await add(db_url, 1)
+                await asyncio.to_thread(receiver.wait_for, 1)
+                proxy.stall()
+                try:
+                    async with running(replacement):
+                        await asyncio.to_thread(receiver.wait_for, 2, LEASE + 5)
+                        # A's answer (500) comes while the replacement's attempt is in flight.
+                        await asyncio.to_thread(
+                            receiver.wait_until, lambda rs: rs[0].done is not None, 10
+                        )
+                        assert receiver.requests[1].done is None
+                        proxy.resume()
+                        await wait_until(lambda: _lost(a), timeout=10, what="A notices")
+                        await wait_until(
+                            lambda: _delivered(db_url, row), timeout=15, what="delivered"
+                        )
+                finally:
+                    proxy.resume()  # whatever happened, A can stop
+    finally:
+        await proxy.close()
+    (state,) = await execute(db_url, "SELECT status, attempts, claims, last_error FROM outbox")
+    assert state["status"] == "delivered" and state["claims"] == 2
+    assert webhook_ids(receiver) == [row, row]
+    lost = [e for e in logs if e["event"] == "relay.lease.lost"]
+    assert lost and all(row in e["ids"] for e in lost)
+
+
+def _lost(relay: Any) -> bool:
+    return bool(relay.stats["lease_lost"])
+
+
+async def _delivered(db_url: str, row: int) -> bool:
+    rows = await execute(db_url, "SELECT status FROM outbox WHERE id = $1", row)
+    return bool(rows) and rows[0]["status"] == "delivered"
+
+
+async def test_stalled_ordered_claim_never_sends_a_late_copy(
+    db_url: str, receiver: Receiver
+) -> None:
+    """Relay A's claim of event N commits, but the answer reaches A only after its lease
+    expired (the connection hung after the commit). Meanwhile B reaps N and delivers N and
+    N+1. A must not send its late copy of N after N+1."""
+    ordered = {"ordering": "key"}
+    a_settings = hook_settings(db_url, receiver, "relay-a", **ordered)
+    b_settings = hook_settings(db_url, receiver, "relay-b", **ordered)
+    with capture_logs() as logs:
+        async with running(a_settings) as a:
+            gate, stalled = asyncio.Event(), asyncio.Event()
+            real = a.store.claim_ordered
+
+            async def hanging_answer(*args: Any) -> Any:
+                rows, cursor = await real(*args)
+                if rows and not gate.is_set():
+                    stalled.set()
+                    await gate.wait()  # the claim committed; its answer is late
+                return rows, cursor
+
+            a.store.claim_ordered = hanging_answer  # type: ignore[method-assign]
+            n, n1 = await add(db_url, 2, key="k")
+            await asyncio.wait_for(stalled.wait(), 10)
+            async with running(b_settings):
+                await asyncio.to_thread(receiver.wait_for, 2, LEASE + 10)
+                await wait_until(lambda: _delivered(db_url, n1), timeout=10, what="B done")
+            gate.set()
+            await wait_until(lambda: _lost(a), timeout=5, what="A notices")
+            await asyncio.sleep(1.0)  # room for a late copy to arrive
+    assert webhook_ids(receiver) == [n, n1]
+    lost = [e for e in logs if e["event"] == "relay.lease.lost"]
+    assert lost and n in lost[0]["ids"]
+    states = await execute(db_url, "SELECT id, status, claims FROM outbox ORDER BY id")
+    assert [(r["status"], r["claims"]) for r in states] == [("delivered", 2), ("delivered", 1)]
+    bodies = [json.loads(r.body) for r in receiver.requests]
+    assert bodies == [{"n": 0}, {"n": 1}]
+
+
+async def test_the_fault_suites_witness_counts_outcomes_over_another_claim(
+    db_url: str, store: Store
+) -> None:
+    """The audit trigger the fault suite counts overwrites with (tests/support/faults.py)
+    sees them, and does not mistake legitimate changes for them."""
+    from tests.support.faults import fetchval, install_audit
+
+    await install_audit(db_url)
+    await add(db_url, 4)
+    held = await store.claim("hook", 10)
+    a, b, c, d = held
+    assert await store.record([Record(a.id, a.lease.token, "delivered", 1, 0.0, None, "hook")])
+    await store.release([(b.id, b.lease.token)])
+
+    async def count() -> int:
+        return int(await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites"))
+
+    assert await count() == 0  # the holder's own outcome and release
+    intruder = await asyncpg.connect(
+        to_asyncpg_dsn(db_url), server_settings={"application_name": "outbox-relay:intruder"}
+    )
+    try:
+        # Another relay writes an outcome over a live claim: counted.
+        await intruder.execute(
+            "UPDATE outbox SET status = 'delivered', locked_by = NULL WHERE id = $1", c.id
+        )
+        assert await count() == 1
+        # An outcome carrying an older claim's token: counted.
+        await execute(
+            db_url,
+            "UPDATE outbox SET status = 'pending', claims = claims - 1, locked_by = NULL "
+            "WHERE id = $1",
+            d.id,
+        )
+        assert await count() == 2
+        # Another relay reaping an expired lease: legitimate.
+        e, *_ = await store.claim("hook", 10)
+        await execute(db_url, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+        await intruder.execute(
+            "UPDATE outbox SET status = 'pending', locked_by = NULL WHERE id = $1", e.id
+        )
+        assert await count() == 2
+    finally:
+        await intruder.close()
