@@ -22,7 +22,17 @@ README = (Path(__file__).parent.parent / "README.md").read_text()
 
 
 def keys(model: type[BaseModel], prefix: str) -> list[str]:
-    return [f"{prefix}{f.alias or name}" for name, f in model.model_fields.items()]
+    """The settings of ``model``: its fields, without the sections (tables) it contains,
+    which are checked key by key on their own."""
+    out = []
+    for name, f in model.model_fields.items():
+        kind = f.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            continue  # a section such as relay.backoff
+        if name == "destinations":
+            continue  # a table of destinations, each documented key by key
+        out.append(f"{prefix}{f.alias or name}")
+    return out
 
 
 def test_every_setting_is_documented() -> None:
@@ -37,9 +47,10 @@ def test_every_setting_is_documented() -> None:
         + keys(Circuit, "destinations.NAME.circuit.")
         + keys(WebhookClientSettings, "webhooks.")
     )
-    missing = [k for k in expected if f"`{k}`" not in README and k != "destinations"]
-    # Keys documented together on one row (ssl files) count once.
-    missing = [k for k in missing if not any(k in line for line in README.splitlines())]
+    assert "relay.lease" in expected and "relay.backoff" not in expected
+    # Each key in backticks, as the reference tables write them: a key that merely appears
+    # inside another word or sentence does not count.
+    missing = [k for k in expected if f"`{k}`" not in README]
     assert not missing, f"README configuration reference lacks: {missing}"
 
 

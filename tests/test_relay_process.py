@@ -203,6 +203,11 @@ async def test_sigterm_under_load_exits_0_and_leaves_nothing_running(
     )
     records = await consume_ids(kafka_bootstrap, topic, ids, timeout=30)
     assert {outbox_id(r) for r in records} == set(ids)
+    # Nor sent twice: what the stopping relay delivered was recorded before it let go of the
+    # rest, so the finisher sent only rows that had never been sent.
+    copies = Counter(outbox_id(r) for r in records)
+    assert [i for i, n in copies.items() if n > 1] == []
+    assert '"event": "relay.shutdown.unrecorded"' not in relay.output()
 
 
 async def _delivered_at_least(db_url: str, n: int) -> bool:

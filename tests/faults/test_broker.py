@@ -22,10 +22,12 @@ from relay.localbroker import LocalBroker
 from tests.support.faults import (
     Writer,
     all_delivered,
+    end_of_run,
     events,
     fetch,
     fetchval,
     fleet,
+    install_audit,
     max_lag,
     read_copies,
     relay_config,
@@ -50,6 +52,7 @@ async def test_broker_restart_mid_run_loses_nothing(
     broker = LocalBroker()
     broker.start()
     writer = Writer(db_url, total, chunk=200, rate=total / span)
+    await install_audit(db_url)
     try:
         with fleet(tmp_path) as relays:
             for rid in ("kafka-a", "kafka-b"):
@@ -86,6 +89,7 @@ async def test_broker_restart_mid_run_loses_nothing(
                 return await all_delivered(db_url, total)
 
             await wait_until(delivered, timeout=120, interval=0.2, what="caught up")
+            clean = await end_of_run(db_url)
             logs = relays.logs()
             rows = await fetch(db_url, "SELECT id, status, delivered_at FROM outbox")
             after_ids = [r["id"] for r in rows if r["delivered_at"] >= restarted_at]
@@ -114,6 +118,7 @@ async def test_broker_restart_mid_run_loses_nothing(
         in_stop_margin=total - len(early) - len(after_ids),
         duplicates_after_restart=after.duplicates,
         max_lag_s=await max_lag(db_url),
+        **clean,
     )
 
 

@@ -16,9 +16,11 @@ from tests.support.faults import (
     Sampler,
     Writer,
     all_delivered,
+    end_of_run,
     events,
     fetch,
     fleet,
+    install_audit,
     max_lag,
     read_copies,
     relay_config,
@@ -56,6 +58,7 @@ async def test_connections_killed_repeatedly_lose_nothing(
     topic = f"db-{uuid.uuid4().hex[:8]}"
     relay_ids = ["db-a", "db-b", "db-c"]
     writer = Writer(db_url, total, keys=200, chunk=500, rate=total / span)
+    await install_audit(db_url)
     admin = await asyncpg.connect(to_asyncpg_dsn(db_url))
     killed = rounds = 0
     try:
@@ -93,6 +96,7 @@ async def test_connections_killed_repeatedly_lose_nothing(
                 return await all_delivered(db_url, total)
 
             await wait_until(delivered, timeout=120, interval=0.2, what="all delivered")
+            clean = await end_of_run(db_url)
             # Each relay's listener came back on its own.
             await wait_until(
                 lambda: _count(
@@ -133,6 +137,7 @@ async def test_connections_killed_repeatedly_lose_nothing(
         rows_reaped=sum(1 for r in rows.values() if (r["last_error"] or "").startswith("lease")),
         max_lease_overrun_s=round(sampler.max_overrun, 2),
         max_lag_s=await max_lag(db_url),
+        **clean,
     )
 
 

@@ -19,9 +19,11 @@ from tests.support.faults import (
     Sampler,
     Writer,
     all_delivered,
+    end_of_run,
     fetch,
     fetchval,
     fleet,
+    install_audit,
     kill,
     max_lag,
     read_copies,
@@ -59,6 +61,7 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
     writer = Writer(db_url, total, keys=200, chunk=chunk, rate=total / (4.0 * kills))
     held_at_kills: set[int] = set()
     sigkills = 0
+    await install_audit(db_url)
     with fleet(tmp_path) as relays, Sampler(db_url) as sampler:
         relays.start(cfg("steady-a"), "steady-a")
         relays.start(cfg("steady-b"), "steady-b")
@@ -123,6 +126,7 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
     assert copies.duplicated_ids <= held_at_kills, copies.duplicated_ids - held_at_kills
     states = await fetch(db_url, "SELECT status, count(*) AS n FROM outbox GROUP BY status")
     assert {r["status"]: r["n"] for r in states} == {"delivered": total}
+    clean = await end_of_run(db_url)
     reaped = await fetchval(
         db_url, "SELECT count(*) FROM outbox WHERE last_error LIKE 'lease expired: relay victim-%'"
     )
@@ -141,4 +145,5 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
         max_recovery_s=round(max(recoveries), 2),
         max_lease_overrun_s=round(sampler.max_overrun, 2),
         max_lag_s=await max_lag(db_url),
+        **clean,
     )

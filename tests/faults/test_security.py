@@ -15,9 +15,19 @@ import psycopg
 import pytest
 
 from outbox.dburl import to_asyncpg_dsn
-from tests.support.faults import Writer, all_delivered, fleet, read_copies, relay_config
+from tests.support.faults import (
+    Writer,
+    all_delivered,
+    events,
+    fetch,
+    fleet,
+    read_copies,
+    relay_config,
+)
+from tests.support.receiver import Receiver
 from tests.support.relays import wait_until
 from tests.test_relay_role import apply_role_sql, as_user
+from tests.webhook_helpers import SECRET
 
 pytestmark = pytest.mark.slow
 
@@ -38,12 +48,14 @@ def relay_role(db_url: str) -> Iterator[str]:
 
 
 async def test_least_privilege_role_runs_the_relay_end_to_end(
-    db_url: str, kafka_bootstrap: str, relay_role: str, tmp_path: Path
+    db_url: str, kafka_bootstrap: str, relay_role: str, tmp_path: Path, receiver: Receiver
 ) -> None:
-    """Claim, deliver to Kafka, record, heartbeat, reap a dead relay's rows, and release on
-    SIGTERM: all as the role with SELECT/INSERT/UPDATE/DELETE on the outbox tables only."""
+    """As the role of deploy/sql/relay_role.sql: claim and deliver to Kafka, reap a dead
+    relay's rows, keep a lease alive with heartbeats through a delivery longer than the lease,
+    claim ordered rows through the visibility fence, and release held rows on SIGTERM."""
     topic = f"role-{uuid.uuid4().hex[:8]}"
     ids = await Writer(db_url, 2000, chunk=500, rate=1e9).run()
+    first, second = await Writer(db_url, 2, keys=1, destination="ordered").run()
     # A dead relay's rows, for the reaper to take back under the role.
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
@@ -54,21 +66,53 @@ async def test_least_privilege_role_runs_the_relay_end_to_end(
         )
     finally:
         await conn.close()
-    url = as_user(db_url, relay_role, "s3cret")
+    lease = 3.0
+    receiver.respond(200, delay=lease * 1.5)  # each ordered delivery outlasts the lease
+    cfg = relay_config(
+        as_user(db_url, relay_role, "s3cret"),
+        kafka_bootstrap,
+        topic,
+        relay_id="role",
+        lease=lease,
+        shutdown_timeout=1,
+    )
+    cfg["destinations"]["ordered"] = {
+        "kind": "webhook",
+        "url": receiver.url,
+        "secrets": [SECRET],
+        "allow_private_networks": True,
+        "ordering": "key",
+        "timeout": 60,
+    }
     with fleet(tmp_path) as relays:
-        relay = relays.start(relay_config(url, kafka_bootstrap, topic, relay_id="role"), "role")
+        relay = relays.start(cfg, "role")
 
         async def done() -> bool:
             assert relay.proc is not None and relay.proc.poll() is None, relay.output()[-3000:]
-            return await all_delivered(db_url, len(ids))
+            return await all_delivered(db_url, len(ids) + 1)
 
         await wait_until(done, timeout=60, what="delivered under the relay role")
+        # The next ordered row is in flight now (its key's head was recorded): stop the relay
+        # before its answer comes, so the row is released.
+        await asyncio.to_thread(receiver.wait_for, 2, 10)
         relay.signal(signal.SIGTERM)
         status = await asyncio.to_thread(relay.wait, 30)
         output = relay.output()
     assert status == 0, output[-3000:]
     assert "permission denied" not in output and "InsufficientPrivilege" not in output
-    assert '"relay.lease.expired"' in output  # the reaper ran under the role
+    reaped = events(output, "relay.lease.expired")
+    assert reaped and all(e["last_id"] <= ids[49] for e in reaped)  # the dead relay's only
+    assert not events(output, "relay.lease.lost")
+    rows = {r["id"]: r for r in await fetch(db_url, "SELECT * FROM outbox")}
+    # Delivered although it took 1.5 leases: the heartbeat kept the lease, nothing reaped it.
+    assert (rows[first]["status"], rows[first]["attempts"]) == ("delivered", 1)
+    # Held at SIGTERM, released unattempted.
+    assert (rows[second]["status"], rows[second]["attempts"], rows[second]["claims"]) == (
+        "pending",
+        0,
+        1,
+    )
+    assert [e["count"] for e in events(output, "relay.released")] == [1]
     await read_copies(kafka_bootstrap, topic, ids)
 
 

@@ -265,6 +265,58 @@ async def read_copies(bootstrap: str, topic: str, ids: list[int], timeout: float
     return Copies(per_id)
 
 
+# A witness of the fencing promise, independent of the relay: every change that takes a row
+# out of `running` must come from the claim that holds it. An outcome carries its claim's
+# token into `claims` (RECORD writes it back, unchanged when all is well), and comes from the
+# session of the relay holding the row; a reap (another relay taking back an expired lease)
+# is the one legitimate exception.
+AUDIT = """
+CREATE TABLE IF NOT EXISTS outbox_overwrites (
+    id bigint, old_claims int, new_claims int, held_by text, written_by text, new_status text,
+    at timestamptz DEFAULT clock_timestamp()
+);
+CREATE OR REPLACE FUNCTION outbox_audit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.status = 'running' AND NEW.status <> 'running'
+       AND (NEW.claims <> OLD.claims
+            OR (current_setting('application_name') <> 'outbox-relay:' || OLD.locked_by
+                AND OLD.locked_until >= now())) THEN
+        INSERT INTO outbox_overwrites (id, old_claims, new_claims, held_by, written_by, new_status)
+        VALUES (OLD.id, OLD.claims, NEW.claims, OLD.locked_by,
+                current_setting('application_name'), NEW.status);
+    END IF;
+    RETURN NEW;
+END $$;
+DROP TRIGGER IF EXISTS outbox_audit ON outbox;
+CREATE TRIGGER outbox_audit BEFORE UPDATE ON outbox FOR EACH ROW EXECUTE FUNCTION outbox_audit();
+"""
+
+
+async def install_audit(db_url: str) -> None:
+    """Start counting outcomes recorded over a newer claim (see AUDIT)."""
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await conn.execute(AUDIT)
+    finally:
+        await conn.close()
+
+
+async def end_of_run(db_url: str) -> dict[str, int]:
+    """The figures every fault test ends with, both asserted to be 0: rows left `running`
+    (held by nobody alive, or by a relay that lost track of them) and outcomes recorded over
+    a newer claim of their row."""
+    figures = {
+        "rows_left_running": int(
+            await fetchval(db_url, "SELECT count(*) FROM outbox WHERE status = 'running'")
+        ),
+        "outcomes_over_newer_claim": int(
+            await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites")
+        ),
+    }
+    assert figures == {"rows_left_running": 0, "outcomes_over_newer_claim": 0}, figures
+    return figures
+
+
 def kill(proc: RelayProcess) -> None:
     proc.signal(signal.SIGKILL)
     proc.wait(10)
