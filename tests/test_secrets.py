@@ -1,0 +1,121 @@
+"""Nothing secret is ever printed: database URLs in every shape, config errors whatever the
+input's shape, environment values, logs, and every command's error output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from outbox.dburl import redact, to_asyncpg_dsn
+
+MARK = "Mk5e3c7a91d0"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "relay.cli", *args],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **(env or {})},
+        timeout=60,
+    )
+
+
+# --- redact ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"postgresql://app:{MARK}@db:5432/app", "postgresql://app:***@db:5432/app"),
+        (f"postgresql://:{MARK}@db/app", "postgresql://:***@db/app"),
+        (f"postgresql://app@db/app?password={MARK}", "postgresql://app@db/app?password=***"),
+        (
+            f"postgresql://db/app?sslmode=require&sslpassword={MARK}&application_name=x",
+            "postgresql://db/app?sslmode=require&sslpassword=***&application_name=x",
+        ),
+        (f"postgresql://db/app?api_token={MARK}", "postgresql://db/app?api_token=***"),
+        (f"postgresql://db/app?PassWord={MARK}", "postgresql://db/app?PassWord=***"),
+        # Characters that end the URL's authority early: the password is still hidden whole.
+        (f"postgresql://app:pa/ss{MARK}@db/app", "postgresql://app:***@db/app"),
+        (f"postgresql://app:pa#ss{MARK}@db/app", "postgresql://app:***@db/app"),
+        (f"postgresql://app:?{MARK}@db/app", "postgresql://app:***@db/app"),
+        (f"postgresql://app:p@ss{MARK}@db/app", "postgresql://app:***@db/app"),
+        (f"postgresql://app:{MARK}@[::1/app", "postgresql://app:***@[::1/app"),
+        (f"mysql://root:{MARK}@h/x", "mysql://root:***@h/x"),
+        (f"host=db password={MARK}", "host=db password=***"),
+        (f"host=db   password = {MARK} dbname=app", "host=db password=*** dbname=app"),
+        (f"host=db password='two words {MARK}' user=app", "host=db password=*** user=app"),
+        (f"password='it\\'s {MARK}' host=db", "password=*** host=db"),
+        (f"host=db sslpassword={MARK}", "host=db sslpassword=***"),
+        ("host=db dbname='my db'", "host=db dbname='my db'"),
+        ("postgresql://app@db/app", "postgresql://app@db/app"),
+        ("", ""),
+    ],
+)
+def test_redact_hides_the_password_in_every_shape(url: str, shown: str) -> None:
+    assert redact(url) == shown
+    assert MARK not in redact(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        MARK,  # a password pasted where the URL goes
+        f"host=db password='{MARK}",  # unterminated quote
+        f"host=db {MARK}",  # a word without a value
+        f"{MARK}:",
+        f"db:5432 {MARK}",
+    ],
+)
+def test_redact_never_echoes_what_it_cannot_parse(url: str) -> None:
+    assert MARK not in redact(url)
+    assert redact(url)  # says something
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (f"host=db password={MARK}", "postgresql://"),
+        (f"mysql://root:{MARK}@h/x", "postgresql://"),
+        (MARK, "postgresql://"),
+        # asyncpg would report a piece of the password as a bad port or a bad query field.
+        (f"postgresql://root:pa/ss{MARK}@127.0.0.1/db", "percent-encode"),
+        (f"postgresql://root:pa#ss{MARK}@127.0.0.1/db", "percent-encode"),
+        (f"postgresql://root:?{MARK}@127.0.0.1/db", "percent-encode"),
+        (f"postgresql://root:{MARK}@127.0.0.1:5o32/db", "port is not a number"),
+        (f"postgresql://root:{MARK}@[::1/db", "not a valid URL"),
+    ],
+)
+def test_bad_database_urls_are_refused_without_echoing_the_password(
+    url: str, expected: str
+) -> None:
+    with pytest.raises(ValueError, match=expected) as info:
+        to_asyncpg_dsn(url)
+    assert MARK not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://root@127.0.0.1:5432/db",
+        "postgresql+asyncpg://root:p%2Fw@127.0.0.1/db",
+        "postgresql://h1:5432,h2:5433/db",
+        "postgresql://[::1]:5432/db",
+        "postgresql:///db?host=/var/run/postgresql",
+        "postgresql://u@db/app?application_name=me@host",
+        "postgres://db",
+    ],
+)
+def test_good_database_urls_still_pass(url: str) -> None:
+    assert to_asyncpg_dsn(url).startswith("postgresql://")
+
+
+def test_status_with_a_keyword_dsn_does_not_echo_its_password() -> None:
+    """`status --database-url "host=db password=X"` printed X in its error."""
+    res = run_cli("status", "--database-url", f"host=127.0.0.1 password={MARK}")
+    assert res.returncode == 1
+    assert "postgresql://" in res.stderr
+    assert MARK not in res.stdout + res.stderr
