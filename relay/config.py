@@ -36,7 +36,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from outbox.dburl import to_asyncpg_dsn
+from outbox.dburl import to_asyncpg_dsn, url_secrets
+from relay import secrets
 from relay.durations import parse_duration
 from relay.signing import decode_secret
 
@@ -301,7 +302,18 @@ class WebhookDestination(_Delivery):
         try:
             url = httpx.URL(v)
         except httpx.InvalidURL as exc:
-            raise ValueError(f"not a valid URL: {exc}") from None
+            # httpx quotes the offending piece, which may be part of a credential (a password
+            # read as the port): say what is wrong without it.
+            text = str(exc).lower()
+            what = next((w for w in ("port", "character", "too long") if w in text), "")
+            problem = {
+                "port": "its port is not a number from 0 to 65535",
+                "character": "it holds a control character",
+                "too long": "it is too long",
+            }.get(what, "it cannot be parsed")
+            raise ValueError(
+                f"not a valid URL: {problem} (credentials belong in headers, not in the URL)"
+            ) from None
         if url.scheme not in ("http", "https"):
             raise ValueError(f"must be an http:// or https:// URL, not {url.scheme or 'none'!r}")
         if not url.host:
@@ -445,27 +457,81 @@ def default_relay_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+# Inputs echoed in an error ("got …"): short scalars of settings that cannot hold a secret.
+_ECHO_MAX_CHARS = 40
+
+
+def _echoable_fields() -> frozenset[str]:
+    models: list[type[BaseModel]] = [
+        Settings,
+        RelaySettings,
+        Backoff,
+        KafkaSettings,
+        KafkaDestination,
+        WebhookDestination,
+        WebhookClientSettings,
+        Circuit,
+        HttpSettings,
+    ]
+    names = {f.alias or n for m in models for n, f in m.model_fields.items()}
+    return frozenset(n for n in names if not secrets.SECRET_KEY.search(n))
+
+
+def _shown(err: Any, loc: tuple[Any, ...]) -> str:
+    """`` (got …)`` for an input that is safe to echo, else nothing: only a short scalar of a
+    setting that cannot hold a secret, never a table, a list, a dict key's value (destination
+    or header names) or anything under a secret-bearing key."""
+    if err["type"] in ("missing", "extra_forbidden") or not loc:
+        return ""
+    last = loc[-1]
+    if not isinstance(last, str) or last not in _echoable_fields():
+        return ""
+    if any(secrets.SECRET_KEY.search(str(p)) for p in loc):
+        return ""
+    got = err.get("input")
+    if isinstance(got, bool | int | float) or (
+        isinstance(got, str) and len(got) <= _ECHO_MAX_CHARS and got.isprintable()
+    ):
+        return f" (got {got!r})"
+    return ""
+
+
+def _message(err: Any, loc: str) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key (check its spelling and section)"
+    if kind == "missing":
+        if loc == "database_url":
+            return "required (set database_url in the file or OUTBOX_DATABASE_URL)"
+        return "required"
+    if loc == "destinations" and kind == "dict_type":
+        return (
+            "must be a table of destinations: write one [destinations.NAME] table per "
+            "destination (not [[destinations]], which makes a list)"
+        )
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return "must be a table: [section] or key = { … } (not [[…]], which makes a list)"
+    if kind == "union_tag_not_found":
+        return 'needs kind = "kafka" or kind = "webhook"'
+    if kind == "union_tag_invalid":
+        tag = (err.get("ctx") or {}).get("tag")
+        got = (
+            f" (got {tag!r})"
+            if isinstance(tag, str) and len(tag) <= _ECHO_MAX_CHARS and tag.isprintable()
+            else ""
+        )
+        return f'kind must be "kafka" or "webhook"{got}'
+    msg: str = err["msg"]
+    return msg
+
+
 def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        parts = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
+        loc = ".".join(str(p) for p in parts)
         loc = loc.replace("schema_", "schema") or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key (check its spelling and section)"
-        elif err["type"] == "missing":
-            msg = "required"
-            if loc == "database_url":
-                msg += " (set database_url in the file or OUTBOX_DATABASE_URL)"
-        got = err.get("input")
-        shown = (
-            ""
-            if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict)
-            else (f" (got {got!r})")
-        )
-        if any(w in loc for w in ("url", "password", "secret", "headers")):
-            shown = ""
-        lines.append(f"  {loc}: {msg}{shown}")
+        lines.append(f"  {loc}: {_message(err, loc)}{_shown(err, parts)}")
     return "\n".join(lines)
 
 
@@ -483,17 +549,38 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     data.update(overrides)
+    # Known before validating, so that no error message can quote them.
+    found = secrets.config_secrets(data) | secrets.environment_secrets(os.environ)
+    secrets.register(found)
     where = f" in {path}" if path else ""
     # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
     # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
     private = sorted(k for k in data if k.startswith("_"))
     if private:
         bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
-        raise ConfigError(f"invalid configuration{where}:\n{bad}")
+        raise ConfigError(secrets.scrub(f"invalid configuration{where}:\n{bad}", found))
     try:
-        return Settings(**data)
+        settings = Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid configuration{where}:\n{_format_errors(exc)}") from exc
+        message = f"invalid configuration{where}:\n{_format_errors(exc)}"
+        raise ConfigError(secrets.scrub(message, found)) from None
     except SettingsError as exc:
         # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
-        raise ConfigError(f"invalid configuration in the environment: {exc}") from exc
+        # Its text names the field, never the value.
+        message = f"invalid configuration in the environment: {exc}"
+        raise ConfigError(secrets.scrub(message, found)) from None
+    secrets.register(settings_secrets(settings))
+    return settings
+
+
+def settings_secrets(s: Settings) -> set[str]:
+    """What the relay must never print: the database password, the SASL password, webhook
+    secrets and configured header values (see relay.secrets for the lengths scrubbed)."""
+    found = set(url_secrets(s.database_url.get_secret_value()))
+    if s.kafka.sasl_plain_password is not None:
+        found.add(s.kafka.sasl_plain_password.get_secret_value())
+    for d in s.destinations.values():
+        if isinstance(d, WebhookDestination):
+            found.update(x.get_secret_value() for x in d.secrets)
+            found |= secrets.config_secrets({"url": d.url, "headers": d.headers})
+    return found

@@ -3,12 +3,15 @@ input's shape, environment values, logs, and every command's error output."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from outbox.dburl import redact, to_asyncpg_dsn
+from relay.config import ConfigError, load_settings
 
 MARK = "Mk5e3c7a91d0"
 
@@ -119,3 +122,104 @@ def test_status_with_a_keyword_dsn_does_not_echo_its_password() -> None:
     assert res.returncode == 1
     assert "postgresql://" in res.stderr
     assert MARK not in res.stdout + res.stderr
+
+
+# --- config errors ---------------------------------------------------------------------------
+
+WHSEC = f"whsec_{MARK}" + "A" * (36 - len(MARK))  # valid: base64 of 27 bytes
+
+
+def load_error(tmp_path: Path, toml: str, **env: str) -> str:
+    """The ConfigError message for ``toml`` (with ``env`` set), as `run --check` prints it."""
+    path = tmp_path / "relay.toml"
+    path.write_text(toml)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("OUTBOX_")]:
+            mp.delenv(name)
+        for name, value in env.items():
+            mp.setenv(name, value)
+        with pytest.raises(ConfigError) as info:
+            load_settings(path)
+    return str(info.value)
+
+
+HOOK = (
+    f'kind = "webhook"\nurl = "https://hooks.example.com/services/{MARK}?token={MARK}"\n'
+    f'secrets = ["{WHSEC}"]\nheaders = {{ Authorization = "Bearer {MARK}" }}\n'
+)
+
+
+@pytest.mark.parametrize(
+    ("toml", "named"),
+    [
+        # An array of tables instead of a table: the whole list was the input.
+        (f'database_url = "postgresql://u@h/db"\n[[destinations]]\n{HOOK}', "destinations"),
+        (
+            f'database_url = "postgresql://u@h/db"\n[[destinations.hook]]\n{HOOK}',
+            "destinations.hook",
+        ),
+        # A destination that is a string (a URL with its token) instead of a table.
+        (
+            f'database_url = "postgresql://u@h/db"\n[destinations]\n'
+            f'hook = "https://h.example.com/{MARK}"\n',
+            "destinations.hook",
+        ),
+        # A secret pasted into a field that is not secret-bearing.
+        (
+            f'database_url = "postgresql://u:{MARK}@h/db"\n[relay]\nrelay_id = 5\n'
+            f'schema = ["{MARK}"]\n',
+            "relay.schema",
+        ),
+        (
+            f'database_url = "postgresql://u:{MARK}@h/db"\n[relay]\nunknown_destinations = '
+            f'"{MARK}"\n',
+            "relay.unknown_destinations",
+        ),
+        (
+            f'database_url = "postgresql://u@h/db"\n[kafka]\nsasl_plain_password = "{MARK}"\n'
+            f'client_id = "{MARK}"\nacks = "{MARK}"\n',
+            "kafka.acks",
+        ),
+        (
+            f'database_url = "postgresql://u:{MARK}@h/db"\n[destinations.h]\nkind = "{MARK}"\n',
+            "destinations.h",
+        ),
+        # The URL's port is a piece of the credentials: httpx quoted it.
+        (
+            f'database_url = "postgresql://u@h/db"\n[destinations.h]\nkind = "webhook"\n'
+            f'url = "https://user:{MARK}/x@h.example.com/"\nsecrets = ["{WHSEC}"]\n',
+            "destinations.h.webhook.url",
+        ),
+        (f'database_url = "host=db password={MARK}"\n', "database_url"),
+        (f'database_url = {{ password = "{MARK}" }}\n', "database_url"),
+    ],
+)
+def test_config_errors_never_echo_secrets(tmp_path: Path, toml: str, named: str) -> None:
+    message = load_error(tmp_path, toml)
+    assert f"{named}:" in message
+    assert MARK not in message
+
+
+def test_destinations_as_an_array_of_tables_says_what_to_write(tmp_path: Path) -> None:
+    message = load_error(
+        tmp_path, f'database_url = "postgresql://u@h/db"\n[[destinations]]\n{HOOK}'
+    )
+    assert "[destinations.NAME]" in message
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OUTBOX_DESTINATIONS": f'{{"h": {{"kind": "webhook", "secrets": ["{WHSEC}"'},
+        {"OUTBOX_DESTINATIONS": f'[{{"kind": "webhook", "secrets": ["{WHSEC}"]}}]'},
+        {"OUTBOX_DESTINATIONS": f'{{"h": "https://h.example.com/{MARK}"}}'},
+        {"OUTBOX_DATABASE_URL": f"host=db password='a {MARK}'"},
+        {"OUTBOX_DATABASE_URL": f"postgresql://u:pa/ss{MARK}@h/db"},
+        {"OUTBOX_KAFKA_SASL_PLAIN_PASSWORD": MARK, "OUTBOX_KAFKA_ACKS": MARK},
+        {"OUTBOX_KAFKA": f'{{"sasl_plain_password": "{MARK}", "client_id": ["{MARK}"]}}'},
+    ],
+)
+def test_environment_errors_never_echo_secrets(tmp_path: Path, env: dict[str, str]) -> None:
+    toml = "" if "OUTBOX_DATABASE_URL" in env else 'database_url = "postgresql://u@h/db"\n'
+    message = load_error(tmp_path, toml, **env)
+    assert MARK not in message
