@@ -3,9 +3,11 @@ input's shape, environment values, logs, and every command's error output."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -223,3 +225,75 @@ def test_environment_errors_never_echo_secrets(tmp_path: Path, env: dict[str, st
     toml = "" if "OUTBOX_DATABASE_URL" in env else 'database_url = "postgresql://u@h/db"\n'
     message = load_error(tmp_path, toml, **env)
     assert MARK not in message
+
+
+# --- logs and command errors -----------------------------------------------------------------
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin"},
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_log_events_are_scrubbed_of_registered_secrets(fmt: str) -> None:
+    """The relay's log set-up scrubs every secret the configuration registered, wherever it
+    sits in an event: a message, a nested value, an exception's text and traceback."""
+    res = run_python(
+        f"""
+        import logging, structlog
+        from relay import secrets
+        from relay.logging import configure
+        secrets.register(["{MARK}", 'q"uo\\\\te-é-{MARK}'])
+        configure("debug", "{fmt}")
+        log = structlog.get_logger("t")
+        log.info("relay.test", error="refused: {MARK}", nested={{"a": ["x{MARK}y"]}})
+        log.info("relay.test.escaped", error='q"uo\\\\te-é-{MARK}')
+        try:
+            raise ValueError("bad {MARK}")
+        except ValueError:
+            log.exception("relay.test.crashed")
+        logging.getLogger("aiokafka").warning("cannot connect: %s", "{MARK}")
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    assert "relay.test.crashed" in res.stdout and "cannot connect" in res.stderr
+    assert MARK not in res.stdout + res.stderr
+    assert "uo" not in res.stdout  # the escaped form is hidden whole
+    if fmt == "json":
+        for line in res.stdout.splitlines():
+            json.loads(line)  # still valid JSON
+
+
+def test_migrate_errors_are_one_clean_message() -> None:
+    """A database that does not exist made `migrate` print a traceback."""
+    res = run_cli(
+        "migrate", "--database-url", f"postgresql://root:{MARK}@127.0.0.1/no_such_db_{MARK}"
+    )
+    assert res.returncode == 1
+    assert "Traceback" not in res.stderr and "does not exist" in res.stderr
+    assert MARK not in res.stdout + res.stderr
+
+
+def test_unexpected_errors_are_scrubbed() -> None:
+    """A bug that lets an exception through prints its traceback without the secret."""
+    res = run_python(
+        f"""
+        import sys
+        from relay import admin, cli
+        async def status(conn, schema):
+            raise RuntimeError("bug while connected to " + sys.argv[-1])
+        admin.status = status
+        sys.argv = ["outbox-relay", "status", "--database-url",
+                    "postgresql://root:{MARK}@127.0.0.1/postgres"]
+        cli.main()
+        """
+    )
+    assert res.returncode == 1
+    assert "RuntimeError: bug while connected to" in res.stderr
+    assert MARK not in res.stdout + res.stderr
