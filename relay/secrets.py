@@ -60,6 +60,14 @@ def register(secrets: Iterable[str]) -> None:
         _pattern = _compile(_known)
 
 
+def reset() -> None:
+    """Forget every registered secret (a process starts with none; tests that run several
+    commands in one process call this between them)."""
+    global _pattern
+    _known.clear()
+    _pattern = None
+
+
 def scrub(text: str, extra: Iterable[str] = ()) -> str:
     """``text`` with every registered secret (and every one of ``extra``) replaced."""
     more = {s for s in extra if len(s) >= MIN_LENGTH} - _known
