@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
+from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -26,6 +27,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -128,6 +130,41 @@ class RelaySettings(_Section):
         return self
 
 
+# What aiokafka can do with the settings the relay passes it. OAUTHBEARER needs a token
+# provider object and GSSAPI the gssapi package: neither is wired in yet.
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
+_CODECS = {"snappy": has_snappy, "lz4": has_lz4, "zstd": has_zstd}
+
+
+def _bootstrap_problem(server: str) -> str | None:
+    """Why aiokafka cannot use ``server`` (host, host:port, [v6]:port or a bare IPv6), or
+    None. aiokafka raised ValueError or OverflowError from these at start-up."""
+    server = server.strip()
+    if not server:
+        return "has an empty entry (a stray comma?)"
+    if server.startswith("["):
+        host, bracket, rest = server[1:].partition("]")
+        if not bracket or not host or (rest and not rest.startswith(":")):
+            return "has an IPv6 address without its closing ] (write [::1]:9092)"
+        port = rest[1:] if rest else None
+    elif ":" not in server:
+        return None
+    else:
+        try:
+            ipaddress.IPv6Address(server)
+        except ValueError:
+            pass
+        else:
+            return None
+        host, _, port = server.rpartition(":")
+        if not host:
+            return "has an entry without a host"
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        return "has a port that is not a number from 1 to 65535"
+    return None
+
+
 class KafkaSettings(_Section):
     bootstrap_servers: str | list[str] = "localhost:9092"
     client_id: str = "outbox-relay"
@@ -139,12 +176,67 @@ class KafkaSettings(_Section):
     max_request_size: int = Field(1_048_576, ge=1024, description="largest message, bytes")
     request_timeout_ms: int = Field(30_000, ge=1000)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
-    sasl_plain_username: str | None = None
-    sasl_plain_password: SecretStr | None = None
+    # OAUTHBEARER is accepted by the type only to be refused with a clear message.
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
+        Field(None, validate_default=True)
+    )
+    sasl_plain_username: str | None = Field(None, validate_default=True)
+    sasl_plain_password: SecretStr | None = Field(None, validate_default=True)
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _servers(cls, v: str | list[str]) -> str | list[str]:
+        servers = v.split(",") if isinstance(v, str) else v
+        if not servers:
+            raise ValueError("names no server: list at least one host:port")
+        for server in servers:
+            problem = _bootstrap_problem(server)
+            if problem:
+                raise ValueError(f"{problem}; write host:port, e.g. kafka-1:9092")
+        return v
+
+    @field_validator("compression_type")
+    @classmethod
+    def _codec_installed(cls, v: str | None) -> str | None:
+        available = _CODECS.get(v or "")
+        if available is not None and not available():
+            raise ValueError(
+                f"{v} needs the cramjam package, which is not installed: pip install "
+                f"'aiokafka[{v}]', or use compression_type = \"gzip\""
+            )
+        return v
+
+    @field_validator("sasl_mechanism")
+    @classmethod
+    def _sasl_mechanism(cls, v: str | None, info: ValidationInfo) -> str | None:
+        supported = f"{', '.join(SASL_MECHANISMS[:-1])} or {SASL_MECHANISMS[-1]}"
+        if v == "OAUTHBEARER":
+            raise ValueError(
+                f"OAUTHBEARER is not supported yet; the relay supports {supported} "
+                "(with sasl_plain_username and sasl_plain_password)"
+            )
+        protocol = info.data.get("security_protocol")
+        if protocol is None:  # itself invalid, and reported
+            return v
+        if v is not None and protocol not in SASL_PROTOCOLS:
+            raise ValueError(
+                f"{v} needs security_protocol = 'SASL_PLAINTEXT' or 'SASL_SSL' (it is "
+                f"{protocol!r}): without it the relay would connect without authenticating"
+            )
+        if v is None and protocol in SASL_PROTOCOLS:
+            raise ValueError(f"required with security_protocol = {protocol!r}: {supported}")
+        return v
+
+    @field_validator("sasl_plain_username", "sasl_plain_password")
+    @classmethod
+    def _sasl_credentials(cls, v: Any, info: ValidationInfo) -> Any:
+        mechanism = info.data.get("sasl_mechanism")
+        if v is None and mechanism in SASL_MECHANISMS:
+            raise ValueError(f"required with sasl_mechanism = {mechanism!r}")
+        return v
 
     @model_validator(mode="after")
     def _idempotence_needs_acks_all(self) -> KafkaSettings:
@@ -521,6 +613,9 @@ def _message(err: Any, loc: str) -> str:
             else ""
         )
         return f'kind must be "kafka" or "webhook"{got}'
+    error = (err.get("ctx") or {}).get("error")
+    if kind == "value_error" and error is not None:
+        return str(error)  # our validators' own words, without pydantic's "Value error, "
     msg: str = err["msg"]
     return msg
 
@@ -531,7 +626,10 @@ def _format_errors(exc: ValidationError) -> str:
         parts = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
         loc = ".".join(str(p) for p in parts)
         loc = loc.replace("schema_", "schema") or "(top level)"
-        lines.append(f"  {loc}: {_message(err, loc)}{_shown(err, parts)}")
+        msg = _message(err, loc)
+        got = err.get("input")
+        shown = "" if isinstance(got, str) and got and got in msg else _shown(err, parts)
+        lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 
 
