@@ -8,6 +8,7 @@ raises :class:`ConfigError` naming the key.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -553,6 +554,7 @@ def default_relay_id() -> str:
 _ECHO_MAX_CHARS = 40
 
 
+@functools.cache
 def _echoable_fields() -> frozenset[str]:
     models: list[type[BaseModel]] = [
         Settings,

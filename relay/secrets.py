@@ -25,6 +25,7 @@ MIN_PLAIN_HEADER_LENGTH = 8
 
 # Config keys whose values are secret, whatever the section (typos included).
 SECRET_KEY = re.compile(r"url|dsn|pass|secret|token|key|auth|credential|cookie|header", re.I)
+_URL_KEY = re.compile(r"url|dsn", re.I)
 _SECRET_HEADER = re.compile(r"auth|token|key|secret|pass|cookie|session|signature|credential", re.I)
 
 _known: set[str] = set()
@@ -112,21 +113,32 @@ def _strings(v: Any) -> Iterator[str]:
             yield from _strings(x)
 
 
-def _of_url(url: str) -> set[str]:
-    """A URL's secrets: the URL itself, its password and secret parameters, and for webhook
-    URLs the query values and token-like path segments (``/services/T0/B0/XXXX``)."""
-    found = {url} | url_secrets(url)
+def _token_like(text: str) -> bool:
+    """A random-looking piece of a URL (``/services/T0B1/XXXXXXXX``, ``?sig=…``): long, with
+    letters and digits. Words such as ``hooks`` or ``json`` are not scrubbed."""
+    return len(text) >= 8 and any(c.isdigit() for c in text) and any(c.isalpha() for c in text)
+
+
+def _url_secrets(url: str) -> set[str]:
+    """A URL's secrets: its password and secret-named parameters (``outbox.dburl``), and the
+    token-like values of its query and segments of its path."""
+    found = url_secrets(url)
     try:
         parts = urlsplit(url)
     except ValueError:
         return found
-    for pair in parts.query.split("&"):
-        value = pair.partition("=")[2]
-        found |= {value, unquote(value)}
-    for segment in parts.path.split("/"):
-        if len(segment) >= 8 and any(c.isdigit() for c in segment):
-            found |= {segment, unquote(segment)}
+    pieces = [p.partition("=")[2] for p in parts.query.split("&")] + parts.path.split("/")
+    found |= {x for p in pieces for x in (p, unquote(p)) if _token_like(x)}
     return found
+
+
+def _value_secrets(key: str, value: str) -> set[str]:
+    """What to hide of ``value``, found under the secret-bearing ``key``."""
+    if "://" in value:
+        return _url_secrets(value)
+    if _URL_KEY.search(key):
+        return url_secrets(value)  # libpq key=value settings, or unparseable: hidden whole
+    return {value}  # a password, a token, a whsec_ secret
 
 
 def _secret_env(name: Any, environ: Mapping[str, str]) -> set[str]:
@@ -155,14 +167,14 @@ def config_secrets(data: Any, environ: Mapping[str, str] | None = None) -> set[s
             if under_destinations and isinstance(value, Mapping):
                 walk(value)  # a destination's name is not a setting: look inside it only
             elif under_destinations and isinstance(value, str):
-                found.update(_of_url(value))  # a destination written as a bare URL
+                found.update(_value_secrets("url", value))  # a destination as a bare URL
             elif key == "secret_env":
                 found.update(_secret_env(value, env))
             elif key == "headers":
                 found.update(_header_values(value))
             elif isinstance(key, str) and SECRET_KEY.search(key):
                 for s in _strings(value):
-                    found.update(_of_url(s))
+                    found.update(_value_secrets(key, s))
             else:
                 walk(value, under_destinations=key == "destinations")
 
@@ -191,7 +203,7 @@ def environment_secrets(environ: Mapping[str, str], prefix: str = "OUTBOX_") -> 
             continue
         key = name[len(prefix) :].lower()
         if SECRET_KEY.search(key):
-            found.update(_of_url(value))
+            found.update(_value_secrets(key, value))
         try:
             parsed = json.loads(value)
         except ValueError:

@@ -219,6 +219,22 @@ def test_destinations_as_an_array_of_tables_says_what_to_write(tmp_path: Path) -
     assert "[destinations.NAME]" in message
 
 
+def test_config_errors_still_show_what_is_not_secret(tmp_path: Path) -> None:
+    """Scrubbing hides secrets, not the rest: a URL without a password, a wrong value of a
+    plain setting, and words that also occur in a URL or a header stay readable."""
+    message = load_error(
+        tmp_path,
+        'database_url = "mysql://relay@db/app?application_name=relay"\n'
+        '[relay]\nbatch_size = "many"\n[kafka]\nsasl_plain_password = "user=relay"\n'
+        '[destinations.h]\nkind = "webhook"\nurl = "https://h.example.com/hooks?format=json"\n'
+        f'secrets = ["{WHSEC}"]\nheaders = {{ X-Env = "prod" }}\ntimeout = "soon"\n',
+    )
+    assert "mysql://relay@db/app?application_name=relay" in message
+    assert "relay.batch_size:" in message and "(got 'many')" in message
+    assert "destinations.h.webhook.timeout:" in message and "(got 'soon')" in message
+    assert "***" not in message
+
+
 @pytest.mark.parametrize(
     "env",
     [
