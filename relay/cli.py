@@ -167,6 +167,7 @@ async def _run(settings: Settings) -> int:
     show_default=True,
     show_envvar=True,
     help="Server to create the scratch database on.",
+    callback=_register_url,
 )
 @click.option("--bootstrap", help="Use this Kafka broker instead of starting a local one.")
 @click.option("--count", default=20, show_default=True, type=click.IntRange(1, 100_000))
