@@ -20,7 +20,7 @@ import click
 from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
 from outbox.migrate import migrate as run_migrations
 from relay import admin, secrets
-from relay.config import ConfigError, Settings, load_settings
+from relay.config import ConfigError, Settings, load_settings, settings_secrets
 from relay.durations import FORMS, format_duration, parse_duration, parse_since
 
 T = TypeVar("T")
@@ -117,10 +117,13 @@ def migrate(database_url: str, schema: str, dry_run: bool) -> None:
 
 def _load(config: Path | None) -> Settings:
     try:
-        return load_settings(config)
+        settings = load_settings(config)
     except ConfigError as exc:
         click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         sys.exit(2)
+    # From here on no log event or error message of this process can print them.
+    secrets.register(settings_secrets(settings))
+    return settings
 
 
 @main.command()

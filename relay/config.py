@@ -649,9 +649,10 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     data.update(overrides)
-    # Known before validating, so that no error message can quote them.
+    # Found before validating, so that no error message can quote them. (Registering the
+    # secrets of a loaded configuration, for the logs, is the relay process's business:
+    # relay.cli does it, so that loading a configuration changes nothing global.)
     found = secrets.config_secrets(data) | secrets.environment_secrets(os.environ)
-    secrets.register(found)
     where = f" in {path}" if path else ""
     # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
     # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
@@ -669,7 +670,6 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         # Its text names the field, never the value.
         message = f"invalid configuration in the environment: {exc}"
         raise ConfigError(secrets.scrub(message, found)) from None
-    secrets.register(settings_secrets(settings))
     return settings
 
 

@@ -1,9 +1,12 @@
 """The secrets this process knows of, and scrubbing them from anything it prints.
 
-The configuration registers its secrets when it is loaded (:func:`register`): the database
-password, the SASL password, webhook secrets and configured header values. Error messages
-and every log event pass through :func:`scrub` as a last line of defence; the first lines
-are not echoing inputs at all (config errors) and redacting URLs (``outbox.dburl.redact``).
+A command registers the secrets it was given (:func:`register`): ``run`` those of its
+configuration once loaded (the database password, the SASL password, webhook secrets and
+configured header values), the operations commands the password of ``--database-url``.
+Error messages and every log event pass through :func:`scrub` as a last line of defence;
+the first lines are not echoing inputs at all (config errors) and redacting URLs
+(``outbox.dburl.redact``). Loading a configuration registers nothing by itself: its errors
+are scrubbed of the secrets found in that input only.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,14 @@ from relay import secrets as relay_secrets
 from relay.config import ConfigError, load_settings
 
 MARK = "Mk5e3c7a91d0"
+
+
+@pytest.fixture(autouse=True)
+def no_secret_known() -> Iterator[None]:
+    """Commands run in-process here register secrets; leave none behind for other tests."""
+    relay_secrets.reset()
+    yield
+    relay_secrets.reset()
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -233,6 +242,17 @@ def test_config_errors_still_show_what_is_not_secret(tmp_path: Path) -> None:
     assert "relay.batch_size:" in message and "(got 'many')" in message
     assert "destinations.h.webhook.timeout:" in message and "(got 'soon')" in message
     assert "***" not in message
+
+
+def test_loading_a_configuration_changes_nothing_global(tmp_path: Path) -> None:
+    """Tests and tools load many configurations in one process: registering their values
+    (arbitrary text in the property tests) made later, unrelated messages lose words."""
+    relay_secrets.reset()
+    path = tmp_path / "relay.toml"
+    path.write_text(f'database_url = "postgresql://u:{MARK}@h/db"\n[destinations.h]\n{HOOK}')
+    load_settings(path)
+    load_error(tmp_path, f'database_url = "postgresql://u:{MARK}@h/db"\nlog_level = 3\n')
+    assert relay_secrets.scrub(f"x {MARK} y") == f"x {MARK} y"
 
 
 @pytest.mark.parametrize(
