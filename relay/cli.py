@@ -59,7 +59,8 @@ def schema_option(func: Any) -> Any:
 
 class ScrubbingGroup(click.Group):
     """Every command's error output passes through relay.secrets.scrub: a usage or database
-    error's message, and the traceback of an error nothing expected."""
+    error's message, and the traceback of an error nothing expected. The secrets a command
+    registered are forgotten when it ends."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
@@ -77,6 +78,8 @@ class ScrubbingGroup(click.Group):
             text = "".join(traceback.format_exception(exc))
             click.echo(secrets.scrub(text).rstrip("\n"), err=True)
             ctx.exit(1)
+        finally:
+            secrets.reset()
 
 
 @click.group(cls=ScrubbingGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -659,17 +659,17 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
     private = sorted(k for k in data if k.startswith("_"))
     if private:
         bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
-        raise ConfigError(secrets.scrub(f"invalid configuration{where}:\n{bad}", found))
+        raise ConfigError(secrets.hide(f"invalid configuration{where}:\n{bad}", found))
     try:
         settings = Settings(**data)
     except ValidationError as exc:
         message = f"invalid configuration{where}:\n{_format_errors(exc)}"
-        raise ConfigError(secrets.scrub(message, found)) from None
+        raise ConfigError(secrets.hide(message, found)) from None
     except SettingsError as exc:
         # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
         # Its text names the field, never the value.
         message = f"invalid configuration in the environment: {exc}"
-        raise ConfigError(secrets.scrub(message, found)) from None
+        raise ConfigError(secrets.hide(message, found)) from None
     return settings
 
 

@@ -65,17 +65,22 @@ def register(secrets: Iterable[str]) -> None:
 
 
 def reset() -> None:
-    """Forget every registered secret (a process starts with none; tests that run several
-    commands in one process call this between them)."""
+    """Forget every registered secret: a process starts with none, and a command forgets
+    its own when it ends (commands run in-process, as tests do, do not leak into others)."""
     global _pattern
     _known.clear()
     _pattern = None
 
 
-def scrub(text: str, extra: Iterable[str] = ()) -> str:
-    """``text`` with every registered secret (and every one of ``extra``) replaced."""
-    more = {s for s in extra if len(s) >= MIN_LENGTH} - _known
-    pattern = _compile(_known | more) if more else _pattern
+def scrub(text: str) -> str:
+    """``text`` with every registered secret replaced."""
+    pattern = _pattern
+    return pattern.sub(HIDDEN, text) if pattern is not None else text
+
+
+def hide(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` (not the registered ones) replaced."""
+    pattern = _compile(s for s in secrets if len(s) >= MIN_LENGTH)
     return pattern.sub(HIDDEN, text) if pattern is not None else text
 
 

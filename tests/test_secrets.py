@@ -255,6 +255,23 @@ def test_loading_a_configuration_changes_nothing_global(tmp_path: Path) -> None:
     assert relay_secrets.scrub(f"x {MARK} y") == f"x {MARK} y"
 
 
+def test_a_command_forgets_its_secrets_and_config_errors_ignore_others(tmp_path: Path) -> None:
+    """An operations command run in-process registered its password ("secret" in a test)
+    for good: later config errors lost every word "secret" ("needs a signing ***")."""
+    res = CliRunner().invoke(
+        cli.main, ["status", "--database-url", "postgresql://root:secret@127.0.0.1:1/x"]
+    )
+    assert res.exit_code == 1 and "secret" not in res.output
+    assert relay_secrets.scrub("secret") == "secret"
+    relay_secrets.register(["secret"])  # as if a command were still running
+    message = load_error(
+        tmp_path,
+        'database_url = "postgresql://u@h/db"\n[destinations.h]\nkind = "webhook"\n'
+        'url = "https://h.example.com/"\n',
+    )
+    assert "needs a signing secret" in message
+
+
 @pytest.mark.parametrize(
     "env",
     [
