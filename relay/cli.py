@@ -8,6 +8,7 @@ import json
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
@@ -16,15 +17,22 @@ from typing import Any, TypeVar
 import asyncpg
 import click
 
-from outbox.dburl import redact, to_asyncpg_dsn
+from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
 from outbox.migrate import migrate as run_migrations
-from relay import admin
-from relay.config import ConfigError, Settings, load_settings
+from relay import admin, secrets
+from relay.config import ConfigError, Settings, load_settings, settings_secrets
 from relay.durations import FORMS, format_duration, parse_duration, parse_since
 
 T = TypeVar("T")
 
 DATABASE_URL_HELP = "PostgreSQL URL (postgresql:// or postgresql+asyncpg://)."
+
+
+def _register_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # Known from here on, so that no error message of the command can print its password.
+    if value:
+        secrets.register(url_secrets(value))
+    return value
 
 
 def database_url_option(func: Any) -> Any:
@@ -34,6 +42,7 @@ def database_url_option(func: Any) -> Any:
         required=True,
         show_envvar=True,
         help=DATABASE_URL_HELP,
+        callback=_register_url,
     )(func)
 
 
@@ -48,7 +57,32 @@ def schema_option(func: Any) -> Any:
     )(func)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class ScrubbingGroup(click.Group):
+    """Every command's error output passes through relay.secrets.scrub: a usage or database
+    error's message, and the traceback of an error nothing expected. The secrets a command
+    registered are forgotten when it ends."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            scrubbed = secrets.scrub(exc.message)
+            if scrubbed == exc.message:
+                raise
+            if isinstance(exc, click.UsageError):
+                raise click.UsageError(scrubbed, exc.ctx) from None
+            raise click.ClickException(scrubbed) from None
+        except (click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc))
+            click.echo(secrets.scrub(text).rstrip("\n"), err=True)
+            ctx.exit(1)
+        finally:
+            secrets.reset()
+
+
+@click.group(cls=ScrubbingGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="outbox-relay")
 def main() -> None:
     """outbox-relay: a transactional outbox for PostgreSQL, relayed to Kafka and webhooks."""
@@ -62,10 +96,16 @@ def migrate(database_url: str, schema: str, dry_run: bool) -> None:
     """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
     try:
         result = asyncio.run(run_migrations(database_url, schema=schema, dry_run=dry_run))
-    except (OSError, ValueError) as exc:
+    except (
+        OSError,
+        ValueError,
+        TimeoutError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+    ) as exc:
         raise click.ClickException(
-            f"cannot migrate {redact(database_url)}: {exc}. Check --database-url / "
-            "OUTBOX_DATABASE_URL and that PostgreSQL is running."
+            f"cannot migrate {redact(database_url)}: {type(exc).__name__}: {exc}. Check "
+            "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
         ) from exc
     if not result.applied:
         click.echo(f"schema {schema!r} is up to date (versions {result.already or 'none'})")
@@ -80,10 +120,13 @@ def migrate(database_url: str, schema: str, dry_run: bool) -> None:
 
 def _load(config: Path | None) -> Settings:
     try:
-        return load_settings(config)
+        settings = load_settings(config)
     except ConfigError as exc:
-        click.echo(f"outbox-relay: {exc}", err=True)
+        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         sys.exit(2)
+    # From here on no log event or error message of this process can print them.
+    secrets.register(settings_secrets(settings))
+    return settings
 
 
 @main.command()
@@ -118,7 +161,7 @@ async def _run(settings: Settings) -> int:
     try:
         return await relay.run()
     except RelayStartupError as exc:
-        click.echo(f"outbox-relay: {exc}", err=True)
+        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         return 1
 
 
@@ -130,6 +173,7 @@ async def _run(settings: Settings) -> int:
     show_default=True,
     show_envvar=True,
     help="Server to create the scratch database on.",
+    callback=_register_url,
 )
 @click.option("--bootstrap", help="Use this Kafka broker instead of starting a local one.")
 @click.option("--count", default=20, show_default=True, type=click.IntRange(1, 100_000))

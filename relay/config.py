@@ -8,6 +8,7 @@ raises :class:`ConfigError` naming the key.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
+from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -26,6 +28,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -36,7 +39,8 @@ from pydantic_settings import (
     SettingsError,
 )
 
-from outbox.dburl import to_asyncpg_dsn
+from outbox.dburl import to_asyncpg_dsn, url_secrets
+from relay import secrets
 from relay.durations import parse_duration
 from relay.signing import decode_secret
 
@@ -146,6 +150,41 @@ class RelaySettings(_Section):
         return self
 
 
+# What aiokafka can do with the settings the relay passes it. OAUTHBEARER needs a token
+# provider object and GSSAPI the gssapi package: neither is wired in yet.
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
+_CODECS = {"snappy": has_snappy, "lz4": has_lz4, "zstd": has_zstd}
+
+
+def _bootstrap_problem(server: str) -> str | None:
+    """Why aiokafka cannot use ``server`` (host, host:port, [v6]:port or a bare IPv6), or
+    None. aiokafka raised ValueError or OverflowError from these at start-up."""
+    server = server.strip()
+    if not server:
+        return "has an empty entry (a stray comma?)"
+    if server.startswith("["):
+        host, bracket, rest = server[1:].partition("]")
+        if not bracket or not host or (rest and not rest.startswith(":")):
+            return "has an IPv6 address without its closing ] (write [::1]:9092)"
+        port = rest[1:] if rest else None
+    elif ":" not in server:
+        return None
+    else:
+        try:
+            ipaddress.IPv6Address(server)
+        except ValueError:
+            pass
+        else:
+            return None
+        host, _, port = server.rpartition(":")
+        if not host:
+            return "has an entry without a host"
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        return "has a port that is not a number from 1 to 65535"
+    return None
+
+
 class KafkaSettings(_Section):
     bootstrap_servers: str | list[str] = "localhost:9092"
     client_id: str = "outbox-relay"
@@ -157,12 +196,67 @@ class KafkaSettings(_Section):
     max_request_size: int = Field(1_048_576, ge=1024, description="largest message, bytes")
     request_timeout_ms: int = Field(30_000, ge=1000)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
-    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = None
-    sasl_plain_username: str | None = None
-    sasl_plain_password: SecretStr | None = None
+    # OAUTHBEARER is accepted by the type only to be refused with a clear message.
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
+        Field(None, validate_default=True)
+    )
+    sasl_plain_username: str | None = Field(None, validate_default=True)
+    sasl_plain_password: SecretStr | None = Field(None, validate_default=True)
     ssl_cafile: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _servers(cls, v: str | list[str]) -> str | list[str]:
+        servers = v.split(",") if isinstance(v, str) else v
+        if not servers:
+            raise ValueError("names no server: list at least one host:port")
+        for server in servers:
+            problem = _bootstrap_problem(server)
+            if problem:
+                raise ValueError(f"{problem}; write host:port, e.g. kafka-1:9092")
+        return v
+
+    @field_validator("compression_type")
+    @classmethod
+    def _codec_installed(cls, v: str | None) -> str | None:
+        available = _CODECS.get(v or "")
+        if available is not None and not available():
+            raise ValueError(
+                f"{v} needs the cramjam package, which is not installed: pip install "
+                f"'aiokafka[{v}]', or use compression_type = \"gzip\""
+            )
+        return v
+
+    @field_validator("sasl_mechanism")
+    @classmethod
+    def _sasl_mechanism(cls, v: str | None, info: ValidationInfo) -> str | None:
+        supported = f"{', '.join(SASL_MECHANISMS[:-1])} or {SASL_MECHANISMS[-1]}"
+        if v == "OAUTHBEARER":
+            raise ValueError(
+                f"OAUTHBEARER is not supported yet; the relay supports {supported} "
+                "(with sasl_plain_username and sasl_plain_password)"
+            )
+        protocol = info.data.get("security_protocol")
+        if protocol is None:  # itself invalid, and reported
+            return v
+        if v is not None and protocol not in SASL_PROTOCOLS:
+            raise ValueError(
+                f"{v} needs security_protocol = 'SASL_PLAINTEXT' or 'SASL_SSL' (it is "
+                f"{protocol!r}): without it the relay would connect without authenticating"
+            )
+        if v is None and protocol in SASL_PROTOCOLS:
+            raise ValueError(f"required with security_protocol = {protocol!r}: {supported}")
+        return v
+
+    @field_validator("sasl_plain_username", "sasl_plain_password")
+    @classmethod
+    def _sasl_credentials(cls, v: Any, info: ValidationInfo) -> Any:
+        mechanism = info.data.get("sasl_mechanism")
+        if v is None and mechanism in SASL_MECHANISMS:
+            raise ValueError(f"required with sasl_mechanism = {mechanism!r}")
+        return v
 
     @model_validator(mode="after")
     def _idempotence_needs_acks_all(self) -> KafkaSettings:
@@ -330,7 +424,18 @@ class WebhookDestination(_Delivery):
         try:
             url = httpx.URL(v)
         except httpx.InvalidURL as exc:
-            raise ValueError(f"not a valid URL: {exc}") from None
+            # httpx quotes the offending piece, which may be part of a credential (a password
+            # read as the port): say what is wrong without it.
+            text = str(exc).lower()
+            what = next((w for w in ("port", "character", "too long") if w in text), "")
+            problem = {
+                "port": "its port is not a number from 0 to 65535",
+                "character": "it holds a control character",
+                "too long": "it is too long",
+            }.get(what, "it cannot be parsed")
+            raise ValueError(
+                f"not a valid URL: {problem} (credentials belong in headers, not in the URL)"
+            ) from None
         if url.scheme not in ("http", "https"):
             raise ValueError(f"must be an http:// or https:// URL, not {url.scheme or 'none'!r}")
         if not url.host:
@@ -475,26 +580,87 @@ def default_relay_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+# Inputs echoed in an error ("got …"): short scalars of settings that cannot hold a secret.
+_ECHO_MAX_CHARS = 40
+
+
+@functools.cache
+def _echoable_fields() -> frozenset[str]:
+    models: list[type[BaseModel]] = [
+        Settings,
+        RelaySettings,
+        Backoff,
+        KafkaSettings,
+        KafkaDestination,
+        WebhookDestination,
+        WebhookClientSettings,
+        Circuit,
+        HttpSettings,
+    ]
+    names = {f.alias or n for m in models for n, f in m.model_fields.items()}
+    return frozenset(n for n in names if not secrets.SECRET_KEY.search(n))
+
+
+def _shown(err: Any, loc: tuple[Any, ...]) -> str:
+    """`` (got …)`` for an input that is safe to echo, else nothing: only a short scalar of a
+    setting that cannot hold a secret, never a table, a list, a dict key's value (destination
+    or header names) or anything under a secret-bearing key."""
+    if err["type"] in ("missing", "extra_forbidden") or not loc:
+        return ""
+    last = loc[-1]
+    if not isinstance(last, str) or last not in _echoable_fields():
+        return ""
+    if any(secrets.SECRET_KEY.search(str(p)) for p in loc):
+        return ""
+    got = err.get("input")
+    if isinstance(got, bool | int | float) or (
+        isinstance(got, str) and len(got) <= _ECHO_MAX_CHARS and got.isprintable()
+    ):
+        return f" (got {got!r})"
+    return ""
+
+
+def _message(err: Any, loc: str) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key (check its spelling and section)"
+    if kind == "missing":
+        if loc == "database_url":
+            return "required (set database_url in the file or OUTBOX_DATABASE_URL)"
+        return "required"
+    if loc == "destinations" and kind == "dict_type":
+        return (
+            "must be a table of destinations: write one [destinations.NAME] table per "
+            "destination (not [[destinations]], which makes a list)"
+        )
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return "must be a table: [section] or key = { … } (not [[…]], which makes a list)"
+    if kind == "union_tag_not_found":
+        return 'needs kind = "kafka" or kind = "webhook"'
+    if kind == "union_tag_invalid":
+        tag = (err.get("ctx") or {}).get("tag")
+        got = (
+            f" (got {tag!r})"
+            if isinstance(tag, str) and len(tag) <= _ECHO_MAX_CHARS and tag.isprintable()
+            else ""
+        )
+        return f'kind must be "kafka" or "webhook"{got}'
+    error = (err.get("ctx") or {}).get("error")
+    if kind == "value_error" and error is not None:
+        return str(error)  # our validators' own words, without pydantic's "Value error, "
+    msg: str = err["msg"]
+    return msg
+
+
 def _format_errors(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        parts = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
+        loc = ".".join(str(p) for p in parts)
         loc = loc.replace("schema_", "schema") or "(top level)"
-        msg = err["msg"]
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key (check its spelling and section)"
-        elif err["type"] == "missing":
-            msg = "required"
-            if loc == "database_url":
-                msg += " (set database_url in the file or OUTBOX_DATABASE_URL)"
+        msg = _message(err, loc)
         got = err.get("input")
-        shown = (
-            ""
-            if err["type"] in ("missing", "extra_forbidden") or isinstance(got, dict)
-            else (f" (got {got!r})")
-        )
-        if any(w in loc for w in ("url", "password", "secret", "headers")):
-            shown = ""
+        shown = "" if isinstance(got, str) and got and got in msg else _shown(err, parts)
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)
 
@@ -513,17 +679,38 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     data.update(overrides)
+    # Found before validating, so that no error message can quote them. (Registering the
+    # secrets of a loaded configuration, for the logs, is the relay process's business:
+    # relay.cli does it, so that loading a configuration changes nothing global.)
+    found = secrets.config_secrets(data) | secrets.environment_secrets(os.environ)
     where = f" in {path}" if path else ""
     # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
     # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
     private = sorted(k for k in data if k.startswith("_"))
     if private:
         bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
-        raise ConfigError(f"invalid configuration{where}:\n{bad}")
+        raise ConfigError(secrets.hide(f"invalid configuration{where}:\n{bad}", found))
     try:
-        return Settings(**data)
+        settings = Settings(**data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid configuration{where}:\n{_format_errors(exc)}") from exc
+        message = f"invalid configuration{where}:\n{_format_errors(exc)}"
+        raise ConfigError(secrets.hide(message, found)) from None
     except SettingsError as exc:
         # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
-        raise ConfigError(f"invalid configuration in the environment: {exc}") from exc
+        # Its text names the field, never the value.
+        message = f"invalid configuration in the environment: {exc}"
+        raise ConfigError(secrets.hide(message, found)) from None
+    return settings
+
+
+def settings_secrets(s: Settings) -> set[str]:
+    """What the relay must never print: the database password, the SASL password, webhook
+    secrets and configured header values (see relay.secrets for the lengths scrubbed)."""
+    found = set(url_secrets(s.database_url.get_secret_value()))
+    if s.kafka.sasl_plain_password is not None:
+        found.add(s.kafka.sasl_plain_password.get_secret_value())
+    for d in s.destinations.values():
+        if isinstance(d, WebhookDestination):
+            found.update(x.get_secret_value() for x in d.secrets)
+            found |= secrets.config_secrets({"url": d.url, "headers": d.headers})
+    return found

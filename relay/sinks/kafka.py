@@ -104,10 +104,12 @@ class KafkaSink:
 
     async def start(self) -> None:
         # A broker that is down at start-up must not stop the relay: the first delivery tries
-        # again, and until then the breaker keeps Kafka rows pending.
+        # again, and until then the breaker keeps Kafka rows pending. The same for anything
+        # else the producer raises while starting (settings validation refuses what it can
+        # foresee): the relay stays up, logs why, and holds no Kafka rows.
         try:
             await self._ensure_started()
-        except (KafkaError, OSError) as exc:
+        except Exception as exc:
             self._unavailable(exc)
 
     async def _ensure_started(self) -> AIOKafkaProducer:
@@ -165,10 +167,10 @@ class KafkaSink:
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         try:
             producer = await self._ensure_started()
-        except (KafkaError, OSError) as exc:
+        except Exception as exc:
             self._unavailable(exc)
             wait = max(self.breaker.retry_in(), 1.0)
-            reason = f"Kafka unreachable at {self.bootstrap}: {describe(exc)}"
+            reason = f"Kafka unavailable at {self.bootstrap}: {describe(exc)}"
             return [Outcome.defer(e.id, reason, wait) for e in batch]
 
         outcomes: list[Outcome] = []
