@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from pydantic import SecretStr
 
 from relay.config import KafkaDestination, KafkaSettings
-from relay.model import Envelope, Result
+from relay.model import Envelope, Lease, Result
 from relay.sinks.kafka import KafkaSink
 
 SASL = {"sasl_plain_username": "relay", "sasl_plain_password": "pw"}
@@ -138,7 +139,8 @@ def test_usable_kafka_settings_pass_the_check(tmp_path: Path, kafka: dict[str, A
 
 
 def envelope(i: int) -> Envelope:
-    return Envelope(i, "orders", None, b"{}", "application/json", {}, 0, datetime.now(UTC))
+    lease = Lease(1, time.monotonic() + 60)
+    return Envelope(i, "orders", None, b"{}", "application/json", {}, 0, datetime.now(UTC), lease)
 
 
 # Settings that passed validation: the producer raised OverflowError, RuntimeError or
