@@ -88,6 +88,12 @@ class Outcome:
     def defer(cls, id: int, reason: str, retry_in: float) -> Outcome:
         return cls(id, Result.DEFER, reason, retry_in)
 
+    @classmethod
+    def not_held(cls, id: int) -> Outcome:
+        """Not sent: this relay's lease on the row may have run out (another relay may hold
+        it by now). Recorded as unattempted if the row is still this claim's."""
+        return cls(id, Result.DEFER, "lease expired before sending; not attempted", 0.0)
+
 
 MAX_ERROR_CHARS = 2000
 

@@ -399,10 +399,8 @@ class Relay:
         for env in envs:
             if not env.lease.held():
                 # The lease ran out (a stall) before the row was sent: another relay may
-                # hold it by now. Not sent; recorded as unattempted if it is still ours.
-                outcome_of[env.id] = Outcome.defer(
-                    env.id, "lease expired before sending; not attempted", 0.0
-                )
+                # hold it by now.
+                outcome_of[env.id] = Outcome.not_held(env.id)
             elif (problem := header_problem(env.headers)) is not None:
                 # Rows written around enqueue() (plain SQL) can carry headers no sink can
                 # send; they fail alone, with the reason, instead of failing their batch.

@@ -233,3 +233,39 @@ async def test_the_fault_suites_witness_counts_outcomes_over_another_claim(
         assert await count() == 2
     finally:
         await intruder.close()
+
+
+async def test_the_kafka_sink_does_not_send_a_row_whose_lease_ran_out(
+    kafka_bootstrap: str,
+) -> None:
+    import time
+    import uuid
+    from datetime import UTC, datetime
+
+    from relay.config import KafkaDestination, KafkaSettings
+    from relay.model import Envelope, Lease, Result
+    from relay.sinks.kafka import KafkaSink
+    from tests.support.kafka import consume, outbox_id
+
+    topic = f"lease-{uuid.uuid4().hex[:8]}"
+    sink = KafkaSink(
+        KafkaSettings(bootstrap_servers=kafka_bootstrap, enable_idempotence=False),
+        {"orders": KafkaDestination(kind="kafka", topic=topic)},
+    )
+    await sink.start()
+
+    def env(i: int, until: float) -> Envelope:
+        return Envelope(i, "orders", None, b"{}", "x", {}, 0, datetime.now(UTC), Lease(1, until))
+
+    try:
+        outcomes = {
+            o.id: o.result
+            for o in await sink.deliver(
+                [env(1, time.monotonic() + 60), env(2, time.monotonic() - 1)]
+            )
+        }
+    finally:
+        await sink.close()
+    assert outcomes == {1: Result.DELIVERED, 2: Result.DEFER}
+    sent = await consume(kafka_bootstrap, topic, count=2, timeout=3)
+    assert [outbox_id(r) for r in sent] == [1]

@@ -18,7 +18,15 @@ from relay.model import Envelope, Outcome, Result
 from relay.sinks import Sink
 from relay.sinks.webhook import WebhookSink, parse_retry_after
 from tests.support.receiver import Receiver
-from tests.webhook_helpers import SECRET, closed_port, dest, envelope, new_secret, verify
+from tests.webhook_helpers import (
+    SECRET,
+    closed_port,
+    dest,
+    envelope,
+    new_secret,
+    verify,
+    verify_bytes,
+)
 
 SinkFactory = Callable[..., WebhookSink]
 
@@ -112,6 +120,11 @@ async def test_binary_payload_signed_over_bytes(receiver: Receiver, make_sink: S
     signed = f"{env.id}.{req.headers['webhook-timestamp']}.".encode() + env.payload
     expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
     assert req.headers["webhook-signature"] == f"v1,{expected}"
+    verify_bytes(SECRET, req.body, req.headers)  # the tests' spec verifier agrees
+    with pytest.raises(AssertionError, match="bad signature"):
+        verify_bytes(SECRET, req.body + b"\x00", req.headers)
+    with pytest.raises(AssertionError, match="bad signature"):
+        verify_bytes(new_secret(), req.body, req.headers)
 
 
 async def test_row_header_that_cannot_be_sent_fails_that_row_only(
@@ -439,3 +452,20 @@ async def test_allow_list_is_exact(receiver: Receiver, make_sink: SinkFactory) -
     outcome = await one(sink, envelope())
     assert outcome.result is Result.FAILED and "127.0.0.1" in (outcome.error or "")
     assert receiver.requests == []
+
+
+async def test_a_row_that_waited_past_its_lease_is_not_sent(
+    receiver: Receiver, make_sink: SinkFactory
+) -> None:
+    """The endpoint takes one request at a time; the second row waits for the slot longer
+    than the relay's lease on it lasts, so it is not sent (another relay may hold it now)."""
+    receiver.respond(200, delay=1.0)
+    sink = make_sink(hook=dest(receiver.url, max_concurrency=1))
+    first = envelope()
+    late = envelope()
+    late.lease.until = time.monotonic() + 0.5
+    outcomes = {o.id: o for o in await sink.deliver([first, late])}
+    assert outcomes[first.id].result is Result.DELIVERED
+    assert outcomes[late.id].result is Result.DEFER
+    assert "lease expired" in (outcomes[late.id].error or "")
+    assert [r.headers["webhook-id"] for r in receiver.requests] == [str(first.id)]

@@ -256,6 +256,10 @@ class KafkaSink:
                     broken = exc
                     outcomes.append(self._not_sent(env, exc))
                     continue
+            if not env.lease.held():
+                # Metadata can take a while: the relay's lease on the row may have run out.
+                outcomes.append(Outcome.not_held(env.id))
+                continue
             key = env.key.encode() if env.key is not None else None
             headers = self._headers(env)
             size = len(env.payload) + len(key or b"") + sum(len(k) + len(v) for k, v in headers)

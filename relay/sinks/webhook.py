@@ -238,16 +238,22 @@ class WebhookSink:
                     async with ep.probe:
                         state = ep.breaker.state
                         if state is State.HALF_OPEN:
-                            return await self._send(client, ep, env)
+                            return await self._send_held(client, ep, env)
                 if state is State.OPEN:
                     return self._defer(ep, env)
-                return await self._send(client, ep, env)
+                # It may have waited for a slot past the relay's lease: then not ours to send.
+                return await self._send_held(client, ep, env)
             finally:
                 ep.semaphore.release()
         except Exception as exc:
             # A bug in this sink: keep it to this row (retried later), loudly.
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
+
+    async def _send_held(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
+        if not env.lease.held():
+            return Outcome.not_held(env.id)
+        return await self._send(client, ep, env)
 
     def _defer(self, ep: Endpoint, env: Envelope) -> Outcome:
         wait = max(ep.breaker.retry_in(), 1.0)
