@@ -138,6 +138,7 @@ class Outbox:
             tracing.current_trace_headers(),
         )
         if isinstance(conn, AsyncSession | AsyncConnection):
+            await _refuse_async_autocommit(conn)
             result = await conn.execute(self._one_sa, self._params(m))
             return int(result.scalar_one())
         _require_asyncpg_transaction(conn)
@@ -160,6 +161,7 @@ class Outbox:
             return []
         cols = self._columns(ms)
         if isinstance(conn, AsyncSession | AsyncConnection):
+            await _refuse_async_autocommit(conn)
             result = await conn.execute(self._many_sa, cols)
             return sorted(int(i) for i in result.scalars())
         _require_asyncpg_transaction(conn)
@@ -236,6 +238,29 @@ def _require_sync(conn: Any) -> None:
         raise TypeError(
             "enqueue_sync takes a SQLAlchemy Session or Connection; "
             f"got {type(conn).__name__} (use `await enqueue(...)` for async connections)"
+        )
+    _refuse_autocommit(conn.connection() if isinstance(conn, Session) else conn)
+
+
+async def _refuse_async_autocommit(conn: AsyncSession | AsyncConnection) -> None:
+    if isinstance(conn, AsyncSession):
+        conn = await conn.connection()
+    _refuse_autocommit(conn.sync_connection)
+
+
+def _refuse_autocommit(conn: Connection | None) -> None:
+    """In AUTOCOMMIT every statement commits at once: the event would commit alone, even if
+    the caller's "transaction" then rolls back. Checked on the driver's own connection, which
+    tells whatever set it (execution options, the engine, the driver)."""
+    if conn is None:
+        return
+    driver = conn.connection.dbapi_connection
+    if getattr(driver, "autocommit", False) is True or conn._is_autocommit_isolation():
+        raise OutboxError(
+            "enqueue needs the transaction of the business change, but this connection is in "
+            "AUTOCOMMIT mode (isolation_level='AUTOCOMMIT'): each statement commits at once, "
+            "so the event would commit alone. Use a connection without AUTOCOMMIT, inside "
+            "`with session.begin():` / `with conn.begin():`"
         )
 
 

@@ -1,7 +1,9 @@
 """Turning what an application passes to ``enqueue`` into the row that is stored.
 
 Validation happens here, before any SQL, so a bad event fails in the caller's code path with
-an error naming the field, and never as a constraint violation that aborts their transaction.
+an error naming the field, and never as a driver or constraint error that aborts their
+transaction: every value is checked to be storable (no NUL, valid Unicode, within the sizes
+the indexes and the brokers take) and encodable (JSON that serialises).
 """
 
 from __future__ import annotations
@@ -18,9 +20,18 @@ JSON = "application/json"
 OCTET_STREAM = "application/octet-stream"
 TEXT = "text/plain; charset=utf-8"
 
-# Kafka's default max.message.bytes is about 1 MB; a larger payload would only fail later,
-# in the relay, far from the code that produced it.
-DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
+# The sizes an event may have. Together they keep the largest event inside what Kafka takes
+# by default (a producer's max_request_size and a broker's message.max.bytes are 1 MiB):
+#   payload 1,000,000 + key 1,024 + headers 16,384 (names and values, plus the relay's own
+#   `outbox-id` and `content-type` of at most 300) + record framing 82 ≈ 1,017,790 bytes,
+# leaving 30 KiB of 1,048,576 to spare. A larger event would only fail later, in the relay,
+# far from the code that produced it. The key and destination limits also keep them inside
+# what a btree index entry holds (about 2,700 bytes for the two together).
+DEFAULT_MAX_PAYLOAD_BYTES = 1_000_000
+MAX_DESTINATION_BYTES = 255
+MAX_KEY_BYTES = 1024
+MAX_CONTENT_TYPE_BYTES = 255
+MAX_HEADERS_BYTES = 16 * 1024
 
 Payload = bytes | bytearray | memoryview | str | Mapping[str, Any] | list[Any]
 
@@ -42,36 +53,67 @@ def _is_json_type(content_type: str) -> bool:
     return media == JSON or media.endswith("+json")
 
 
+def _utf8(field: str, value: str, what: str = "") -> bytes:
+    """``value`` as UTF-8; refused if PostgreSQL text cannot hold it (NUL, lone surrogate)."""
+    subject = f"{what} " if what else ""
+    if "\x00" in value:
+        raise OutboxValidationError(
+            field, f"{subject}contains a NUL character, which PostgreSQL text cannot hold"
+        )
+    try:
+        return value.encode()
+    except UnicodeEncodeError as exc:
+        raise OutboxValidationError(
+            field,
+            f"{subject}is not valid Unicode: a lone surrogate at position {exc.start} "
+            "(text decoded with errors='surrogateescape'?)",
+        ) from None
+
+
+def _text(field: str, value: object, limit: int, *, kind: str = "a non-empty str") -> str:
+    """A str (non-empty unless ``kind`` says otherwise) of at most ``limit`` UTF-8 bytes."""
+    if not isinstance(value, str):
+        raise OutboxValidationError(field, f"must be {kind}, got {type(value).__name__}")
+    if "non-empty" in kind and not value.strip():
+        raise OutboxValidationError(field, f"must be {kind}")
+    size = len(_utf8(field, value))
+    if size > limit:
+        raise OutboxValidationError(
+            field, f"is {size} bytes (UTF-8), above the limit of {limit} bytes"
+        )
+    return value
+
+
 def encode_payload(payload: Payload, content_type: str | None) -> tuple[bytes, str]:
     """Return the stored bytes and content type for a payload."""
     if isinstance(payload, Mapping | list):
         try:
-            body = json.dumps(
-                payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-            ).encode()
+            text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except RecursionError:
+            raise OutboxValidationError(
+                "payload", "is nested too deeply to encode as JSON; flatten it"
+            ) from None
         except (TypeError, ValueError) as exc:
             raise OutboxValidationError(
                 "payload",
                 f"cannot be encoded as JSON ({exc}); pass JSON-compatible values "
                 "or encode it yourself and pass bytes",
             ) from exc
-        return body, content_type or JSON
+        return _utf8("payload", text, "its JSON"), content_type or JSON
     if isinstance(payload, str):
-        return payload.encode(), content_type or TEXT
+        try:
+            return payload.encode(), content_type or TEXT
+        except UnicodeEncodeError as exc:
+            raise OutboxValidationError(
+                "payload",
+                f"is not valid Unicode: a lone surrogate at position {exc.start}; pass bytes "
+                "if the data is binary",
+            ) from None
     if isinstance(payload, bytes | bytearray | memoryview):
         body = bytes(payload)
         ctype = content_type or OCTET_STREAM
         if _is_json_type(ctype):
-            try:
-                json.loads(body.decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise OutboxValidationError(
-                    "payload", f"is declared {ctype} but is not valid UTF-8 ({exc})"
-                ) from exc
-            except ValueError as exc:
-                raise OutboxValidationError(
-                    "payload", f"is declared {ctype} but is not valid JSON ({exc})"
-                ) from exc
+            _check_json_bytes(body, ctype)
         return body, ctype
     raise OutboxValidationError(
         "payload",
@@ -79,11 +121,29 @@ def encode_payload(payload: Payload, content_type: str | None) -> tuple[bytes, s
     )
 
 
+def _check_json_bytes(body: bytes, ctype: str) -> None:
+    try:
+        json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise OutboxValidationError(
+            "payload", f"is declared {ctype} but is not valid UTF-8 ({exc})"
+        ) from exc
+    except RecursionError:
+        raise OutboxValidationError(
+            "payload", f"is declared {ctype} but is nested too deeply to parse"
+        ) from None
+    except ValueError as exc:
+        raise OutboxValidationError(
+            "payload", f"is declared {ctype} but is not valid JSON ({exc})"
+        ) from exc
+
+
 def _validate_headers(headers: Mapping[str, str] | None) -> str:
     if headers is None:
         return "{}"
     if not isinstance(headers, Mapping):
         raise OutboxValidationError("headers", "must be a mapping of str to str")
+    size = 0
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
             raise OutboxValidationError("headers", f"header name {name!r} must be a non-empty str")
@@ -92,9 +152,28 @@ def _validate_headers(headers: Mapping[str, str] | None) -> str:
                 "headers",
                 f"value of header {name!r} must be a str, got {type(value).__name__}",
             )
-        if "\x00" in name or "\x00" in value:
-            raise OutboxValidationError("headers", f"header {name!r} contains a NUL character")
+        size += len(_utf8("headers", name, f"header name {name!r}"))
+        size += len(_utf8("headers", value, f"the value of header {name!r}"))
+    if size > MAX_HEADERS_BYTES:
+        raise OutboxValidationError(
+            "headers",
+            f"names and values come to {size} bytes, above the limit of {MAX_HEADERS_BYTES}; "
+            "headers are for routing and tracing, put data in the payload",
+        )
     return json.dumps(dict(headers), separators=(",", ":"), ensure_ascii=False)
+
+
+def _validate_content_type(content_type: object) -> str | None:
+    if content_type is None:
+        return None
+    ctype = _text(
+        "content_type", content_type, MAX_CONTENT_TYPE_BYTES, kind="a non-empty str or None"
+    )
+    if any(ord(c) < 32 or ord(c) == 127 for c in ctype):
+        raise OutboxValidationError(
+            "content_type", "contains a control character; it is sent as a header"
+        )
+    return ctype
 
 
 def build_message(
@@ -107,12 +186,10 @@ def build_message(
     content_type: str | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> NewMessage:
-    if not isinstance(destination, str) or not destination.strip():
-        raise OutboxValidationError("destination", "must be a non-empty str")
-    if key is not None and not isinstance(key, str):
-        raise OutboxValidationError("key", f"must be a str or None, got {type(key).__name__}")
-    if content_type is not None and (not isinstance(content_type, str) or not content_type):
-        raise OutboxValidationError("content_type", "must be a non-empty str or None")
+    _text("destination", destination, MAX_DESTINATION_BYTES)
+    if key is not None:
+        _text("key", key, MAX_KEY_BYTES, kind="a str or None")
+    ctype_given = _validate_content_type(content_type)
     if run_after is not None:
         if not isinstance(run_after, datetime):
             raise OutboxValidationError("run_after", "must be a datetime or None")
@@ -120,7 +197,8 @@ def build_message(
             raise OutboxValidationError(
                 "run_after", "must be timezone-aware (a naive datetime is ambiguous)"
             )
-    body, ctype = encode_payload(payload, content_type)
+    headers_json = _validate_headers(headers)
+    body, ctype = encode_payload(payload, ctype_given)
     if len(body) > max_payload_bytes:
         raise OutboxValidationError(
             "payload",
@@ -133,6 +211,6 @@ def build_message(
         key=key,
         payload=body,
         content_type=ctype,
-        headers_json=_validate_headers(headers),
+        headers_json=headers_json,
         run_after=run_after,
     )

@@ -196,6 +196,13 @@ async def test_custom_schema(pg_admin_url: str, empty_db_url: str) -> None:
 # --- validation: refused before any SQL, with the field named ----------------------------
 
 
+def nested(depth: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for _ in range(depth):
+        out = {"a": out}
+    return out
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field", "message"),
     [
@@ -217,6 +224,25 @@ async def test_custom_schema(pg_admin_url: str, empty_db_url: str) -> None:
         ({"run_after": datetime(2030, 1, 1)}, "run_after", "timezone-aware"),
         ({"run_after": "tomorrow"}, "run_after", "datetime"),
         ({"content_type": ""}, "content_type", "non-empty"),
+        # Values PostgreSQL or its indexes refuse would abort the caller's transaction.
+        ({"destination": "ord\x00ers"}, "destination", "NUL"),
+        ({"key": "k\x00"}, "key", "NUL"),
+        ({"content_type": "text/plain\x00"}, "content_type", "NUL"),
+        ({"content_type": "text/plain\r\nX-Evil: 1"}, "content_type", "control character"),
+        ({"key": "k" * 3000}, "key", "above the limit of 1024 bytes"),
+        ({"destination": "d" * 300}, "destination", "above the limit of 255 bytes"),
+        ({"key": "\ud800"}, "key", "lone surrogate"),
+        ({"destination": "a\udfff"}, "destination", "lone surrogate"),
+        ({"payload": "text \udcff"}, "payload", "lone surrogate"),
+        ({"payload": {"k": "v\ud800"}}, "payload", "lone surrogate"),
+        ({"headers": {"h": "v\ud800"}}, "headers", "lone surrogate"),
+        ({"headers": {"h": "x" * 20_000}}, "headers", "above the limit of 16384"),
+        ({"payload": nested(100_000)}, "payload", "nested too deeply"),
+        (
+            {"payload": b"[" * 100_000 + b"]" * 100_000, "content_type": "application/json"},
+            "payload",
+            "nested too deeply",
+        ),
     ],
 )
 async def test_validation_errors(
@@ -273,3 +299,48 @@ def test_json_suffix_types_are_checked_and_bytes_kept() -> None:
         build_message(destination="d", payload=b"{", content_type="application/vnd.x+json")
     avro = build_message(destination="d", payload=b"\x00\x02", content_type="avro/binary")
     assert avro.payload == b"\x00\x02" and avro.content_type == "avro/binary"
+
+
+# --- AUTOCOMMIT: the event would commit alone -------------------------------------------------
+
+
+def test_sync_autocommit_is_refused(sengine: Engine, db_url: str) -> None:
+    import asyncio
+
+    auto_engine = sengine.execution_options(isolation_level="AUTOCOMMIT")
+    with auto_engine.connect() as conn:
+        with pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            outbox.enqueue_sync(conn, destination="orders", payload=b"alone")
+        with pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            outbox.enqueue_many_sync(conn, [{"destination": "orders", "payload": b"alone"}])
+    with Session(auto_engine) as session:
+        session.begin()  # looks like a transaction; every statement still commits at once
+        with pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            outbox.enqueue_sync(session, destination="orders", payload=b"alone")
+        session.rollback()
+    engine = create_engine(
+        "postgresql+psycopg://" + db_url.partition("://")[2], isolation_level="AUTOCOMMIT"
+    )
+    try:
+        with engine.connect() as conn, pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            outbox.enqueue_sync(conn, destination="orders", payload=b"alone")
+    finally:
+        engine.dispose()
+    assert asyncio.run(rows(db_url)) == []
+
+
+async def test_async_autocommit_is_refused(aengine: AsyncEngine, db_url: str) -> None:
+    auto = aengine.execution_options(isolation_level="AUTOCOMMIT")
+    async with auto.connect() as conn:
+        with pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            await outbox.enqueue(conn, destination="orders", payload=b"alone")
+        with pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            await outbox.enqueue_many(conn, [{"destination": "orders", "payload": b"alone"}])
+    async with AsyncSession(auto) as session:
+        with pytest.raises(OutboxError, match="AUTOCOMMIT"):
+            async with session.begin():
+                await session.execute(text("INSERT INTO orders VALUES (7, 1)"))
+                await outbox.enqueue(session, destination="orders", payload=b"alone")
+    assert await rows(db_url) == []
+    # The business row committed alone (AUTOCOMMIT did that), the event did not follow it.
+    assert await orders(db_url) == [7]

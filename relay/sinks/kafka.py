@@ -21,6 +21,7 @@ from aiokafka.errors import (
 )
 from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import DefaultPartitioner
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from relay.breaker import Breaker
 from relay.config import KafkaDestination, KafkaSettings
@@ -38,10 +39,6 @@ PERMANENT: tuple[type[BaseException], ...] = (
     ClusterAuthorizationFailedError,
     UnsupportedForMessageFormatError,
 )
-
-# Bytes a record adds around key, value and headers (varints, attributes, offsets); used to
-# refuse a message the broker would refuse, before it holds up a batch.
-RECORD_OVERHEAD = 64
 
 _Item = tuple[Envelope, bytes | None, list[tuple[str, bytes]]]
 
@@ -262,13 +259,16 @@ class KafkaSink:
                 continue
             key = env.key.encode() if env.key is not None else None
             headers = self._headers(env)
-            size = len(env.payload) + len(key or b"") + sum(len(k) + len(v) for k, v in headers)
-            if size + RECORD_OVERHEAD > limit:
+            # The producer's own measure (it refuses a message above it in send()): a row is
+            # refused here exactly when the producer would refuse it.
+            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, env.payload, headers)
+            if size > limit:
                 outcomes.append(
                     Outcome.failed(
                         env.id,
-                        f"MessageSizeTooLargeError: the message is about {size} bytes, above "
-                        f"kafka.max_request_size ({limit}); it cannot be sent as it is",
+                        f"MessageSizeTooLargeError: the message is {size} bytes with its key, "
+                        f"headers and framing, above kafka.max_request_size ({limit}); it "
+                        "cannot be sent as it is",
                     )
                 )
                 continue
