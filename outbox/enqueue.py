@@ -50,6 +50,7 @@ class Outbox:
     ) -> None:
         if max_payload_bytes <= 0:
             raise ValueError("max_payload_bytes must be positive")
+        queries.check_schema(schema)
         self.schema = schema
         self.max_payload_bytes = max_payload_bytes
         table = queries.qualified_table(schema)

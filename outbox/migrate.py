@@ -45,6 +45,10 @@ def load_migrations(directory: Path | None = None) -> list[Migration]:
     return found
 
 
+class MigrationError(Exception):
+    """The migrations cannot be applied; the message says why and what to do."""
+
+
 @dataclass(frozen=True)
 class MigrateResult:
     applied: list[Migration]
@@ -55,6 +59,10 @@ async def migrate(
     database_url: str, *, schema: str = "public", dry_run: bool = False
 ) -> MigrateResult:
     """Apply every pending migration to ``schema``; a second run is a no-op."""
+    try:
+        queries.check_schema(schema)
+    except ValueError as exc:
+        raise MigrationError(f"{exc}; choose another --schema") from None
     conn = await asyncpg.connect(
         to_asyncpg_dsn(database_url), server_settings={"application_name": "outbox-relay-migrate"}
     )
@@ -69,21 +77,34 @@ async def _migrate(conn: asyncpg.Connection, schema: str, dry_run: bool) -> Migr
     await conn.execute(queries.MIGRATE_LOCK, schema)
     try:
         applied: set[int] = set()
-        if await conn.fetchval(queries.SCHEMA_EXISTS, schema) and await conn.fetchval(
-            queries.MIGRATIONS_TABLE_EXISTS, queries.quote_ident(schema)
-        ):
+        tracked = await conn.fetchval(queries.SCHEMA_EXISTS, schema) and await conn.fetchval(
+            queries.MIGRATIONS_TABLE_EXISTS, schema
+        )
+        if tracked:
             rows = await conn.fetch(queries.render_schema(queries.APPLIED_MIGRATIONS, schema))
             applied = {r[0] for r in rows}
+        elif await conn.fetchval(queries.OUTBOX_TABLE_EXISTS, schema):
+            raise MigrationError(
+                f"schema {schema!r} already has a table named outbox that outbox-relay did not "
+                "create (it has no outbox_migrations table): put the outbox in a schema of its "
+                "own with --schema (and relay.schema), or rename that table"
+            )
         pending = [m for m in migrations if m.version not in applied]
         if dry_run:
             return MigrateResult(applied=pending, already=sorted(applied))
         for m in pending:
-            async with conn.transaction():
-                await conn.execute(queries.render_schema(queries.CREATE_SCHEMA, schema))
-                await conn.execute(queries.render_schema(queries.USE_SCHEMA, schema))
-                await conn.execute(queries.MIGRATIONS_TABLE)
-                await conn.execute(m.sql)
-                await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+            try:
+                async with conn.transaction():
+                    await conn.execute(queries.render_schema(queries.CREATE_SCHEMA, schema))
+                    await conn.execute(queries.render_schema(queries.USE_SCHEMA, schema))
+                    await conn.execute(queries.MIGRATIONS_TABLE)
+                    await conn.execute(m.sql)
+                    await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+            except asyncpg.PostgresError as exc:
+                raise MigrationError(
+                    f"migration {m.version:04d}_{m.name} failed in schema {schema!r} and was "
+                    f"rolled back: {type(exc).__name__}: {exc}"
+                ) from exc
         return MigrateResult(applied=pending, already=sorted(applied))
     finally:
         await conn.execute(queries.MIGRATE_UNLOCK, schema)

@@ -15,8 +15,33 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+# PostgreSQL cuts identifiers at 63 bytes, and the wake-up channel "<schema>.outbox" is one:
+# a longer schema name would make every insert fail in the NOTIFY trigger.
+MAX_SCHEMA_BYTES = 63 - len(".outbox")
+
+
+def check_schema(name: object) -> str:
+    """``name`` if it can name the outbox's schema, else ValueError saying why. Any name
+    PostgreSQL takes as a quoted identifier works (upper case, spaces, dots, quotes)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("the schema name must be a non-empty string")
+    if "\x00" in name:
+        raise ValueError("the schema name contains a NUL character")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        raise ValueError("the schema name is not valid Unicode (a lone surrogate)") from None
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(
+            f"the schema name {name!r} is {size} bytes; at most {MAX_SCHEMA_BYTES} fit "
+            "(PostgreSQL names are 63 bytes, and the relay's wake-up channel is "
+            "'<schema>.outbox')"
+        )
+    return name
+
+
 def qualified_table(schema: str, table: str = "outbox") -> str:
-    return f"{quote_ident(schema)}.{quote_ident(table)}"
+    return f"{quote_ident(check_schema(schema))}.{quote_ident(table)}"
 
 
 def render(sql: str, table: str) -> str:
@@ -91,8 +116,13 @@ CREATE TABLE IF NOT EXISTS outbox_migrations (
 )
 """
 
-SCHEMA_EXISTS = "SELECT to_regnamespace($1) IS NOT NULL"
-MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass($1 || '.outbox_migrations') IS NOT NULL"
+# Names are passed raw and quoted here: to_regnamespace/to_regclass parse their argument as
+# SQL text, which would fold "Events" to events and refuse "my events".
+SCHEMA_EXISTS = "SELECT to_regnamespace(quote_ident($1)) IS NOT NULL"
+OUTBOX_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox') IS NOT NULL"
+MIGRATIONS_TABLE_EXISTS = (
+    "SELECT to_regclass(quote_ident($1) || '.outbox_migrations') IS NOT NULL"
+)
 APPLIED_MIGRATIONS = "SELECT version FROM {schema}.outbox_migrations ORDER BY version"
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
 # SET LOCAL keeps the connection's own search_path once the migration's transaction ends.

@@ -17,10 +17,19 @@ from typing import Any, TypeVar
 import asyncpg
 import click
 
+from outbox import queries
 from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
+from outbox.migrate import MigrationError
 from outbox.migrate import migrate as run_migrations
 from relay import admin, secrets
-from relay.config import ConfigError, Settings, load_settings, settings_secrets
+from relay.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    schema_from_environment,
+    settings_secrets,
+    unknown_environment,
+)
 from relay.durations import FORMS, format_duration, parse_duration, parse_since
 
 T = TypeVar("T")
@@ -46,14 +55,24 @@ def database_url_option(func: Any) -> Any:
     )(func)
 
 
+def _schema(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    try:
+        schema_from_environment()  # the two spellings must agree
+        return queries.check_schema(value)
+    except (ValueError, ConfigError) as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
 def schema_option(func: Any) -> Any:
     return click.option(
         "--schema",
-        envvar="OUTBOX_SCHEMA",
+        envvar=["OUTBOX_SCHEMA", "OUTBOX_RELAY_SCHEMA"],
         default="public",
         show_default=True,
         show_envvar=True,
-        help="Schema that holds the outbox table.",
+        callback=_schema,
+        help="Schema that holds the outbox table (any name PostgreSQL takes, up to "
+        f"{queries.MAX_SCHEMA_BYTES} bytes).",
     )(func)
 
 
@@ -96,6 +115,8 @@ def migrate(database_url: str, schema: str, dry_run: bool) -> None:
     """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
     try:
         result = asyncio.run(run_migrations(database_url, schema=schema, dry_run=dry_run))
+    except MigrationError as exc:
+        raise click.ClickException(str(exc)) from exc
     except (
         OSError,
         ValueError,
@@ -142,12 +163,26 @@ def _load(config: Path | None) -> Settings:
 def run(config: Path | None, check: bool) -> None:
     """Run the relay until SIGTERM/SIGINT."""
     settings = _load(config)
+    unknown = unknown_environment()
     if check:
-        click.echo(f"configuration OK: {len(settings.destinations)} destination(s)")
+        for name in unknown:
+            click.echo(f"outbox-relay: warning: {name} is not a setting; it is ignored", err=True)
+        click.echo(
+            f"configuration OK: {len(settings.destinations)} destination(s), "
+            f"schema {settings.relay.db_schema!r}"
+        )
         return
     from relay.logging import configure
 
     configure(settings.log_level, settings.log_format)
+    if unknown:
+        import structlog
+
+        structlog.get_logger("relay").warning(
+            "relay.config.unknown_variables",
+            variables=unknown,
+            action="not settings, so ignored: check their spelling",
+        )
     sys.exit(asyncio.run(_run(settings)))
 
 
@@ -156,8 +191,10 @@ async def _run(settings: Settings) -> int:
 
     relay = Relay(settings)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, relay.stop)
+    # SIGHUP too (a closed terminal, a supervisor's reload): a graceful stop, never a crash
+    # that leaves held rows to their lease. There is no reload: restart to apply a config.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, relay.stop, sig.name)
     try:
         return await relay.run()
     except RelayStartupError as exc:

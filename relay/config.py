@@ -8,6 +8,7 @@ raises :class:`ConfigError` naming the key.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ipaddress
 import os
@@ -15,6 +16,7 @@ import re
 import socket
 import tomllib
 import uuid
+from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -40,6 +42,7 @@ from pydantic_settings import (
 )
 
 from outbox.dburl import to_asyncpg_dsn, url_secrets
+from outbox.queries import check_schema
 from relay import secrets
 from relay.durations import parse_duration
 from relay.signing import decode_secret
@@ -141,6 +144,11 @@ class RelaySettings(_Section):
     def db_schema(self) -> str:
         return self.schema_
 
+    @field_validator("schema_")
+    @classmethod
+    def _schema_name(cls, v: str) -> str:
+        return check_schema(v)
+
     @model_validator(mode="after")
     def _capacity_fits_batch(self) -> RelaySettings:
         if self.max_in_flight < self.batch_size:
@@ -185,10 +193,31 @@ def _bootstrap_problem(server: str) -> str | None:
     return None
 
 
+def _acks(v: Any) -> Any:
+    if isinstance(v, str) and v.strip() in ("0", "1", "-1"):
+        return int(v)
+    return v
+
+
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+
+
+def _valid_host(host: str) -> bool:
+    """A DNS name (IDNA already applied by httpx) or an IP address, nothing else."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return len(host) <= 253 and all(_LABEL.match(label) for label in labels)
+
+
 class KafkaSettings(_Section):
     bootstrap_servers: str | list[str] = "localhost:9092"
     client_id: str = "outbox-relay"
-    acks: Literal["all", 0, 1, -1] = "all"
+    # "1" from OUTBOX_KAFKA_ACKS=1 (or acks = "1" in TOML) means 1.
+    acks: Annotated[Literal["all", 0, 1, -1], BeforeValidator(_acks)] = "all"
     enable_idempotence: bool = True
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
     linger_ms: int = Field(0, ge=0, description="keep 0: the relay already sends in batches")
@@ -284,6 +313,14 @@ class KafkaDestination(_Delivery):
     topic: str = Field(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")
     max_attempts: int | None = Field(None, ge=1, description="overrides relay.max_attempts")
     backoff: Backoff | None = None
+
+    @field_validator("topic")
+    @classmethod
+    def _kafka_topic(cls, v: str) -> str:
+        # Kafka's own rule, beside the characters and length above.
+        if v in (".", ".."):
+            raise ValueError(f"{v!r} is not a valid Kafka topic name")
+        return v
 
 
 def package_version() -> str:
@@ -440,6 +477,13 @@ class WebhookDestination(_Delivery):
             raise ValueError(f"must be an http:// or https:// URL, not {url.scheme or 'none'!r}")
         if not url.host:
             raise ValueError("has no host")
+        if not _valid_host(url.raw_host.decode("ascii", "replace")):
+            raise ValueError(
+                "its host is not a valid host name or IP address (letters, digits, hyphens "
+                "and dots; no spaces or empty labels)"
+            )
+        if url.port is not None and not 1 <= url.port <= 65535:
+            raise ValueError("its port must be a number from 1 to 65535")
         if url.userinfo:
             raise ValueError(
                 "must not carry credentials (user:password@); send them in headers, e.g. "
@@ -665,6 +709,42 @@ def _format_errors(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+# OUTBOX_* variables that are not settings of `run` but are read by the command line.
+COMMAND_VARIABLES = frozenset({"OUTBOX_CONFIG", "OUTBOX_SCHEMA"})
+
+
+def schema_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """The schema the environment names: OUTBOX_SCHEMA, which every command reads (the ops
+    commands' --schema, `run`'s relay.schema), or its `run`-only spelling
+    OUTBOX_RELAY_SCHEMA. Both set to different schemas is an error, not a silent choice."""
+    env = os.environ if environ is None else environ
+    plain, nested = env.get("OUTBOX_SCHEMA"), env.get("OUTBOX_RELAY_SCHEMA")
+    if plain is not None and nested is not None and plain != nested:
+        raise ConfigError(
+            f"OUTBOX_SCHEMA ({plain!r}) and OUTBOX_RELAY_SCHEMA ({nested!r}) name different "
+            "schemas; set only OUTBOX_SCHEMA"
+        )
+    return plain if plain is not None else nested
+
+
+def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+    """OUTBOX_* variables that no setting or command reads, each with a suggestion when one
+    is close: a typo there is otherwise silently ignored. (A wrong key inside a section, like
+    OUTBOX_RELAY_BATCHSIZE, is already an error.)"""
+    env = os.environ if environ is None else environ
+    known = {f"OUTBOX_{name.upper()}" for name in Settings.model_fields}
+    sections = [f"{k}_" for k in known if k != "OUTBOX_DATABASE_URL"]
+    found = []
+    for name in sorted(env):
+        if not name.startswith("OUTBOX_") or name in known or name in COMMAND_VARIABLES:
+            continue
+        if name.startswith("OUTBOX_TEST_") or any(name.startswith(p) for p in sections):
+            continue
+        close = difflib.get_close_matches(name, [*known, *COMMAND_VARIABLES], n=1)
+        found.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return found
+
+
 def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
     """Read ``path`` (TOML) if given, apply environment overrides, validate."""
     data: dict[str, Any] = {}
@@ -679,6 +759,15 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     data.update(overrides)
+    schema = schema_from_environment()
+    if schema is not None and isinstance(data.get("relay", {}), dict):
+        in_file = data.get("relay", {}).get("schema")
+        if in_file is not None and in_file != schema:
+            raise ConfigError(
+                f"relay.schema{' in ' + str(path) if path else ''} ({in_file!r}) and the "
+                f"environment's schema ({schema!r}, OUTBOX_SCHEMA) differ; set one"
+            )
+        data["relay"] = {**data.get("relay", {}), "schema": schema}
     # Found before validating, so that no error message can quote them. (Registering the
     # secrets of a loaded configuration, for the logs, is the relay process's business:
     # relay.cli does it, so that loading a configuration changes nothing global.)

@@ -86,10 +86,12 @@ class Relay:
 
     # --- public -------------------------------------------------------------------------
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "stop") -> None:
         """Begin a graceful shutdown (safe to call from a signal handler)."""
         if not self._stopping.is_set():
-            log.info("relay.stopping", relay_id=self.id, in_flight=len(self._in_flight))
+            log.info(
+                "relay.stopping", relay_id=self.id, in_flight=len(self._in_flight), reason=reason
+            )
         self._stopping.set()
 
     def wake(self) -> None:

@@ -173,9 +173,12 @@ async def test_sigkill_mid_batch_loses_nothing(
     assert rows == {"delivered": len(ids)}
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
 async def test_sigterm_under_load_exits_0_and_leaves_nothing_running(
-    db_url: str, kafka_bootstrap: str, tmp_path: Path, procs: list[RelayProcess]
+    db_url: str, kafka_bootstrap: str, tmp_path: Path, procs: list[RelayProcess], sig: int
 ) -> None:
+    """SIGTERM, and SIGHUP too (a closed terminal, a supervisor's reload): a graceful stop,
+    never a crash that leaves held rows to wait for their lease."""
     topic = f"term-{uuid.uuid4().hex[:8]}"
     cfg = write_config(
         tmp_path / "relay.toml", config(db_url, kafka_bootstrap, topic, batch_size=50)
@@ -184,7 +187,7 @@ async def test_sigterm_under_load_exits_0_and_leaves_nothing_running(
     procs.append(relay)
     writer = asyncio.create_task(enqueue_batches(db_url, 40, 250))
     await wait_until(lambda: _delivered_at_least(db_url, 500), timeout=30, what="relay under load")
-    relay.signal(signal.SIGTERM)
+    relay.signal(sig)
     loop = asyncio.get_running_loop()
     stopped_at = loop.time()
     status = await asyncio.to_thread(relay.wait, 30)
@@ -195,6 +198,7 @@ async def test_sigterm_under_load_exits_0_and_leaves_nothing_running(
     counts = await status_counts(db_url)
     assert counts.get("running", 0) == 0, counts
     assert '"event": "relay.stopped"' in relay.output()
+    assert f'"reason": "{signal.Signals(sig).name}"' in relay.output()
     # Nothing lost: a second relay finishes the rest.
     finisher = RelayProcess(cfg).start()
     procs.append(finisher)

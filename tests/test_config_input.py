@@ -1,0 +1,120 @@
+"""Configuration the relay cannot run with is refused by `run --check` (exit 2, the key
+named), and every documented environment variable does what it says."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WHSEC = "whsec_" + "A" * 43 + "="
+BASE = "database_url = 'postgresql://x@127.0.0.1/y'\n"
+
+
+def check(toml: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(toml)
+    return subprocess.run(
+        [sys.executable, "-m", "relay.cli", "run", "--config", str(cfg), "--check"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", **env},
+        timeout=60,
+    )
+
+
+def hook(url: str) -> str:
+    return f"[destinations.h]\nkind = 'webhook'\nurl = '{url}'\nsecrets = ['{WHSEC}']\n"
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ("[relay]\nlease = inf\n", "relay.lease"),
+        ("[relay]\nlease = 1e13\n", "relay.lease"),
+        ("[relay]\nshutdown_timeout = nan\n", "relay.shutdown_timeout"),
+        ("[relay.backoff]\nmax = inf\n", "relay.backoff.max"),
+        ("[relay.backoff]\nschedule = [1, 1e13]\n", "relay.backoff.schedule.1"),
+        ("[relay]\nretention = '1000000w'\n", "relay.retention"),
+        ("[destinations.o]\nkind = 'kafka'\ntopic = '.'\n", "destinations.o.kafka.topic"),
+        ("[destinations.o]\nkind = 'kafka'\ntopic = '..'\n", "destinations.o.kafka.topic"),
+        (hook("http://example.com:99999/in"), "destinations.h.webhook.url"),
+        (hook("http://example.com:0/in"), "destinations.h.webhook.url"),
+        (hook("http://exa mple.com/in"), "destinations.h.webhook.url"),
+        (hook("http://a..b/in"), "destinations.h.webhook.url"),
+        (hook("http://-x-.example/in"), "destinations.h.webhook.url"),
+        (hook("https://[::1/in"), "destinations.h.webhook.url"),
+        (hook("https://example.com/in") + "retry_after_max = inf\n", "retry_after_max"),
+        ("[relay]\nschema = '" + "s" * 57 + "'\n", "relay.schema"),
+    ],
+)
+def test_values_the_relay_cannot_run_with_are_refused(tmp_path: Path, toml: str, key: str) -> None:
+    res = check(BASE + toml, tmp_path)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert key in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://[::1]:8080/in",
+        "http://10.0.0.1/in",
+        "http://svc_name.ns.svc.cluster.local:8080/in",
+        "https://例え.jp/in",
+        "https://example.com./in",
+    ],
+)
+def test_valid_webhook_urls_pass(tmp_path: Path, url: str) -> None:
+    res = check(BASE + hook(url), tmp_path)
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("0", 0), ("-1", -1), ("all", "all")])
+def test_kafka_acks_from_the_environment_and_as_a_string(value: str, expected: object) -> None:
+    from relay.config import load_settings
+
+    env_style = load_settings(
+        None, database_url="postgresql://x@h/y", kafka={"acks": value, "enable_idempotence": False}
+    )
+    assert env_style.kafka.acks == expected
+
+
+def test_kafka_acks_variable_passes_the_check(tmp_path: Path) -> None:
+    for value in ("1", "0"):
+        res = check(
+            BASE, tmp_path, OUTBOX_KAFKA_ACKS=value, OUTBOX_KAFKA_ENABLE_IDEMPOTENCE="false"
+        )
+        assert res.returncode == 0, res.stderr
+    res = check(BASE + "[kafka]\nacks = '1'\nenable_idempotence = false\n", tmp_path)
+    assert res.returncode == 0, res.stderr
+
+
+def test_one_schema_variable_serves_run_and_the_ops_commands(tmp_path: Path) -> None:
+    res = check(BASE, tmp_path, OUTBOX_SCHEMA="events")
+    assert res.returncode == 0 and "schema 'events'" in res.stdout, res.stderr
+    res = check(BASE, tmp_path, OUTBOX_RELAY_SCHEMA="events")
+    assert res.returncode == 0 and "schema 'events'" in res.stdout, res.stderr
+    # Told two different schemas, it says so instead of choosing one.
+    res = check(BASE + "[relay]\nschema = 'other'\n", tmp_path, OUTBOX_SCHEMA="events")
+    assert res.returncode == 2 and "OUTBOX_SCHEMA" in res.stderr, res.stderr
+    res = check(BASE, tmp_path, OUTBOX_SCHEMA="events", OUTBOX_RELAY_SCHEMA="other")
+    assert res.returncode == 2 and "set only OUTBOX_SCHEMA" in res.stderr, res.stderr
+    # The ops commands read the same variables.
+    status = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "status", "--database-url", "postgresql://x@h/y"],
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OUTBOX_SCHEMA": "events", "OUTBOX_RELAY_SCHEMA": "other"},
+        timeout=60,
+    )
+    assert status.returncode == 2 and "set only OUTBOX_SCHEMA" in status.stderr
+
+
+def test_unknown_outbox_variables_are_reported(tmp_path: Path) -> None:
+    res = check(BASE, tmp_path, OUTBOX_LOGLEVEL="debug", OUTBOX_SHEMA="events")
+    assert res.returncode == 0, res.stderr
+    assert "OUTBOX_LOGLEVEL (did you mean OUTBOX_LOG_LEVEL?) is not a setting" in res.stderr
+    assert "OUTBOX_SHEMA (did you mean OUTBOX_SCHEMA?)" in res.stderr
