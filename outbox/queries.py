@@ -120,9 +120,7 @@ CREATE TABLE IF NOT EXISTS outbox_migrations (
 # SQL text, which would fold "Events" to events and refuse "my events".
 SCHEMA_EXISTS = "SELECT to_regnamespace(quote_ident($1)) IS NOT NULL"
 OUTBOX_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox') IS NOT NULL"
-MIGRATIONS_TABLE_EXISTS = (
-    "SELECT to_regclass(quote_ident($1) || '.outbox_migrations') IS NOT NULL"
-)
+MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox_migrations') IS NOT NULL"
 APPLIED_MIGRATIONS = "SELECT version FROM {schema}.outbox_migrations ORDER BY version"
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
 # SET LOCAL keeps the connection's own search_path once the migration's transaction ends.
