@@ -99,11 +99,16 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
             ]
             held_at_kills.update(held)
 
-            async def returned(ids: list[int] = held) -> bool:
+            # Claimable again once the dead relay no longer holds them. (Whether they are
+            # running again, under another relay, is not its business: the next victim may
+            # claim some of them and be killed in turn.)
+            async def returned(ids: list[int] = held, dead: str = victim_id) -> bool:
                 n = await fetchval(
                     db_url,
-                    "SELECT count(*) FROM outbox WHERE status = 'running' AND id = ANY($1)",
+                    "SELECT count(*) FROM outbox WHERE status = 'running' AND id = ANY($1) "
+                    "AND locked_by = $2",
                     ids,
+                    dead,
                 )
                 return n == 0
 
