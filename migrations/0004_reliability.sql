@@ -9,13 +9,11 @@ ALTER TABLE outbox ADD COLUMN claims integer NOT NULL DEFAULT 0;
 
 -- When the row reached its end state (delivered, failed or skipped); NULL while it is still
 -- pending or running. Failed and skipped rows are purged by this age, not by created_at: a row
--- that failed a minute ago is a minute old to the operator, however old the event is.
+-- that failed a minute ago is a minute old to the operator, however old the event is. Rows
+-- that ended before this migration (or under a relay from before it) have none and age by
+-- created_at, as before; nothing is rewritten here, so the migration holds its lock briefly
+-- (the index comes in 0005, built without blocking writes).
 ALTER TABLE outbox ADD COLUMN finished_at timestamptz;
--- Rows that ended before this migration: their end time is unknown, so they count from now
--- (never purged early). Delivered rows keep aging by delivered_at.
-UPDATE outbox SET finished_at = now() WHERE status IN ('failed', 'skipped');
-
-CREATE INDEX outbox_finished_idx ON outbox (finished_at) WHERE status IN ('failed', 'skipped');
 
 -- Relays register here and refresh seen_at while they run: `outbox-relay status` lists them,
 -- and unknown_destinations = "fail" spares the destinations another live relay serves.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -15,11 +16,28 @@ from outbox.dburl import to_asyncpg_dsn
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
+# A first line that marks a migration to run outside a transaction, statement by statement
+# (CREATE INDEX CONCURRENTLY cannot run in one). Such a file holds statements separated by a
+# semicolon at the end of a line, and must be safe to run again if it was interrupted.
+NO_TRANSACTION = "-- outbox-relay: no transaction"
+
+
 @dataclass(frozen=True)
 class Migration:
     version: int
     name: str
     sql: str
+
+    @property
+    def transactional(self) -> bool:
+        return not self.sql.startswith(NO_TRANSACTION)
+
+    def statements(self) -> list[str]:
+        """The statements of a migration that runs outside a transaction."""
+        body = "\n".join(
+            line for line in self.sql.splitlines() if not line.lstrip().startswith("--")
+        )
+        return [s.strip() for s in re.split(r";\s*\n", body + "\n") if s.strip()]
 
 
 def _migrations_dir() -> Path:
@@ -74,7 +92,8 @@ async def migrate(
 
 async def _migrate(conn: asyncpg.Connection, schema: str, dry_run: bool) -> MigrateResult:
     migrations = load_migrations()
-    await conn.execute(queries.MIGRATE_LOCK, schema)
+    while not await conn.fetchval(queries.MIGRATE_LOCK, schema):
+        await asyncio.sleep(0.2)  # another migrate runs on this schema: wait for it
     try:
         applied: set[int] = set()
         tracked = await conn.fetchval(queries.SCHEMA_EXISTS, schema) and await conn.fetchval(
@@ -94,17 +113,37 @@ async def _migrate(conn: asyncpg.Connection, schema: str, dry_run: bool) -> Migr
             return MigrateResult(applied=pending, already=sorted(applied))
         for m in pending:
             try:
-                async with conn.transaction():
-                    await conn.execute(queries.render_schema(queries.CREATE_SCHEMA, schema))
-                    await conn.execute(queries.render_schema(queries.USE_SCHEMA, schema))
-                    await conn.execute(queries.MIGRATIONS_TABLE)
-                    await conn.execute(m.sql)
-                    await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+                if m.transactional:
+                    await _apply(conn, schema, m)
+                else:
+                    await _apply_outside_a_transaction(conn, schema, m)
             except asyncpg.PostgresError as exc:
+                undone = "was rolled back" if m.transactional else "can be run again"
                 raise MigrationError(
-                    f"migration {m.version:04d}_{m.name} failed in schema {schema!r} and was "
-                    f"rolled back: {type(exc).__name__}: {exc}"
+                    f"migration {m.version:04d}_{m.name} failed in schema {schema!r} and "
+                    f"{undone}: {type(exc).__name__}: {exc}"
                 ) from exc
         return MigrateResult(applied=pending, already=sorted(applied))
     finally:
         await conn.execute(queries.MIGRATE_UNLOCK, schema)
+
+
+async def _apply(conn: asyncpg.Connection, schema: str, m: Migration) -> None:
+    async with conn.transaction():
+        await conn.execute(queries.render_schema(queries.CREATE_SCHEMA, schema))
+        await conn.execute(queries.render_schema(queries.USE_SCHEMA, schema))
+        await conn.execute(queries.MIGRATIONS_TABLE)
+        await conn.execute(m.sql)
+        await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+
+
+async def _apply_outside_a_transaction(
+    conn: asyncpg.Connection, schema: str, m: Migration
+) -> None:
+    await conn.execute(queries.render_schema(queries.USE_SCHEMA_SESSION, schema))
+    try:
+        for statement in m.statements():
+            await conn.execute(statement)
+        await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+    finally:
+        await conn.execute(queries.RESET_SEARCH_PATH)

@@ -125,11 +125,19 @@ APPLIED_MIGRATIONS = "SELECT version FROM {schema}.outbox_migrations ORDER BY ve
 CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
 # SET LOCAL keeps the connection's own search_path once the migration's transaction ends.
 USE_SCHEMA = "SET LOCAL search_path TO {schema}"
+# For a migration that runs outside a transaction (migrate's own connection, reset after).
+USE_SCHEMA_SESSION = "SET search_path TO {schema}"
+RESET_SEARCH_PATH = "RESET search_path"
 
 RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2)"
 
-# A fixed key so concurrent `migrate` runs on one database queue up instead of racing.
-MIGRATE_LOCK = "SELECT pg_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
+# A fixed key so concurrent `migrate` runs on one database queue up instead of racing. Tried,
+# not waited for in one statement: a session waiting on a lock is a transaction, and CREATE
+# INDEX CONCURRENTLY (run by the session holding the lock) waits for every transaction, so the
+# two would deadlock.
+MIGRATE_LOCK = (
+    "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
+)
 MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 
 TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
@@ -152,13 +160,13 @@ SET status = 'running', locked_by = $3, locked_until = now() + make_interval(sec
     claims = o.claims + 1
 WHERE o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
-          o.attempts, o.created_at, o.claims
+          o.attempts, extract(epoch FROM o.created_at)::float8, o.claims
 """
 
 # All outcomes of a batch in one statement. Only rows this relay still holds under the claim
 # that produced the outcome are touched ($2: each row's fencing token, the `claims` value its
 # claim returned): if the lease expired and the row was claimed again, by another relay or by
-# this one, the newer claim's outcome wins. Returns the ids it recorded.
+# this one, the newer claim's outcome wins. Returns the (id, token) pairs it recorded.
 RECORD = """
 UPDATE {table} AS o
 SET status = u.status,
@@ -177,7 +185,7 @@ SET status = u.status,
 FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[], $6::text[])
      AS u(id, token, status, counted, delay, error)
 WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
-RETURNING o.id
+RETURNING o.id, o.claims
 """
 
 # Extends the lease of the rows this relay still holds under its claims' tokens; returns their
@@ -192,10 +200,13 @@ RETURNING o.id
 # Rows whose relay stopped heartbeating go back to pending (or to failed once they have used
 # every attempt: a row that crashes its relay each time must not loop for ever). $3/$4 give
 # per-destination attempt limits; $1 is the limit for any other destination.
+# $5: only these rows (NULL: any); $6: never these (rows the database refused to reap).
 REAP = """
 WITH expired AS (
     SELECT id FROM {table}
     WHERE status = 'running' AND locked_until < now()
+      AND ($5::bigint[] IS NULL OR id = ANY($5::bigint[]))
+      AND NOT (id = ANY($6::bigint[]))
     ORDER BY locked_until
     LIMIT $2
     FOR UPDATE SKIP LOCKED
@@ -221,6 +232,15 @@ SET status = CASE WHEN o.attempts + 1 >= coalesce(
 FROM expired
 WHERE o.id = expired.id
 RETURNING o.id, o.status, o.destination
+"""
+
+# Rows whose lease expired, for reaping them one at a time when the database refuses to reap
+# them together (a trigger that refuses one row must not keep every dead relay's rows).
+EXPIRED = """
+SELECT id FROM {table}
+WHERE status = 'running' AND locked_until < now() AND NOT (id = ANY($2::bigint[]))
+ORDER BY locked_until
+LIMIT $1
 """
 
 # On clean shutdown: rows claimed but not attempted go back untouched (no attempt counted),
@@ -267,6 +287,7 @@ SET status = 'failed',
     + _UNSERVED
     + """
   AND created_at < now() - make_interval(secs => $3)
+  AND attempts = 0  -- a row some relay already tried is served (maybe by one not registered)
 RETURNING destination
 """
 )
@@ -284,7 +305,7 @@ gone AS (
     USING u
     WHERE o.id = u.id AND u.status = 'delivered'
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
-    RETURNING o.id
+    RETURNING o.id, o.claims
 ),
 kept AS (
     UPDATE {table} AS o
@@ -300,9 +321,9 @@ kept AS (
     FROM u
     WHERE o.id = u.id AND u.status <> 'delivered'
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
-    RETURNING o.id
+    RETURNING o.id, o.claims
 )
-SELECT id FROM gone UNION ALL SELECT id FROM kept
+SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
 """
 
 # --- operations: pause, retention, gauges -----------------------------------------------------
@@ -451,7 +472,8 @@ RETURNING o.id, o.destination
 ID_STATUSES = "SELECT id, status FROM {table} WHERE id = ANY($1::bigint[])"
 
 # purge: delivered rows age from delivered_at (found through outbox_delivered_idx), skipped
-# and failed rows from finished_at, when they got that status (outbox_finished_idx).
+# and failed rows from finished_at, when they got that status (outbox_finished_idx; rows that
+# ended before migration 0004 have none and age from created_at).
 # $1: seconds, $2: destinations or NULL, $3: whether failed rows go too.
 PURGE_PREVIEW = """
 SELECT destination, status, count(*) AS rows
@@ -459,7 +481,7 @@ FROM {table}
 WHERE ((status = 'delivered' AND delivered_at < now() - make_interval(secs => $1))
        OR (status IN ('failed', 'skipped')
            AND (status = 'skipped' OR $3::bool)
-           AND finished_at < now() - make_interval(secs => $1)))
+           AND coalesce(finished_at, created_at) < now() - make_interval(secs => $1)))
   AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
 GROUP BY destination, status
 ORDER BY destination, status
@@ -486,9 +508,9 @@ PURGE_FINISHED = """
 WITH doomed AS (
     SELECT id FROM {table}
     WHERE status IN ('failed', 'skipped') AND status = ANY($4::text[])
-      AND finished_at < now() - make_interval(secs => $1)
+      AND coalesce(finished_at, created_at) < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-    ORDER BY finished_at
+    ORDER BY coalesce(finished_at, created_at)
     LIMIT $3
     FOR UPDATE SKIP LOCKED
 )
@@ -507,7 +529,9 @@ WHERE o.id = doomed.id AND o.status = ANY($4::text[])
 # drew any id), capped at the highest id then visible (ids are drawn in increasing order, so
 # a row at or below it was drawn before this reading, and so were all lower ids). Only this
 # table's keys count ($1: the table; see migrations/0004 for the key's layout), and untagged
-# keys of inserts that began under the trigger of migration 0003.
+# keys of inserts that began under the trigger of migration 0003: an untagged key is ignored
+# only when its transaction holds a tagged key of the same value (the pair the new trigger
+# takes together).
 FENCE = """
 WITH held AS (
     SELECT l.virtualtransaction AS vxid,
@@ -524,7 +548,7 @@ SELECT least(
     (SELECT coalesce(min(a.v), 9223372036854775807) FROM fence_keys AS a
      WHERE a.tag = 1 + mod($1::regclass::oid::bigint, 16383)
         OR (a.tag = 0 AND NOT EXISTS (SELECT 1 FROM fence_keys AS b
-                                      WHERE b.vxid = a.vxid AND b.tag > 0))),
+                                      WHERE b.vxid = a.vxid AND b.tag > 0 AND b.v = a.v))),
     (SELECT coalesce(max(id), 0) FROM {table})
 )
 """
@@ -595,7 +619,7 @@ claimed AS (
         claims = o.claims + 1
     WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
     RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
-              o.attempts, o.created_at, o.claims
+              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims
 )
 SELECT * FROM claimed
 UNION ALL

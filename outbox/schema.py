@@ -141,7 +141,7 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
         ),
         Index(
             "outbox_finished_idx",
-            "finished_at",
+            text("(COALESCE(finished_at, created_at))"),
             postgresql_where=text("status IN ('failed', 'skipped')"),
         ),
         Index(

@@ -4,11 +4,14 @@ Outcomes wait in a buffer; one writer drains everything buffered into one UPDATE
 statement runs, new outcomes pile up for the next one, so batches grow with load and an idle
 relay records a lone outcome at once.
 
-Two kinds of failure are told apart. The database being unreachable, read-only or otherwise
-refusing every write keeps the outcomes and tries again with backoff (the rows stay leased
-meanwhile). An outcome PostgreSQL refuses for its own values (an interval out of range, text
-it cannot store) would fail every batch it is in: the batch is split until that record stands
-alone, and its row is failed with the reason, so the rest keep flowing.
+Two kinds of failure are told apart. The database being unreachable or refusing every write
+(read-only, a missing grant, a timeout: see store.UNAVAILABLE) keeps the outcomes and tries
+again with backoff; the rows stay leased meanwhile. Any other refusal may be about one record
+(an interval out of range, text the database's encoding cannot hold, a trigger that refuses
+one row): the batch is split until that record stands alone, it is written again with its
+error text made plain ASCII, and failing that its row is failed with the reason, so the rest
+keep flowing. Outcomes are told apart by (row id, fencing token): the same row may have an
+outcome of an older claim and one of the current claim in one batch.
 """
 
 from __future__ import annotations
@@ -16,28 +19,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-import asyncpg
 import structlog
 
 from relay.errors import describe
 from relay.model import truncate_error
-from relay.store import DB_ERRORS, Record, Store
+from relay.store import UNAVAILABLE, Record, Store
 
 log = structlog.get_logger("relay.completer")
 
-# Errors about the values of the records written, not about the database: retrying the same
-# batch gives the same answer. asyncpg raises DataError for SQLSTATE class 22 and for values it
-# cannot encode itself (a lone surrogate in a string).
-BAD_RECORD: tuple[type[BaseException], ...] = (
-    asyncpg.DataError,
-    asyncpg.IntegrityConstraintViolationError,
-    OverflowError,
-    TypeError,
-    ValueError,
-)
+Key = tuple[int, int]  # (row id, fencing token)
+OnRecorded = Callable[[Sequence[Record], set[Key], set[Key]], None]
 
-OnRecorded = Callable[[Sequence[Record], set[int], set[int]], None]
+
+def key(r: Record) -> Key:
+    return (r.id, r.token)
 
 
 class Completer:
@@ -45,9 +42,9 @@ class Completer:
     write.
 
     ``records`` are the outcomes as written (a refused one replaced by its row's failure);
-    ``written`` the ids PostgreSQL applied. An outcome that was not applied belongs to a claim
-    this relay no longer holds, unless its id is in ``abandoned``: nothing about that row could
-    be written at all.
+    ``written`` the (id, token) pairs PostgreSQL applied. An outcome that was not applied
+    belongs to a claim this relay no longer holds, unless it is in ``abandoned``: nothing
+    about that row could be written at all.
     """
 
     def __init__(self, store: Store, on_recorded: OnRecorded, *, max_batch: int = 5000) -> None:
@@ -55,6 +52,7 @@ class Completer:
         self.on_recorded = on_recorded
         self.max_batch = max_batch
         self._buffer: list[Record] = []
+        self._writing: list[Record] = []
         self._ready = asyncio.Event()
         self._lock = asyncio.Lock()  # one write at a time: the loop's or the final drain's
         self._closing = False
@@ -69,7 +67,8 @@ class Completer:
 
     @property
     def pending(self) -> int:
-        return len(self._buffer)
+        """Outcomes not yet written, the write in progress included."""
+        return len(self._buffer) + len(self._writing)
 
     async def flush_once(self) -> bool:
         """Write what is buffered; False if the database refused (outcomes kept)."""
@@ -80,28 +79,28 @@ class Completer:
         if not self._buffer:
             return True
         batch, self._buffer = self._buffer[: self.max_batch], self._buffer[self.max_batch :]
+        self._writing = batch
         done = _Written()
         try:
             await self._write(batch, done)
+            if len(batch) > 1 and len(done.abandoned) == len(batch):
+                # Not one record of several could be written, even alone: the database is
+                # refusing writes, not this or that record.
+                raise _RefusesEverything(done.error)
         except asyncio.CancelledError:
             # Cut short (a shutdown that ran out of time): keep what is not known written.
-            self._buffer[:0] = [r for r in batch if r.id not in done.settled]
+            self._buffer[:0] = [r for r in batch if key(r) not in done.settled]
             raise
-        except DB_ERRORS as exc:
-            left = [r for r in batch if r.id not in done.settled]
+        except UNAVAILABLE_OR_REFUSED as exc:
+            left = [r for r in batch if key(r) not in done.settled or key(r) in done.abandoned]
             self._buffer[:0] = left
-            if self.failing_since is None:
-                self.failing_since = time.monotonic()
-                log.error(
-                    "relay.record.failed",
-                    rows=len(left),
-                    error=describe(exc),
-                    action="outcomes kept in memory and retried; leases still protect the rows",
-                )
-            self.last_error = describe(exc)
-            if done.records:
-                self.on_recorded(done.records, done.ids, done.abandoned)
+            self._failed(exc, len(left))
+            kept = done.without(done.abandoned)
+            if kept.records:
+                self.on_recorded(kept.records, kept.ids, set())
             return False
+        finally:
+            self._writing = []
         if self.failing_since is not None:
             self.failing_since = None
             self.last_error = None
@@ -109,11 +108,24 @@ class Completer:
         self.on_recorded(done.records, done.ids, done.abandoned)
         return True
 
+    def _failed(self, exc: BaseException, rows: int) -> None:
+        self.last_error = describe(exc)
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+            log.error(
+                "relay.record.failed",
+                rows=rows,
+                error=self.last_error,
+                action="outcomes kept in memory and retried; leases still protect the rows",
+            )
+
     async def _write(self, batch: list[Record], done: _Written) -> None:
         """Write ``batch``, splitting it around records PostgreSQL refuses."""
         try:
             ids = await self.store.record(batch)
-        except BAD_RECORD as exc:
+        except UNAVAILABLE:
+            raise
+        except Exception as exc:
             if len(batch) > 1:
                 mid = len(batch) // 2
                 await self._write(batch[:mid], done)
@@ -124,23 +136,42 @@ class Completer:
         done.add(batch, ids)
 
     async def _reject(self, bad: Record, exc: BaseException, done: _Written) -> None:
-        """Fail the row of an outcome PostgreSQL refused, with the reason."""
+        """One outcome PostgreSQL refused: write it with plain ASCII text, or fail its row
+        with the reason, or (nothing about the row can be written) let it go."""
+        plain = _ascii(bad.error)
+        if plain != bad.error:
+            # Text the database's encoding cannot hold (a LATIN1 database, an endpoint's
+            # reply in another script): the same outcome, its text escaped.
+            try:
+                ids = await self.store.record([replace(bad, error=plain)])
+            except UNAVAILABLE:
+                raise
+            except Exception:  # noqa: S110 - the row is failed below, with the first error
+                pass
+            else:
+                done.add([replace(bad, error=plain)], ids)
+                return
         self.rejected += 1
-        reason = truncate_error(
-            f"the relay could not record this row's outcome ({bad.status}): {describe(exc)}. "
-            "It is failed rather than retried for ever; check the relay's settings, then "
-            f"outbox-relay retry --id {bad.id}"
+        reason = _ascii(
+            truncate_error(
+                f"the relay could not record this row's outcome ({bad.status}): "
+                f"{describe(exc)}. It is failed rather than retried for ever; fix the cause, "
+                f"then outbox-relay retry --id {bad.id}"
+            )
         )
         log.error("relay.record.rejected", id=bad.id, outcome=bad.status, error=describe(exc))
         failed = Record(bad.id, bad.token, "failed", 1, 0.0, reason, bad.destination, bad.key)
         try:
             ids = await self.store.record([failed])
-        except BAD_RECORD as again:
+        except UNAVAILABLE:
+            raise
+        except Exception as again:
             # Nothing this relay can write about the row: let it go. It stays leased until
             # the relay stops renewing it (on_recorded drops it), then the reaper takes it.
             log.error("relay.record.abandoned", id=bad.id, error=describe(again))
             done.add([failed], set())
-            done.abandoned.add(bad.id)
+            done.abandoned.add(key(failed))
+            done.error = describe(again)
             return
         done.add([failed], ids)
 
@@ -157,8 +188,9 @@ class Completer:
                     delay = min(delay * 2, 5.0)
 
     async def close(self, timeout: float) -> bool:
-        """Stop the loop without cutting a write short, then flush everything left within
-        ``timeout`` seconds. False if outcomes are left unwritten."""
+        """Stop the loop, let the write in progress finish, then flush everything left, all
+        within ``timeout`` seconds. False if outcomes are left unwritten (a write still in
+        progress at the deadline is cut short; its outcomes stay counted in ``pending``)."""
         self._closing = True
         self._ready.set()
         loop = asyncio.get_running_loop()
@@ -176,18 +208,35 @@ class Completer:
         return True
 
 
-class _Written:
-    """What a write settled so far: records written (or given up on) and ids applied."""
+def _ascii(text: str | None) -> str | None:
+    return text.encode("ascii", "backslashreplace").decode("ascii") if text else text
 
-    __slots__ = ("abandoned", "ids", "records", "settled")
+
+class _RefusesEverything(Exception):
+    """Every record of a batch was refused, each alone: the database refuses writes."""
+
+
+UNAVAILABLE_OR_REFUSED: tuple[type[BaseException], ...] = (*UNAVAILABLE, _RefusesEverything)
+
+
+class _Written:
+    """What a write settled so far: records written (or given up on) and pairs applied."""
+
+    __slots__ = ("abandoned", "error", "ids", "records", "settled")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
-        self.ids: set[int] = set()
-        self.settled: set[int] = set()
-        self.abandoned: set[int] = set()
+        self.ids: set[Key] = set()
+        self.settled: set[Key] = set()
+        self.abandoned: set[Key] = set()
+        self.error: str | None = None
 
-    def add(self, records: Sequence[Record], ids: set[int]) -> None:
+    def add(self, records: Sequence[Record], ids: set[Key]) -> None:
         self.records.extend(records)
         self.ids |= ids
-        self.settled.update(r.id for r in records)
+        self.settled.update(key(r) for r in records)
+
+    def without(self, drop: set[Key]) -> _Written:
+        out = _Written()
+        out.add([r for r in self.records if key(r) not in drop], self.ids)
+        return out

@@ -95,10 +95,12 @@ class RelaySettings(_Section):
         30.0, ge=1, le=86400, description="seconds a claim is held without heartbeat"
     )
     poll_interval: float = Field(
-        1.0, gt=0, le=300, description="seconds between polls when no NOTIFY arrives"
+        1.0, ge=0.01, le=300, description="seconds between polls when no NOTIFY arrives"
     )
     shutdown_timeout: float = Field(20.0, ge=0, le=86400, description="seconds to drain on SIGTERM")
-    max_attempts: int = Field(25, ge=1, description="attempts before a row is failed (dead)")
+    max_attempts: int = Field(
+        25, ge=1, le=10_000, description="attempts before a row is failed (dead)"
+    )
     backoff: Backoff = Backoff()
     unknown_destinations: Literal["wait", "fail"] = Field(
         "wait",
@@ -113,7 +115,7 @@ class RelaySettings(_Section):
     )
     report_interval: float = Field(
         30.0,
-        gt=0,
+        ge=0.05,
         le=86400,
         description="seconds between checks for rows of unknown destinations",
     )
@@ -131,13 +133,13 @@ class RelaySettings(_Section):
         description="how long delivered rows are kept; 0 deletes them as they are recorded",
     )
     retention_interval: Duration = Field(
-        60.0, gt=0, description="seconds between retention runs (one relay at a time)"
+        60.0, ge=0.05, description="seconds between retention runs (one relay at a time)"
     )
     retention_batch_size: int = Field(
         1000, ge=1, le=100_000, description="delivered rows deleted per statement"
     )
     stats_interval: Duration = Field(
-        15.0, gt=0, description="seconds between pending-row gauge queries"
+        15.0, ge=0.05, description="seconds between pending-row gauge queries"
     )
 
     @property
@@ -311,7 +313,9 @@ class _Delivery(_Section):
 class KafkaDestination(_Delivery):
     kind: Literal["kafka"]
     topic: str = Field(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")
-    max_attempts: int | None = Field(None, ge=1, description="overrides relay.max_attempts")
+    max_attempts: int | None = Field(
+        None, ge=1, le=10_000, description="overrides relay.max_attempts"
+    )
     backoff: Backoff | None = None
 
     @field_validator("topic")
@@ -434,7 +438,7 @@ class WebhookDestination(_Delivery):
         default_factory=list, description="CIDRs allowed although not public, e.g. 10.1.0.0/16"
     )
     circuit: Circuit = Circuit()
-    max_attempts: int = Field(WEBHOOK_MAX_ATTEMPTS, ge=1)
+    max_attempts: int = Field(WEBHOOK_MAX_ATTEMPTS, ge=1, le=10_000)
     backoff: Backoff = Backoff(schedule=list(WEBHOOK_SCHEDULE), jitter=0.2)
 
     @model_validator(mode="before")

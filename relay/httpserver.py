@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 
+from relay import secrets
 from relay.config import HttpSettings
 
 Scope = MutableMapping[str, Any]
@@ -50,7 +51,8 @@ def build_app(registry: CollectorRegistry, healthz: Probe, readyz: Probe) -> ASG
         else:
             ok, details = await probe()
             status, body = (200 if ok else 503), {"status": "ok" if ok else "fail", **details}
-        data = json.dumps(body, default=str).encode()
+        # Probe details quote database and sink errors: scrubbed like every log line.
+        data = secrets.scrub(json.dumps(body, default=str)).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -9,36 +9,37 @@ from enum import StrEnum
 
 
 class Lease:
-    """This relay's hold on one claimed row.
+    """This relay's hold on the rows of one claim.
 
-    ``token`` is the fencing token the claim returned (the row's ``claims``): every write the
-    relay makes about the row (heartbeat, outcome, release) applies only while the row still
-    carries it. ``until`` is when the hold is certain to end on this process's monotonic
-    clock, measured from before the statement that set it, so it never outlives the lease
-    PostgreSQL recorded. A row whose lease is not ``held()`` is not sent: another relay may
-    have it by now.
+    ``until`` is when the hold is certain to end on this process's monotonic clock, measured
+    from before the statement that set it (the claim, then each heartbeat), so it never
+    outlives the lease PostgreSQL recorded. ``lost`` holds the rows the relay found it no
+    longer holds (reaped after a stall, maybe claimed again). A row that is not ``held`` is
+    not sent: another relay may have it by now. One object per claim, shared by its rows.
     """
 
-    __slots__ = ("handed_off", "lost", "token", "until")
+    __slots__ = ("lost", "until")
 
-    def __init__(self, token: int, until: float) -> None:
-        self.token = token
+    def __init__(self, until: float) -> None:
         self.until = until
-        self.lost = False
-        # The row's outcome is with the completer: a heartbeat that no longer finds the row
-        # running may just have raced its recording, so it is not "lost".
-        self.handed_off = False
+        self.lost: set[int] = set()
 
-    def held(self) -> bool:
-        return not self.lost and time.monotonic() < self.until
+    def held(self, row_id: int) -> bool:
+        return row_id not in self.lost and time.monotonic() < self.until
 
     def __repr__(self) -> str:
-        return f"Lease(token={self.token}, held={self.held()})"
+        return f"Lease(until={self.until:.3f}, lost={len(self.lost)})"
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Envelope:
-    """One claimed outbox row, as sinks see it."""
+    """One claimed outbox row, as sinks see it.
+
+    ``headers`` is what the row holds: enqueue() stores a map of strings, but rows written
+    with plain SQL can hold anything (see header_problem). ``token`` is the fencing token the
+    claim returned (the row's ``claims``): every write the relay makes about the row
+    (heartbeat, outcome, release) applies only while the row still carries it.
+    """
 
     id: int
     destination: str
@@ -48,7 +49,12 @@ class Envelope:
     headers: dict[str, str]
     attempts: int  # attempts before this one
     created_at: datetime
+    token: int
     lease: Lease
+
+    def held(self) -> bool:
+        """Whether this relay still holds the row (so may send it)."""
+        return self.lease.held(self.id)
 
 
 class Result(StrEnum):
@@ -104,9 +110,18 @@ def truncate_error(text: str, limit: int = MAX_ERROR_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 15] + "… [truncated]"
 
 
+class UnreadableHeaders(str):
+    """Headers a row holds that Python cannot read (JSON nested too deeply): why, as text."""
+
+
 def header_problem(headers: object) -> str | None:
     """Why a row's stored headers cannot be sent, or None. enqueue() validates them; rows
     inserted with plain SQL are checked here."""
+    if isinstance(headers, UnreadableHeaders):
+        return (
+            f"headers cannot be read ({headers}); fix the row (UPDATE … SET headers = …) and "
+            "run outbox-relay retry --id"
+        )
     if not isinstance(headers, dict):
         return (
             f"headers must be a JSON object of strings, found {type(headers).__name__}; fix the "

@@ -25,7 +25,7 @@ def to_record(env: Envelope, outcome: Outcome, max_attempts: int, policy: Backof
     """The record for ``env`` after ``outcome``: delivered, failed, back to pending after a
     backoff (an attempt counted), or back to pending unattempted (deferred)."""
     error = truncate_error(outcome.error) if outcome.error else None
-    token = env.lease.token
+    token = env.token
     if outcome.result is Result.DELIVERED:
         return Record(env.id, token, "delivered", 1, 0.0, None, env.destination, env.key)
     if outcome.result is Result.FAILED:
@@ -53,7 +53,7 @@ def crashed(env: Envelope, error: str, max_attempts: int, delay: float) -> Recor
     if attempt >= max_attempts:
         return Record(
             env.id,
-            env.lease.token,
+            env.token,
             "failed",
             1,
             0.0,
@@ -61,4 +61,4 @@ def crashed(env: Envelope, error: str, max_attempts: int, delay: float) -> Recor
             env.destination,
             env.key,
         )
-    return Record(env.id, env.lease.token, "pending", 1, delay, text, env.destination, env.key)
+    return Record(env.id, env.token, "pending", 1, delay, text, env.destination, env.key)

@@ -31,7 +31,7 @@ from relay.metrics import Metrics
 from relay.model import Envelope, Outcome, Result, header_problem
 from relay.sinks import Sink
 from relay.sinks.factory import build_sinks
-from relay.store import DB_ERRORS, Record, Store, create_pool, is_plain_sql_error
+from relay.store import DB_ERRORS, UNAVAILABLE, Record, Store, create_pool
 
 log = structlog.get_logger("relay")
 
@@ -42,6 +42,11 @@ SERVED_WITHIN = 600.0
 FORGET_RELAYS_AFTER = 7 * 86400.0
 # Retry delay for rows whose delivery raised (when the backoff itself is what raised).
 CRASH_RETRY_DELAY = 5.0
+# Bound on each statement of the shutdown after the drain: a database that hangs must not
+# hang the process (the reaper takes back whatever could not be released).
+LAST_WRITE_TIMEOUT = 5.0
+# Rows the database refused to reap, even alone, are left out of reaping this long.
+UNREAPABLE_FOR = 600.0
 LOST_IDS_LOGGED = 20
 
 
@@ -63,6 +68,8 @@ class Relay:
         self.stats: Counter[str] = Counter()
         self.started = asyncio.Event()  # for tests and probes: set once claiming has begun
         self._in_flight: dict[int, Envelope] = {}
+        # Rows whose outcome is with the completer: id -> (token, when handed over).
+        self._handed: dict[int, tuple[int, float]] = {}
         self._wake = asyncio.Event()
         self._capacity = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -72,10 +79,13 @@ class Relay:
         self._completer: Completer | None = None
         self._listener: Listener | None = None
         self._db_down = False
+        self._claim_error: str | None = None
         self._scan_progressed = False
         # Per ordered destination: the key after which the next claim continues its walk.
         self._cursors: dict[str, str | None] = {}
         self._turn = 0  # rotates which destination claims first
+        self._unreapable: dict[int, float] = {}  # row id -> until when it is left alone
+        self._started_at = time.monotonic()
         self.paused: frozenset[str] = frozenset()
         self.paused_refreshes = 0  # for tests: how often the paused set was read
         self.metrics = Metrics()
@@ -145,6 +155,7 @@ class Relay:
         stop_wait = asyncio.create_task(self._stopping.wait())
         self._tasks = {*background, *http_task, claimer}
         self.metrics.up.set(1)
+        self._started_at = time.monotonic()
         self.started.set()
         log.info(
             "relay.started",
@@ -200,7 +211,7 @@ class Relay:
                 if self._pool is not None:
                     await self._pool.close()
                     self._pool = None
-                if isinstance(exc, asyncpg.PostgresError) and is_plain_sql_error(exc):
+                if isinstance(exc, REFUSED_AT_STARTUP):
                     # The server answered, and said no: waiting will not change it.
                     raise RelayStartupError(_refused_at_startup(exc)) from exc
                 if time.monotonic() + delay > deadline:
@@ -237,7 +248,9 @@ class Relay:
         before the first claim, so a relay that starts while a destination is paused never
         claims it, and other relays know what this one serves."""
         rs = self.settings.relay
-        self._pool = await create_pool(self.settings.dsn, self.id, rs.pool_size)
+        self._pool = await create_pool(
+            self.settings.dsn, self.id, rs.pool_size, command_timeout=max(2 * rs.lease, 60.0)
+        )
         self._store = Store(
             self._pool, rs.db_schema, self.id, rs.lease, delete_delivered=rs.retention == 0
         )
@@ -295,9 +308,13 @@ class Relay:
                 # before the next claim: claims follow the sinks' free capacity.
                 await asyncio.sleep(0)
             if error is not None:
-                if not isinstance(error, DB_ERRORS):
-                    raise error
-                self._database_down(error, retry)
+                if isinstance(error, DB_ERRORS):
+                    self._database_down(error, retry)
+                else:
+                    # A bug, or a row nothing expected: the rows it claimed (if any) go back
+                    # after their lease; the relay keeps serving the rest, loudly.
+                    log.error("relay.claim.crashed", error=describe(error), exc_info=error)
+                    self.metrics.delivery_errors.inc()
                 await self._wait(None, retry)
                 retry = min(retry * 2, 5.0)
                 continue
@@ -345,6 +362,7 @@ class Relay:
         return rows
 
     def _database_down(self, exc: BaseException, retry_in: float) -> None:
+        self._claim_error = describe(exc)
         if not self._db_down:
             self._db_down = True
             log.error(
@@ -355,6 +373,7 @@ class Relay:
             )
 
     def _database_up(self) -> None:
+        self._claim_error = None
         if self._db_down:
             self._db_down = False
             log.info("relay.database.recovered")
@@ -395,20 +414,11 @@ class Relay:
         await self._hand_off(records, envs)
 
     async def _attempt(self, sink: Sink, envs: list[Envelope]) -> list[Record]:
+        """Send one destination's rows; their records. The records are complete before any
+        logging or metrics, whose failure cannot turn a delivered row into a retry."""
         started = time.monotonic()
         outcome_of: dict[int, Outcome] = {}
-        sendable: list[Envelope] = []
-        for env in envs:
-            if not env.lease.held():
-                # The lease ran out (a stall) before the row was sent: another relay may
-                # hold it by now.
-                outcome_of[env.id] = Outcome.not_held(env.id)
-            elif (problem := header_problem(env.headers)) is not None:
-                # Rows written around enqueue() (plain SQL) can carry headers no sink can
-                # send; they fail alone, with the reason, instead of failing their batch.
-                outcome_of[env.id] = Outcome.failed(env.id, problem)
-            else:
-                sendable.append(env)
+        sendable = self._sendable(envs, outcome_of)
         spans = tracing.start_delivery_spans(sendable, _sink_kind(sink))
         if sendable:
             try:
@@ -416,49 +426,93 @@ class Relay:
                     outcome_of.setdefault(o.id, o)
             except Exception as exc:
                 log.exception("relay.sink.error", count=len(sendable), ids=_ids(sendable))
+                error = f"sink error: {describe(exc)}"
                 for e in sendable:
-                    outcome_of.setdefault(e.id, Outcome.retry(e.id, f"sink error: {describe(exc)}"))
+                    outcome_of.setdefault(e.id, Outcome.retry(e.id, error))
+        records, tally, latencies = self._records(envs, outcome_of)
+        try:
+            tracing.end_delivery_spans(spans, outcome_of)
+            self._report_group(envs, records, tally, latencies, started)
+        except Exception as exc:
+            log.error("relay.delivery.report_failed", ids=_ids(envs), error=describe(exc))
+        return records
+
+    def _sendable(self, envs: list[Envelope], outcome_of: dict[int, Outcome]) -> list[Envelope]:
+        """The rows to send; the others get their outcome in ``outcome_of`` at once."""
+        now = time.monotonic()
+        sendable = []
+        for env in envs:
+            if now >= env.lease.until or env.id in env.lease.lost:
+                # The lease ran out (a stall) before the row was sent: another relay may
+                # hold it by now.
+                outcome_of[env.id] = Outcome.not_held(env.id)
+            elif env.headers and (problem := header_problem(env.headers)) is not None:
+                # Rows written around enqueue() (plain SQL) can carry headers no sink can
+                # send; they fail alone, with the reason, instead of failing their batch.
+                outcome_of[env.id] = Outcome.failed(env.id, problem)
+            else:
+                sendable.append(env)
+        return sendable
+
+    def _records(
+        self, envs: list[Envelope], outcome_of: dict[int, Outcome]
+    ) -> tuple[list[Record], Counter[tuple[str, str, str]], list[float]]:
+        """The record of every row (one destination's), the outcomes tallied by (record
+        status or "deferred", outcome, HTTP status class), and the delivered rows' latency."""
+        dest = envs[0].destination
+        max_attempts = self.settings.max_attempts(dest)
+        policy = self.settings.backoff(dest)
         acked = time.time()
-        tracing.end_delivery_spans(spans, outcome_of)
         records = []
-        counts: Counter[str] = Counter()
-        # (destination, record status or "deferred", outcome, http status class) -> rows
-        observed: Counter[tuple[str, str, str, str]] = Counter()
-        latencies: dict[str, list[float]] = {}
-        retry_error: str | None = None
+        tally: Counter[tuple[str, str, str]] = Counter()
+        latencies = []
         for env in envs:
             outcome = outcome_of.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
-            rec = outcomes.to_record(
-                env,
-                outcome,
-                self.settings.max_attempts(env.destination),
-                self.settings.backoff(env.destination),
-            )
-            kind = rec.status if outcome.result is not Result.DEFER else "deferred"
-            counts[kind] += 1
-            code = outcome.http_status
-            observed[
-                env.destination, kind, outcome.result.value, f"{code // 100}xx" if code else "none"
-            ] += 1
-            if outcome.result is Result.DELIVERED:
-                latencies.setdefault(env.destination, []).append(acked - env.created_at.timestamp())
-            if rec.status == "failed":
-                log.error(
-                    "relay.delivery.failed",
-                    id=env.id,
-                    destination=env.destination,
-                    attempts=env.attempts + rec.counted,
-                    error=rec.error,
-                )
-            elif kind == "pending" and retry_error is None:
-                retry_error = rec.error
+            if outcome.result is Result.DELIVERED and outcome.http_status is None:
+                # The common case, kept short: most rows of most batches.
+                records.append(Record(env.id, env.token, "delivered", 1, 0.0, None, dest, env.key))
+                tally["delivered", "delivered", "none"] += 1
+                latencies.append(acked - env.created_at.timestamp())
+                continue
+            rec = outcomes.to_record(env, outcome, max_attempts, policy)
             records.append(rec)
+            kind = rec.status if outcome.result is not Result.DEFER else "deferred"
+            code = outcome.http_status
+            tally[kind, outcome.result.value, f"{code // 100}xx" if code else "none"] += 1
+            if outcome.result is Result.DELIVERED:
+                latencies.append(acked - env.created_at.timestamp())
+        return records, tally, latencies
+
+    def _report_group(
+        self,
+        envs: list[Envelope],
+        records: list[Record],
+        tally: Counter[tuple[str, str, str]],
+        latencies: list[float],
+        started: float,
+    ) -> None:
+        """Logs and metrics of one delivered group: a few calls per batch, not per row."""
+        dest = envs[0].destination
+        counts: Counter[str] = Counter()
+        for (kind, _, _), n in tally.items():
+            counts[kind] += n
+        if counts["failed"]:
+            for env, rec in zip(envs, records, strict=True):
+                if rec.status == "failed":
+                    log.error(
+                        "relay.delivery.failed",
+                        id=env.id,
+                        destination=dest,
+                        attempts=env.attempts + rec.counted,
+                        error=rec.error,
+                    )
         if counts["pending"]:
+            sample = next((r.error for r in records if r.status == "pending" and r.counted), None)
             log.warning(
                 "relay.delivery.retrying",
                 count=counts["pending"],
-                destinations=sorted({e.destination for e in envs}),
-                error=retry_error,
+                destinations=[dest],
+                error=sample,
             )
         log.debug(
             "relay.batch.delivered",
@@ -469,8 +523,7 @@ class Relay:
             deferred=counts["deferred"],
             duration_ms=round((time.monotonic() - started) * 1000, 1),
         )
-        self._observe(observed, latencies)
-        return records
+        self._observe(dest, tally, latencies)
 
     def _crashed(self, envs: list[Envelope], exc: BaseException) -> list[Record]:
         """Records for rows whose delivery raised: retried with the error, logged once."""
@@ -499,8 +552,9 @@ class Relay:
     async def _hand_off(self, records: list[Record], envs: list[Envelope]) -> None:
         """Give the records to the completer; if that fails, write them here; if that fails
         too, put the rows back to pending; failing that, stop renewing their leases."""
+        now = time.monotonic()
         for env in envs:
-            env.lease.handed_off = True
+            self._handed[env.id] = (env.token, now)
         try:
             assert self._completer is not None
             self._completer.add(records)
@@ -513,7 +567,7 @@ class Relay:
             return
         except Exception as exc:
             log.error("relay.record.direct_failed", count=len(records), error=describe(exc))
-        leases = [(e.id, e.lease.token) for e in envs]
+        leases = [(e.id, e.token) for e in envs]
         try:
             await self.store.release(leases)
         except Exception as exc:
@@ -527,11 +581,11 @@ class Relay:
         self._forget(envs)
 
     def _observe(
-        self, observed: Counter[tuple[str, str, str, str]], latencies: dict[str, list[float]]
+        self, dest: str, tally: Counter[tuple[str, str, str]], latencies: list[float]
     ) -> None:
-        """Add one batch's outcomes to the metrics: a few calls per batch, not per row."""
+        """Add one group's outcomes to the metrics."""
         m = self.metrics
-        for (dest, kind, result, code), n in observed.items():
+        for (kind, result, code), n in tally.items():
             m.attempts.labels(dest, result, code).inc(n)
             if kind == "delivered":
                 m.delivered.labels(dest).inc(n)
@@ -539,26 +593,30 @@ class Relay:
                 m.failed.labels(dest).inc(n)
             elif kind == "pending":
                 m.retried.labels(dest).inc(n)
-        for dest, values in latencies.items():
-            m.latency.observe_many(values, dest)
+        if latencies:
+            m.latency.observe_many(latencies, dest)
 
     # --- recording and leases -----------------------------------------------------------
 
     def _on_recorded(
-        self, records: Sequence[Record], written: set[int], abandoned: set[int]
+        self,
+        records: Sequence[Record],
+        written: set[tuple[int, int]],
+        abandoned: set[tuple[int, int]],
     ) -> None:
         next_heads = False
         stale: list[int] = []
         for r in records:
             env = self._in_flight.get(r.id)
-            if env is not None and env.lease.token == r.token:
+            if env is not None and env.token == r.token:
                 del self._in_flight[r.id]
-            if r.id in written:
+                self._handed.pop(r.id, None)
+            if (r.id, r.token) in written:
                 self.stats[r.status if r.counted else "deferred"] += 1
                 # A finished head makes its key's next row the head: claim it now, not at
                 # the next poll (nothing NOTIFYs for an update).
                 next_heads |= r.status != "pending" and r.key is not None
-            elif r.id not in abandoned:
+            elif (r.id, r.token) not in abandoned:
                 stale.append(r.id)
         if stale:
             self._lease_lost_log(stale, "outcome not recorded: the row is no longer this claim's")
@@ -570,9 +628,10 @@ class Relay:
         """Rows this relay found it no longer holds: never sent from now on, never renewed."""
         lost = []
         for env in envs:
-            env.lease.lost = True
+            env.lease.lost.add(env.id)
             if self._in_flight.get(env.id) is env:
                 del self._in_flight[env.id]
+                self._handed.pop(env.id, None)
             lost.append(env.id)
         if lost:
             self._lease_lost_log(lost, why)
@@ -611,20 +670,27 @@ class Relay:
             await asyncio.sleep(interval * random.uniform(0.9, 1.1))
 
     async def _heartbeat(self) -> None:
-        held = [(i, e.lease.token) for i, e in self._in_flight.items()]
+        started = time.monotonic()
+        # A row whose outcome has waited to be written for this long is let go: the reaper
+        # takes it back after its lease, instead of this relay renewing it for ever.
+        stuck_since = started - max(10 * self.settings.relay.lease, 300.0)
+        held = [
+            (i, e.token)
+            for i, e in self._in_flight.items()
+            if (h := self._handed.get(i)) is None or h[0] != e.token or h[1] > stuck_since
+        ]
         if not held:
             return
-        started = time.monotonic()
         alive = await self.store.heartbeat(held)
         until = started + self.settings.relay.lease
         lost = []
         for i, token in held:
             env = self._in_flight.get(i)
-            if env is None or env.lease.token != token:
+            if env is None or env.token != token:
                 continue  # recorded (or claimed again) while the heartbeat ran
             if i in alive:
                 env.lease.until = max(env.lease.until, until)
-            elif not env.lease.handed_off:
+            elif self._handed.get(i, (None,))[0] != token:
                 # Its outcome is not being written: the row was reaped, maybe claimed again.
                 lost.append(env)
         if lost:
@@ -638,7 +704,15 @@ class Relay:
 
     async def _reap(self) -> None:
         limits = {name: self.settings.max_attempts(name) for name in self.settings.destinations}
-        rows = await self.store.reap(self.settings.relay.max_attempts, limits)
+        now = time.monotonic()
+        self._unreapable = {i: t for i, t in self._unreapable.items() if t > now}
+        never = list(self._unreapable)
+        try:
+            rows = await self.store.reap(self.settings.relay.max_attempts, limits, never=never)
+        except UNAVAILABLE:
+            raise
+        except DB_ERRORS as exc:
+            rows = await self._reap_one_by_one(limits, never, exc)
         if rows:
             self.metrics.reaped.inc(len(rows))
             failed = [r["id"] for r in rows if r["status"] == "failed"]
@@ -652,12 +726,46 @@ class Relay:
             )
             self.wake()
 
+    async def _reap_one_by_one(
+        self, limits: dict[str, int], never: list[int], error: BaseException
+    ) -> list[asyncpg.Record]:
+        """The database refused to reap the expired rows together: reap them one by one, and
+        leave alone for a while those it refuses even alone (a trigger, a policy)."""
+        reaped: list[asyncpg.Record] = []
+        refused: list[int] = []
+        for row_id in await self.store.expired(500, never):
+            try:
+                reaped += await self.store.reap(
+                    self.settings.relay.max_attempts, limits, 1, only=[row_id], never=never
+                )
+            except UNAVAILABLE:
+                raise
+            except DB_ERRORS as exc:
+                refused.append(row_id)
+                error = exc
+        if refused:
+            until = time.monotonic() + UNREAPABLE_FOR
+            self._unreapable.update(dict.fromkeys(refused, until))
+            log.error(
+                "relay.reap.refused",
+                count=len(refused),
+                ids=refused[:LOST_IDS_LOGGED],
+                error=describe(error),
+                action="the database refuses to put these rows back to pending (a trigger or a "
+                "policy?); they stay running until it accepts",
+            )
+        return reaped
+
     async def _report(self) -> None:
         await self._report_blocked()
         # Destinations no relay serves: not this one's, and not one that any relay seen in
         # the last SERVED_WITHIN seconds serves (relays may split destinations between them).
         known = list(self.settings.destinations)
-        if self.settings.relay.unknown_destinations == "fail":
+        rs = self.settings.relay
+        # Not before this relay has watched the registry for unknown_grace itself: relays
+        # that started with it (a new deployment) have registered by then.
+        watched = time.monotonic() - self._started_at >= rs.unknown_grace
+        if rs.unknown_destinations == "fail" and watched:
             failed = await self.store.fail_unknown_destinations(
                 known, SERVED_WITHIN, self.settings.relay.unknown_grace
             )
@@ -774,6 +882,10 @@ class Relay:
         except DB_ERRORS as exc:
             ok = False
             checks["database"] = describe(exc)
+        # Claims that fail (a read-only database answers SELECT 1 all the same): not ready.
+        if self._claim_error is not None:
+            ok = False
+            checks["claiming"] = self._claim_error
         # Outcomes that cannot be written leave delivered rows to be sent again: not ready.
         completer = self._completer
         if completer is not None and completer.failing_since is not None:
@@ -831,25 +943,23 @@ class Relay:
                 action="their rows are released below, or reaped after their lease, and "
                 "delivered again",
             )
-        leftover = [(i, e.lease.token) for i, e in self._in_flight.items()]
-        if leftover:
-            try:
-                await self.store.release(leftover)
-                log.info("relay.released", count=len(leftover))
-            except DB_ERRORS as exc:
-                log.error(
-                    "relay.release.failed",
-                    count=len(leftover),
-                    error=describe(exc),
-                    action="the reaper returns them to pending when their lease expires",
-                )
+        # Stopped before anything is released: a write that ran out of time must not race
+        # the release of its rows.
+        for t in background:
+            if t.get_name() == "completer":
+                t.cancel()
+                await asyncio.gather(t, return_exceptions=True)
+        await self._release_leftover()
         try:
-            await self.store.unregister()
+            async with asyncio.timeout(LAST_WRITE_TIMEOUT):
+                await self.store.unregister()
         except DB_ERRORS as exc:
             log.warning("relay.unregister.failed", error=describe(exc))
         for t in background:
             t.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
+        # A task in a statement on a hung connection cannot finish cancelling (its rollback
+        # waits too) until the pool is terminated below.
+        _, stuck = await asyncio.wait(background, timeout=LAST_WRITE_TIMEOUT)
         for sink in {id(s): s for s in self.sinks.values()}.values():
             try:
                 await sink.close()
@@ -859,10 +969,61 @@ class Relay:
         if self.http is not None:
             await self.http.stop()
         if self._pool is not None:
-            await self._pool.close()
+            try:
+                await asyncio.wait_for(self._pool.close(), 0 if stuck else LAST_WRITE_TIMEOUT)
+            except TimeoutError:
+                self._pool.terminate()  # a connection that hangs: do not wait for it
+        if stuck:
+            await asyncio.wait(stuck, timeout=LAST_WRITE_TIMEOUT)
+
+    async def _release_leftover(self) -> None:
+        """Put the rows still held back to pending, unattempted: in one statement, or row by
+        row if the database refuses the statement for one of them."""
+        leftover = [(i, e.token) for i, e in self._in_flight.items()]
+        if not leftover:
+            return
+        try:
+            async with asyncio.timeout(LAST_WRITE_TIMEOUT):
+                await self.store.release(leftover)
+            log.info("relay.released", count=len(leftover))
+            return
+        except UNAVAILABLE as exc:
+            failed: list[tuple[int, int]] = leftover
+            error = describe(exc)
+        except DB_ERRORS:
+            failed, error = [], ""
+            for one in leftover:
+                try:
+                    async with asyncio.timeout(LAST_WRITE_TIMEOUT):
+                        await self.store.release([one])
+                except DB_ERRORS as exc:
+                    failed.append(one)
+                    error = describe(exc)
+            if len(failed) < len(leftover):
+                log.info("relay.released", count=len(leftover) - len(failed))
+        if failed:
+            log.error(
+                "relay.release.failed",
+                count=len(failed),
+                ids=[i for i, _ in failed[:LOST_IDS_LOGGED]],
+                error=error,
+                action="the reaper returns them to pending when their lease expires",
+            )
 
 
-def _refused_at_startup(exc: asyncpg.PostgresError) -> str:
+# Answers to the start-up statements that waiting will not change. Anything else (the database
+# starting up or shutting down, out of connections, unreachable) is waited out for
+# relay.startup_timeout.
+REFUSED_AT_STARTUP: tuple[type[BaseException], ...] = (
+    asyncpg.InsufficientPrivilegeError,
+    asyncpg.QueryCanceledError,
+    asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.InvalidCatalogNameError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+)
+
+
+def _refused_at_startup(exc: BaseException) -> str:
     """What to tell an operator whose database refused the relay's start-up statements."""
     what = f"the database refused the relay's start-up statements: {describe(exc)}."
     if isinstance(exc, asyncpg.InsufficientPrivilegeError):
@@ -878,6 +1039,10 @@ def _refused_at_startup(exc: asyncpg.PostgresError) -> str:
         )
     if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
         return f"{what} The database (or the relay's role) is read-only; the relay must write"
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        return f"{what} The database in database_url does not exist"
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        return f"{what} Check the user and password in database_url"
     return f"{what} Check the database's logs and the relay's role"
 
 

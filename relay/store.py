@@ -8,12 +8,13 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
 
 from outbox import queries
-from relay.model import Envelope, Lease
+from relay.model import Envelope, Lease, UnreadableHeaders
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
 # InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
@@ -25,6 +26,27 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
     asyncpg.InternalClientError,
+)
+
+# Errors that say the database cannot take this relay's writes right now, whatever is written:
+# unreachable, restarting, read-only, out of connections, a grant missing, a lock or statement
+# timeout. Work that hits one is kept and tried again later. Any other error the server
+# reports for a statement may be about the values written (see the completer).
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.OperatorInterventionError,
+    asyncpg.InsufficientResourcesError,
+    asyncpg.PostgresSystemError,
+    asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.LockNotAvailableError,
+    asyncpg.TransactionRollbackError,
+    asyncpg.InsufficientPrivilegeError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+    asyncpg.InvalidCatalogNameError,
 )
 
 
@@ -73,6 +95,7 @@ class Store:
         self._record = sql(queries.RECORD_DELETING if delete_delivered else queries.RECORD)
         self._heartbeat = sql(queries.HEARTBEAT)
         self._reap = sql(queries.REAP)
+        self._expired = sql(queries.EXPIRED)
         self._release = sql(queries.RELEASE)
         self._unknown = sql(queries.UNKNOWN_DESTINATIONS)
         self._fail_unknown = sql(queries.FAIL_UNKNOWN_DESTINATIONS)
@@ -96,7 +119,7 @@ class Store:
             try:
                 yield conn
             except BaseException as exc:
-                if not is_plain_sql_error(exc):
+                if not is_plain_sql_error(exc) or isinstance(exc, SESSION_STALE):
                     # A connection the server closed is already detached from the pool.
                     with contextlib.suppress(asyncpg.InterfaceError):
                         conn.terminate()
@@ -159,6 +182,10 @@ class Store:
 
     @staticmethod
     def _envelopes(rows: Sequence[asyncpg.Record], until: float) -> list[Envelope]:
+        """The claimed rows as envelopes. Nothing here may raise for a row's content: the
+        rows are committed as running, and a row Python cannot read must fail alone (its
+        headers and times come as text and a number, read defensively)."""
+        lease = Lease(until)
         return [
             Envelope(
                 id=r[0],
@@ -166,17 +193,18 @@ class Store:
                 key=r[2],
                 payload=r[3],
                 content_type=r[4],
-                headers={} if r[5] == "{}" else json.loads(r[5]),
+                headers={} if r[5] == "{}" else _headers(r[5]),
                 attempts=r[6],
-                created_at=r[7],
-                lease=Lease(r[8], until),
+                created_at=_timestamp(r[7]),
+                token=r[8],
+                lease=lease,
             )
             for r in rows
         ]
 
-    async def record(self, records: Sequence[Record]) -> set[int]:
-        """Write outcomes; returns the ids written (the others are no longer this relay's
-        under the claim the outcome belongs to)."""
+    async def record(self, records: Sequence[Record]) -> set[tuple[int, int]]:
+        """Write outcomes; returns the (id, token) pairs written (the others are no longer
+        this relay's under the claim the outcome belongs to)."""
         self.statements["record"] += 1
         rows = await self._call(
             "fetch",
@@ -189,7 +217,7 @@ class Store:
             [r.error for r in records],
             self.relay_id,
         )
-        return {r[0] for r in rows}
+        return {(r[0], r[1]) for r in rows}
 
     async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
         """Extend the leases of (id, token) pairs; returns the ids still held."""
@@ -205,7 +233,13 @@ class Store:
         return {r[0] for r in rows}
 
     async def reap(
-        self, max_attempts: int, per_destination: dict[str, int], limit: int = 5000
+        self,
+        max_attempts: int,
+        per_destination: dict[str, int],
+        limit: int = 5000,
+        *,
+        only: Sequence[int] | None = None,
+        never: Sequence[int] = (),
     ) -> list[asyncpg.Record]:
         self.statements["reap"] += 1
         return list(
@@ -216,8 +250,13 @@ class Store:
                 limit,
                 list(per_destination),
                 list(per_destination.values()),
+                list(only) if only is not None else None,
+                list(never),
             )
         )
+
+    async def expired(self, limit: int, never: Sequence[int]) -> list[int]:
+        return [r[0] for r in await self._call("fetch", self._expired, limit, list(never))]
 
     async def claim_ordered(
         self, destination: str, limit: int, parks_poison: bool, scan: int, cursor: str | None
@@ -282,6 +321,26 @@ class Store:
         await self._call("execute", self._forget_relays, older_than)
 
 
+# Errors that may come from a session default set when the connection was opened (a database
+# or role made read-only, then not): the connection is replaced, so the next one sees the
+# current settings.
+SESSION_STALE: tuple[type[BaseException], ...] = (asyncpg.ReadOnlySQLTransactionError,)
+
+
+def _headers(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (RecursionError, ValueError) as exc:
+        return UnreadableHeaders(f"{type(exc).__name__}: {exc}")
+
+
+def _timestamp(epoch: float) -> datetime:
+    try:
+        return datetime.fromtimestamp(epoch, UTC)
+    except (OverflowError, ValueError, OSError):  # beyond Python's year 9999
+        return datetime.max.replace(tzinfo=UTC)
+
+
 def is_plain_sql_error(exc: BaseException) -> bool:
     """An error the server reported for the statement, on a connection that is still fine."""
     return isinstance(exc, asyncpg.PostgresError) and not isinstance(
@@ -294,11 +353,17 @@ async def _no_reset(conn: asyncpg.Connection) -> None:
     transaction-scoped advisory locks), so skip asyncpg's reset round trip on every release."""
 
 
-async def create_pool(dsn: str, relay_id: str, size: int) -> asyncpg.Pool:
+async def create_pool(
+    dsn: str, relay_id: str, size: int, command_timeout: float | None = None
+) -> asyncpg.Pool:
+    """The relay's pool. ``command_timeout`` bounds every statement, so a connection that
+    hangs (a partition, a frozen server) fails its statement instead of the task waiting on
+    it for ever; the connection is then discarded."""
     return await asyncpg.create_pool(
         dsn,
         min_size=1,
         max_size=size,
+        command_timeout=command_timeout,
         reset=_no_reset,
         server_settings={
             "application_name": f"outbox-relay:{relay_id}"[:63],

@@ -48,6 +48,14 @@ def hook(url: str) -> str:
         (hook("https://[::1/in"), "destinations.h.webhook.url"),
         (hook("https://example.com/in") + "retry_after_max = inf\n", "retry_after_max"),
         ("[relay]\nschema = '" + "s" * 57 + "'\n", "relay.schema"),
+        # An int4 in SQL: a larger one made the reaper fail for ever.
+        ("[relay]\nmax_attempts = 2147483648\n", "relay.max_attempts"),
+        ("[destinations.o]\nkind = 'kafka'\ntopic = 'o'\nmax_attempts = 99999\n", "max_attempts"),
+        # A few nanoseconds made an idle relay claim and reap in a busy loop.
+        ("[relay]\npoll_interval = 1e-9\n", "relay.poll_interval"),
+        ("[relay]\nreport_interval = 0.001\n", "relay.report_interval"),
+        ("[relay]\nretention_interval = 0.001\n", "relay.retention_interval"),
+        ("[relay]\nstats_interval = 0\n", "relay.stats_interval"),
     ],
 )
 def test_values_the_relay_cannot_run_with_are_refused(tmp_path: Path, toml: str, key: str) -> None:

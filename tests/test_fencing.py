@@ -63,17 +63,17 @@ async def test_outcome_heartbeat_and_release_apply_only_under_their_claim(
     reaped = await store.reap(25, {})
     assert [r["id"] for r in reaped] == [row]
     (second,) = await store.claim("hook", 10)
-    assert (first.id, first.lease.token, second.lease.token) == (row, 1, 2)
+    assert (first.id, first.token, second.token) == (row, 1, 2)
 
-    assert await store.heartbeat([(row, first.lease.token)]) == set()
-    assert await store.heartbeat([(row, second.lease.token)]) == {row}
-    stale = Record(row, first.lease.token, "pending", 1, 60.0, "stale retry", "hook")
+    assert await store.heartbeat([(row, first.token)]) == set()
+    assert await store.heartbeat([(row, second.token)]) == {row}
+    stale = Record(row, first.token, "pending", 1, 60.0, "stale retry", "hook")
     assert await store.record([stale]) == set()
-    await store.release([(row, first.lease.token)])
+    await store.release([(row, first.token)])
     (state,) = await execute(db_url, "SELECT status, claims, last_error FROM outbox")
     assert (state["status"], state["claims"]) == ("running", 2)  # the newer claim holds it
-    fresh = Record(row, second.lease.token, "delivered", 1, 0.0, None, "hook")
-    assert await store.record([fresh]) == {row}
+    fresh = Record(row, second.token, "delivered", 1, 0.0, None, "hook")
+    assert await store.record([fresh]) == {(row, 2)}
     (state,) = await execute(db_url, "SELECT status, claims, finished_at FROM outbox")
     assert state["status"] == "delivered" and state["finished_at"] is not None
 
@@ -200,8 +200,8 @@ async def test_the_fault_suites_witness_counts_outcomes_over_another_claim(
     await add(db_url, 4)
     held = await store.claim("hook", 10)
     a, b, c, d = held
-    assert await store.record([Record(a.id, a.lease.token, "delivered", 1, 0.0, None, "hook")])
-    await store.release([(b.id, b.lease.token)])
+    assert await store.record([Record(a.id, a.token, "delivered", 1, 0.0, None, "hook")])
+    await store.release([(b.id, b.token)])
 
     async def count() -> int:
         return int(await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites"))
@@ -255,7 +255,7 @@ async def test_the_kafka_sink_does_not_send_a_row_whose_lease_ran_out(
     await sink.start()
 
     def env(i: int, until: float) -> Envelope:
-        return Envelope(i, "orders", None, b"{}", "x", {}, 0, datetime.now(UTC), Lease(1, until))
+        return Envelope(i, "orders", None, b"{}", "x", {}, 0, datetime.now(UTC), 1, Lease(until))
 
     try:
         outcomes = {
@@ -269,3 +269,32 @@ async def test_the_kafka_sink_does_not_send_a_row_whose_lease_ran_out(
     assert outcomes == {1: Result.DELIVERED, 2: Result.DEFER}
     sent = await consume(kafka_bootstrap, topic, count=2, timeout=3)
     assert [outbox_id(r) for r in sent] == [1]
+
+
+async def test_outcomes_that_delete_apply_only_under_their_claim(db_url: str) -> None:
+    """retention = 0: a delivered outcome deletes its row, and only under its claim's token;
+    the fault suite's witness sees a delete by any other session."""
+    from tests.support.faults import fetchval, install_audit
+
+    await install_audit(db_url)
+    pool = await create_pool(to_asyncpg_dsn(db_url), "same", 2)
+    try:
+        store = Store(pool, "public", "same", LEASE, delete_delivered=True)
+        (row,) = await add(db_url, 1)
+        (first,) = await store.claim("hook", 10)
+        await execute(db_url, "UPDATE outbox SET locked_until = now() - interval '1 s'")
+        await store.reap(25, {})
+        (second,) = await store.claim("hook", 10)
+        stale = Record(row, first.token, "delivered", 1, 0.0, None, "hook")
+        assert await store.record([stale]) == set()
+        assert await execute(db_url, "SELECT status FROM outbox") != []  # not deleted
+        fresh = Record(row, second.token, "delivered", 1, 0.0, None, "hook")
+        assert await store.record([fresh]) == {(row, 2)}
+        assert await execute(db_url, "SELECT status FROM outbox") == []
+        assert await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites") == 0
+        (other,) = await add(db_url, 1)
+        await store.claim("hook", 10)
+        await execute(db_url, "DELETE FROM outbox WHERE id = $1", other)  # not the holder
+        assert await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites") == 1
+    finally:
+        await pool.close()

@@ -139,8 +139,9 @@ def test_usable_kafka_settings_pass_the_check(tmp_path: Path, kafka: dict[str, A
 
 
 def envelope(i: int) -> Envelope:
-    lease = Lease(1, time.monotonic() + 60)
-    return Envelope(i, "orders", None, b"{}", "application/json", {}, 0, datetime.now(UTC), lease)
+    lease = Lease(time.monotonic() + 60)
+    now = datetime.now(UTC)
+    return Envelope(i, "orders", None, b"{}", "application/json", {}, 0, now, 1, lease)
 
 
 # Settings that passed validation: the producer raised OverflowError, RuntimeError or

@@ -86,7 +86,8 @@ def _size(row_id: int, payload_len: int, sink: KafkaSink) -> int:
         {},
         0,
         datetime.now(UTC),
-        Lease(1, 0.0),
+        1,
+        Lease(0.0),
     )
     return int(
         DefaultRecordBatchBuilder.estimate_size_in_bytes(

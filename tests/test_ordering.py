@@ -194,6 +194,28 @@ async def test_fence_counts_inserts_begun_under_the_old_trigger(db_url: str, sto
         await b.close()
 
 
+async def test_an_old_trigger_insert_is_not_hidden_by_a_later_new_one(
+    db_url: str, store: Store
+) -> None:
+    """A transaction that inserted under the trigger of migration 0003 (an untagged key at a
+    low value), then, after 0004, inserted again (a tagged and an untagged key at a higher
+    value): its first, lower key still holds the fence."""
+    a, b = await connect(db_url), await connect(db_url)
+    try:
+        tx = a.transaction()
+        await tx.start()
+        low = await a.fetchval("SELECT coalesce(pg_sequence_last_value('outbox_id_seq'), 0)")
+        await a.execute("SELECT pg_advisory_xact_lock_shared(4611686018427387904 + $1)", low)
+        later = await add(b, "k", 3)  # committed rows above the old insert's key
+        await outbox.enqueue(a, destination="o", key="j", payload=b"new trigger")
+        assert await claim(store) == []
+        await tx.commit()
+        assert await claim(store) == [later[0], later[2] + 1]
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_rows_without_a_key_are_not_ordered(db_url: str, store: Store) -> None:
     conn = await connect(db_url)
     try:

@@ -175,6 +175,14 @@ async def test_unknown_destination_waits_and_is_reported(db_url: str, kafka_boot
 
 async def test_unknown_destination_fail_policy(db_url: str, kafka_bootstrap: str) -> None:
     await enqueue_n(db_url, 2, destination="nowhere")
+    # A row some relay already tried is served, maybe by a relay that did not register (one
+    # from before the registry, during an upgrade): never failed as unknown.
+    (tried,) = await enqueue_n(db_url, 1, destination="elsewhere")
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await conn.execute("UPDATE outbox SET attempts = 1 WHERE id = $1", tried)
+    finally:
+        await conn.close()
     s = settings(
         db_url,
         kafka_bootstrap,
@@ -183,10 +191,12 @@ async def test_unknown_destination_fail_policy(db_url: str, kafka_bootstrap: str
     )
     async with running(s):
         await wait_until(lambda: _failed(db_url, 2), what="unknown rows failed")
-    rows = await fetch_rows(db_url)
+    rows = [r for r in await fetch_rows(db_url) if r["id"] != tried]
     assert all("unknown destination 'nowhere'" in r["last_error"] for r in rows)
     # Not before the grace period: a relay that serves them may still be starting.
     assert all((r["finished_at"] - r["created_at"]).total_seconds() >= 1.0 for r in rows)
+    (spared,) = [r for r in await fetch_rows(db_url) if r["id"] == tried]
+    assert spared["status"] == "pending"
 
 
 async def _failed(db_url: str, n: int) -> bool:
@@ -275,7 +285,7 @@ async def test_unreachable_broker_spends_no_attempts(db_url: str) -> None:
     assert all(r["status"] == "pending" and r["attempts"] == 0 for r in rows), [
         (r["status"], r["attempts"]) for r in rows
     ]
-    assert all("Kafka unreachable" in r["last_error"] for r in rows)
+    assert all("Kafka unavailable" in r["last_error"] for r in rows)
 
 
 async def test_dead_side_task_stops_the_relay(db_url: str) -> None:
@@ -564,3 +574,41 @@ async def test_a_statement_timeout_at_startup_is_named_for_what_it_is(db_url: st
     message = str(err.value)
     assert "statement_timeout" in message and "QueryCanceledError" in message
     assert "grant" not in message.lower() and "relay_role.sql" not in message
+
+
+async def test_startup_waits_out_a_database_out_of_connections(db_url: str) -> None:
+    """ "Too many connections" (or "the database system is starting up") at start-up is waited
+    out for startup_timeout, like an unreachable database, not a reason to give up at once."""
+    import psycopg
+
+    from tests.test_relay_role import apply_role_sql, as_user
+
+    role = f"relay_{uuid.uuid4().hex[:10]}"
+    apply_role_sql(db_url, role)
+    try:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT 0')
+        s = settings(
+            as_user(db_url, role, "s3cret"),
+            "127.0.0.1:1",
+            relay={"startup_timeout": 30, "pool_size": 2},
+        )
+        with capture_logs() as logs:
+            relay = Relay(s, sinks={"orders": FlakySink(fail=0)})
+            task = asyncio.create_task(relay.run())
+            await wait_until(
+                lambda: any(e["event"] == "relay.database.unavailable" for e in logs),
+                what="refused for now",
+            )
+            assert not task.done()
+            with psycopg.connect(db_url, autocommit=True) as c:
+                c.execute(f'ALTER ROLE "{role}" CONNECTION LIMIT -1')
+            await asyncio.wait_for(relay.started.wait(), 30)
+            relay.stop()
+            assert await asyncio.wait_for(task, 30) == 0
+        refused = next(e for e in logs if e["event"] == "relay.database.unavailable")
+        assert "TooManyConnectionsError" in refused["error"]
+    finally:
+        with psycopg.connect(db_url, autocommit=True) as c:
+            c.execute(f'DROP OWNED BY "{role}"')
+            c.execute(f'DROP ROLE IF EXISTS "{role}"')

@@ -98,13 +98,13 @@ async def test_relay_role_can_run_the_queue_and_nothing_else(db_url: str, role_n
             await conn.close()
         first, second = await store.claim("orders", 10)
         (head,), _ = await store.claim_ordered("ordered", 10, False, 40, None)  # fence + claim
-        leases = [(e.id, e.lease.token) for e in (first, second, head)]
+        leases = [(e.id, e.token) for e in (first, second, head)]
         assert await store.heartbeat(leases) == {first.id, second.id, head.id}
-        done = Record(first.id, first.lease.token, "delivered", 1, 0.0, None, "orders")
-        failed = Record(head.id, head.lease.token, "failed", 1, 0.0, "poison", "ordered", "k")
-        assert await store.record([done, failed]) == {first.id, head.id}
+        done = Record(first.id, first.token, "delivered", 1, 0.0, None, "orders")
+        failed = Record(head.id, head.token, "failed", 1, 0.0, "poison", "ordered", "k")
+        assert await store.record([done, failed]) == {(first.id, 1), (head.id, 1)}
         assert [r["failed_id"] for r in await store.blocked_keys(["ordered"])] == [head.id]
-        await store.release([(second.id, second.lease.token)])
+        await store.release([(second.id, second.token)])
         (again,) = await store.claim("orders", 10)
         await _expire(db_url, again.id)
         assert [r["id"] for r in await store.reap(25, {"orders": 25})] == [again.id]

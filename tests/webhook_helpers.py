@@ -51,7 +51,8 @@ def envelope(
         headers=headers or {},
         attempts=attempts,
         created_at=datetime.now(UTC),
-        lease=Lease(1, time.monotonic() + 3600),
+        token=1,
+        lease=Lease(time.monotonic() + 3600),
     )
 
 

@@ -113,8 +113,8 @@ async def naive(
                 if row is None:
                     break
                 await conn.execute(NAIVE_RUNNING, row[0])
-            lease = Lease(0, float("inf"))  # the naive loop holds its row lock instead
-            env = Envelope(row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6], lease)
+            lease = Lease(float("inf"))  # the naive loop holds its row lock instead
+            env = Envelope(row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6], 0, lease)
             await sink.deliver([env])
             await conn.execute(NAIVE_DONE, row[0])
             done += 1

@@ -253,7 +253,7 @@ class KafkaSink:
                     broken = exc
                     outcomes.append(self._not_sent(env, exc))
                     continue
-            if not env.lease.held():
+            if not env.held():
                 # Metadata can take a while: the relay's lease on the row may have run out.
                 outcomes.append(Outcome.not_held(env.id))
                 continue

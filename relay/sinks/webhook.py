@@ -251,7 +251,7 @@ class WebhookSink:
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
 
     async def _send_held(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
-        if not env.lease.held():
+        if not env.held():
             return Outcome.not_held(env.id)
         return await self._send(client, ep, env)
 

@@ -247,8 +247,9 @@ async def read_copies(bootstrap: str, topic: str, ids: list[int], timeout: float
         topic,
         count=len(want),
         timeout=timeout,
-        done=lambda recs: want <= {outbox_id(r) for r in recs},
+        done=lambda recs: want <= {outbox_id(r) for r in recs if _relayed(r)},
     )
+    records = [r for r in records if _relayed(r)]  # not a test's own probe
     per_id: Counter[int] = Counter()
     first: dict[int, tuple[Any, ...]] = {}
     ids_of_event: defaultdict[int, set[int]] = defaultdict(set)
@@ -277,7 +278,7 @@ CREATE TABLE IF NOT EXISTS outbox_overwrites (
 );
 CREATE OR REPLACE FUNCTION outbox_audit() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF OLD.status = 'running' AND NEW.status <> 'running'
+    IF TG_OP = 'UPDATE' AND OLD.status = 'running' AND NEW.status <> 'running'
        AND (NEW.claims <> OLD.claims
             OR (current_setting('application_name') <> 'outbox-relay:' || OLD.locked_by
                 AND OLD.locked_until >= now())) THEN
@@ -285,10 +286,23 @@ BEGIN
         VALUES (OLD.id, OLD.claims, NEW.claims, OLD.locked_by,
                 current_setting('application_name'), NEW.status);
     END IF;
+    IF TG_OP = 'DELETE' THEN
+        -- retention = 0: a delivered row is deleted by the outcome that records it. A delete
+        -- carries no token, so only the session is checked: the holder's, or none at all.
+        IF OLD.status = 'running'
+           AND current_setting('application_name') <> 'outbox-relay:' || OLD.locked_by THEN
+            INSERT INTO outbox_overwrites (id, old_claims, new_claims, held_by, written_by,
+                                           new_status)
+            VALUES (OLD.id, OLD.claims, NULL, OLD.locked_by,
+                    current_setting('application_name'), 'deleted');
+        END IF;
+        RETURN OLD;
+    END IF;
     RETURN NEW;
 END $$;
 DROP TRIGGER IF EXISTS outbox_audit ON outbox;
-CREATE TRIGGER outbox_audit BEFORE UPDATE ON outbox FOR EACH ROW EXECUTE FUNCTION outbox_audit();
+CREATE TRIGGER outbox_audit BEFORE UPDATE OR DELETE ON outbox
+    FOR EACH ROW EXECUTE FUNCTION outbox_audit();
 """
 
 
@@ -315,6 +329,10 @@ async def end_of_run(db_url: str) -> dict[str, int]:
     }
     assert figures == {"rows_left_running": 0, "outcomes_over_newer_claim": 0}, figures
     return figures
+
+
+def _relayed(record: Any) -> bool:
+    return any(k == "outbox-id" for k, _ in record.headers)
 
 
 def kill(proc: RelayProcess) -> None:
