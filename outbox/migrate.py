@@ -92,7 +92,9 @@ async def migrate(
 
 async def _migrate(conn: asyncpg.Connection, schema: str, dry_run: bool) -> MigrateResult:
     migrations = load_migrations()
-    while not await conn.fetchval(queries.MIGRATE_LOCK, schema):
+    while True:
+        if await conn.fetchval(queries.MIGRATE_LOCK, schema):
+            break
         await asyncio.sleep(0.2)  # another migrate runs on this schema: wait for it
     try:
         applied: set[int] = set()
@@ -137,9 +139,7 @@ async def _apply(conn: asyncpg.Connection, schema: str, m: Migration) -> None:
         await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
 
 
-async def _apply_outside_a_transaction(
-    conn: asyncpg.Connection, schema: str, m: Migration
-) -> None:
+async def _apply_outside_a_transaction(conn: asyncpg.Connection, schema: str, m: Migration) -> None:
     await conn.execute(queries.render_schema(queries.USE_SCHEMA_SESSION, schema))
     try:
         for statement in m.statements():

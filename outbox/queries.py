@@ -135,9 +135,7 @@ RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2
 # not waited for in one statement: a session waiting on a lock is a transaction, and CREATE
 # INDEX CONCURRENTLY (run by the session holding the lock) waits for every transaction, so the
 # two would deadlock.
-MIGRATE_LOCK = (
-    "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
-)
+MIGRATE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 
 TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
