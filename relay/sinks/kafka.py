@@ -17,6 +17,7 @@ from aiokafka.errors import (
     RecordListTooLargeError,
     RecordTooLargeError,
     TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
     UnsupportedForMessageFormatError,
 )
 from aiokafka.helpers import create_ssl_context
@@ -38,6 +39,14 @@ PERMANENT: tuple[type[BaseException], ...] = (
     TopicAuthorizationFailedError,
     ClusterAuthorizationFailedError,
     UnsupportedForMessageFormatError,
+)
+
+# Errors about one topic, not the cluster: they stay with that topic's rows and never open
+# the circuit that all Kafka destinations share.
+TOPIC_ERRORS: tuple[type[BaseException], ...] = (
+    UnknownTopicOrPartitionError,
+    InvalidTopicError,
+    TopicAuthorizationFailedError,
 )
 
 _Item = tuple[Envelope, bytes | None, list[tuple[str, bytes]]]
@@ -207,7 +216,7 @@ class KafkaSink:
             outcomes.extend(o for o, _ in single_outcomes)
 
         delivered = any(o.result is Result.DELIVERED for o in outcomes)
-        transient = [f for f in failures if not isinstance(f, PERMANENT)]
+        transient = [f for f in failures if not isinstance(f, (*PERMANENT, *TOPIC_ERRORS))]
         if broken is not None or (transient and not delivered):
             self._unavailable(broken or transient[0])
         elif delivered:
@@ -223,6 +232,20 @@ class KafkaSink:
             return Outcome.failed(id, truncate_error(describe(exc)))
         return Outcome.retry(id, truncate_error(describe(exc)))
 
+    def _topic_refused(self, env: Envelope, topic: str, exc: BaseException) -> Outcome:
+        """The cluster refuses this topic (not the others): the row's own outcome."""
+        where = f"topic {topic!r} of destination {env.destination!r}"
+        if isinstance(exc, UnknownTopicOrPartitionError):
+            # Someone may still create it: retried, with backoff, until max_attempts.
+            return Outcome.retry(
+                env.id,
+                f"{where} does not exist on {self.bootstrap} (and the cluster does not create "
+                f"topics on first use): create it, or fix the topic ({describe(exc)})",
+            )
+        return Outcome.failed(
+            env.id, truncate_error(f"{where} is refused by the cluster: {describe(exc)}")
+        )
+
     async def _partition(
         self,
         producer: AIOKafkaProducer,
@@ -232,6 +255,7 @@ class KafkaSink:
         """Group envelopes by topic partition, as the producer's own partitioner would."""
         groups: dict[tuple[str, int], list[_Item]] = {}
         partitions: dict[str, list[int]] = {}
+        refused: dict[str, BaseException] = {}
         broken: BaseException | None = None
         limit = self.settings.max_request_size
         for env in batch:
@@ -244,11 +268,18 @@ class KafkaSink:
             if broken is not None:
                 outcomes.append(self._not_sent(env, broken))
                 continue
+            if topic in refused:
+                outcomes.append(self._topic_refused(env, topic, refused[topic]))
+                continue
             parts = partitions.get(topic)
             if parts is None:
                 try:
                     # Waits for metadata (creating the topic where the broker does that).
                     parts = partitions[topic] = sorted(await producer.partitions_for(topic))
+                except TOPIC_ERRORS as exc:
+                    refused[topic] = exc
+                    outcomes.append(self._topic_refused(env, topic, exc))
+                    continue
                 except (KafkaError, OSError) as exc:
                     broken = exc
                     outcomes.append(self._not_sent(env, exc))

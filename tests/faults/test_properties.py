@@ -332,3 +332,95 @@ def test_private_init_arguments_are_unknown_keys(tmp_path: Path) -> None:
     path.write_text('database_url = "postgresql://u@h/db"\n_env_file = "/etc/hostname"\n')
     with pytest.raises(ConfigError, match="_env_file: unknown key"):
         load_settings(path)
+
+
+# --- whatever enqueue is given: delivered byte for byte, or refused cleanly ------------------
+
+any_char = st.characters(blacklist_categories=())  # every code point: NUL, lone surrogates
+any_text = st.one_of(
+    st.text(alphabet=any_char, max_size=30),
+    st.builds(lambda c, n: c * n, any_char, st.integers(1000, 3000)),  # very long
+)
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), any_text),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(any_text, inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+def _nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+any_event = st.fixed_dictionaries(
+    {
+        "key": st.one_of(st.none(), any_text),
+        "headers": st.one_of(st.none(), st.dictionaries(any_text, any_text, max_size=4)),
+        "payload": st.one_of(
+            st.binary(max_size=200),
+            any_text,
+            json_values,
+            st.builds(_nested, st.integers(500, 3000)),  # deeper than JSON's parser goes
+        ),
+        "content_type": st.one_of(st.none(), any_text),
+    }
+)
+
+
+async def _try_each(db_url: str, evs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """Enqueue each event in a business transaction of its own; a refusal must be an
+    OutboxValidationError that leaves the transaction usable. Returns what was accepted."""
+    accepted = []
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        for ev in evs:
+            async with conn.transaction():
+                await conn.execute("SELECT 1")  # the business change, so to speak
+                try:
+                    row = await outbox.enqueue(conn, destination="orders", **ev)
+                except outbox.OutboxValidationError as exc:
+                    assert exc.field in ("key", "headers", "payload", "content_type"), exc
+                    assert await conn.fetchval("SELECT 1") == 1  # still usable
+                    continue
+                accepted.append((row, ev))
+    finally:
+        await conn.close()
+    return accepted
+
+
+def test_any_event_is_delivered_byte_for_byte_or_refused_cleanly(
+    db_url: str, kafka_bootstrap: str, long_run: bool
+) -> None:
+    @settings(
+        max_examples=40 if long_run else 8,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+    @given(evs=st.lists(any_event, min_size=1, max_size=12))
+    def check(evs: list[dict[str, Any]]) -> None:
+        asyncio.run(run(evs))
+
+    async def run(evs: list[dict[str, Any]]) -> None:
+        accepted = await _try_each(db_url, evs)
+        if not accepted:
+            return
+        ids = [row for row, _ in accepted]
+        topic = f"any-{uuid.uuid4().hex[:8]}"
+        async with running(relay_settings(db_url, kafka_bootstrap, topic=topic)):
+            await wait_until(lambda: _delivered(db_url, ids), timeout=30, what="delivered")
+        got = {outbox_id(r): r for r in await consume_ids(kafka_bootstrap, topic, ids)}
+        for row, ev in accepted:
+            r = got[row]
+            assert r.key == (ev["key"].encode() if ev["key"] is not None else None)
+            assert r.value == _stored(ev["payload"])
+            headers = {k: v.decode() for k, v in r.headers}
+            for name, value in (ev["headers"] or {}).items():
+                if name not in ("outbox-id", "content-type"):
+                    assert headers[name] == value
+
+    check()
