@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,7 @@ TOPIC_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 _Item = tuple[Envelope, bytes | None, list[tuple[str, bytes]]]
+REFUSED_TOPIC_TTL = 30.0
 
 OUTBOX_ID = "outbox-id"
 CONTENT_TYPE = "content-type"
@@ -105,6 +107,9 @@ class KafkaSink:
         self.topics = {name: d.topic for name, d in destinations.items()}
         self.breaker = breaker or Breaker(threshold=1, cooldown=2.0, max_cooldown=60.0)
         self._producer: AIOKafkaProducer | None = None
+        # Topics the cluster answered it does not have or refuses: their rows are not held
+        # up by another metadata wait (a request timeout each) for a while.
+        self._refused: dict[str, tuple[BaseException, float]] = {}
         self._partitioner = DefaultPartitioner()
         self._start_lock = asyncio.Lock()
 
@@ -232,6 +237,31 @@ class KafkaSink:
             return Outcome.failed(id, truncate_error(describe(exc)))
         return Outcome.retry(id, truncate_error(describe(exc)))
 
+    def _recently_refused(self, topic: str) -> BaseException | None:
+        entry = self._refused.get(topic)
+        if entry is None or entry[1] < time.monotonic():
+            self._refused.pop(topic, None)
+            return None
+        return entry[0]
+
+    async def _about_the_topic(
+        self, producer: AIOKafkaProducer, topic: str, exc: BaseException
+    ) -> bool:
+        """Whether a metadata error is about ``topic`` rather than the cluster. aiokafka
+        raises UnknownTopicOrPartitionError when metadata times out, the cluster being
+        unreachable included: only a cluster that answers, without the topic, says the topic
+        is at fault."""
+        if isinstance(exc, InvalidTopicError | TopicAuthorizationFailedError):
+            return True
+        if not isinstance(exc, UnknownTopicOrPartitionError):
+            return False
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_ms / 1000):
+                cluster = await producer.client.fetch_all_metadata()
+        except (KafkaError, OSError, TimeoutError):
+            return False  # nobody answers: the cluster, not the topic
+        return topic not in cluster.topics()
+
     def _topic_refused(self, env: Envelope, topic: str, exc: BaseException) -> Outcome:
         """The cluster refuses this topic (not the others): the row's own outcome."""
         where = f"topic {topic!r} of destination {env.destination!r}"
@@ -268,21 +298,23 @@ class KafkaSink:
             if broken is not None:
                 outcomes.append(self._not_sent(env, broken))
                 continue
-            if topic in refused:
-                outcomes.append(self._topic_refused(env, topic, refused[topic]))
+            known_bad = refused.get(topic) or self._recently_refused(topic)
+            if known_bad is not None:
+                outcomes.append(self._topic_refused(env, topic, known_bad))
                 continue
             parts = partitions.get(topic)
             if parts is None:
                 try:
                     # Waits for metadata (creating the topic where the broker does that).
                     parts = partitions[topic] = sorted(await producer.partitions_for(topic))
-                except TOPIC_ERRORS as exc:
-                    refused[topic] = exc
-                    outcomes.append(self._topic_refused(env, topic, exc))
-                    continue
                 except (KafkaError, OSError) as exc:
-                    broken = exc
-                    outcomes.append(self._not_sent(env, exc))
+                    if await self._about_the_topic(producer, topic, exc):
+                        refused[topic] = exc
+                        self._refused[topic] = (exc, time.monotonic() + REFUSED_TOPIC_TTL)
+                        outcomes.append(self._topic_refused(env, topic, exc))
+                    else:
+                        broken = exc
+                        outcomes.append(self._not_sent(env, exc))
                     continue
             if not env.held():
                 # Metadata can take a while: the relay's lease on the row may have run out.
