@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from outbox.errors import OutboxValidationError
@@ -21,17 +21,19 @@ OCTET_STREAM = "application/octet-stream"
 TEXT = "text/plain; charset=utf-8"
 
 # The sizes an event may have. Together they keep the largest event inside what Kafka takes
-# by default (a producer's max_request_size and a broker's message.max.bytes are 1 MiB):
-#   payload 1,000,000 + key 1,024 + headers 16,384 (names and values, plus the relay's own
-#   `outbox-id` and `content-type` of at most 300) + record framing 82 ≈ 1,017,790 bytes,
-# leaving 30 KiB of 1,048,576 to spare. A larger event would only fail later, in the relay,
-# far from the code that produced it. The key and destination limits also keep them inside
-# what a btree index entry holds (about 2,700 bytes for the two together).
+# by default (a producer's max_request_size and a broker's message.max.bytes are 1 MiB): a
+# payload of 1,000,000 bytes, a key of 1,024, 100 headers of 16,384 bytes in all, the relay's
+# own `outbox-id` and `content-type`, and the record's framing come to about 1,018,100 bytes
+# by the producer's own measure, 30,000 bytes under 1,048,576 (tests/test_message_sizes.py builds
+# that event and sends it). A larger event would only fail later, in the relay, far from the
+# code that produced it. The key and destination limits also keep them inside what a btree
+# index entry holds (about 2,700 bytes for the two together).
 DEFAULT_MAX_PAYLOAD_BYTES = 1_000_000
 MAX_DESTINATION_BYTES = 255
 MAX_KEY_BYTES = 1024
 MAX_CONTENT_TYPE_BYTES = 255
 MAX_HEADERS_BYTES = 16 * 1024
+MAX_HEADERS = 100  # also what HTTP servers commonly take
 
 Payload = bytes | bytearray | memoryview | str | Mapping[str, Any] | list[Any]
 
@@ -102,13 +104,17 @@ def encode_payload(payload: Payload, content_type: str | None) -> tuple[bytes, s
         return _utf8("payload", text, "its JSON"), content_type or JSON
     if isinstance(payload, str):
         try:
-            return payload.encode(), content_type or TEXT
+            body = payload.encode()
         except UnicodeEncodeError as exc:
             raise OutboxValidationError(
                 "payload",
                 f"is not valid Unicode: a lone surrogate at position {exc.start}; pass bytes "
                 "if the data is binary",
             ) from None
+        ctype = content_type or TEXT
+        if _is_json_type(ctype):
+            _check_json_bytes(body, ctype)
+        return body, ctype
     if isinstance(payload, bytes | bytearray | memoryview):
         body = bytes(payload)
         ctype = content_type or OCTET_STREAM
@@ -143,6 +149,10 @@ def _validate_headers(headers: Mapping[str, str] | None) -> str:
         return "{}"
     if not isinstance(headers, Mapping):
         raise OutboxValidationError("headers", "must be a mapping of str to str")
+    if len(headers) > MAX_HEADERS:
+        raise OutboxValidationError(
+            "headers", f"{len(headers)} headers, above the limit of {MAX_HEADERS}"
+        )
     size = 0
     for name, value in headers.items():
         if not isinstance(name, str) or not name:
@@ -169,7 +179,7 @@ def _validate_content_type(content_type: object) -> str | None:
     ctype = _text(
         "content_type", content_type, MAX_CONTENT_TYPE_BYTES, kind="a non-empty str or None"
     )
-    if any(ord(c) < 32 or ord(c) == 127 for c in ctype):
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in ctype):
         raise OutboxValidationError(
             "content_type", "contains a control character; it is sent as a header"
         )
@@ -197,6 +207,12 @@ def build_message(
             raise OutboxValidationError(
                 "run_after", "must be timezone-aware (a naive datetime is ambiguous)"
             )
+        try:
+            run_after.astimezone(UTC)
+        except (OverflowError, ValueError):
+            raise OutboxValidationError(
+                "run_after", "is outside the years 1 to 9999 once in UTC"
+            ) from None
     headers_json = _validate_headers(headers)
     body, ctype = encode_payload(payload, ctype_given)
     if len(body) > max_payload_bytes:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -31,6 +34,27 @@ class Migration:
     @property
     def transactional(self) -> bool:
         return not self.sql.startswith(NO_TRANSACTION)
+
+    def preamble(self, schema: str) -> list[str]:
+        """What runs before a transactional migration, in its transaction."""
+        return [
+            queries.render_schema(queries.CREATE_SCHEMA, schema),
+            queries.render_schema(queries.USE_SCHEMA, schema),
+            queries.MIGRATIONS_TABLE.strip(),
+            queries.MIGRATION_LOCK_TIMEOUT,
+        ]
+
+    def script(self, schema: str) -> str:
+        """The migration as SQL psql can run as it is (what `migrate --dry-run` prints)."""
+        record = (
+            f"INSERT INTO outbox_migrations (version, name) VALUES ({self.version}, '{self.name}');"
+        )
+        if self.transactional:
+            lines = ["BEGIN;", *(f"{p};" for p in self.preamble(schema)), self.sql.strip()]
+            return "\n".join([*lines, record, "COMMIT;"])
+        lines = [queries.render_schema(queries.USE_SCHEMA_SESSION, schema) + ";"]
+        lines += [f"{st};" for st in self.statements()]
+        return "\n".join([*lines, record, queries.RESET_SEARCH_PATH + ";"])
 
     def statements(self) -> list[str]:
         """The statements of a migration that runs outside a transaction."""
@@ -67,16 +91,37 @@ class MigrationError(Exception):
     """The migrations cannot be applied; the message says why and what to do."""
 
 
+def not_utf8(encoding: str) -> str:
+    return (
+        f"the database's encoding is {encoding}: the outbox needs a UTF8 database (events "
+        "carry any Unicode text, which another encoding cannot store); create the outbox in a "
+        "UTF8 database"
+    )
+
+
 @dataclass(frozen=True)
 class MigrateResult:
     applied: list[Migration]
     already: list[int]
 
 
+Notify = Callable[[str], None]
+
+
 async def migrate(
-    database_url: str, *, schema: str = "public", dry_run: bool = False
+    database_url: str,
+    *,
+    schema: str = "public",
+    dry_run: bool = False,
+    wait: float = 600.0,
+    notify: Notify | None = None,
 ) -> MigrateResult:
-    """Apply every pending migration to ``schema``; a second run is a no-op."""
+    """Apply every pending migration to ``schema``; a second run is a no-op.
+
+    ``wait``: seconds to wait, in all, for another ``migrate`` of the schema and for the
+    locks a migration needs (transactions that use the outbox table hold them); ``notify``
+    is told, once per wait, what is being waited for. A dry run waits for nothing.
+    """
     try:
         queries.check_schema(schema)
     except ValueError as exc:
@@ -85,56 +130,111 @@ async def migrate(
         to_asyncpg_dsn(database_url), server_settings={"application_name": "outbox-relay-migrate"}
     )
     try:
-        return await _migrate(conn, schema, dry_run)
+        if dry_run:
+            return await _plan(conn, schema)
+        deadline = time.monotonic() + wait
+        await _take_lock(conn, schema, deadline, notify or _quiet)
+        try:
+            plan = await _plan(conn, schema)
+            for m in plan.applied:
+                await _apply_retrying(conn, schema, m, deadline, notify or _quiet)
+            return plan
+        finally:
+            await conn.execute(queries.MIGRATE_UNLOCK, schema)
     finally:
         await conn.close()
 
 
-async def _migrate(conn: asyncpg.Connection, schema: str, dry_run: bool) -> MigrateResult:
-    migrations = load_migrations()
+def _quiet(message: str) -> None:
+    pass
+
+
+async def _take_lock(
+    conn: asyncpg.Connection, schema: str, deadline: float, notify: Notify
+) -> None:
+    told = False
     while True:
         if await conn.fetchval(queries.MIGRATE_LOCK, schema):
-            break
-        await asyncio.sleep(0.2)  # another migrate runs on this schema: wait for it
-    try:
-        applied: set[int] = set()
-        tracked = await conn.fetchval(queries.SCHEMA_EXISTS, schema) and await conn.fetchval(
-            queries.MIGRATIONS_TABLE_EXISTS, schema
+            return
+        holder = await conn.fetchrow(queries.MIGRATE_LOCK_HOLDER, schema)
+        who = (
+            f"pid {holder['pid']} ({holder['application_name'] or 'no name'}, "
+            f"{holder['state']} since {holder['since']})"
+            if holder
+            else "another session"
         )
-        if tracked:
-            rows = await conn.fetch(queries.render_schema(queries.APPLIED_MIGRATIONS, schema))
-            applied = {r[0] for r in rows}
-        elif await conn.fetchval(queries.OUTBOX_TABLE_EXISTS, schema):
+        if time.monotonic() > deadline:
             raise MigrationError(
-                f"schema {schema!r} already has a table named outbox that outbox-relay did not "
-                "create (it has no outbox_migrations table): put the outbox in a schema of its "
-                "own with --schema (and relay.schema), or rename that table"
+                f"another migrate of schema {schema!r} has held its lock too long: {who}; "
+                "wait for it, or end that session (pg_terminate_backend)"
             )
-        pending = [m for m in migrations if m.version not in applied]
-        if dry_run:
-            return MigrateResult(applied=pending, already=sorted(applied))
-        for m in pending:
-            try:
-                if m.transactional:
-                    await _apply(conn, schema, m)
-                else:
-                    await _apply_outside_a_transaction(conn, schema, m)
-            except asyncpg.PostgresError as exc:
-                undone = "was rolled back" if m.transactional else "can be run again"
+        if not told:
+            notify(f"waiting for another migrate of schema {schema!r} to finish: {who}")
+            told = True
+        await asyncio.sleep(0.2)
+
+
+async def _plan(conn: asyncpg.Connection, schema: str) -> MigrateResult:
+    """The migrations not yet applied to ``schema``, after the checks every run makes."""
+    encoding = await conn.fetchval(queries.SERVER_ENCODING)
+    if encoding != "UTF8":
+        raise MigrationError(not_utf8(encoding))
+    applied: set[int] = set()
+    tracked = await conn.fetchval(queries.SCHEMA_EXISTS, schema) and await conn.fetchval(
+        queries.MIGRATIONS_TABLE_EXISTS, schema
+    )
+    if tracked:
+        rows = await conn.fetch(queries.render_schema(queries.APPLIED_MIGRATIONS, schema))
+        applied = {r[0] for r in rows}
+    elif await conn.fetchval(queries.OUTBOX_TABLE_EXISTS, schema):
+        raise MigrationError(
+            f"schema {schema!r} already has a table named outbox that outbox-relay did not "
+            "create (it has no outbox_migrations table): put the outbox in a schema of its "
+            "own with --schema (and relay.schema), or rename that table"
+        )
+    pending = [m for m in load_migrations() if m.version not in applied]
+    return MigrateResult(applied=pending, already=sorted(applied))
+
+
+async def _apply_retrying(
+    conn: asyncpg.Connection, schema: str, m: Migration, deadline: float, notify: Notify
+) -> None:
+    """Apply ``m``, waiting a few seconds at most for each lock it needs: a migration queued
+    behind a long transaction would block every insert into the table while it waits."""
+    told = False
+    while True:
+        try:
+            if m.transactional:
+                await _apply(conn, schema, m)
+            else:
+                await _apply_outside_a_transaction(conn, schema, m)
+            return
+        except asyncpg.LockNotAvailableError:
+            if time.monotonic() > deadline:
                 raise MigrationError(
-                    f"migration {m.version:04d}_{m.name} failed in schema {schema!r} and "
-                    f"{undone}: {type(exc).__name__}: {exc}"
-                ) from exc
-        return MigrateResult(applied=pending, already=sorted(applied))
-    finally:
-        await conn.execute(queries.MIGRATE_UNLOCK, schema)
+                    f"migration {m.version:04d}_{m.name} could not take the locks it needs on "
+                    f"schema {schema!r}: transactions that use the outbox table keep them "
+                    "(see pg_stat_activity); nothing was changed, run migrate again"
+                ) from None
+            if not told:
+                notify(
+                    f"migration {m.version:04d}_{m.name} waits for transactions that use the "
+                    "outbox table (trying again every few seconds, inserts are not held up)"
+                )
+                told = True
+            await asyncio.sleep(random.uniform(0.5, 2.0))
+        except asyncpg.PostgresError as exc:
+            undone = "was rolled back" if m.transactional else "can be run again"
+            raise MigrationError(
+                f"migration {m.version:04d}_{m.name} failed in schema {schema!r} and "
+                f"{undone}: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 async def _apply(conn: asyncpg.Connection, schema: str, m: Migration) -> None:
     async with conn.transaction():
-        await conn.execute(queries.render_schema(queries.CREATE_SCHEMA, schema))
-        await conn.execute(queries.render_schema(queries.USE_SCHEMA, schema))
-        await conn.execute(queries.MIGRATIONS_TABLE)
+        for statement in m.preamble(schema):
+            await conn.execute(statement)
         await conn.execute(m.sql)
         await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
 

@@ -18,6 +18,7 @@ def quote_ident(name: str) -> str:
 # PostgreSQL cuts identifiers at 63 bytes, and the wake-up channel "<schema>.outbox" is one:
 # a longer schema name would make every insert fail in the NOTIFY trigger.
 MAX_SCHEMA_BYTES = 63 - len(".outbox")
+SCHEMA_CLASHES = ":\\%{}"
 
 
 def check_schema(name: object) -> str:
@@ -27,6 +28,14 @@ def check_schema(name: object) -> str:
         raise ValueError("the schema name must be a non-empty string")
     if "\x00" in name:
         raise ValueError("the schema name contains a NUL character")
+    clash = sorted(set(name) & set(SCHEMA_CLASHES))
+    if clash:
+        raise ValueError(
+            f"the schema name {name!r} contains {', '.join(map(repr, clash))}: drivers read "
+            "these in SQL "
+            "text as parameters or escapes (SQLAlchemy's :name, psycopg's %), so they are "
+            "not taken in outbox schema names; choose another name"
+        )
     try:
         size = len(name.encode())
     except UnicodeEncodeError:
@@ -137,8 +146,22 @@ RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2
 # two would deadlock.
 MIGRATE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
 MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
+MIGRATE_LOCK_HOLDER = """
+SELECT a.pid, a.application_name, a.state, a.state_change AS since
+FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND ((l.classid::bigint << 32) | l.objid::bigint)
+      = hashtextextended('outbox-relay:migrate:' || $1, 0)
+LIMIT 1
+"""
+# A migration waits this long at most for a lock (ALTER TABLE waits for every transaction
+# using the table, and every new insert queues behind it meanwhile), then tries again later.
+MIGRATION_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '3s'"
 
 TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
+
+# Events carry any Unicode text (keys, headers, error messages): the database must store it.
+SERVER_ENCODING = "SELECT current_setting('server_encoding')"
 
 # --- relay ----------------------------------------------------------------------------------
 

@@ -26,6 +26,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
+from outbox.queries import check_schema, quote_ident
+
 TABLE_NAME = "outbox"
 PAUSED_TABLE_NAME = "outbox_paused"
 RELAYS_TABLE_NAME = "outbox_relays"
@@ -77,7 +79,7 @@ CREATE TRIGGER outbox_fence_lock BEFORE INSERT ON {schema}outbox
 
 
 def _attach_triggers(table: Table, schema: str | None) -> None:
-    prefix = f'"{schema}".' if schema else ""
+    prefix = f"{quote_ident(check_schema(schema))}." if schema else ""
     for sql in (_NOTIFY_FUNCTION, _FENCE_FUNCTION):
         event.listen(table, "before_create", DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
     for sql in (_NOTIFY_TRIGGER, _FENCE_TRIGGER):

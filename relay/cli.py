@@ -110,11 +110,29 @@ def main() -> None:
 @main.command()
 @database_url_option
 @schema_option
-@click.option("--dry-run", is_flag=True, help="Print the SQL that would run; change nothing.")
-def migrate(database_url: str, schema: str, dry_run: bool) -> None:
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the SQL that would run (psql can run it as it is); change nothing.",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(0),
+    default=600.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait, in all, for another migrate and for the table's locks.",
+)
+def migrate(database_url: str, schema: str, dry_run: bool, wait: float) -> None:
     """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
+
+    def notify(message: str) -> None:
+        click.echo(f"outbox-relay: {message}", err=True)
+
     try:
-        result = asyncio.run(run_migrations(database_url, schema=schema, dry_run=dry_run))
+        result = asyncio.run(
+            run_migrations(database_url, schema=schema, dry_run=dry_run, wait=wait, notify=notify)
+        )
     except MigrationError as exc:
         raise click.ClickException(str(exc)) from exc
     except (
@@ -134,7 +152,7 @@ def migrate(database_url: str, schema: str, dry_run: bool) -> None:
     for m in result.applied:
         if dry_run:
             click.echo(f"-- {m.version:04d}_{m.name}.sql (would apply to schema {schema!r})")
-            click.echo(m.sql)
+            click.echo(m.script(schema))
         else:
             click.echo(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
 
@@ -163,7 +181,7 @@ def _load(config: Path | None) -> Settings:
 def run(config: Path | None, check: bool) -> None:
     """Run the relay until SIGTERM/SIGINT."""
     settings = _load(config)
-    unknown = unknown_environment()
+    unknown = unknown_environment(settings)
     if check:
         for name in unknown:
             click.echo(f"outbox-relay: warning: {name} is not a setting; it is ignored", err=True)

@@ -36,6 +36,7 @@ from pydantic import (
 )
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     SettingsError,
@@ -196,8 +197,15 @@ def _bootstrap_problem(server: str) -> str | None:
 
 
 def _acks(v: Any) -> Any:
-    if isinstance(v, str) and v.strip() in ("0", "1", "-1"):
-        return int(v)
+    if isinstance(v, str):
+        v = v.strip()
+        if v in ("0", "1", "-1"):
+            v = int(v)
+    if v == 0 and not isinstance(v, bool):
+        raise ValueError(
+            "acks = 0 marks rows delivered without any acknowledgement from the broker: "
+            "at-least-once would not hold; use 'all' (the default) or 1 (the leader only)"
+        )
     return v
 
 
@@ -222,10 +230,17 @@ class KafkaSettings(_Section):
     acks: Annotated[Literal["all", 0, 1, -1], BeforeValidator(_acks)] = "all"
     enable_idempotence: bool = True
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
-    linger_ms: int = Field(0, ge=0, description="keep 0: the relay already sends in batches")
-    max_batch_size: int = Field(262_144, ge=1024, description="producer batch bytes")
-    max_request_size: int = Field(1_048_576, ge=1024, description="largest message, bytes")
-    request_timeout_ms: int = Field(30_000, ge=1000)
+    # Upper bounds: what the Kafka protocol's int32 fields and a sane relay take.
+    linger_ms: int = Field(
+        0, ge=0, le=10_000, description="keep 0: the relay already sends in batches"
+    )
+    max_batch_size: int = Field(
+        262_144, ge=1024, le=64 * 1024 * 1024, description="producer batch bytes"
+    )
+    max_request_size: int = Field(
+        1_048_576, ge=1024, le=100 * 1024 * 1024, description="largest message, bytes"
+    )
+    request_timeout_ms: int = Field(30_000, ge=1000, le=300_000)
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
     # OAUTHBEARER is accepted by the type only to be refused with a clear message.
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
@@ -584,7 +599,7 @@ class Settings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The file arrives as init arguments; the environment overrides it.
-        return (env_settings, init_settings)
+        return (_OurEnvironment(settings_cls), init_settings)
 
     @field_validator("database_url")
     @classmethod
@@ -713,8 +728,31 @@ def _format_errors(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-# OUTBOX_* variables that are not settings of `run` but are read by the command line.
-COMMAND_VARIABLES = frozenset({"OUTBOX_CONFIG", "OUTBOX_SCHEMA"})
+# Variables Kubernetes adds for every Service in the namespace: a Service named outbox-relay
+# gives OUTBOX_RELAY_PORT=tcp://10.0.0.7:9090, OUTBOX_RELAY_SERVICE_HOST=…, which would read as
+# settings (relay.port: unknown key) and stop the relay.
+_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)|_PORT_\d+_(TCP|UDP|SCTP)")
+_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://", re.I)
+
+
+def is_service_link(name: str, value: str | None) -> bool:
+    if _LINK_NAME.search(name):
+        return True
+    # OUTBOX_HTTP_PORT is a setting too: a link only when it holds what Kubernetes puts.
+    return name.endswith("_PORT") and bool(value and _LINK_VALUE.match(value.strip()))
+
+
+class _OurEnvironment(EnvSettingsSource):
+    """The environment, without Kubernetes' service-link variables."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        env = super()._load_env_vars()
+        return {k: v for k, v in env.items() if not is_service_link(k.upper(), v)}
+
+
+# OUTBOX_* variables that are not settings of `run` but are read by the command line (and
+# the test suite's report file).
+COMMAND_VARIABLES = frozenset({"OUTBOX_CONFIG", "OUTBOX_SCHEMA", "OUTBOX_FAULT_REPORT"})
 
 
 def schema_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
@@ -731,16 +769,28 @@ def schema_from_environment(environ: Mapping[str, str] | None = None) -> str | N
     return plain if plain is not None else nested
 
 
-def unknown_environment(environ: Mapping[str, str] | None = None) -> list[str]:
+def unknown_environment(
+    settings: Settings | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
     """OUTBOX_* variables that no setting or command reads, each with a suggestion when one
     is close: a typo there is otherwise silently ignored. (A wrong key inside a section, like
-    OUTBOX_RELAY_BATCHSIZE, is already an error.)"""
+    OUTBOX_RELAY_BATCHSIZE, is already an error.) Variables the configuration names itself
+    (a webhook destination's secret_env) and Kubernetes' service links are not reported."""
     env = os.environ if environ is None else environ
     known = {f"OUTBOX_{name.upper()}" for name in Settings.model_fields}
     sections = [f"{k}_" for k in known if k != "OUTBOX_DATABASE_URL"]
+    named = set()
+    if settings is not None:
+        named = {
+            d.secret_env
+            for d in settings.destinations.values()
+            if isinstance(d, WebhookDestination) and d.secret_env
+        }
     found = []
     for name in sorted(env):
         if not name.startswith("OUTBOX_") or name in known or name in COMMAND_VARIABLES:
+            continue
+        if name in named or is_service_link(name, env[name]):
             continue
         if name.startswith("OUTBOX_TEST_") or any(name.startswith(p) for p in sections):
             continue

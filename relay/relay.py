@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 import structlog
 
+from outbox.migrate import not_utf8
 from relay import backoff, outcomes, tracing
 from relay.breaker import Breaker
 from relay.completer import Completer
@@ -31,7 +32,14 @@ from relay.metrics import Metrics
 from relay.model import Envelope, Outcome, Result, header_problem
 from relay.sinks import Sink
 from relay.sinks.factory import build_sinks
-from relay.store import DB_ERRORS, UNAVAILABLE, Record, Store, create_pool
+from relay.store import (
+    DB_ERRORS,
+    UNAVAILABLE,
+    Record,
+    Store,
+    create_pool,
+    is_plain_sql_error,
+)
 
 log = structlog.get_logger("relay")
 
@@ -45,6 +53,8 @@ CRASH_RETRY_DELAY = 5.0
 # Bound on each statement of the shutdown after the drain: a database that hangs must not
 # hang the process (the reaper takes back whatever could not be released).
 LAST_WRITE_TIMEOUT = 5.0
+# All of the shutdown after the drain (outcomes, release, unregister, closing) fits in this.
+FINAL_BUDGET = 10.0
 # Rows the database refused to reap, even alone, are left out of reaping this long.
 UNREAPABLE_FOR = 600.0
 LOST_IDS_LOGGED = 20
@@ -215,6 +225,11 @@ class Relay:
                     # The server answered, and said no: waiting will not change it.
                     raise RelayStartupError(_refused_at_startup(exc)) from exc
                 if time.monotonic() + delay > deadline:
+                    if isinstance(exc, asyncpg.PostgresError) and is_plain_sql_error(exc):
+                        raise RelayStartupError(
+                            f"{_refused_at_startup(exc)} (still so after "
+                            f"{rs.startup_timeout:.0f}s)"
+                        ) from exc
                     raise RelayStartupError(
                         f"cannot reach the database after {rs.startup_timeout:.0f}s: "
                         f"{describe(exc)}. Check database_url / "
@@ -254,6 +269,10 @@ class Relay:
         self._store = Store(
             self._pool, rs.db_schema, self.id, rs.lease, delete_delivered=rs.retention == 0
         )
+        encoding = await self._store.server_encoding()
+        if encoding != "UTF8":
+            await self._pool.close()
+            raise RelayStartupError(not_utf8(encoding))
         missing = await self._store.missing_tables()
         if missing:
             await self._pool.close()
@@ -920,7 +939,7 @@ class Relay:
         deadline = loop.time() + rs.shutdown_timeout
         # The claim loop is never cancelled mid-claim: rows it claims must reach _in_flight.
         try:
-            await asyncio.wait_for(asyncio.shield(claimer), timeout=max(rs.shutdown_timeout, 5))
+            await asyncio.wait_for(asyncio.shield(claimer), timeout=max(rs.shutdown_timeout, 1))
         except (TimeoutError, Exception):
             claimer.cancel()
         if self._deliveries:
@@ -932,10 +951,17 @@ class Relay:
             if late:
                 await asyncio.gather(*late, return_exceptions=True)
                 log.warning("relay.shutdown.timeout", unfinished_batches=len(late))
+        # After the drain, everything else shares FINAL_BUDGET: a database that hangs cannot
+        # keep the process from exiting (the reaper takes back what was not released).
+        last = max(deadline, loop.time()) + FINAL_BUDGET
+
+        def left(at_most: float = FINAL_BUDGET) -> float:
+            return max(0.5, min(at_most, last - loop.time()))
+
         # The write in progress finishes (cut short, its rows would be released and sent
         # again), then whatever is left is written, within the remaining time.
         if self._completer is not None and not await self._completer.close(
-            timeout=max(5.0, deadline - loop.time())
+            timeout=max(deadline - loop.time(), left(FINAL_BUDGET / 2))
         ):
             log.error(
                 "relay.shutdown.unrecorded",
@@ -948,10 +974,10 @@ class Relay:
         for t in background:
             if t.get_name() == "completer":
                 t.cancel()
-                await asyncio.gather(t, return_exceptions=True)
-        await self._release_leftover()
+                await asyncio.wait({t}, timeout=left(1.0))
+        await self._release_leftover(left(LAST_WRITE_TIMEOUT))
         try:
-            async with asyncio.timeout(LAST_WRITE_TIMEOUT):
+            async with asyncio.timeout(left(LAST_WRITE_TIMEOUT)):
                 await self.store.unregister()
         except DB_ERRORS as exc:
             log.warning("relay.unregister.failed", error=describe(exc))
@@ -959,7 +985,7 @@ class Relay:
             t.cancel()
         # A task in a statement on a hung connection cannot finish cancelling (its rollback
         # waits too) until the pool is terminated below.
-        _, stuck = await asyncio.wait(background, timeout=LAST_WRITE_TIMEOUT)
+        _, stuck = await asyncio.wait(background, timeout=left(LAST_WRITE_TIMEOUT))
         for sink in {id(s): s for s in self.sinks.values()}.values():
             try:
                 await sink.close()
@@ -970,20 +996,20 @@ class Relay:
             await self.http.stop()
         if self._pool is not None:
             try:
-                await asyncio.wait_for(self._pool.close(), 0 if stuck else LAST_WRITE_TIMEOUT)
+                await asyncio.wait_for(self._pool.close(), 0 if stuck else left(2.0))
             except TimeoutError:
                 self._pool.terminate()  # a connection that hangs: do not wait for it
         if stuck:
-            await asyncio.wait(stuck, timeout=LAST_WRITE_TIMEOUT)
+            await asyncio.wait(stuck, timeout=left(2.0))
 
-    async def _release_leftover(self) -> None:
+    async def _release_leftover(self, timeout: float) -> None:
         """Put the rows still held back to pending, unattempted: in one statement, or row by
         row if the database refuses the statement for one of them."""
         leftover = [(i, e.token) for i, e in self._in_flight.items()]
         if not leftover:
             return
         try:
-            async with asyncio.timeout(LAST_WRITE_TIMEOUT):
+            async with asyncio.timeout(timeout):
                 await self.store.release(leftover)
             log.info("relay.released", count=len(leftover))
             return
@@ -994,7 +1020,7 @@ class Relay:
             failed, error = [], ""
             for one in leftover:
                 try:
-                    async with asyncio.timeout(LAST_WRITE_TIMEOUT):
+                    async with asyncio.timeout(min(timeout, 1.0)):
                         await self.store.release([one])
                 except DB_ERRORS as exc:
                     failed.append(one)
@@ -1014,10 +1040,10 @@ class Relay:
 # Answers to the start-up statements that waiting will not change. Anything else (the database
 # starting up or shutting down, out of connections, unreachable) is waited out for
 # relay.startup_timeout.
+# (A read-only database is waited out: a failover makes one for a moment.)
 REFUSED_AT_STARTUP: tuple[type[BaseException], ...] = (
     asyncpg.InsufficientPrivilegeError,
     asyncpg.QueryCanceledError,
-    asyncpg.ReadOnlySQLTransactionError,
     asyncpg.InvalidCatalogNameError,
     asyncpg.InvalidAuthorizationSpecificationError,
 )
@@ -1034,8 +1060,13 @@ def _refused_at_startup(exc: BaseException) -> str:
         )
     if isinstance(exc, asyncpg.QueryCanceledError):
         return (
-            f"{what} A statement_timeout (or lock_timeout) set for the relay's role or database "
-            "is too short for them; raise it or unset it for the relay's role"
+            f"{what} A statement_timeout set for the relay's role or database is too short "
+            "for them; raise it or unset it for the relay's role"
+        )
+    if isinstance(exc, asyncpg.LockNotAvailableError):
+        return (
+            f"{what} A lock_timeout set for the relay's role or database ran out: another "
+            "session holds a lock on the outbox tables (see pg_locks), or the timeout is short"
         )
     if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
         return f"{what} The database (or the relay's role) is read-only; the relay must write"

@@ -134,6 +134,9 @@ class Store:
         tables = (self._table, self._paused_table, self._relays_table)
         return [t for t in tables if not await self._call("fetchval", queries.TABLE_EXISTS, t)]
 
+    async def server_encoding(self) -> str:
+        return str(await self._call("fetchval", queries.SERVER_ENCODING))
+
     async def paused(self) -> set[str]:
         return {r[0] for r in await self._call("fetch", self._paused)}
 

@@ -56,6 +56,9 @@ def hook(url: str) -> str:
         ("[relay]\nreport_interval = 0.001\n", "relay.report_interval"),
         ("[relay]\nretention_interval = 0.001\n", "relay.retention_interval"),
         ("[relay]\nstats_interval = 0\n", "relay.stats_interval"),
+        # An int32 in the produce request: 3e9 could not be sent at all.
+        ("[kafka]\nrequest_timeout_ms = 3000000000\n", "kafka.request_timeout_ms"),
+        ("[kafka]\nmax_request_size = 3000000000\n", "kafka.max_request_size"),
     ],
 )
 def test_values_the_relay_cannot_run_with_are_refused(tmp_path: Path, toml: str, key: str) -> None:
@@ -80,7 +83,9 @@ def test_valid_webhook_urls_pass(tmp_path: Path, url: str) -> None:
     assert res.returncode == 0, res.stderr
 
 
-@pytest.mark.parametrize(("value", "expected"), [("1", 1), ("0", 0), ("-1", -1), ("all", "all")])
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1", 1), (" 1", 1), ("-1", -1), ("all", "all"), ("all ", "all")]
+)
 def test_kafka_acks_from_the_environment_and_as_a_string(value: str, expected: object) -> None:
     from relay.config import load_settings
 
@@ -91,11 +96,11 @@ def test_kafka_acks_from_the_environment_and_as_a_string(value: str, expected: o
 
 
 def test_kafka_acks_variable_passes_the_check(tmp_path: Path) -> None:
-    for value in ("1", "0"):
-        res = check(
-            BASE, tmp_path, OUTBOX_KAFKA_ACKS=value, OUTBOX_KAFKA_ENABLE_IDEMPOTENCE="false"
-        )
-        assert res.returncode == 0, res.stderr
+    res = check(BASE, tmp_path, OUTBOX_KAFKA_ACKS="1", OUTBOX_KAFKA_ENABLE_IDEMPOTENCE="false")
+    assert res.returncode == 0, res.stderr
+    # acks = 0: no acknowledgement at all, so nothing could honestly be marked delivered.
+    res = check(BASE, tmp_path, OUTBOX_KAFKA_ACKS="0", OUTBOX_KAFKA_ENABLE_IDEMPOTENCE="false")
+    assert res.returncode == 2 and "kafka.acks" in res.stderr and "at-least-once" in res.stderr
     res = check(BASE + "[kafka]\nacks = '1'\nenable_idempotence = false\n", tmp_path)
     assert res.returncode == 0, res.stderr
 
@@ -126,3 +131,35 @@ def test_unknown_outbox_variables_are_reported(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert "OUTBOX_LOGLEVEL (did you mean OUTBOX_LOG_LEVEL?) is not a setting" in res.stderr
     assert "OUTBOX_SHEMA (did you mean OUTBOX_SCHEMA?)" in res.stderr
+
+
+def test_kubernetes_service_links_are_not_settings(tmp_path: Path) -> None:
+    """A Service named outbox-relay, outbox-http or outbox-kafka in the namespace gives every
+    pod OUTBOX_RELAY_PORT=tcp://…, OUTBOX_HTTP_PORT=tcp://…: not settings, not typos."""
+    links = {
+        "OUTBOX_RELAY_PORT": "tcp://10.0.0.7:9090",
+        "OUTBOX_RELAY_SERVICE_HOST": "10.0.0.7",
+        "OUTBOX_RELAY_SERVICE_PORT": "9090",
+        "OUTBOX_RELAY_PORT_9090_TCP": "tcp://10.0.0.7:9090",
+        "OUTBOX_RELAY_PORT_9090_TCP_PORT": "9090",
+        "OUTBOX_RELAY_PORT_9090_TCP_ADDR": "10.0.0.7",
+        "OUTBOX_RELAY_PORT_9090_TCP_PROTO": "tcp",
+        "OUTBOX_HTTP_PORT": "tcp://10.0.0.8:9090",
+        "OUTBOX_KAFKA_SERVICE_HOST": "10.0.0.9",
+    }
+    res = check(BASE, tmp_path, **links)
+    assert res.returncode == 0, res.stderr
+    assert "not a setting" not in res.stderr
+    # A real OUTBOX_HTTP_PORT still is one.
+    res = check(BASE, tmp_path, OUTBOX_HTTP_PORT="70000")
+    assert res.returncode == 2 and "http.port" in res.stderr
+
+
+def test_variables_the_configuration_names_are_not_reported(tmp_path: Path) -> None:
+    toml = BASE + (
+        "[destinations.h]\nkind = 'webhook'\nurl = 'https://example.com/in'\n"
+        "secret_env = 'OUTBOX_BILLING_SECRET'\n"
+    )
+    res = check(toml, tmp_path, OUTBOX_BILLING_SECRET=WHSEC, OUTBOX_FAULT_REPORT="/tmp/x.json")
+    assert res.returncode == 0, res.stderr
+    assert "not a setting" not in res.stderr

@@ -23,6 +23,7 @@ import pytest
 from example_app import main as example_app
 
 from relay.config import HttpSettings, Settings
+from relay.relay import FINAL_BUDGET
 from tests.support.deploy import (
     DEPLOY,
     K8S,
@@ -309,7 +310,7 @@ def test_compose_relay_config_loads_and_reaches_the_stack(
     )
     # Stopping waits for the drain.
     grace = int(relay["stop_grace_period"].rstrip("s"))
-    assert grace > settings.relay.shutdown_timeout
+    assert grace > settings.relay.shutdown_timeout + FINAL_BUDGET
 
 
 def test_compose_start_order(compose: dict[str, Any]) -> None:
@@ -451,7 +452,8 @@ def test_relay_sidecar_config_and_env_match_the_settings(
     # Draining fits in the grace period, with a margin; the relay needs no preStop hook:
     # SIGTERM is its drain signal, and it is PID 1 in its container.
     assert "lifecycle" not in relay
-    assert pod["terminationGracePeriodSeconds"] >= settings.relay.shutdown_timeout + 10
+    assert pod["terminationGracePeriodSeconds"] > settings.relay.shutdown_timeout + FINAL_BUDGET
+    assert pod["enableServiceLinks"] is False
 
     app = containers(deployment)["app"]
     assert {e["name"] for e in app["env"]} == set(example_app.ENV_VARS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import asyncpg
@@ -238,6 +238,18 @@ def nested(depth: int) -> dict[str, Any]:
         ({"headers": {"h": "v\ud800"}}, "headers", "lone surrogate"),
         ({"headers": {"h": "x" * 20_000}}, "headers", "above the limit of 16384"),
         ({"payload": nested(100_000)}, "payload", "nested too deeply"),
+        ({"payload": "not json at all", "content_type": "application/json"}, "payload", "JSON"),
+        ({"content_type": "text/plain\x85"}, "content_type", "control character"),
+        (
+            {"run_after": datetime.min.replace(tzinfo=timezone(timedelta(hours=14)))},
+            "run_after",
+            "years 1 to 9999",
+        ),
+        (
+            {"run_after": datetime.max.replace(tzinfo=timezone(timedelta(hours=-14)))},
+            "run_after",
+            "years 1 to 9999",
+        ),
         (
             {"payload": b"[" * 100_000 + b"]" * 100_000, "content_type": "application/json"},
             "payload",
@@ -344,3 +356,54 @@ async def test_async_autocommit_is_refused(aengine: AsyncEngine, db_url: str) ->
     assert await rows(db_url) == []
     # The business row committed alone (AUTOCOMMIT did that), the event did not follow it.
     assert await orders(db_url) == [7]
+
+
+# --- every kind of connection: a refusal leaves the business transaction usable --------------
+
+BAD_INPUTS: list[tuple[dict[str, Any], str]] = [
+    ({"key": "k\x00"}, "key"),
+    ({"key": "k" * 3000}, "key"),
+    ({"destination": "d\ud800"}, "destination"),
+    ({"payload": "x\udcff"}, "payload"),
+    ({"payload": nested(50_000)}, "payload"),
+    ({"headers": {"h": "\x00"}}, "headers"),
+    ({"content_type": "a\r\nb"}, "content_type"),
+]
+
+
+@pytest.mark.parametrize(("bad", "field"), BAD_INPUTS)
+def test_sync_refusals_leave_the_transaction_usable(
+    sengine: Engine, db_url: str, bad: dict[str, Any], field: str
+) -> None:
+    import asyncio
+
+    with Session(sengine) as session, session.begin():
+        session.execute(text("INSERT INTO orders VALUES (1, 10)"))
+        with pytest.raises(OutboxValidationError) as err:
+            outbox.enqueue_sync(session, **{"destination": "d", "payload": b"ok", **bad})
+        assert err.value.field == field
+        session.execute(text("INSERT INTO orders VALUES (2, 10)"))  # still usable
+    with sengine.begin() as conn:
+        with pytest.raises(OutboxValidationError):
+            outbox.enqueue_many_sync(conn, [{"destination": "d", "payload": b"ok", **bad}])
+        conn.execute(text("INSERT INTO orders VALUES (3, 10)"))
+    assert asyncio.run(orders(db_url)) == [1, 2, 3]
+    assert asyncio.run(rows(db_url)) == []
+
+
+@pytest.mark.parametrize(("bad", "field"), BAD_INPUTS)
+async def test_async_refusals_leave_the_transaction_usable(
+    aengine: AsyncEngine, db_url: str, bad: dict[str, Any], field: str
+) -> None:
+    async with AsyncSession(aengine) as session, session.begin():
+        await session.execute(text("INSERT INTO orders VALUES (1, 10)"))
+        with pytest.raises(OutboxValidationError) as err:
+            await outbox.enqueue(session, **{"destination": "d", "payload": b"ok", **bad})
+        assert err.value.field == field
+        await session.execute(text("INSERT INTO orders VALUES (2, 10)"))
+    async with aengine.begin() as conn:
+        with pytest.raises(OutboxValidationError):
+            await outbox.enqueue_many(conn, [{"destination": "d", "payload": b"ok", **bad}])
+        await conn.execute(text("INSERT INTO orders VALUES (3, 10)"))
+    assert await orders(db_url) == [1, 2, 3]
+    assert await rows(db_url) == []

@@ -15,6 +15,7 @@ from outbox.dburl import to_asyncpg_dsn
 from outbox.message import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     MAX_CONTENT_TYPE_BYTES,
+    MAX_HEADERS,
     MAX_HEADERS_BYTES,
     MAX_KEY_BYTES,
 )
@@ -26,8 +27,12 @@ from tests.support.relays import running, settings, status_counts, wait_until
 
 
 def biggest_event() -> dict[str, object]:
-    half = MAX_HEADERS_BYTES // 2
-    headers = {"h1": "x" * (half - 2), "h2": "y" * (half - 2)}  # names count too
+    """The largest event enqueue accepts, by the producer's measure: the most headers, each
+    long enough that its lengths take two bytes, filling the header budget exactly."""
+    names = [f"h{i:02d}" for i in range(MAX_HEADERS)]
+    room = MAX_HEADERS_BYTES - sum(len(n) for n in names)
+    sizes = [room // MAX_HEADERS + (1 if i < room % MAX_HEADERS else 0) for i in range(MAX_HEADERS)]
+    headers = {n: "x" * k for n, k in zip(names, sizes, strict=True)}
     assert sum(len(k) + len(v) for k, v in headers.items()) == MAX_HEADERS_BYTES
     content_type = "application/x-" + "z" * (MAX_CONTENT_TYPE_BYTES - 14)
     assert len(content_type) == MAX_CONTENT_TYPE_BYTES
@@ -38,6 +43,17 @@ def biggest_event() -> dict[str, object]:
         "content_type": content_type,
         "payload": b"p" * DEFAULT_MAX_PAYLOAD_BYTES,
     }
+
+
+def test_the_largest_event_fits_kafkas_default_with_the_documented_room() -> None:
+    event = biggest_event()
+    headers = [(k, str(v).encode()) for k, v in event["headers"].items()]  # type: ignore[attr-defined]
+    headers += [("outbox-id", b"9" * 19), ("content-type", str(event["content_type"]).encode())]
+    size = DefaultRecordBatchBuilder.estimate_size_in_bytes(
+        str(event["key"]).encode(), event["payload"], headers
+    )
+    assert 1_017_000 < size < 1_019_000  # "about 1,018,100" in outbox/message.py and the docs
+    assert 1024 * 1024 - size > 30_000
 
 
 async def test_the_largest_event_enqueue_accepts_is_delivered_with_kafka_defaults(
@@ -52,7 +68,8 @@ async def test_the_largest_event_enqueue_accepts_is_delivered_with_kafka_default
         for field, bigger in (
             ("payload", b"p" * (DEFAULT_MAX_PAYLOAD_BYTES + 1)),
             ("key", "k" * (MAX_KEY_BYTES + 1)),
-            ("headers", {**event["headers"], "h3": ""}),  # type: ignore[dict-item]
+            ("headers", {**event["headers"], "h99": "x" * 200}),  # type: ignore[dict-item]
+            ("headers", {**event["headers"], "extra": ""}),  # type: ignore[dict-item]
             ("content_type", str(event["content_type"]) + "z"),
         ):
             async with conn.transaction():

@@ -612,3 +612,37 @@ async def test_startup_waits_out_a_database_out_of_connections(db_url: str) -> N
         with psycopg.connect(db_url, autocommit=True) as c:
             c.execute(f'DROP OWNED BY "{role}"')
             c.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+async def test_startup_waits_out_a_read_only_database(db_url: str) -> None:
+    """A failover makes the database read-only for a moment: a relay starting then waits
+    (within startup_timeout) instead of exiting."""
+    admin = await asyncpg.connect(to_asyncpg_dsn(db_url))
+
+    async def read_only(on: bool) -> None:
+        await admin.execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_read_only = "
+            + ("on" if on else "off")
+            + "', current_database()); END $$"
+        )
+
+    try:
+        await read_only(True)
+        s = settings(db_url, "127.0.0.1:1", relay={"startup_timeout": 30})
+        with capture_logs() as logs:
+            relay = Relay(s, sinks={"orders": FlakySink(fail=0)})
+            task = asyncio.create_task(relay.run())
+            await wait_until(
+                lambda: any(e["event"] == "relay.database.unavailable" for e in logs),
+                what="waiting",
+            )
+            assert not task.done()
+            await read_only(False)
+            await asyncio.wait_for(relay.started.wait(), 30)
+            relay.stop()
+            assert await asyncio.wait_for(task, 30) == 0
+    finally:
+        await read_only(False)
+        await admin.close()
+    waiting = next(e for e in logs if e["event"] == "relay.database.unavailable")
+    assert "ReadOnlySQLTransactionError" in waiting["error"]

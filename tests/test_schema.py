@@ -230,3 +230,76 @@ def test_migration_file_names_are_checked(tmp_path, bad: str) -> None:  # type: 
     (tmp_path / bad).write_text("SELECT 1")
     with pytest.raises(ValueError, match=r"NNNN_name\.sql"):
         load_migrations(tmp_path)
+
+
+def test_dry_run_prints_sql_psql_can_run(empty_db_url: str) -> None:
+    """The dry run's output, run by psql, migrates the schema it names (bookkeeping
+    included), so a DBA can review and apply it by hand."""
+    exe = [sys.executable, "-m", "relay.cli", "migrate", "--database-url", empty_db_url]
+    dry = subprocess.run([*exe, "--schema", "events", "--dry-run"], capture_output=True, text=True)
+    assert dry.returncode == 0, dry.stderr
+    done = subprocess.run(
+        ["psql", empty_db_url, "-X", "-q", "-v", "ON_ERROR_STOP=1"],
+        input=dry.stdout,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    again = subprocess.run([*exe, "--schema", "events"], capture_output=True, text=True)
+    assert again.returncode == 0 and "up to date" in again.stdout, again.stdout
+    tables = asyncio.run(fetch(empty_db_url, "SELECT to_regclass('events.outbox')::text"))
+    assert tables[0][0] == "events.outbox"
+    assert asyncio.run(fetch(empty_db_url, "SELECT to_regclass('public.outbox')"))[0][0] is None
+
+
+def test_migrate_says_what_it_waits_for_and_gives_up_after_wait(db_url: str) -> None:
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as holder:
+        holder.execute(
+            "SELECT pg_advisory_lock(hashtextextended('outbox-relay:migrate:public', 0))"
+        )
+        pid = holder.execute("SELECT pg_backend_pid()").fetchone()
+        run = subprocess.run(
+            [sys.executable, "-m", "relay.cli", "migrate", "--database-url", db_url, "--wait", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert pid is not None
+    assert run.returncode == 1
+    assert f"waiting for another migrate of schema 'public' to finish: pid {pid[0]}" in run.stderr
+    assert "held its lock too long" in run.stderr
+
+
+async def test_a_migration_behind_a_long_transaction_does_not_hold_up_inserts(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ALTER TABLE waits for every transaction using the table, and every insert queues
+    behind the waiting ALTER: a migration waits a few seconds at most per try, so the
+    application's inserts keep going while an old transaction stays open."""
+    import outbox.migrate as m
+    from outbox.migrate import Migration
+
+    extra = Migration(99, "probe", "ALTER TABLE outbox ADD COLUMN probe integer;")
+    monkeypatch.setattr(m, "load_migrations", lambda: [*load_migrations(), extra])
+    old = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    app = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    told: list[str] = []
+    try:
+        tx = old.transaction()
+        await tx.start()
+        await old.execute("INSERT INTO outbox (destination, payload) VALUES ('d', 'old')")
+        migrating = asyncio.create_task(m.migrate(db_url, notify=told.append))
+        await asyncio.sleep(4)  # past one lock_timeout: the migration waits and tries again
+        assert not migrating.done() and told, told
+        async with app.transaction():
+            await app.execute("INSERT INTO outbox (destination, payload) VALUES ('d', 'new')")
+        await tx.commit()
+        result = await asyncio.wait_for(migrating, 30)
+    finally:
+        await old.close()
+        await app.close()
+    assert [x.version for x in result.applied] == [99]
+    assert "waits for transactions that use the outbox table" in told[0]
+    assert (await fetch(db_url, "SELECT count(*) FROM outbox"))[0][0] == 2

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import asyncpg
 import pytest
 from click.testing import CliRunner, Result
+from sqlalchemy import MetaData, create_engine, text
+from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
 
 import outbox
-from outbox import queries
-from outbox.dburl import to_asyncpg_dsn
+from outbox import define_outbox_table, queries
+from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
 from outbox.migrate import MigrationError, migrate
 from relay.cli import main
 from relay.config import ConfigError
@@ -51,23 +55,37 @@ async def test_every_command_works_in_a_schema_of_any_name(empty_db_url: str, sc
     assert again.exit_code == 0 and "up to date" in again.output, again.output
 
     table = queries.qualified_table(schema)
+    box = outbox.Outbox(schema)
     conn = await asyncpg.connect(to_asyncpg_dsn(url))
     try:
         async with conn.transaction():
-            ids = await outbox.Outbox(schema).enqueue_many(
+            ids = await box.enqueue_many(
                 conn, [{"destination": "orders", "payload": {"n": i}} for i in range(3)]
             )
     finally:
         await conn.close()
+    # And through SQLAlchemy, whose text() reads names after a colon in SQL.
+    engine = create_async_engine(to_sqlalchemy_async_url(url))
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            ids.append(await box.enqueue(session, destination="orders", payload=b"sa"))
+    finally:
+        await engine.dispose()
+    sync = create_engine("postgresql+psycopg://" + url.partition("://")[2])
+    try:
+        with Session(sync) as session, session.begin():
+            ids.append(box.enqueue_sync(session, destination="orders", payload=b"sync"))
+    finally:
+        sync.dispose()
     s = settings(url, "127.0.0.1:1", relay={"schema": schema, "poll_interval": 5})
     async with running(s, sinks={"orders": Delivers()}) as relay:
         # Woken by its NOTIFY channel ("<schema>.outbox"), not by the 5 s poll.
         await wait_until(
-            lambda: fetchval(url, f"SELECT count(*) = 3 FROM {table} WHERE status = 'delivered'"),
+            lambda: fetchval(url, f"SELECT count(*) = 5 FROM {table} WHERE status = 'delivered'"),
             timeout=4,
             what="delivered",
         )
-        assert relay.stats["delivered"] == 3
+        assert relay.stats["delivered"] == 5
 
     await fetchval(url, f"UPDATE {table} SET status = 'failed' WHERE id = $1", ids[0])
     base = ["--database-url", url, "--schema", schema, "--json"]
@@ -77,31 +95,57 @@ async def test_every_command_works_in_a_schema_of_any_name(empty_db_url: str, sc
         (["pause", "orders"], lambda d: d["paused"]),
         (["resume", "orders"], lambda d: d["was_paused"]),
         (["retry", "--id", str(ids[0])], lambda d: d["rows"] == 1),
-        (["purge", "--older-than", "0s"], lambda d: d["deleted"]["delivered"] == 2),
+        (["purge", "--older-than", "0s"], lambda d: d["deleted"]["delivered"] == 4),
     ):
         res = await cli(args[0], *base, *args[1:])
         assert res.exit_code == 0, (args, res.output)
         assert check(json.loads(res.output)), (args, res.output)
 
 
-async def test_a_schema_name_too_long_for_postgres_is_refused_everywhere(
-    empty_db_url: str, tmp_path: Any
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("s" * 57, "at most 56"),
+        ("my :events", "contains ':'"),
+        ("a\\b", "contains '\\\\'"),
+        ("x%y", "contains '%'"),
+        ("{paused}", "contains '{', '}'"),
+    ],
+)
+async def test_a_schema_name_the_outbox_cannot_use_is_refused_everywhere(
+    empty_db_url: str, name: str, why: str
 ) -> None:
-    name = "s" * 57
     res = await cli("migrate", "--database-url", empty_db_url, "--schema", name)
-    assert res.exit_code == 2 and "at most 56" in res.output
-    with pytest.raises(MigrationError, match="at most 56"):
+    assert res.exit_code == 2 and why in res.output, res.output
+    with pytest.raises(MigrationError, match=re.escape(why)):
         await migrate(empty_db_url, schema=name)
     res = await cli("status", "--database-url", empty_db_url, "--schema", name)
-    assert res.exit_code == 2 and "at most 56" in res.output
-    with pytest.raises(ValueError, match="at most 56"):
+    assert res.exit_code == 2 and why in res.output
+    with pytest.raises(ValueError, match=re.escape(why)):
         outbox.Outbox(name)
-    with pytest.raises(ConfigError, match=r"relay\.schema: .*at most 56"):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        define_outbox_table(MetaData(), schema=name)
+    with pytest.raises(ConfigError, match=r"relay\.schema: .*" + re.escape(why)):
         settings(empty_db_url, "127.0.0.1:1", relay={"schema": name})
-    assert (
-        await fetchval(empty_db_url, "SELECT count(*) FROM pg_namespace WHERE nspname = $1", name)
-        == 0
-    )
+    count = "SELECT count(*) FROM pg_namespace WHERE nspname = $1"
+    assert await fetchval(empty_db_url, count, name) == 0
+
+
+def test_the_sqlalchemy_model_takes_any_schema_the_migrations_take(empty_db_url: str) -> None:
+    """The Alembic path: define_outbox_table with a quote in the schema name."""
+    engine = create_engine("postgresql+psycopg://" + empty_db_url.partition("://")[2])
+    try:
+        with engine.begin() as c:
+            c.execute(text('CREATE SCHEMA "we""ird"'))
+        metadata = MetaData()
+        define_outbox_table(metadata, schema='we"ird')
+        metadata.create_all(engine)
+        with Session(engine) as session, session.begin():
+            outbox.Outbox('we"ird').enqueue_sync(session, destination="d", payload=b"x")
+        with engine.connect() as c:
+            assert c.execute(text('SELECT count(*) FROM "we""ird".outbox')).scalar() == 1
+    finally:
+        engine.dispose()
 
 
 async def test_an_unrelated_outbox_table_stops_migrate_with_one_line(empty_db_url: str) -> None:

@@ -372,41 +372,75 @@ any_event = st.fixed_dictionaries(
 )
 
 
-async def _try_each(db_url: str, evs: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
-    """Enqueue each event in a business transaction of its own; a refusal must be an
-    OutboxValidationError that leaves the transaction usable. Returns what was accepted."""
+async def _try_each(
+    db_url: str, evs: list[dict[str, Any]], through: str
+) -> list[tuple[int, dict[str, Any]]]:
+    """Enqueue each event in a business transaction of its own, on an asyncpg connection or a
+    SQLAlchemy AsyncSession; a refusal must be an OutboxValidationError that leaves the
+    transaction usable. Returns what was accepted."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
+
+    from outbox.dburl import to_sqlalchemy_async_url
+
     accepted = []
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    if through == "asyncpg":
+        conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+        try:
+            for ev in evs:
+                async with conn.transaction():
+                    try:
+                        row = await outbox.enqueue(conn, destination="orders", **ev)
+                    except outbox.OutboxValidationError as exc:
+                        assert exc.field in ("key", "headers", "payload", "content_type"), exc
+                        assert await conn.fetchval("SELECT 1") == 1  # still usable
+                        continue
+                    accepted.append((row, ev))
+        finally:
+            await conn.close()
+        return accepted
+    engine = create_async_engine(to_sqlalchemy_async_url(db_url))
     try:
         for ev in evs:
-            async with conn.transaction():
-                await conn.execute("SELECT 1")  # the business change, so to speak
+            async with AsyncSession(engine) as session, session.begin():
                 try:
-                    row = await outbox.enqueue(conn, destination="orders", **ev)
+                    row = await outbox.enqueue(session, destination="orders", **ev)
                 except outbox.OutboxValidationError as exc:
                     assert exc.field in ("key", "headers", "payload", "content_type"), exc
-                    assert await conn.fetchval("SELECT 1") == 1  # still usable
+                    assert (await session.execute(text("SELECT 1"))).scalar() == 1
                     continue
                 accepted.append((row, ev))
     finally:
-        await conn.close()
+        await engine.dispose()
     return accepted
+
+
+def _default_type(ev: dict[str, Any]) -> str:
+    payload = ev["payload"]
+    if isinstance(payload, bytes):
+        return "application/octet-stream"
+    if isinstance(payload, str):
+        return "text/plain; charset=utf-8"
+    return "application/json"
 
 
 def test_any_event_is_delivered_byte_for_byte_or_refused_cleanly(
     db_url: str, kafka_bootstrap: str, long_run: bool
 ) -> None:
     @settings(
-        max_examples=40 if long_run else 8,
+        max_examples=60 if long_run else 12,
         deadline=None,
         suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
     )
-    @given(evs=st.lists(any_event, min_size=1, max_size=12))
-    def check(evs: list[dict[str, Any]]) -> None:
-        asyncio.run(run(evs))
+    @given(
+        evs=st.lists(any_event, min_size=1, max_size=12),
+        through=st.sampled_from(["asyncpg", "sqlalchemy"]),
+    )
+    def check(evs: list[dict[str, Any]], through: str) -> None:
+        asyncio.run(run(evs, through))
 
-    async def run(evs: list[dict[str, Any]]) -> None:
-        accepted = await _try_each(db_url, evs)
+    async def run(evs: list[dict[str, Any]], through: str) -> None:
+        accepted = await _try_each(db_url, evs, through)
         if not accepted:
             return
         ids = [row for row, _ in accepted]
@@ -422,5 +456,6 @@ def test_any_event_is_delivered_byte_for_byte_or_refused_cleanly(
             for name, value in (ev["headers"] or {}).items():
                 if name not in ("outbox-id", "content-type"):
                     assert headers[name] == value
+            assert headers["content-type"] == (ev["content_type"] or _default_type(ev))
 
     check()
