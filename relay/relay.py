@@ -227,8 +227,7 @@ class Relay:
                 if time.monotonic() + delay > deadline:
                     if isinstance(exc, asyncpg.PostgresError) and is_plain_sql_error(exc):
                         raise RelayStartupError(
-                            f"{_refused_at_startup(exc)} (still so after "
-                            f"{rs.startup_timeout:.0f}s)"
+                            f"{_refused_at_startup(exc)} (still so after {rs.startup_timeout:.0f}s)"
                         ) from exc
                     raise RelayStartupError(
                         f"cannot reach the database after {rs.startup_timeout:.0f}s: "
