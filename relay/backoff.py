@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from relay.config import Backoff
+from relay.config.base import Backoff
 
 
 def delay(policy: Backoff, attempt: int, rng: random.Random | None = None) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from relay import backoff
-from relay.config import MAX_SECONDS, Backoff
+from relay.config.base import MAX_SECONDS, Backoff
 from relay.model import Envelope, Outcome, Result, truncate_error
 from relay.store import Record
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import asyncpg
 
-from outbox import queries
+from relay import queries
 from relay.model import Envelope, Lease, UnreadableHeaders
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.

@@ -7,7 +7,7 @@ from collections.abc import Callable, Generator, Iterator
 
 import pytest
 
-from relay.localbroker import LocalBroker
+from relay.tools.localbroker import LocalBroker
 from tests.support import pg
 from tests.support.receiver import Receiver
 

@@ -22,7 +22,7 @@ import kubernetes_validate
 import pytest
 from example_app import main as example_app
 
-from relay.config import HttpSettings, Settings
+from relay.config import HttpSettings, Settings, settings_model
 from relay.relay import FINAL_BUDGET
 from tests.support.deploy import (
     DEPLOY,
@@ -63,7 +63,7 @@ def load_settings_with(
             monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    return Settings(**config)
+    return settings_model()(**config)
 
 
 def http_port(config: dict[str, Any]) -> int:
@@ -88,7 +88,7 @@ def test_deploy_configs_validate_whole(monkeypatch: pytest.MonkeyPatch) -> None:
                 monkeypatch.setenv(
                     dest["secret_env"], "whsec_" + base64.b64encode(b"k" * 32).decode()
                 )
-        Settings(database_url="postgresql://relay@db/app", **config)
+        settings_model()(database_url="postgresql://relay@db/app", **config)
 
 
 # --- the relay image -----------------------------------------------------------------------

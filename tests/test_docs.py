@@ -6,17 +6,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from relay.config import (
-    Backoff,
-    Circuit,
-    HttpSettings,
-    KafkaDestination,
-    KafkaSettings,
-    RelaySettings,
-    Settings,
-    WebhookClientSettings,
-    WebhookDestination,
-)
+from relay.config import Backoff, HttpSettings, RelaySettings, Settings
+from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
+from relay.sinks.webhook.config import Circuit, WebhookClientSettings, WebhookDestination
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

@@ -16,7 +16,7 @@ import httpx
 import psycopg
 import pytest
 
-from relay.localbroker import free_port
+from relay.tools.localbroker import free_port
 from tests.support.deploy import DEPLOY
 from tests.support.kafka import consume
 

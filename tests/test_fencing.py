@@ -242,9 +242,9 @@ async def test_the_kafka_sink_does_not_send_a_row_whose_lease_ran_out(
     import uuid
     from datetime import UTC, datetime
 
-    from relay.config import KafkaDestination, KafkaSettings
     from relay.model import Envelope, Lease, Result
-    from relay.sinks.kafka import KafkaSink
+    from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
+    from relay.sinks.kafka.sink import KafkaSink
     from tests.support.kafka import consume, outbox_id
 
     topic = f"lease-{uuid.uuid4().hex[:8]}"

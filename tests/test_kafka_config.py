@@ -16,9 +16,9 @@ import tomli_w
 from aiokafka.codec import has_lz4, has_snappy, has_zstd
 from pydantic import SecretStr
 
-from relay.config import KafkaDestination, KafkaSettings
 from relay.model import Envelope, Lease, Result
-from relay.sinks.kafka import KafkaSink
+from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
+from relay.sinks.kafka.sink import KafkaSink
 
 SASL = {"sasl_plain_username": "relay", "sasl_plain_password": "pw"}
 MISSING_CODECS = [
@@ -172,7 +172,7 @@ async def test_a_producer_that_cannot_start_leaves_the_sink_unavailable(
     sink = KafkaSink(settings, {"orders": KafkaDestination(kind="kafka", topic="orders")})
     try:
         await sink.start()
-        assert not sink.available("orders") and not sink.ready()
+        assert not sink.available("orders") and not sink.ready("orders")
         sink.breaker.success()  # as if its cool-down had passed: deliver() tries again
         outcomes = await sink.deliver([envelope(1), envelope(2)])
         assert [o.result for o in outcomes] == [Result.DEFER, Result.DEFER]

@@ -84,7 +84,7 @@ async def test_an_outage_is_not_mistaken_for_a_missing_topic(db_url: str) -> Non
     """aiokafka says "unknown topic" when metadata times out, an unreachable cluster
     included: rows of a topic the relay has not used yet, enqueued during an outage, wait
     behind the open circuit (no attempt spent), and are delivered once the broker is back."""
-    from relay.localbroker import LocalBroker
+    from relay.tools.localbroker import LocalBroker
 
     broker = LocalBroker()
     broker.start()

@@ -19,9 +19,9 @@ from outbox.message import (
     MAX_HEADERS_BYTES,
     MAX_KEY_BYTES,
 )
-from relay.config import KafkaDestination, KafkaSettings
 from relay.model import Envelope, Lease
-from relay.sinks.kafka import KafkaSink
+from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
+from relay.sinks.kafka.sink import KafkaSink
 from tests.support.kafka import consume, outbox_id
 from tests.support.relays import running, settings, status_counts, wait_until
 

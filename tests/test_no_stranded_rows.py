@@ -18,11 +18,13 @@ from structlog.testing import capture_logs
 
 import outbox
 import relay.backoff
-import relay.relay
+import relay.delivery
+import relay.shutdown
 import relay.tracing
 from outbox.dburl import to_asyncpg_dsn
 from relay.completer import Completer
 from relay.config import ConfigError
+from relay.delivery import Deliveries
 from relay.model import Envelope, Outcome
 from relay.relay import Relay
 from tests.support.relays import running, settings, status_counts, wait_until
@@ -121,10 +123,10 @@ def sample(relay: Relay, name: str) -> float:
 # Each step of a delivery, and where a bug there would raise.
 STEPS: dict[str, tuple[object, str]] = {
     "span start": (relay.tracing, "start_delivery_spans"),
-    "header check": (relay.relay, "header_problem"),
-    "outcome mapping": (Relay, "_records"),
+    "header check": (relay.delivery, "header_problem"),
+    "outcome mapping": (Deliveries, "_records"),
     "backoff": (relay.backoff, "delay"),
-    "metrics": (Relay, "_observe"),
+    "metrics": (Deliveries, "_observe"),
     "completer hand-off": (Completer, "add"),
 }
 
@@ -596,7 +598,7 @@ async def test_a_stalled_database_cannot_hang_the_shutdown(db_url: str) -> None:
         await proxy.close()
     assert status == 0
     # The drain (shutdown_timeout), then a bounded wait per statement that cannot finish.
-    assert took < 1 + relay.relay.FINAL_BUDGET + 2, took
+    assert took < 1 + relay.shutdown.FINAL_BUDGET + 2, took
 
 
 async def test_error_text_the_database_cannot_store_is_escaped_not_fatal(db_url: str) -> None:

@@ -11,7 +11,8 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-from relay.cli import EXIT_CONDITION, main
+from relay.cli import main
+from relay.cli.options import EXIT_CONDITION
 
 
 def cli(db_url: str, *args: str) -> Result:

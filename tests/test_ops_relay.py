@@ -16,11 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from outbox.dburl import to_asyncpg_dsn
-from relay import admin
 from relay.config import ConfigError, load_settings
 from relay.model import Envelope, Outcome
+from relay.ops import admin
 from relay.relay import Relay, RelayStartupError
-from relay.sinks.factory import build_sinks
+from relay.sinks.registry import build_sinks
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.test_relay import enqueue_n, fetch_rows
 
@@ -258,6 +258,8 @@ def test_http_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 class ScriptedWebhookLike:
     """An in-memory sink answering like an HTTP endpoint: 503 on the first attempt, then 200."""
 
+    kind = "webhook"
+
     def __init__(self) -> None:
         from relay.breaker import Breaker
 
@@ -275,6 +277,9 @@ class ScriptedWebhookLike:
         ]
 
     def available(self, destination: str) -> bool:
+        return True
+
+    def ready(self, destination: str) -> bool:
         return True
 
     def circuits(self) -> dict[str, object]:
@@ -379,7 +384,7 @@ async def test_metrics_after_a_known_run(db_url: str, kafka_bootstrap: str) -> N
         get(
             v,
             "outbox_circuit_state",
-            sink="scriptedwebhooklike",
+            sink="webhook",
             endpoint="http://hooks.example/in",
         )
         == 0

@@ -13,8 +13,9 @@ from structlog.testing import capture_logs
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay.localbroker import LocalBroker
+from relay.maintenance.reporter import Reporter
 from relay.relay import Relay, RelayStartupError
+from relay.tools.localbroker import LocalBroker
 from tests.support.kafka import consume
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.support.sinks import MemorySink
@@ -262,7 +263,7 @@ async def _retried(db_url: str, ids: list[int]) -> bool:
 async def test_unreachable_broker_spends_no_attempts(db_url: str) -> None:
     """While the producer cannot even connect, rows wait as pending with attempts intact:
     claimed when the circuit lets a probe through, deferred, never charged."""
-    from relay.localbroker import free_port
+    from relay.tools.localbroker import free_port
 
     s = settings(
         db_url,
@@ -288,7 +289,7 @@ async def test_unreachable_broker_spends_no_attempts(db_url: str) -> None:
     assert all("Kafka unavailable" in r["last_error"] for r in rows)
 
 
-async def test_dead_side_task_stops_the_relay(db_url: str) -> None:
+async def test_dead_side_task_stops_the_relay(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A side task that dies stops the relay (exit 1), and the rows it holds at that moment
     go back to pending, unattempted."""
 
@@ -296,14 +297,15 @@ async def test_dead_side_task_stops_the_relay(db_url: str) -> None:
         async def deliver(self, batch):  # type: ignore[no-untyped-def]
             await asyncio.Event().wait()  # never answers: the rows stay held
 
-    class Broken(Relay):
-        async def _report(self) -> None:
-            if self.in_flight:  # only once rows are held
-                raise RuntimeError("reporter bug")
-
     ids = await enqueue_n(db_url, 3)
     s = settings(db_url, "127.0.0.1:1", relay={"report_interval": 0.1, "shutdown_timeout": 1})
-    relay = Broken(s, sinks={"orders": Stuck()})
+    relay = Relay(s, sinks={"orders": Stuck()})
+
+    async def broken(self: Reporter) -> None:
+        if relay.in_flight:  # only once rows are held
+            raise RuntimeError("reporter bug")
+
+    monkeypatch.setattr(Reporter, "__call__", broken)
     with capture_logs() as logs:
         status = await asyncio.wait_for(relay.run(), 30)
     assert status == 1
@@ -475,7 +477,7 @@ async def test_rows_with_unsendable_headers_fail_alone(db_url: str, kafka_bootst
 async def test_fail_policy_spares_destinations_another_relay_serves(db_url: str) -> None:
     """Relays that split the destinations between them, each with unknown_destinations =
     "fail": a relay fails only rows that no running relay serves, never the other's."""
-    from relay import admin
+    from relay.ops import admin
 
     a_ids = await enqueue_n(db_url, 3, destination="a")
     b_ids = await enqueue_n(db_url, 3, destination="b")

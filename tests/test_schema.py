@@ -17,6 +17,7 @@ from outbox import metadata as model_metadata
 from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import load_migrations, migrate
+from relay import queries as relay_queries
 
 
 async def fetch(url: str, sql: str, *args: object) -> list[asyncpg.Record]:
@@ -172,7 +173,7 @@ async def test_claim_query_uses_partial_index(db_url: str) -> None:
             "FROM generate_series(1, 100)"
         )
         await conn.execute("VACUUM ANALYZE outbox")
-        claim = queries.render(queries.CLAIM, queries.qualified_table("public"))
+        claim = queries.render(relay_queries.CLAIM, queries.qualified_table("public"))
         raw = await conn.fetchval(
             "EXPLAIN (ANALYZE, FORMAT JSON) " + claim, "orders", 100, "r", 30.0
         )

@@ -311,7 +311,7 @@ def test_log_events_are_scrubbed_of_registered_secrets(fmt: str) -> None:
         f"""
         import logging, structlog
         from relay import secrets
-        from relay.logging import configure
+        from relay.logs import configure
         secrets.register(["{MARK}", 'q"uo\\\\te-é-{MARK}'])
         configure("debug", "{fmt}")
         log = structlog.get_logger("t")
@@ -348,7 +348,8 @@ def test_unexpected_errors_are_scrubbed() -> None:
     res = run_python(
         f"""
         import sys
-        from relay import admin, cli
+        from relay import cli
+        from relay.ops import admin
         async def status(conn, schema):
             raise RuntimeError("bug while connected to " + sys.argv[-1])
         admin.status = status

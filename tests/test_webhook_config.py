@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 
 from relay import backoff
-from relay.config import ConfigError, WebhookDestination, load_settings
-from relay.signing import Signer, decode_secret
-from relay.sinks.factory import build_sinks
-from relay.sinks.webhook import WebhookSink
-from relay.ssrf import is_public
+from relay.config import ConfigError, load_settings
+from relay.routes import build_routes
+from relay.sinks.registry import build_sinks
+from relay.sinks.webhook.config import WebhookDestination
+from relay.sinks.webhook.signing import Signer, decode_secret
+from relay.sinks.webhook.sink import WebhookSink
+from relay.sinks.webhook.ssrf import is_public
 from tests.webhook_helpers import new_secret
 
 DB = "postgresql://root@127.0.0.1:5432/postgres"
@@ -49,11 +51,12 @@ headers = {{ "X-Team" = "orders" }}
     assert d.headers == {"X-Team": "orders"} and d.max_concurrency == 16
     assert s.webhooks.connect_timeout == 2 and s.webhooks.user_agent.startswith("outbox-relay/")
     # The relay reads these per destination: a long schedule over about two days.
-    assert s.max_attempts("billing") == 10
-    schedule = s.backoff("billing").schedule
+    route = build_routes(s, build_sinks(s))["billing"]
+    assert route.max_attempts == 10
+    schedule = route.backoff.schedule
     assert schedule is not None and schedule[:3] == [5, 300, 1800]
     assert 1 * 86400 <= sum(schedule) <= 3 * 86400
-    d1 = backoff.delay(s.backoff("billing"), 1)
+    d1 = backoff.delay(route.backoff, 1)
     assert 4 <= d1 <= 6  # 5 s with jitter
     # No secret in any rendering of the settings.
     for text in (repr(s), str(s), repr(d), str(d.model_dump())):

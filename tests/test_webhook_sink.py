@@ -13,10 +13,10 @@ import pytest
 import structlog
 from standardwebhooks import WebhookVerificationError
 
-from relay.config import WebhookClientSettings, WebhookDestination
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import Sink
-from relay.sinks.webhook import WebhookSink, parse_retry_after
+from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
+from relay.sinks.webhook.sink import WebhookSink, parse_retry_after
 from tests.support.receiver import Receiver
 from tests.webhook_helpers import (
     SECRET,

@@ -14,8 +14,8 @@ from typing import Any
 
 from standardwebhooks import Webhook
 
-from relay.config import WebhookDestination
 from relay.model import Envelope, Lease
+from relay.sinks.webhook.config import WebhookDestination
 
 
 def new_secret() -> str:

@@ -1,10 +1,17 @@
-"""Sinks deliver envelopes to the outside world. Each is one small interface."""
+"""Sinks deliver envelopes to the outside world. Each is one small interface (:class:`Sink`),
+and each kind of sink is one package here that owns its settings and helpers and describes
+itself with a :class:`SinkKind`; ``relay/sinks/registry.py`` lists the kinds."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
+from pydantic import BaseModel
+
+from relay.breaker import Breaker
+from relay.config.base import Delivery
 from relay.model import Envelope, Outcome
 
 
@@ -18,6 +25,8 @@ class Sink(Protocol):
     the whole batch.
     """
 
+    kind: str  # "kafka", "webhook", …: the label of its metrics and traces
+
     async def start(self) -> None: ...
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]: ...
@@ -26,7 +35,36 @@ class Sink(Protocol):
         """False while the destination is known to be down (circuit open): not claimed."""
         ...
 
+    def ready(self, destination: str) -> bool:
+        """For /readyz: the destination's rows can be delivered now (connected, circuit not
+        open)."""
+        ...
+
+    def circuits(self) -> Mapping[str, Breaker]:
+        """Its circuit breakers by endpoint name (the outbox_circuit_state metric)."""
+        ...
+
     async def close(self) -> None: ...
 
 
-__all__ = ["Sink"]
+@dataclass(frozen=True)
+class SinkKind:
+    """A kind of sink, as the configuration and the relay know it.
+
+    ``name`` is what destinations say (``kind = "kafka"``); ``destination`` the model of such
+    a destination's settings; ``section``/``settings`` the table of settings its destinations
+    share (``[kafka]``), if any; ``build(section, destinations)`` makes the one sink that
+    delivers them all; ``secrets(section, destinations)`` lists what must never be printed.
+    """
+
+    name: str
+    destination: type[Delivery]
+    build: Callable[[Any, Mapping[str, Any]], Sink]
+    section: str | None = None
+    settings: type[BaseModel] | None = None
+    secrets: Callable[[Any, Mapping[str, Any]], set[str]] = field(
+        default=lambda section, destinations: set()
+    )
+
+
+__all__ = ["Sink", "SinkKind"]

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from relay.breaker import Breaker
 from relay.model import Envelope, Outcome
 
 
 class NullSink:
+    kind = "null"
+
     async def start(self) -> None:
         pass
 
@@ -16,6 +19,12 @@ class NullSink:
 
     def available(self, destination: str) -> bool:
         return True
+
+    def ready(self, destination: str) -> bool:
+        return True
+
+    def circuits(self) -> dict[str, Breaker]:
+        return {}
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         return [Outcome.delivered(e.id) for e in batch]

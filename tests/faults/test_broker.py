@@ -19,7 +19,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from relay.localbroker import LocalBroker
+from relay.tools.localbroker import LocalBroker
 from tests.support.faults import (
     Writer,
     all_delivered,

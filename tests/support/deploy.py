@@ -19,7 +19,7 @@ from dockerfile_parse import DockerfileParser
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from relay.cli import main as cli_main
-from relay.config import Settings
+from relay.config import settings_model
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -99,7 +99,9 @@ def exec_form(value: str) -> list[str]:
 
 def cli_commands() -> dict[str, click.Command]:
     assert isinstance(cli_main, click.Group)
-    return dict(cli_main.commands)
+    ctx = click.Context(cli_main)
+    found = {n: cli_main.get_command(ctx, n) for n in cli_main.list_commands(ctx)}
+    return {n: c for n, c in found.items() if c is not None}
 
 
 def cli_envvars() -> set[str]:
@@ -138,7 +140,7 @@ def check_cli_args(args: list[str]) -> list[str]:
 
 
 def _section_model(name: str) -> type[BaseModel] | None:
-    annotation = Settings.model_fields[name].annotation
+    annotation = settings_model().model_fields[name].annotation
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     return None
@@ -146,9 +148,9 @@ def _section_model(name: str) -> type[BaseModel] | None:
 
 def settings_env_names() -> set[str]:
     """Every env var the relay's settings read: OUTBOX_<KEY>, OUTBOX_<SECTION>_<KEY>."""
-    prefix = str(Settings.model_config.get("env_prefix", ""))
+    prefix = str(settings_model().model_config.get("env_prefix", ""))
     names = set()
-    for name in Settings.model_fields:
+    for name in settings_model().model_fields:
         names.add(f"{prefix}{name}".upper())
         section = _section_model(name)
         if section is not None:
@@ -159,7 +161,7 @@ def settings_env_names() -> set[str]:
 
 def known_destination_kinds() -> set[str]:
     """The ``kind`` values the destination union accepts, found by asking the validator."""
-    adapter = TypeAdapter(Settings.model_fields["destinations"].annotation)
+    adapter = TypeAdapter(settings_model().model_fields["destinations"].annotation)
     kinds = set()
     for kind in ("kafka", "webhook"):
         try:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from relay.breaker import Breaker
 from relay.model import Envelope, Outcome
 
 
 class MemorySink:
     """Always available, nothing to start or close; subclasses decide each outcome."""
+
+    kind = "memory"
 
     async def start(self) -> None: ...
 
@@ -16,6 +19,12 @@ class MemorySink:
 
     def available(self, destination: str) -> bool:
         return True
+
+    def ready(self, destination: str) -> bool:
+        return self.available(destination)
+
+    def circuits(self) -> dict[str, Breaker]:
+        return {}
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         raise NotImplementedError

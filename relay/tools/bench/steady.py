@@ -20,9 +20,9 @@ import click
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay.bench.common import DESTINATION, Target, TimingSink, percentile, rss_mb
-from relay.bench.drain import relay_settings
 from relay.relay import Relay
+from relay.tools.bench.common import DESTINATION, Target, TimingSink, percentile, rss_mb
+from relay.tools.bench.drain import relay_settings
 
 BUSINESS = "CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, total int)"
 ORDER = "INSERT INTO bench_orders (total) VALUES ($1) RETURNING id"

@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from outbox import queries
+from relay.ops import queries
 
 
 class AdminError(Exception):

@@ -7,8 +7,8 @@ import ssl
 import httpcore
 import httpx
 
-from relay.config import WebhookClientSettings
-from relay.ssrf import PUBLIC_ONLY, AddressPolicy, GuardedBackend
+from relay.sinks.webhook.config import WebhookClientSettings
+from relay.sinks.webhook.ssrf import PUBLIC_ONLY, AddressPolicy, GuardedBackend
 
 # Request extension naming the AddressPolicy a request must obey (httpcore ignores it).
 POLICY = "outbox_address_policy"

@@ -8,7 +8,7 @@ import multiprocessing
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from relay.localbroker import free_port, wait_for_port
+from relay.tools.localbroker import free_port, wait_for_port
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]

@@ -23,10 +23,10 @@ import outbox
 from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
 from outbox.migrate import migrate
 from relay.config import load_settings
-from relay.localbroker import LocalBroker
-from relay.logging import configure
+from relay.logs import configure
 from relay.relay import Relay
-from relay.scratch import scratch_database
+from relay.tools.localbroker import LocalBroker
+from relay.tools.scratch import scratch_database
 
 ORDERS = """
 CREATE TABLE IF NOT EXISTS orders (

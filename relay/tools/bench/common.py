@@ -9,7 +9,7 @@ import platform
 import resource
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,17 +17,14 @@ import asyncpg
 import click
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.config import (
-    KafkaDestination,
-    KafkaSettings,
-    WebhookClientSettings,
-    WebhookDestination,
-)
+from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import Sink
-from relay.sinks.kafka import KafkaSink
+from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
+from relay.sinks.kafka.sink import KafkaSink
 from relay.sinks.null import NullSink
-from relay.sinks.webhook import WebhookSink
+from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
+from relay.sinks.webhook.sink import WebhookSink
 
 DESTINATION = "bench"
 
@@ -100,6 +97,7 @@ class TimingSink:
 
     def __init__(self, inner: Sink) -> None:
         self.inner = inner
+        self.kind = inner.kind
         self.acked: dict[int, float] = {}
 
     async def start(self) -> None:
@@ -110,6 +108,12 @@ class TimingSink:
 
     def available(self, destination: str) -> bool:
         return self.inner.available(destination)
+
+    def ready(self, destination: str) -> bool:
+        return self.inner.ready(destination)
+
+    def circuits(self) -> Mapping[str, Breaker]:
+        return self.inner.circuits()
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         outcomes = await self.inner.deliver(batch)

@@ -20,11 +20,16 @@ import httpx
 import structlog
 
 from relay.breaker import Breaker, State
-from relay.config import RESERVED_HEADERS, WebhookClientSettings, WebhookDestination, header_problem
-from relay.http import POLICY, build_client
 from relay.model import Envelope, Outcome, truncate_error
-from relay.signing import Signer
-from relay.ssrf import AddressPolicy, AddressRefused
+from relay.sinks.webhook.client import POLICY, build_client
+from relay.sinks.webhook.config import (
+    RESERVED_HEADERS,
+    WebhookClientSettings,
+    WebhookDestination,
+    header_problem,
+)
+from relay.sinks.webhook.signing import Signer
+from relay.sinks.webhook.ssrf import AddressPolicy, AddressRefused
 
 log = structlog.get_logger("relay.sink.webhook")
 
@@ -98,6 +103,8 @@ def snippet(body: bytes) -> str:
 class WebhookSink:
     """POSTs each envelope to its destination's URL; one outcome per envelope, never raises."""
 
+    kind = "webhook"
+
     def __init__(
         self,
         http: WebhookClientSettings,
@@ -157,6 +164,9 @@ class WebhookSink:
     def available(self, destination: str) -> bool:
         ep = self.endpoints.get(destination)
         return ep is None or (ep.breaker.state is not State.OPEN and not ep.congested)
+
+    def ready(self, destination: str) -> bool:
+        return self.available(destination)
 
     async def close(self) -> None:
         client, self._client = self._client, None

@@ -9,7 +9,8 @@ import asyncpg
 
 from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
-from relay.bench.common import DESTINATION, FILL_HISTORY, percentile, prefill
+from relay import queries as relay_queries
+from relay.tools.bench.common import DESTINATION, FILL_HISTORY, percentile, prefill
 
 
 async def _claims(conn: asyncpg.Connection, claim: str, rounds: int, batch: int) -> list[float]:
@@ -25,7 +26,7 @@ async def _claims(conn: asyncpg.Connection, claim: str, rounds: int, batch: int)
 
 
 async def history(db_url: str, *, rows: int, rounds: int, batch: int) -> dict[str, Any]:
-    claim = queries.render(queries.CLAIM, queries.qualified_table("public"))
+    claim = queries.render(relay_queries.CLAIM, queries.qualified_table("public"))
     await prefill(db_url, 5000, 200, 100)
     conn = await asyncpg.connect(
         to_asyncpg_dsn(db_url), server_settings={"plan_cache_mode": "force_custom_plan"}

@@ -9,8 +9,8 @@ import asyncpg
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay.bench.common import DESTINATION
-from relay.bench.steady import BUSINESS, ORDER
+from relay.tools.bench.common import DESTINATION
+from relay.tools.bench.steady import BUSINESS, ORDER
 
 
 async def enqueue(

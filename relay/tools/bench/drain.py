@@ -9,10 +9,10 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.bench.common import DESTINATION, Target, prefill, rss_mb
 from relay.config import load_settings
 from relay.model import Envelope, Lease
 from relay.relay import Relay
+from relay.tools.bench.common import DESTINATION, Target, prefill, rss_mb
 
 # The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
 # done. Kept here (not in outbox.queries) because the product never runs it.

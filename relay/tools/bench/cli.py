@@ -12,10 +12,10 @@ from typing import Any
 import click
 
 from outbox.migrate import migrate
-from relay.bench.common import Target, emit, machine
-from relay.bench.receiver import local_receiver
-from relay.localbroker import LocalBroker
-from relay.scratch import scratch_database
+from relay.tools.bench.common import Target, emit, machine
+from relay.tools.bench.receiver import local_receiver
+from relay.tools.localbroker import LocalBroker
+from relay.tools.scratch import scratch_database
 
 Scenario = Callable[[str, Target], Awaitable[dict[str, Any]]]
 
@@ -100,7 +100,7 @@ def execute(
     scenarios: dict[str, Scenario],
     derive: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    from relay.logging import configure
+    from relay.logs import configure
 
     configure("warning", "console")
     results = asyncio.run(run_scenarios(opts, scenarios))
@@ -119,7 +119,7 @@ def bench() -> None:
 
 
 def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
-    from relay.bench.drain import drain, naive
+    from relay.tools.bench.drain import drain, naive
 
     def run(ordering: str) -> Scenario:
         return lambda db, t: drain(
@@ -207,7 +207,7 @@ def drain_cmd(**opts: Any) -> None:
 @click.option("--idle-seconds", default=3.0, show_default=True, help="Idle CPU sample after.")
 def steady_cmd(**opts: Any) -> None:
     """Offer app transactions at a fixed rate; report commit-to-ack latency."""
-    from relay.bench.steady import steady
+    from relay.tools.bench.steady import steady
 
     with tempfile.TemporaryDirectory() as tmp:
         execute(
@@ -237,7 +237,7 @@ def steady_cmd(**opts: Any) -> None:
 @click.option("--payload", default=200, show_default=True)
 def enqueue_cmd(**opts: Any) -> None:
     """What enqueueing costs the application."""
-    from relay.bench.enqueue import enqueue
+    from relay.tools.bench.enqueue import enqueue
 
     opts["sink"] = "null"
     execute(
@@ -261,7 +261,7 @@ def enqueue_cmd(**opts: Any) -> None:
 @click.option("--batch", default=100, show_default=True, help="Rows per claim.")
 def history_cmd(**opts: Any) -> None:
     """Claim latency on an empty table and beside many delivered rows."""
-    from relay.bench.history import history
+    from relay.tools.bench.history import history
 
     opts["sink"] = "null"
     execute(

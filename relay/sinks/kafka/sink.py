@@ -26,8 +26,8 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from relay.breaker import Breaker
-from relay.config import KafkaDestination, KafkaSettings
 from relay.model import Envelope, Outcome, Result, truncate_error
+from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
 
 log = structlog.get_logger("relay.sink.kafka")
 
@@ -96,6 +96,8 @@ class KafkaSink:
     for Kafka destinations (they wait as pending, no attempt spent) and probes again later.
     """
 
+    kind = "kafka"
+
     def __init__(
         self,
         settings: KafkaSettings,
@@ -146,7 +148,7 @@ class KafkaSink:
     def available(self, destination: str) -> bool:
         return self.breaker.allows()
 
-    def ready(self) -> bool:
+    def ready(self, destination: str) -> bool:
         """For /readyz: the producer is connected and its circuit is not open."""
         return self._producer is not None and self.breaker.allows()
 

@@ -1,0 +1,191 @@
+"""The claim loop: claim what the sinks can take, hand it to delivery, and wait for more.
+
+A claim is one statement per destination (``SELECT … FOR UPDATE SKIP LOCKED`` and the update
+that marks the rows running, committed before any delivery). The loop holds at most
+``max_in_flight`` rows, skips destinations that are paused or whose circuit is open, and
+wakes on a NOTIFY, a poll interval, or freed capacity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from collections.abc import Callable, Mapping
+
+import structlog
+
+from relay.config import RelaySettings
+from relay.errors import describe
+from relay.leases import Leases
+from relay.metrics import Metrics
+from relay.model import Envelope
+from relay.routes import Route
+from relay.store import DB_ERRORS, Store
+
+log = structlog.get_logger("relay")
+
+
+async def wait_for(
+    stopping: asyncio.Event, event: asyncio.Event | None, timeout: float | None
+) -> None:
+    """Sleep until ``event``, ``stopping``, or ``timeout``; whichever comes first."""
+    waits = [asyncio.ensure_future(stopping.wait())]
+    if event is not None:
+        waits.append(asyncio.ensure_future(event.wait()))
+    try:
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
+class Claimer:
+    def __init__(
+        self,
+        settings: RelaySettings,
+        routes: Mapping[str, Route],
+        store: Store,
+        leases: Leases,
+        dispatch: Callable[[list[Envelope]], None],
+        paused: Callable[[], frozenset[str]],
+        metrics: Metrics,
+        stats: Counter[str],
+        stopping: asyncio.Event,
+    ) -> None:
+        self.settings = settings
+        self.routes = routes
+        self.store = store
+        self.leases = leases
+        self.dispatch = dispatch
+        self.paused = paused
+        self.metrics = metrics
+        self.stats = stats
+        self.stopping = stopping
+        self.wakeup = asyncio.Event()
+        # Why the last claim failed, while claims fail (readiness reports it).
+        self.error: str | None = None
+        self._db_down = False
+        self._scan_progressed = False
+        # Per ordered destination: the key after which the next claim continues its walk.
+        self._cursors: dict[str, str | None] = {}
+        self._turn = 0  # rotates which destination claims first
+
+    def wake(self) -> None:
+        self.wakeup.set()
+
+    def key_finished(self) -> None:
+        """A head of an ordered key was recorded: its key's next row is the head now, and is
+        claimed at once, not at the next poll (nothing NOTIFYs for an update)."""
+        if self._cursors:
+            self.wake()
+
+    def claimable(self) -> list[str]:
+        paused = self.paused()
+        return [
+            name
+            for name, route in self.routes.items()
+            if name not in paused and route.sink.available(name)
+        ]
+
+    async def run(self) -> None:
+        rs = self.settings
+        retry = 0.1
+        while not self.stopping.is_set():
+            free = rs.max_in_flight - len(self.leases)
+            if free <= 0:
+                self.leases.capacity.clear()
+                await wait_for(self.stopping, self.leases.capacity, None)
+                continue
+            destinations = self.claimable()
+            if not destinations:
+                await wait_for(self.stopping, self.wakeup, rs.poll_interval)
+                continue
+            limit = min(rs.batch_size, free)
+            # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
+            self.wakeup.clear()
+            batch, error = await self._claim(destinations, limit)
+            if batch:
+                # Claimed and committed: these rows are delivered even when a later
+                # destination's claim failed, never left to wait for their lease.
+                self._claimed(batch)
+                # Let the deliveries start, so a sink that is now full says so (available())
+                # before the next claim: claims follow the sinks' free capacity.
+                await asyncio.sleep(0)
+            if error is not None:
+                self._failed(error, retry)
+                await wait_for(self.stopping, None, retry)
+                retry = min(retry * 2, 5.0)
+                continue
+            retry = 0.1
+            self._database_up()
+            if len(batch) < limit and not self._scan_progressed:
+                await wait_for(
+                    self.stopping, self.wakeup, rs.poll_interval * random.uniform(0.8, 1.2)
+                )
+
+    async def _claim(
+        self, destinations: list[str], limit: int
+    ) -> tuple[list[Envelope], BaseException | None]:
+        """One claim per destination, in an order that rotates from claim to claim, until the
+        batch is full: a destination with a full batch always waiting cannot starve the
+        others, and each claim reads only its own destination's part of the index.
+
+        Returns what was claimed and the error that stopped it, if one did: rows already
+        claimed for earlier destinations are committed and must still be delivered."""
+        self._turn += 1
+        start = self._turn % len(destinations)
+        batch: list[Envelope] = []
+        self._scan_progressed = False
+        for dest in destinations[start:] + destinations[:start]:
+            if len(batch) >= limit:
+                self._scan_progressed = True  # the others' turn comes at once
+                break
+            try:
+                batch += await self._claim_one(self.routes[dest], limit - len(batch))
+            except Exception as exc:
+                return batch, exc
+        return batch, None
+
+    async def _claim_one(self, route: Route, limit: int) -> list[Envelope]:
+        if not route.ordered:
+            return await self.store.claim(route.name, limit)
+        rows, nxt = await self.store.claim_ordered(
+            route.name, limit, route.parks_poison, limit * 4, self._cursors.get(route.name)
+        )
+        self._cursors[route.name] = nxt
+        # A cursor means the walk stopped before the last key: claim again at once.
+        self._scan_progressed |= nxt is not None
+        return rows
+
+    def _claimed(self, batch: list[Envelope]) -> None:
+        self.leases.claimed(batch)
+        self.stats["claimed"] += len(batch)
+        self.metrics.batch_size.observe(len(batch))
+        log.debug(
+            "relay.batch.claimed", count=len(batch), first_id=batch[0].id, last_id=batch[-1].id
+        )
+        self.dispatch(batch)
+
+    def _failed(self, error: BaseException, retry_in: float) -> None:
+        if not isinstance(error, DB_ERRORS):
+            # A bug, or a row nothing expected: the rows it claimed (if any) go back after
+            # their lease; the relay keeps serving the rest, loudly.
+            log.error("relay.claim.crashed", error=describe(error), exc_info=error)
+            self.metrics.delivery_errors.inc()
+            return
+        self.error = describe(error)
+        if not self._db_down:
+            self._db_down = True
+            log.error(
+                "relay.database.unavailable",
+                error=describe(error),
+                retry_in=round(retry_in, 1),
+                action="reconnecting with backoff; claimed rows stay leased",
+            )
+
+    def _database_up(self) -> None:
+        self.error = None
+        if self._db_down:
+            self._db_down = False
+            log.info("relay.database.recovered")

@@ -1,0 +1,76 @@
+"""The ``outbox-relay`` command.
+
+Each command lives in a module of this package and is imported only when it runs (or when
+``--help`` lists it): ``outbox-relay status`` does not load the relay, aiokafka or the
+benchmark.
+"""
+
+from __future__ import annotations
+
+import importlib
+import traceback
+from typing import Any
+
+import click
+
+from relay import secrets
+
+# Command name -> "module:attribute".
+COMMANDS = {
+    "migrate": "relay.cli.run:migrate",
+    "run": "relay.cli.run:run",
+    "status": "relay.cli.ops:status",
+    "show": "relay.cli.ops:show",
+    "retry": "relay.cli.ops:retry",
+    "purge": "relay.cli.ops:purge",
+    "pause": "relay.cli.ops:pause",
+    "resume": "relay.cli.ops:resume",
+    "skip": "relay.cli.ops:skip",
+    "demo": "relay.cli.tools:demo",
+    "bench": "relay.tools.bench.cli:bench",
+}
+
+
+class Commands(click.Group):
+    """The commands of COMMANDS, each imported when it is first needed.
+
+    Every command's error output passes through relay.secrets.scrub: a usage or database
+    error's message, and the traceback of an error nothing expected. The secrets a command
+    registered are forgotten when it ends."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module, _, attr = target.partition(":")
+        command = getattr(importlib.import_module(module), attr)
+        assert isinstance(command, click.Command), target
+        return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            scrubbed = secrets.scrub(exc.message)
+            if scrubbed == exc.message:
+                raise
+            if isinstance(exc, click.UsageError):
+                raise click.UsageError(scrubbed, exc.ctx) from None
+            raise click.ClickException(scrubbed) from None
+        except (click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc))
+            click.echo(secrets.scrub(text).rstrip("\n"), err=True)
+            ctx.exit(1)
+        finally:
+            secrets.reset()
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="outbox-relay")
+def main() -> None:
+    """outbox-relay: a transactional outbox for PostgreSQL, relayed to Kafka and webhooks."""

@@ -1,0 +1,139 @@
+"""``migrate`` and ``run``: the schema, and the relay itself."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import asyncpg
+import click
+
+from outbox.dburl import redact
+from outbox.migrate import MigrationError
+from outbox.migrate import migrate as run_migrations
+from relay import secrets
+from relay.cli.options import database_url_option, schema_option
+from relay.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    named_variables,
+    settings_secrets,
+    top_level_keys,
+    unknown_environment,
+)
+
+
+@click.command()
+@database_url_option
+@schema_option
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the SQL that would run (psql can run it as it is); change nothing.",
+)
+@click.option(
+    "--wait",
+    type=click.FloatRange(0),
+    default=600.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How long to wait, in all, for another migrate and for the table's locks.",
+)
+def migrate(database_url: str, schema: str, dry_run: bool, wait: float) -> None:
+    """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
+
+    def notify(message: str) -> None:
+        click.echo(f"outbox-relay: {message}", err=True)
+
+    try:
+        result = asyncio.run(
+            run_migrations(database_url, schema=schema, dry_run=dry_run, wait=wait, notify=notify)
+        )
+    except MigrationError as exc:
+        raise click.ClickException(str(exc)) from exc
+    except (
+        OSError,
+        ValueError,
+        TimeoutError,
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+    ) as exc:
+        raise click.ClickException(
+            f"cannot migrate {redact(database_url)}: {type(exc).__name__}: {exc}. Check "
+            "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
+        ) from exc
+    if not result.applied:
+        click.echo(f"schema {schema!r} is up to date (versions {result.already or 'none'})")
+        return
+    for m in result.applied:
+        if dry_run:
+            click.echo(f"-- {m.version:04d}_{m.name}.sql (would apply to schema {schema!r})")
+            click.echo(m.script(schema))
+        else:
+            click.echo(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
+
+
+def _load(config: Path | None) -> Settings:
+    try:
+        settings = load_settings(config)
+    except ConfigError as exc:
+        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        sys.exit(2)
+    # From here on no log event or error message of this process can print them.
+    secrets.register(settings_secrets(settings))
+    return settings
+
+
+@click.command()
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(dir_okay=False, path_type=Path),
+    envvar="OUTBOX_CONFIG",
+    show_envvar=True,
+    help="relay.toml; every key can also come from OUTBOX_* environment variables.",
+)
+@click.option("--check", is_flag=True, help="Validate the configuration and exit.")
+def run(config: Path | None, check: bool) -> None:
+    """Run the relay until SIGTERM/SIGINT."""
+    settings = _load(config)
+    unknown = unknown_environment(top_level_keys(), named_variables(settings))
+    if check:
+        for name in unknown:
+            click.echo(f"outbox-relay: warning: {name} is not a setting; it is ignored", err=True)
+        click.echo(
+            f"configuration OK: {len(settings.destinations)} destination(s), "
+            f"schema {settings.relay.db_schema!r}"
+        )
+        return
+    from relay.logs import configure
+
+    configure(settings.log_level, settings.log_format)
+    if unknown:
+        import structlog
+
+        structlog.get_logger("relay").warning(
+            "relay.config.unknown_variables",
+            variables=unknown,
+            action="not settings, so ignored: check their spelling",
+        )
+    sys.exit(asyncio.run(_run(settings)))
+
+
+async def _run(settings: Settings) -> int:
+    from relay.relay import Relay, RelayStartupError
+
+    relay = Relay(settings)
+    loop = asyncio.get_running_loop()
+    # SIGHUP too (a closed terminal, a supervisor's reload): a graceful stop, never a crash
+    # that leaves held rows to their lease. There is no reload: restart to apply a config.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        loop.add_signal_handler(sig, relay.stop, sig.name)
+    try:
+        return await relay.run()
+    except RelayStartupError as exc:
+        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        return 1

@@ -1,0 +1,36 @@
+"""``demo``: relay real events end to end on this machine. (``bench`` lives with the
+benchmark, relay/tools/bench/cli.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import click
+
+from relay.cli.options import register_url
+
+
+@click.command()
+@click.option(
+    "--database-url",
+    envvar="OUTBOX_DATABASE_URL",
+    default="postgresql://root@127.0.0.1:5432/postgres",
+    show_default=True,
+    show_envvar=True,
+    help="Server to create the scratch database on.",
+    callback=register_url,
+)
+@click.option("--bootstrap", help="Use this Kafka broker instead of starting a local one.")
+@click.option("--count", default=20, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--keep", is_flag=True, help="Keep the scratch database afterwards.")
+@click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")
+def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic: str) -> None:
+    """Relay real events end to end on this machine (scratch database, local broker)."""
+    from relay.tools.demo import run_demo
+    from relay.tools.localbroker import LocalBrokerError
+
+    try:
+        sys.exit(asyncio.run(run_demo(database_url, bootstrap, count, keep, topic)))
+    except (OSError, LocalBrokerError) as exc:
+        raise click.ClickException(f"demo failed: {exc}") from exc

@@ -1,0 +1,78 @@
+"""The configuration's environment: the variables that are settings, those that are not
+(Kubernetes' service links, the command line's own), and the one schema variable."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+from pydantic_settings import EnvSettingsSource
+
+from relay.config.base import ConfigError
+
+# Variables Kubernetes adds for every Service in the namespace: a Service named outbox-relay
+# gives OUTBOX_RELAY_PORT=tcp://10.0.0.7:9090, OUTBOX_RELAY_SERVICE_HOST=…, which would read as
+# settings (relay.port: unknown key) and stop the relay.
+_LINK_NAME = re.compile(r"_SERVICE_(HOST|PORT)|_PORT_\d+_(TCP|UDP|SCTP)")
+_LINK_VALUE = re.compile(r"^(tcp|udp|sctp)://", re.I)
+
+
+def is_service_link(name: str, value: str | None) -> bool:
+    if _LINK_NAME.search(name):
+        return True
+    # OUTBOX_HTTP_PORT is a setting too: a link only when it holds what Kubernetes puts.
+    return name.endswith("_PORT") and bool(value and _LINK_VALUE.match(value.strip()))
+
+
+class OurEnvironment(EnvSettingsSource):
+    """The environment, without Kubernetes' service-link variables."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        env = super()._load_env_vars()
+        return {k: v for k, v in env.items() if not is_service_link(k.upper(), v)}
+
+
+# OUTBOX_* variables that are not settings of `run` but are read by the command line (and
+# the test suite's report file).
+COMMAND_VARIABLES = frozenset({"OUTBOX_CONFIG", "OUTBOX_SCHEMA", "OUTBOX_FAULT_REPORT"})
+
+
+def schema_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
+    """The schema the environment names: OUTBOX_SCHEMA, which every command reads (the ops
+    commands' --schema, `run`'s relay.schema), or its `run`-only spelling
+    OUTBOX_RELAY_SCHEMA. Both set to different schemas is an error, not a silent choice."""
+    env = os.environ if environ is None else environ
+    plain, nested = env.get("OUTBOX_SCHEMA"), env.get("OUTBOX_RELAY_SCHEMA")
+    if plain is not None and nested is not None and plain != nested:
+        raise ConfigError(
+            f"OUTBOX_SCHEMA ({plain!r}) and OUTBOX_RELAY_SCHEMA ({nested!r}) name different "
+            "schemas; set only OUTBOX_SCHEMA"
+        )
+    return plain if plain is not None else nested
+
+
+def unknown_environment(
+    known: Iterable[str], named: Iterable[str] = (), environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """OUTBOX_* variables that no setting (``known``: the top-level keys) or command reads,
+    each with a suggestion when one is close: a typo there is otherwise silently ignored. (A
+    wrong key inside a section, like OUTBOX_RELAY_BATCHSIZE, is already an error.) Variables
+    the configuration names itself (``named``: a destination's secret_env) and Kubernetes'
+    service links are not reported."""
+    env = os.environ if environ is None else environ
+    known = {f"OUTBOX_{name.upper()}" for name in known}
+    sections = [f"{k}_" for k in known if k != "OUTBOX_DATABASE_URL"]
+    named = set(named)
+    found = []
+    for name in sorted(env):
+        if not name.startswith("OUTBOX_") or name in known or name in COMMAND_VARIABLES:
+            continue
+        if name in named or is_service_link(name, env[name]):
+            continue
+        if name.startswith("OUTBOX_TEST_") or any(name.startswith(p) for p in sections):
+            continue
+        close = difflib.get_close_matches(name, [*known, *COMMAND_VARIABLES], n=1)
+        found.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return found

@@ -1,0 +1,92 @@
+"""Configuration errors people can act on: each bad key named, with what to write, and no
+input echoed that could hold a secret."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic import ValidationError
+
+from relay import secrets
+
+# Inputs echoed in an error ("got …"): short scalars of settings that cannot hold a secret.
+_ECHO_MAX_CHARS = 40
+
+
+@functools.cache
+def _echoable_fields() -> frozenset[str]:
+    from relay.config.settings import all_models
+
+    names = {f.alias or n for m in all_models() for n, f in m.model_fields.items()}
+    return frozenset(n for n in names if not secrets.SECRET_KEY.search(n))
+
+
+def _shown(err: Any, loc: tuple[Any, ...]) -> str:
+    """`` (got …)`` for an input that is safe to echo, else nothing: only a short scalar of a
+    setting that cannot hold a secret, never a table, a list, a dict key's value (destination
+    or header names) or anything under a secret-bearing key."""
+    if err["type"] in ("missing", "extra_forbidden") or not loc:
+        return ""
+    last = loc[-1]
+    if not isinstance(last, str) or last not in _echoable_fields():
+        return ""
+    if any(secrets.SECRET_KEY.search(str(p)) for p in loc):
+        return ""
+    got = err.get("input")
+    if isinstance(got, bool | int | float) or (
+        isinstance(got, str) and len(got) <= _ECHO_MAX_CHARS and got.isprintable()
+    ):
+        return f" (got {got!r})"
+    return ""
+
+
+def _message(err: Any, loc: str) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return "unknown key (check its spelling and section)"
+    if kind == "missing":
+        if loc == "database_url":
+            return "required (set database_url in the file or OUTBOX_DATABASE_URL)"
+        return "required"
+    if loc == "destinations" and kind == "dict_type":
+        return (
+            "must be a table of destinations: write one [destinations.NAME] table per "
+            "destination (not [[destinations]], which makes a list)"
+        )
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return "must be a table: [section] or key = { … } (not [[…]], which makes a list)"
+    if kind == "union_tag_not_found":
+        return f"needs kind = {_kinds(' or kind = ')}"
+    if kind == "union_tag_invalid":
+        tag = (err.get("ctx") or {}).get("tag")
+        got = (
+            f" (got {tag!r})"
+            if isinstance(tag, str) and len(tag) <= _ECHO_MAX_CHARS and tag.isprintable()
+            else ""
+        )
+        return f"kind must be {_kinds(' or ')}{got}"
+    error = (err.get("ctx") or {}).get("error")
+    if kind == "value_error" and error is not None:
+        return str(error)  # our validators' own words, without pydantic's "Value error, "
+    msg: str = err["msg"]
+    return msg
+
+
+def _kinds(between: str) -> str:
+    from relay.sinks.registry import KINDS
+
+    return between.join(f'"{k}"' for k in KINDS)
+
+
+def format_errors(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        parts = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
+        loc = ".".join(str(p) for p in parts)
+        loc = loc.replace("schema_", "schema") or "(top level)"
+        msg = _message(err, loc)
+        got = err.get("input")
+        shown = "" if isinstance(got, str) and got and got in msg else _shown(err, parts)
+        lines.append(f"  {loc}: {msg}{shown}")
+    return "\n".join(lines)

@@ -1,0 +1,317 @@
+"""Typed relay configuration: a TOML file, with every key also settable from the environment.
+
+Environment variables override the file: ``OUTBOX_DATABASE_URL``, then one ``_`` between a
+section and its key, e.g. ``OUTBOX_RELAY_BATCH_SIZE=500``, ``OUTBOX_KAFKA_BOOTSTRAP_SERVERS=…``.
+``OUTBOX_DESTINATIONS`` takes a JSON object. Everything is validated at start-up; a bad value
+raises :class:`ConfigError` naming the key.
+
+:class:`Settings` holds what the relay itself takes; the kinds of sink add their own sections
+(``[kafka]``, ``[webhooks]``) and destination models, from relay/sinks/registry.py, to the
+model that validates a configuration (:func:`load_settings`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    Field,
+    SecretStr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
+
+from outbox.dburl import to_asyncpg_dsn, url_secrets
+from outbox.queries import check_schema
+from relay import secrets
+from relay.config.base import MAX_SECONDS, Backoff, ConfigError, Delivery, Duration, Section
+from relay.config.environment import OurEnvironment, schema_from_environment
+from relay.config.errors import format_errors
+
+# Delivered rows are kept this long by default: long enough to answer "was event 123
+# delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
+# 1,000 events/s keep the table to a few million small rows. Set 0 for the fastest relay.
+DEFAULT_RETENTION = 3600.0
+
+
+class RelaySettings(Section):
+    """[relay]: the claim, the lease, retries, retention, start-up and shutdown."""
+
+    schema_: str = Field("public", alias="schema", min_length=1)
+    relay_id: str | None = Field(None, description="defaults to host-pid-random")
+    batch_size: int = Field(500, ge=1, le=10_000, description="rows per claim")
+    max_in_flight: int = Field(
+        2000, ge=1, le=100_000, description="rows claimed and not yet recorded, at most"
+    )
+    lease: float = Field(
+        30.0, ge=1, le=86400, description="seconds a claim is held without heartbeat"
+    )
+    poll_interval: float = Field(
+        1.0, ge=0.01, le=300, description="seconds between polls when no NOTIFY arrives"
+    )
+    shutdown_timeout: float = Field(20.0, ge=0, le=86400, description="seconds to drain on SIGTERM")
+    max_attempts: int = Field(
+        25, ge=1, le=10_000, description="attempts before a row is failed (dead)"
+    )
+    backoff: Backoff = Backoff()
+    unknown_destinations: Literal["wait", "fail"] = Field(
+        "wait",
+        description="rows naming a destination this relay does not know: leave them pending "
+        "(reported) or mark them failed",
+    )
+    unknown_grace: Duration = Field(
+        300.0,
+        ge=0,
+        description='with unknown_destinations = "fail": how long a row of a destination no '
+        "running relay serves waits before it is failed (time for such a relay to start)",
+    )
+    report_interval: float = Field(
+        30.0,
+        ge=0.05,
+        le=86400,
+        description="seconds between checks for rows of unknown destinations",
+    )
+    pool_size: int = Field(4, ge=2, le=64, description="database connections (plus LISTEN)")
+    startup_timeout: float = Field(
+        60.0,
+        ge=0,
+        le=MAX_SECONDS,
+        description="seconds to keep retrying an unreachable database at start-up",
+    )
+
+    retention: Duration = Field(
+        DEFAULT_RETENTION,
+        ge=0,
+        description="how long delivered rows are kept; 0 deletes them as they are recorded",
+    )
+    retention_interval: Duration = Field(
+        60.0, ge=0.05, description="seconds between retention runs (one relay at a time)"
+    )
+    retention_batch_size: int = Field(
+        1000, ge=1, le=100_000, description="delivered rows deleted per statement"
+    )
+    stats_interval: Duration = Field(
+        15.0, ge=0.05, description="seconds between pending-row gauge queries"
+    )
+
+    @property
+    def db_schema(self) -> str:
+        return self.schema_
+
+    @field_validator("schema_")
+    @classmethod
+    def _schema_name(cls, v: str) -> str:
+        return check_schema(v)
+
+    @model_validator(mode="after")
+    def _capacity_fits_batch(self) -> RelaySettings:
+        if self.max_in_flight < self.batch_size:
+            raise ValueError(
+                f"max_in_flight ({self.max_in_flight}) must be >= batch_size ({self.batch_size})"
+            )
+        return self
+
+
+class HttpSettings(Section):
+    """The relay's own HTTP listener: /metrics, /healthz, /readyz."""
+
+    enabled: bool = True
+    host: str = Field("0.0.0.0", min_length=1, description="address to listen on")  # noqa: S104
+    port: int = Field(9090, ge=0, le=65535, description="0 picks a free port (tests)")
+
+
+class Settings(BaseSettings):
+    """What the relay takes. The model :func:`load_settings` validates also has a section
+    per kind of sink that has one (``kafka``, ``webhooks``: see :meth:`section`), and knows
+    each kind's destinations."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="OUTBOX_",
+        env_nested_delimiter="_",
+        env_nested_max_split=1,
+        extra="forbid",
+        frozen=True,
+        allow_inf_nan=False,
+    )
+
+    database_url: SecretStr = Field(
+        description="postgresql:// or postgresql+asyncpg:// URL; never logged"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="json, console, or auto (JSON unless stdout is a terminal)"
+    )
+    relay: RelaySettings = RelaySettings()
+    http: HttpSettings = HttpSettings()
+    destinations: dict[str, Delivery] = Field(default_factory=dict)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file arrives as init arguments; the environment overrides it.
+        return (OurEnvironment(settings_cls), init_settings)
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, v: SecretStr) -> SecretStr:
+        to_asyncpg_dsn(v.get_secret_value())  # raises ValueError naming the problem
+        return v
+
+    @field_validator("destinations")
+    @classmethod
+    def _names(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name in v:
+            if not name.strip():
+                raise ValueError("destination names must be non-empty")
+        return v
+
+    @property
+    def dsn(self) -> str:
+        return to_asyncpg_dsn(self.database_url.get_secret_value())
+
+    def relay_id(self) -> str:
+        return self.relay.relay_id or default_relay_id()
+
+    def section(self, name: str) -> Any:
+        """A kind of sink's section (``kafka``, ``webhooks``)."""
+        return getattr(self, name)
+
+
+def default_relay_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+@functools.cache
+def settings_model() -> type[Settings]:
+    """Settings with each kind of sink's section and destination model."""
+    from relay.sinks.registry import KINDS
+
+    kinds = list(KINDS.values())
+    destination: Any = Annotated[
+        Union[tuple(k.destination for k in kinds)],  # noqa: UP007 - built from the registry
+        Field(discriminator="kind"),
+    ]
+    sections: dict[str, Any] = {
+        k.section: (k.settings, Field(default_factory=k.settings))
+        for k in kinds
+        if k.section and k.settings
+    }
+    return create_model(
+        "Settings",
+        __base__=Settings,
+        destinations=(dict[str, destination], Field(default_factory=dict)),
+        **sections,
+    )
+
+
+def all_models() -> list[type[BaseModel]]:
+    """Every model of the configuration, the sinks' included."""
+    from relay.sinks.registry import KINDS
+
+    models: list[type[BaseModel]] = [settings_model(), RelaySettings, Backoff, HttpSettings]
+    for kind in KINDS.values():
+        models.append(kind.destination)
+        if kind.settings is not None:
+            models.append(kind.settings)
+            models += [
+                f.annotation
+                for f in kind.settings.model_fields.values()
+                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+            ]
+        models += [
+            f.annotation
+            for f in kind.destination.model_fields.values()
+            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+        ]
+    return models
+
+
+def top_level_keys() -> list[str]:
+    return list(settings_model().model_fields)
+
+
+def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
+    """Read ``path`` (TOML) if given, apply environment overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {p} does not exist") from exc
+        except OSError as exc:
+            raise ConfigError(f"config file {p} cannot be read: {exc}") from exc
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
+    data.update(overrides)
+    schema = schema_from_environment()
+    if schema is not None and isinstance(data.get("relay", {}), dict):
+        in_file = data.get("relay", {}).get("schema")
+        if in_file is not None and in_file != schema:
+            raise ConfigError(
+                f"relay.schema{' in ' + str(path) if path else ''} ({in_file!r}) and the "
+                f"environment's schema ({schema!r}, OUTBOX_SCHEMA) differ; set one"
+            )
+        data["relay"] = {**data.get("relay", {}), "schema": schema}
+    # Found before validating, so that no error message can quote them. (Registering the
+    # secrets of a loaded configuration, for the logs, is the relay process's business:
+    # relay.cli does it, so that loading a configuration changes nothing global.)
+    found = secrets.config_secrets(data) | secrets.environment_secrets(os.environ)
+    where = f" in {path}" if path else ""
+    # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
+    # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
+    private = sorted(k for k in data if k.startswith("_"))
+    if private:
+        bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
+        raise ConfigError(secrets.hide(f"invalid configuration{where}:\n{bad}", found))
+    try:
+        settings = settings_model()(**data)
+    except ValidationError as exc:
+        message = f"invalid configuration{where}:\n{format_errors(exc)}"
+        raise ConfigError(secrets.hide(message, found)) from None
+    except SettingsError as exc:
+        # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
+        # Its text names the field, never the value.
+        message = f"invalid configuration in the environment: {exc}"
+        raise ConfigError(secrets.hide(message, found)) from None
+    return settings
+
+
+def settings_secrets(s: Settings) -> set[str]:
+    """What the relay must never print: the database password, and what each kind of sink
+    says (a SASL password, webhook secrets, configured header values; see relay.secrets for
+    the lengths scrubbed)."""
+    from relay.sinks.registry import KINDS
+
+    found = set(url_secrets(s.database_url.get_secret_value()))
+    for kind in KINDS.values():
+        mine = {n: d for n, d in s.destinations.items() if d.kind == kind.name}
+        section = s.section(kind.section) if kind.section else None
+        found |= kind.secrets(section, mine)
+    return found
+
+
+def named_variables(s: Settings) -> set[str]:
+    """Environment variables the configuration names itself (a destination's secret_env)."""
+    return {v for d in s.destinations.values() if (v := getattr(d, "secret_env", None))}

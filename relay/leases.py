@@ -1,0 +1,149 @@
+"""The rows this relay holds: claimed, not yet recorded.
+
+Every claimed row is in :class:`Leases` until its outcome is written (or the relay finds it
+no longer holds the row). The heartbeat renews what is held; a row whose renewal the
+database refuses was taken back (reaped after a stall) and is never sent from then on. Its
+``capacity`` event wakes the claimer whenever rows leave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
+
+import structlog
+
+from relay.metrics import Metrics
+from relay.model import Envelope
+from relay.store import Record, Store
+
+log = structlog.get_logger("relay")
+
+LOST_IDS_LOGGED = 20
+
+
+class Leases:
+    def __init__(self, metrics: Metrics, stats: Counter[str]) -> None:
+        self.metrics = metrics
+        self.stats = stats
+        self.capacity = asyncio.Event()  # set whenever rows leave
+        self._held: dict[int, Envelope] = {}
+        # Rows whose outcome is with the completer: id -> (token, when handed over).
+        self._handed: dict[int, tuple[int, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __iter__(self) -> Iterator[Envelope]:
+        return iter(list(self._held.values()))
+
+    def tokens(self) -> list[tuple[int, int]]:
+        """(id, token) of every row held."""
+        return [(i, e.token) for i, e in self._held.items()]
+
+    def claimed(self, batch: Sequence[Envelope]) -> None:
+        for env in batch:
+            earlier = self._held.get(env.id)
+            if earlier is not None:
+                # This relay claimed the row again: its earlier claim expired (a stall longer
+                # than the lease) and was reaped. That claim can no longer record anything.
+                self.lose([earlier], "claimed again after the lease expired")
+            self._held[env.id] = env
+
+    def handed(self, envs: Iterable[Envelope]) -> None:
+        """Their outcomes are with the completer from now on."""
+        now = time.monotonic()
+        for env in envs:
+            self._handed[env.id] = (env.token, now)
+
+    def recorded(
+        self,
+        records: Sequence[Record],
+        written: set[tuple[int, int]],
+        abandoned: set[tuple[int, int]],
+    ) -> bool:
+        """The completer wrote (or gave up on) these records. Returns whether a head of an
+        ordered key finished, so the next row of its key can be claimed now."""
+        next_heads = False
+        stale: list[int] = []
+        for r in records:
+            env = self._held.get(r.id)
+            if env is not None and env.token == r.token:
+                del self._held[r.id]
+                self._handed.pop(r.id, None)
+            if (r.id, r.token) in written:
+                self.stats[r.status if r.counted else "deferred"] += 1
+                next_heads |= r.status != "pending" and r.key is not None
+            elif (r.id, r.token) not in abandoned:
+                stale.append(r.id)
+        if stale:
+            self._log_lost(stale, "outcome not recorded: the row is no longer this claim's")
+        self.capacity.set()
+        return next_heads
+
+    def lose(self, envs: Iterable[Envelope], why: str) -> None:
+        """Rows this relay found it no longer holds: never sent from now on, never renewed."""
+        lost = []
+        for env in envs:
+            env.lease.lost.add(env.id)
+            if self._held.get(env.id) is env:
+                del self._held[env.id]
+                self._handed.pop(env.id, None)
+            lost.append(env.id)
+        if lost:
+            self._log_lost(lost, why)
+            self.capacity.set()
+
+    def forget(self, envs: Iterable[Envelope]) -> None:
+        """Stop renewing leases this relay cannot settle: the reaper takes the rows back."""
+        for env in envs:
+            if self._held.get(env.id) is env:
+                del self._held[env.id]
+        self.capacity.set()
+
+    async def heartbeat(self, store: Store, lease: float) -> None:
+        """Renew the leases of the rows held; drop those the database says are gone."""
+        started = time.monotonic()
+        # A row whose outcome has waited to be written for this long is let go: the reaper
+        # takes it back after its lease, instead of this relay renewing it for ever.
+        stuck_since = started - max(10 * lease, 300.0)
+        held = [
+            (i, e.token)
+            for i, e in self._held.items()
+            if (h := self._handed.get(i)) is None or h[0] != e.token or h[1] > stuck_since
+        ]
+        if not held:
+            return
+        alive = await store.heartbeat(held)
+        until = started + lease
+        lost = []
+        for i, token in held:
+            env = self._held.get(i)
+            if env is None or env.token != token:
+                continue  # recorded (or claimed again) while the heartbeat ran
+            if i in alive:
+                env.lease.until = max(env.lease.until, until)
+            elif self._handed.get(i, (None,))[0] != token:
+                # Its outcome is not being written: the row was reaped, maybe claimed again.
+                lost.append(env)
+        if lost:
+            self.lose(lost, "lease not renewed: the row was taken back after the lease expired")
+
+    def _log_lost(self, ids: list[int], why: str) -> None:
+        self.metrics.leases_lost.inc(len(ids))
+        self.stats["lease_lost"] += len(ids)
+        log.warning(
+            "relay.lease.lost",
+            count=len(ids),
+            ids=sorted(ids)[:LOST_IDS_LOGGED],
+            reason=why,
+            action="another claim of these rows delivers and records them; if this repeats, "
+            "the relay stalls for longer than relay.lease (raise it, or look for pauses)",
+        )
+
+
+def ids(envs: Sequence[Envelope]) -> list[int]:
+    """Row ids for a log line: all of a small batch, the first few of a large one."""
+    return [e.id for e in envs[:LOST_IDS_LOGGED]]

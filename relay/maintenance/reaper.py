@@ -1,0 +1,87 @@
+"""The reaper: rows whose lease expired (their relay died or stalled) go back to pending,
+an attempt counted, or to failed once their destination's attempts are spent."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import asyncpg
+import structlog
+
+from relay.errors import describe
+from relay.leases import LOST_IDS_LOGGED
+from relay.metrics import Metrics
+from relay.store import DB_ERRORS, UNAVAILABLE, Store
+
+log = structlog.get_logger("relay")
+
+# Rows the database refused to reap, even alone, are left out of reaping this long.
+UNREAPABLE_FOR = 600.0
+
+
+class Reaper:
+    def __init__(
+        self,
+        store: Store,
+        max_attempts: int,
+        limits: dict[str, int],
+        metrics: Metrics,
+        reaped: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.max_attempts = max_attempts  # of destinations no relay here knows
+        self.limits = limits
+        self.metrics = metrics
+        self.reaped = reaped  # rows are claimable again: claim them
+        self._unreapable: dict[int, float] = {}  # row id -> until when it is left alone
+
+    async def __call__(self) -> None:
+        now = time.monotonic()
+        self._unreapable = {i: t for i, t in self._unreapable.items() if t > now}
+        never = list(self._unreapable)
+        try:
+            rows = await self.store.reap(self.max_attempts, self.limits, never=never)
+        except UNAVAILABLE:
+            raise
+        except DB_ERRORS as exc:
+            rows = await self._one_by_one(never, exc)
+        if rows:
+            self.metrics.reaped.inc(len(rows))
+            failed = [r["id"] for r in rows if r["status"] == "failed"]
+            log.warning(
+                "relay.lease.expired",
+                count=len(rows),
+                first_id=min(r["id"] for r in rows),
+                last_id=max(r["id"] for r in rows),
+                failed=len(failed),
+                destinations=sorted({r["destination"] for r in rows}),
+            )
+            self.reaped()
+
+    async def _one_by_one(self, never: list[int], error: BaseException) -> list[asyncpg.Record]:
+        """The database refused to reap the expired rows together: reap them one by one, and
+        leave alone for a while those it refuses even alone (a trigger, a policy)."""
+        reaped: list[asyncpg.Record] = []
+        refused: list[int] = []
+        for row_id in await self.store.expired(500, never):
+            try:
+                reaped += await self.store.reap(
+                    self.max_attempts, self.limits, 1, only=[row_id], never=never
+                )
+            except UNAVAILABLE:
+                raise
+            except DB_ERRORS as exc:
+                refused.append(row_id)
+                error = exc
+        if refused:
+            self._unreapable.update(dict.fromkeys(refused, time.monotonic() + UNREAPABLE_FOR))
+            log.error(
+                "relay.reap.refused",
+                count=len(refused),
+                ids=refused[:LOST_IDS_LOGGED],
+                error=describe(error),
+                action="the database refuses to put these rows back to pending (a trigger or a "
+                "policy?); they stay running until it accepts",
+            )
+        return reaped

@@ -1,0 +1,43 @@
+"""Retention: delivered and skipped rows older than ``relay.retention`` are deleted, a batch
+per transaction, by one relay at a time; registrations of relays long gone too."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from relay.config import RelaySettings
+from relay.metrics import Metrics
+from relay.store import Store
+
+log = structlog.get_logger("relay")
+
+# Registrations of relays not seen for this long are deleted.
+FORGET_RELAYS_AFTER = 7 * 86400.0
+
+
+class Retention:
+    def __init__(
+        self, settings: RelaySettings, store: Store, metrics: Metrics, stopping: asyncio.Event
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.stopping = stopping
+
+    async def __call__(self) -> None:
+        rs = self.settings
+        total = 0
+        await self.store.forget_relays(FORGET_RELAYS_AFTER)
+        while not self.stopping.is_set():
+            n = await self.store.delete_finished(rs.retention, rs.retention_batch_size)
+            if n is None:  # another relay is on it
+                break
+            total += n
+            self.metrics.retention_deleted.inc(n)
+            if n < rs.retention_batch_size:
+                break
+            await asyncio.sleep(0)  # let deliveries and probes run between batches
+        if total:
+            log.info("relay.retention.deleted", rows=total, retention_s=rs.retention)

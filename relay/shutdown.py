@@ -1,0 +1,144 @@
+"""A graceful stop: the claim in progress completes, deliveries get ``shutdown_timeout`` to
+finish, outcomes are written, rows still held are put back to pending, and the relay
+unregisters; all after the drain within FINAL_BUDGET, so that a database that hangs cannot
+keep the process from exiting (the reaper takes back whatever was not released)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from relay.errors import describe
+from relay.leases import LOST_IDS_LOGGED
+from relay.store import DB_ERRORS, UNAVAILABLE, Store
+
+if TYPE_CHECKING:
+    from relay.relay import Relay
+
+log = structlog.get_logger("relay")
+
+# Bound on each statement of the shutdown after the drain.
+LAST_WRITE_TIMEOUT = 5.0
+# All of the shutdown after the drain (outcomes, release, unregister, closing) fits in this.
+FINAL_BUDGET = 10.0
+
+
+async def shutdown(
+    relay: Relay, claimer: asyncio.Task[None], background: set[asyncio.Task[Any]]
+) -> None:
+    timeout = relay.settings.relay.shutdown_timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    await _drain(relay, claimer, timeout, deadline)
+    last = max(deadline, loop.time()) + FINAL_BUDGET
+
+    def left(at_most: float = FINAL_BUDGET) -> float:
+        return max(0.5, min(at_most, last - loop.time()))
+
+    # The write in progress finishes (cut short, its rows would be released and sent again),
+    # then whatever is left is written, within the remaining time.
+    completer = relay.completer
+    if completer is not None and not await completer.close(
+        timeout=max(deadline - loop.time(), left(FINAL_BUDGET / 2))
+    ):
+        log.error(
+            "relay.shutdown.unrecorded",
+            outcomes=completer.pending,
+            action="their rows are released below, or reaped after their lease, and delivered "
+            "again",
+        )
+    # Stopped before anything is released: a write that ran out of time must not race the
+    # release of its rows.
+    for t in background:
+        if t.get_name() == "completer":
+            t.cancel()
+            await asyncio.wait({t}, timeout=left(1.0))
+    store = relay.store
+    await release_leftover(store, relay.leases.tokens(), left(LAST_WRITE_TIMEOUT))
+    try:
+        async with asyncio.timeout(left(LAST_WRITE_TIMEOUT)):
+            await store.unregister()
+    except DB_ERRORS as exc:
+        log.warning("relay.unregister.failed", error=describe(exc))
+    for t in background:
+        t.cancel()
+    # A task in a statement on a hung connection cannot finish cancelling (its rollback waits
+    # too) until the pool is terminated below.
+    _, stuck = await asyncio.wait(background, timeout=left(LAST_WRITE_TIMEOUT))
+    await _close(relay, store, stuck, left)
+
+
+async def _drain(
+    relay: Relay, claimer: asyncio.Task[None], timeout: float, deadline: float
+) -> None:
+    """Let the claim in progress end and deliveries finish, until the deadline."""
+    loop = asyncio.get_running_loop()
+    # The claim loop is never cancelled mid-claim: rows it claims must be held.
+    try:
+        await asyncio.wait_for(asyncio.shield(claimer), timeout=max(timeout, 1))
+    except (TimeoutError, Exception):
+        claimer.cancel()
+    tasks = relay.deliveries.tasks if relay.deliveries is not None else set()
+    if tasks:
+        _, late = await asyncio.wait(set(tasks), timeout=max(0.0, deadline - loop.time()))
+        for t in late:
+            t.cancel()
+        if late:
+            await asyncio.gather(*late, return_exceptions=True)
+            log.warning("relay.shutdown.timeout", unfinished_batches=len(late))
+
+
+async def _close(
+    relay: Relay, store: Store, stuck: set[asyncio.Task[Any]], left: Callable[[float], float]
+) -> None:
+    for sink in {id(s): s for s in relay.sinks.values()}.values():
+        try:
+            await sink.close()
+        except Exception:
+            log.exception("relay.sink.close_failed")
+    relay.metrics.up.set(0)
+    if relay.http is not None:
+        await relay.http.stop()
+    try:
+        await asyncio.wait_for(store.pool.close(), 0 if stuck else left(2.0))
+    except TimeoutError:
+        store.pool.terminate()  # a connection that hangs: do not wait for it
+    if stuck:
+        await asyncio.wait(stuck, timeout=left(2.0))
+
+
+async def release_leftover(store: Store, leftover: list[tuple[int, int]], timeout: float) -> None:
+    """Put the rows still held back to pending, unattempted: in one statement, or row by row
+    if the database refuses the statement for one of them."""
+    if not leftover:
+        return
+    try:
+        async with asyncio.timeout(timeout):
+            await store.release(leftover)
+        log.info("relay.released", count=len(leftover))
+        return
+    except UNAVAILABLE as exc:
+        failed: list[tuple[int, int]] = leftover
+        error = describe(exc)
+    except DB_ERRORS:
+        failed, error = [], ""
+        for one in leftover:
+            try:
+                async with asyncio.timeout(min(timeout, 1.0)):
+                    await store.release([one])
+            except DB_ERRORS as exc:
+                failed.append(one)
+                error = describe(exc)
+        if len(failed) < len(leftover):
+            log.info("relay.released", count=len(leftover) - len(failed))
+    if failed:
+        log.error(
+            "relay.release.failed",
+            count=len(failed),
+            ids=[i for i, _ in failed[:LOST_IDS_LOGGED]],
+            error=error,
+            action="the reaper returns them to pending when their lease expires",
+        )

@@ -1,0 +1,242 @@
+"""The webhook sink's settings: the HTTP client all webhook destinations share ([webhooks]),
+and a destination's endpoint: URL, signing secrets, limits, circuit breaker."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from typing import Any, Literal
+
+import httpx
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from relay.config.base import MAX_SECONDS, Backoff, Delivery, Section, package_version
+from relay.sinks.webhook.signing import decode_secret
+
+_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+
+
+def _valid_host(host: str) -> bool:
+    """A DNS name (IDNA already applied by httpx) or an IP address, nothing else."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return len(host) <= 253 and all(_LABEL.match(label) for label in labels)
+
+
+class WebhookClientSettings(Section):
+    """The one HTTP client the relay shares between all webhook destinations."""
+
+    max_connections: int = Field(
+        100, ge=1, description="open connections at most (keep >= sum of max_concurrency)"
+    )
+    max_keepalive_connections: int = Field(20, ge=0, description="idle connections kept")
+    keepalive_expiry: float = Field(
+        30.0, gt=0, le=86400, description="seconds an idle connection lives"
+    )
+    connect_timeout: float = Field(
+        5.0, gt=0, le=300, description="seconds for DNS + TCP + TLS; destinations may override"
+    )
+    max_response_bytes: int = Field(
+        4096, ge=0, le=1_048_576, description="response body bytes read, at most"
+    )
+    user_agent: str = Field(
+        default_factory=lambda: f"outbox-relay/{package_version()}", min_length=1
+    )
+
+
+# The Standard Webhooks example schedule, stretched to about two days: the first attempt is
+# immediate, then 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h, 10 h, 10 h (≈ 47.6 h in all).
+WEBHOOK_SCHEDULE = (5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0, 36000.0, 36000.0)
+WEBHOOK_MAX_ATTEMPTS = len(WEBHOOK_SCHEDULE) + 1
+
+# Headers the relay sets itself: configured headers may not replace them.
+RESERVED_HEADERS = frozenset(
+    {
+        "webhook-id",
+        "webhook-timestamp",
+        "webhook-signature",
+        "content-type",
+        "content-length",
+        "transfer-encoding",
+        "host",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "proxy-authorization",
+        "proxy-connection",
+    }
+)
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """Why ``name: value`` cannot be sent as an HTTP header, or None if it can."""
+    if not _TOKEN.match(name):
+        return f"header name {name!r} is not a valid HTTP token"
+    if any(c in value for c in "\r\n\x00"):
+        return f"header {name!r} has a line break or NUL in its value"
+    return None
+
+
+class Circuit(Section):
+    """Per-endpoint circuit breaker: stop sending after consecutive failures, then probe."""
+
+    threshold: int = Field(5, ge=1, description="consecutive failures that open the circuit")
+    cooldown: float = Field(
+        30.0, gt=0, le=MAX_SECONDS, description="seconds open before the first probe"
+    )
+    max_cooldown: float = Field(
+        600.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description="cap on the cool-down, which doubles per failed probe",
+    )
+
+
+class WebhookDestination(Delivery):
+    kind: Literal["webhook"]
+    url: str = Field(description="http(s) URL the events are POSTed to")
+    secrets: list[SecretStr] = Field(
+        default_factory=list, description="whsec_ signing secrets; several while rotating"
+    )
+    secret_env: str | None = Field(
+        None, description="environment variable holding the secret(s), read at start-up"
+    )
+    timeout: float = Field(15.0, gt=0, le=300, description="seconds per request, in total")
+    connect_timeout: float | None = Field(
+        None, gt=0, le=300, description="overrides webhooks.connect_timeout"
+    )
+    max_concurrency: int = Field(16, ge=1, le=1000, description="in-flight requests, at most")
+    headers: dict[str, str] = Field(default_factory=dict, repr=False)
+    retry_client_errors: bool = Field(
+        True, description="retry 3xx and 4xx (but 408/410/425/429); false: fail them at once"
+    )
+    retry_after_max: float = Field(
+        3600.0,
+        ge=1,
+        le=MAX_SECONDS,
+        description="cap on a Retry-After the endpoint asks for, seconds",
+    )
+    allow_private_networks: bool = Field(
+        False, description="allow loopback/private/link-local/... addresses (SSRF guard off)"
+    )
+    allowed_networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(
+        default_factory=list, description="CIDRs allowed although not public, e.g. 10.1.0.0/16"
+    )
+    circuit: Circuit = Circuit()
+    max_attempts: int = Field(
+        WEBHOOK_MAX_ATTEMPTS, ge=1, le=10_000, description="attempts before a row is failed"
+    )
+    backoff: Backoff = Field(
+        Backoff(schedule=list(WEBHOOK_SCHEDULE), jitter=0.2),
+        description="retry delays; by default the Standard Webhooks schedule over ~2 days",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_from_env(cls, data: Any) -> Any:
+        # Read at start-up so a missing variable stops the relay now, not at the first event.
+        if not isinstance(data, dict) or data.get("secret_env") is None:
+            return data
+        if data.get("secrets"):
+            raise ValueError("set either secrets or secret_env, not both")
+        var = data["secret_env"]
+        value = os.environ.get(var) if isinstance(var, str) else None
+        if not value or not value.strip():
+            raise ValueError(
+                f"secret_env names the environment variable {var!r}, which is not set "
+                "(or empty); export it or put the secret in secrets"
+            )
+        # Several secrets (rotation) may be separated by spaces or commas.
+        return {**data, "secrets": [s for s in re.split(r"[\s,]+", value) if s]}
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        try:
+            url = httpx.URL(v)
+        except httpx.InvalidURL as exc:
+            # httpx quotes the offending piece, which may be part of a credential (a password
+            # read as the port): say what is wrong without it.
+            text = str(exc).lower()
+            what = next((w for w in ("port", "character", "too long") if w in text), "")
+            problem = {
+                "port": "its port is not a number from 0 to 65535",
+                "character": "it holds a control character",
+                "too long": "it is too long",
+            }.get(what, "it cannot be parsed")
+            raise ValueError(
+                f"not a valid URL: {problem} (credentials belong in headers, not in the URL)"
+            ) from None
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"must be an http:// or https:// URL, not {url.scheme or 'none'!r}")
+        if not url.host:
+            raise ValueError("has no host")
+        if not _valid_host(url.raw_host.decode("ascii", "replace")):
+            raise ValueError(
+                "its host is not a valid host name or IP address (letters, digits, hyphens "
+                "and dots; no spaces or empty labels)"
+            )
+        if url.port is not None and not 1 <= url.port <= 65535:
+            raise ValueError("its port must be a number from 1 to 65535")
+        if url.userinfo:
+            raise ValueError(
+                "must not carry credentials (user:password@); send them in headers, e.g. "
+                'headers = { Authorization = "Basic …" }'
+            )
+        return v
+
+    @field_validator("allowed_networks", mode="before")
+    @classmethod
+    def _cidrs(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        nets = []
+        for item in v:
+            if isinstance(item, str):
+                try:
+                    item = ipaddress.ip_network(item)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{item!r} is not a network in CIDR form like 10.1.0.0/16 ({exc})"
+                    ) from None
+            nets.append(item)
+        return nets
+
+    @field_validator("secrets")
+    @classmethod
+    def _whsec(cls, v: list[SecretStr]) -> list[SecretStr]:
+        for s in v:
+            decode_secret(s.get_secret_value())
+        return v
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if name.lower() in RESERVED_HEADERS:
+                raise ValueError(f"header {name!r} is set by the relay and cannot be configured")
+            problem = header_problem(name, value)
+            if problem:
+                raise ValueError(problem)
+        return v
+
+    @model_validator(mode="after")
+    def _needs_secret(self) -> WebhookDestination:
+        if not self.secrets:
+            raise ValueError(
+                'a webhook destination needs a signing secret: set secrets = ["whsec_…"] '
+                'or secret_env = "NAME_OF_ENV_VAR"'
+            )
+        return self
+
+    def signing_keys(self) -> list[bytes]:
+        return [decode_secret(s.get_secret_value()) for s in self.secrets]

@@ -1,0 +1,117 @@
+"""Start-up: connect to the database, waiting out what a restart or failover looks like, and
+refusing at once, with what to do, what waiting cannot change."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import asyncpg
+import structlog
+
+from outbox.migrate import not_utf8
+from relay.config import Settings
+from relay.errors import describe
+from relay.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
+
+log = structlog.get_logger("relay")
+
+
+class RelayStartupError(Exception):
+    """The relay cannot start; the message says what to do."""
+
+
+# Answers to the start-up statements that waiting will not change. Anything else (the database
+# starting up or shutting down, out of connections, unreachable) is waited out for
+# relay.startup_timeout. (A read-only database is waited out: a failover makes one for a
+# moment.)
+REFUSED_AT_STARTUP: tuple[type[BaseException], ...] = (
+    asyncpg.InsufficientPrivilegeError,
+    asyncpg.QueryCanceledError,
+    asyncpg.InvalidCatalogNameError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+)
+
+
+Prepare = Callable[[Store], Awaitable[None]]
+
+
+async def open_store(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
+    """A store on a checked database (UTF8, the outbox tables up to date), then handed to
+    ``prepare`` (the relay reads what is paused and registers before its first claim). Retries for
+    ``relay.startup_timeout`` what may pass; raises :class:`RelayStartupError` otherwise."""
+    rs = settings.relay
+    deadline = time.monotonic() + rs.startup_timeout
+    delay = 0.5
+    while True:
+        try:
+            return await _open(settings, relay_id, prepare)
+        except DB_ERRORS as exc:
+            if isinstance(exc, REFUSED_AT_STARTUP):
+                # The server answered, and said no: waiting will not change it.
+                raise RelayStartupError(refused_at_startup(exc)) from exc
+            if time.monotonic() + delay > deadline:
+                if isinstance(exc, asyncpg.PostgresError) and is_plain_sql_error(exc):
+                    raise RelayStartupError(
+                        f"{refused_at_startup(exc)} (still so after {rs.startup_timeout:.0f}s)"
+                    ) from exc
+                raise RelayStartupError(
+                    f"cannot reach the database after {rs.startup_timeout:.0f}s: "
+                    f"{describe(exc)}. Check database_url / "
+                    "OUTBOX_DATABASE_URL and that PostgreSQL is up."
+                ) from exc
+            log.warning("relay.database.unavailable", error=describe(exc), retry_in=round(delay, 1))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
+    rs = settings.relay
+    pool = await create_pool(
+        settings.dsn, relay_id, rs.pool_size, command_timeout=max(2 * rs.lease, 60.0)
+    )
+    try:
+        store = Store(pool, rs.db_schema, relay_id, rs.lease, delete_delivered=rs.retention == 0)
+        encoding = await store.server_encoding()
+        if encoding != "UTF8":
+            raise RelayStartupError(not_utf8(encoding))
+        missing = await store.missing_tables()
+        if missing:
+            raise RelayStartupError(
+                f"the outbox tables in schema {rs.db_schema!r} are missing or not up to date "
+                f"(no {', '.join(missing)}): run `outbox-relay migrate` first"
+            )
+        await prepare(store)
+    except BaseException:
+        await pool.close()
+        raise
+    return store
+
+
+def refused_at_startup(exc: BaseException) -> str:
+    """What to tell an operator whose database refused the relay's start-up statements."""
+    what = f"the database refused the relay's start-up statements: {describe(exc)}."
+    if isinstance(exc, asyncpg.InsufficientPrivilegeError):
+        return (
+            f"{what} The relay's role needs SELECT on outbox_paused and SELECT, INSERT, UPDATE, "
+            "DELETE on outbox and outbox_relays (run deploy/sql/relay_role.sql again after "
+            "migrating)"
+        )
+    if isinstance(exc, asyncpg.QueryCanceledError):
+        return (
+            f"{what} A statement_timeout set for the relay's role or database is too short "
+            "for them; raise it or unset it for the relay's role"
+        )
+    if isinstance(exc, asyncpg.LockNotAvailableError):
+        return (
+            f"{what} A lock_timeout set for the relay's role or database ran out: another "
+            "session holds a lock on the outbox tables (see pg_locks), or the timeout is short"
+        )
+    if isinstance(exc, asyncpg.ReadOnlySQLTransactionError):
+        return f"{what} The database (or the relay's role) is read-only; the relay must write"
+    if isinstance(exc, asyncpg.InvalidCatalogNameError):
+        return f"{what} The database in database_url does not exist"
+    if isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError):
+        return f"{what} Check the user and password in database_url"
+    return f"{what} Check the database's logs and the relay's role"
