@@ -6,11 +6,12 @@ so it exists exactly when their business change does.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypedDict
 
-from sqlalchemy import text
+from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
@@ -93,27 +94,46 @@ class Outbox:
                 raise OutboxValidationError(f"events[{i}].{exc.field}", exc.message) from exc
         return out
 
-    @staticmethod
-    def _params(m: NewMessage) -> dict[str, Any]:
-        return {
-            "destination": m.destination,
-            "key": m.key,
-            "payload": m.payload,
-            "content_type": m.content_type,
-            "headers": m.headers_json,
-            "run_after": m.run_after,
-        }
+    def _one(
+        self,
+        destination: str,
+        payload: Payload,
+        key: str | None,
+        headers: Mapping[str, str] | None,
+        run_after: datetime | None,
+        content_type: str | None,
+    ) -> _Statement:
+        m = self._message(
+            destination,
+            payload,
+            key,
+            headers,
+            run_after,
+            content_type,
+            tracing.current_trace_headers(),
+        )
+        args = (m.destination, m.key, m.payload, m.content_type, m.headers_json, m.run_after)
+        return _Statement(
+            self._one_sa, dict(zip(_ONE_BINDS, args, strict=True)), self._one_pg, args
+        )
 
-    @staticmethod
-    def _columns(ms: Sequence[NewMessage]) -> dict[str, list[Any]]:
-        return {
-            "destinations": [m.destination for m in ms],
-            "keys": [m.key for m in ms],
-            "payloads": [m.payload for m in ms],
-            "content_types": [m.content_type for m in ms],
-            "headers": [m.headers_json for m in ms],
-            "run_afters": [m.run_after for m in ms],
-        }
+    def _many(self, events: Iterable[EventSpec]) -> _Statement | None:
+        ms = self._messages(events)
+        if not ms:
+            return None
+        columns = (
+            [m.destination for m in ms],
+            [m.key for m in ms],
+            [m.payload for m in ms],
+            [m.content_type for m in ms],
+            [m.headers_json for m in ms],
+            [m.run_after for m in ms],
+        )
+        binds = dict(zip(_MANY_BINDS, columns, strict=True))
+        return _Statement(self._many_sa, binds, self._many_pg, columns)
+
+    # The public methods spell their keywords out (and twice, async and sync) so that type
+    # checkers and editors show each one; the work is done once, by _one/_many and _run.
 
     # --- async -----------------------------------------------------------------------------
 
@@ -129,45 +149,14 @@ class Outbox:
         content_type: str | None = None,
     ) -> int:
         """Add one event to ``conn``'s open transaction and return its id."""
-        m = self._message(
-            destination,
-            payload,
-            key,
-            headers,
-            run_after,
-            content_type,
-            tracing.current_trace_headers(),
-        )
-        if isinstance(conn, AsyncSession | AsyncConnection):
-            await _refuse_async_autocommit(conn)
-            result = await conn.execute(self._one_sa, self._params(m))
-            return int(result.scalar_one())
-        _require_asyncpg_transaction(conn)
-        return int(
-            await conn.fetchval(
-                self._one_pg,
-                m.destination,
-                m.key,
-                m.payload,
-                m.content_type,
-                m.headers_json,
-                m.run_after,
-            )
-        )
+        statement = self._one(destination, payload, key, headers, run_after, content_type)
+        [row_id] = await _run(conn, statement)
+        return row_id
 
     async def enqueue_many(self, conn: AsyncTarget, events: Iterable[EventSpec]) -> list[int]:
         """Add many events in one statement; returns their ids in input order."""
-        ms = self._messages(events)
-        if not ms:
-            return []
-        cols = self._columns(ms)
-        if isinstance(conn, AsyncSession | AsyncConnection):
-            await _refuse_async_autocommit(conn)
-            result = await conn.execute(self._many_sa, cols)
-            return sorted(int(i) for i in result.scalars())
-        _require_asyncpg_transaction(conn)
-        rows = await conn.fetch(self._many_pg, *cols.values())
-        return sorted(int(r[0]) for r in rows)
+        statement = self._many(events)
+        return await _run(conn, statement) if statement is not None else []
 
     # --- sync ------------------------------------------------------------------------------
 
@@ -183,26 +172,47 @@ class Outbox:
         content_type: str | None = None,
     ) -> int:
         """``enqueue`` for a SQLAlchemy ``Session`` or ``Connection``."""
-        m = self._message(
-            destination,
-            payload,
-            key,
-            headers,
-            run_after,
-            content_type,
-            tracing.current_trace_headers(),
-        )
-        _require_sync(conn)
-        return int(conn.execute(self._one_sa, self._params(m)).scalar_one())
+        statement = self._one(destination, payload, key, headers, run_after, content_type)
+        [row_id] = _run_sync(conn, statement)
+        return row_id
 
     def enqueue_many_sync(self, conn: SyncTarget, events: Iterable[EventSpec]) -> list[int]:
         """``enqueue_many`` for a SQLAlchemy ``Session`` or ``Connection``."""
-        ms = self._messages(events)
-        if not ms:
-            return []
-        _require_sync(conn)
-        result = conn.execute(self._many_sa, self._columns(ms))
+        statement = self._many(events)
+        return _run_sync(conn, statement) if statement is not None else []
+
+
+# The bind names of ENQUEUE_SA and ENQUEUE_MANY_SA, in the order of the asyncpg forms' $n.
+_ONE_BINDS = ("destination", "key", "payload", "content_type", "headers", "run_after")
+_MANY_BINDS = ("destinations", "keys", "payloads", "content_types", "headers", "run_afters")
+
+
+@dataclass(frozen=True, slots=True)
+class _Statement:
+    """An insert of one or many events, in both forms: SQLAlchemy's (named binds) and
+    asyncpg's (positional)."""
+
+    sa: TextClause
+    binds: dict[str, Any]
+    pg: str
+    args: tuple[Any, ...]
+
+
+async def _run(conn: AsyncTarget, statement: _Statement) -> list[int]:
+    """Run an insert on any async connection we take; the new ids, ascending (input order)."""
+    if isinstance(conn, AsyncSession | AsyncConnection):
+        await _refuse_async_autocommit(conn)
+        result = await conn.execute(statement.sa, statement.binds)
         return sorted(int(i) for i in result.scalars())
+    _require_asyncpg_transaction(conn)
+    rows = await conn.fetch(statement.pg, *statement.args)
+    return sorted(int(r[0]) for r in rows)
+
+
+def _run_sync(conn: SyncTarget, statement: _Statement) -> list[int]:
+    _require_sync(conn)
+    result = conn.execute(statement.sa, statement.binds)
+    return sorted(int(i) for i in result.scalars())
 
 
 _SPEC_KEYS = frozenset(EventSpec.__annotations__)

@@ -1,4 +1,4 @@
-"""Exceptions raised to applications that enqueue events."""
+"""Exceptions raised to applications that enqueue events, and how any exception is worded."""
 
 from __future__ import annotations
 
@@ -17,3 +17,12 @@ class OutboxValidationError(OutboxError, ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+def describe(exc: BaseException) -> str:
+    """How an exception is worded in logs, errors and ``last_error``, everywhere (the outbox
+    library, the relay, the commands): ``"TypeName: message"``, or the type name alone when
+    the message adds nothing."""
+    name = type(exc).__name__
+    text = str(exc)
+    return f"{name}: {text}" if text and text != name else name

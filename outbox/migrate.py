@@ -15,6 +15,7 @@ import asyncpg
 
 from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
+from outbox.errors import describe
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -227,7 +228,7 @@ async def _apply_retrying(
             undone = "was rolled back" if m.transactional else "can be run again"
             raise MigrationError(
                 f"migration {m.version:04d}_{m.name} failed in schema {schema!r} and "
-                f"{undone}: {type(exc).__name__}: {exc}"
+                f"{undone}: {describe(exc)}"
             ) from exc
 
 

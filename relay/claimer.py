@@ -15,8 +15,8 @@ from collections.abc import Callable, Mapping
 
 import structlog
 
+from outbox.errors import describe
 from relay.config import RelaySettings
-from relay.errors import describe
 from relay.leases import Leases
 from relay.metrics import Metrics
 from relay.model import Envelope

@@ -23,7 +23,8 @@ from dataclasses import replace
 
 import structlog
 
-from relay.errors import describe
+from outbox.errors import describe
+from outbox.schema import Status
 from relay.model import truncate_error
 from relay.store import UNAVAILABLE, Record, Store
 
@@ -160,7 +161,7 @@ class Completer:
             )
         )
         log.error("relay.record.rejected", id=bad.id, outcome=bad.status, error=describe(exc))
-        failed = Record(bad.id, bad.token, "failed", 1, 0.0, reason, bad.destination, bad.key)
+        failed = Record(bad.id, bad.token, Status.FAILED, 1, 0.0, reason, bad.destination, bad.key)
         try:
             ids = await self.store.record([failed])
         except UNAVAILABLE:

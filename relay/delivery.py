@@ -15,9 +15,10 @@ from collections.abc import Mapping
 
 import structlog
 
+from outbox.errors import describe
+from outbox.schema import Status
 from relay import backoff, outcomes, tracing
 from relay.completer import Completer
-from relay.errors import describe
 from relay.leases import Leases, ids
 from relay.metrics import Metrics
 from relay.model import Envelope, Outcome, Result, header_problem
@@ -103,17 +104,18 @@ class Deliveries:
         latencies = []
         for env in envs:
             outcome = outcome_of.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
-            if outcome.result is Result.DELIVERED and outcome.http_status is None:
+            if outcome.result is Result.DELIVERED and outcome.status_class is None:
                 # The common case, kept short: most rows of most batches.
-                records.append(Record(env.id, env.token, "delivered", 1, 0.0, None, dest, env.key))
+                records.append(
+                    Record(env.id, env.token, Status.DELIVERED, 1, 0.0, None, dest, env.key)
+                )
                 tally["delivered", "delivered", "none"] += 1
                 latencies.append(acked - env.created_at.timestamp())
                 continue
             rec = outcomes.to_record(env, outcome, route.max_attempts, route.backoff)
             records.append(rec)
             kind = rec.status if outcome.result is not Result.DEFER else "deferred"
-            code = outcome.http_status
-            tally[kind, outcome.result.value, f"{code // 100}xx" if code else "none"] += 1
+            tally[kind, outcome.result.value, outcome.status_class or "none"] += 1
             if outcome.result is Result.DELIVERED:
                 latencies.append(acked - env.created_at.timestamp())
         return records, tally, latencies
@@ -208,7 +210,7 @@ def _log_group(
         counts[kind] += n
     if counts["failed"]:
         for env, rec in zip(envs, records, strict=True):
-            if rec.status == "failed":
+            if rec.status is Status.FAILED:
                 log.error(
                     "relay.delivery.failed",
                     id=env.id,
@@ -217,7 +219,7 @@ def _log_group(
                     error=rec.error,
                 )
     if counts["pending"]:
-        sample = next((r.error for r in records if r.status == "pending" and r.counted), None)
+        sample = next((r.error for r in records if r.status is Status.PENDING and r.counted), None)
         log.warning(
             "relay.delivery.retrying", count=counts["pending"], destinations=[dest], error=sample
         )

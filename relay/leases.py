@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import structlog
 
+from outbox.schema import Status
 from relay.metrics import Metrics
 from relay.model import Envelope
 from relay.store import Record, Store
@@ -75,7 +76,7 @@ class Leases:
                 self._handed.pop(r.id, None)
             if (r.id, r.token) in written:
                 self.stats[r.status if r.counted else "deferred"] += 1
-                next_heads |= r.status != "pending" and r.key is not None
+                next_heads |= r.status is not Status.PENDING and r.key is not None
             elif (r.id, r.token) not in abandoned:
                 stale.append(r.id)
         if stale:

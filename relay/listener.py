@@ -9,6 +9,7 @@ from typing import Any
 import asyncpg
 import structlog
 
+from outbox.errors import describe
 from relay.store import DB_ERRORS
 
 log = structlog.get_logger("relay.listener")
@@ -42,7 +43,7 @@ class Listener:
                 )
             except DB_ERRORS as exc:
                 if not was_lost:
-                    log.warning("relay.listener.lost", error=f"{type(exc).__name__}: {exc}")
+                    log.warning("relay.listener.lost", error=describe(exc))
                     was_lost = True
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
@@ -63,7 +64,7 @@ class Listener:
                         # A silent network loss never terminates the connection; ask.
                         await conn.execute("SELECT 1", timeout=10)
             except DB_ERRORS as exc:
-                log.warning("relay.listener.lost", error=f"{type(exc).__name__}: {exc}")
+                log.warning("relay.listener.lost", error=describe(exc))
                 was_lost = True
             finally:
                 self.connected.clear()

@@ -174,6 +174,18 @@ class Metrics:
             "Delivered rows deleted by retention (by this relay)",
             registry=r,
         )
+        self._gauges(r)
+        self.batch_size = BatchHistogram("outbox_claim_batch_size", "Rows per claim", BATCH_BUCKETS)
+        self.latency = BatchHistogram(
+            "outbox_commit_to_ack_seconds",
+            "Seconds from the row's created_at to the sink's acknowledgement",
+            LATENCY_BUCKETS,
+            label="destination",
+        )
+        r.register(self.batch_size)
+        r.register(self.latency)
+
+    def _gauges(self, r: CollectorRegistry) -> None:
         self.pending = Gauge(
             "outbox_pending_rows",
             "Pending rows per destination, cluster-wide (refreshed every stats_interval)",
@@ -201,15 +213,6 @@ class Metrics:
             ["destination"],
             registry=r,
         )
-        self.batch_size = BatchHistogram("outbox_claim_batch_size", "Rows per claim", BATCH_BUCKETS)
-        self.latency = BatchHistogram(
-            "outbox_commit_to_ack_seconds",
-            "Seconds from the row's created_at to the sink's acknowledgement",
-            LATENCY_BUCKETS,
-            label="destination",
-        )
-        r.register(self.batch_size)
-        r.register(self.latency)
 
     def watch_circuits(self, source: Callable[[], Iterable[tuple[str, str, Breaker]]]) -> None:
         self.registry.register(CircuitCollector(source))

@@ -72,23 +72,24 @@ class Outcome:
     # Seconds until the next attempt, when the sink knows better than the backoff schedule
     # (a webhook's Retry-After, a circuit's cool-down).
     retry_in: float | None = None
-    # The HTTP status the endpoint answered, for sinks that speak HTTP (metrics count attempts
-    # by status class); None for Kafka and when no response arrived.
-    http_status: int | None = None
+    # The class of the destination's answer, for the metrics (outbox_delivery_attempts'
+    # status_class): "2xx" … "5xx" for a sink that speaks HTTP; None when there was no
+    # answer, or the protocol has no such thing (Kafka).
+    status_class: str | None = None
 
     @classmethod
-    def delivered(cls, id: int, *, http_status: int | None = None) -> Outcome:
-        return cls(id, Result.DELIVERED, http_status=http_status)
+    def delivered(cls, id: int, *, status_class: str | None = None) -> Outcome:
+        return cls(id, Result.DELIVERED, status_class=status_class)
 
     @classmethod
     def retry(
-        cls, id: int, error: str, retry_in: float | None = None, *, http_status: int | None = None
+        cls, id: int, error: str, retry_in: float | None = None, *, status_class: str | None = None
     ) -> Outcome:
-        return cls(id, Result.RETRY, error, retry_in, http_status)
+        return cls(id, Result.RETRY, error, retry_in, status_class)
 
     @classmethod
-    def failed(cls, id: int, error: str, *, http_status: int | None = None) -> Outcome:
-        return cls(id, Result.FAILED, error, http_status=http_status)
+    def failed(cls, id: int, error: str, *, status_class: str | None = None) -> Outcome:
+        return cls(id, Result.FAILED, error, status_class=status_class)
 
     @classmethod
     def defer(cls, id: int, reason: str, retry_in: float) -> Outcome:

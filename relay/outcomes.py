@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+from outbox.schema import Status
 from relay import backoff
 from relay.config.base import MAX_SECONDS, Backoff
 from relay.model import Envelope, Outcome, Result, truncate_error
@@ -27,20 +28,27 @@ def to_record(env: Envelope, outcome: Outcome, max_attempts: int, policy: Backof
     error = truncate_error(outcome.error) if outcome.error else None
     token = env.token
     if outcome.result is Result.DELIVERED:
-        return Record(env.id, token, "delivered", 1, 0.0, None, env.destination, env.key)
+        return Record(env.id, token, Status.DELIVERED, 1, 0.0, None, env.destination, env.key)
     if outcome.result is Result.FAILED:
-        return Record(env.id, token, "failed", 1, 0.0, error, env.destination, env.key)
+        return Record(env.id, token, Status.FAILED, 1, 0.0, error, env.destination, env.key)
     if outcome.result is Result.DEFER:
         later = clamp_delay(outcome.retry_in, 0.0)
-        return Record(env.id, token, "pending", 0, later, error, env.destination, env.key)
+        return Record(env.id, token, Status.PENDING, 0, later, error, env.destination, env.key)
     attempt = env.attempts + 1
     if attempt >= max_attempts:
         gave_up = f"gave up after {attempt} attempts: {error}"
-        return Record(env.id, token, "failed", 1, 0.0, gave_up, env.destination, env.key)
+        return Record(env.id, token, Status.FAILED, 1, 0.0, gave_up, env.destination, env.key)
     asked = outcome.retry_in
     wait = backoff.delay(policy, attempt) if asked is None or math.isnan(asked) else asked
     return Record(
-        env.id, token, "pending", 1, clamp_delay(wait, policy.max), error, env.destination, env.key
+        env.id,
+        token,
+        Status.PENDING,
+        1,
+        clamp_delay(wait, policy.max),
+        error,
+        env.destination,
+        env.key,
     )
 
 
@@ -54,11 +62,11 @@ def crashed(env: Envelope, error: str, max_attempts: int, delay: float) -> Recor
         return Record(
             env.id,
             env.token,
-            "failed",
+            Status.FAILED,
             1,
             0.0,
             f"gave up after {attempt} attempts: {text}",
             env.destination,
             env.key,
         )
-    return Record(env.id, env.token, "pending", 1, delay, text, env.destination, env.key)
+    return Record(env.id, env.token, Status.PENDING, 1, delay, text, env.destination, env.key)

@@ -9,25 +9,45 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from relay.errors import describe
-from relay.store import DB_ERRORS
-
-if TYPE_CHECKING:
-    from relay.relay import Relay
+from outbox.errors import describe
+from relay.claimer import Claimer
+from relay.completer import Completer
+from relay.sinks import Sink
+from relay.store import DB_ERRORS, Store
 
 Answer = tuple[bool, dict[str, Any]]
 
 
-async def health(relay: Relay) -> Answer:
+class Observed(Protocol):
+    """What the probes read of a relay."""
+
+    started: asyncio.Event
+    stopping: asyncio.Event
+    tasks: set[asyncio.Task[Any]]
+    claimer: Claimer | None
+    completer: Completer | None
+
+    @property
+    def sinks(self) -> Mapping[str, Sink]: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def paused(self) -> frozenset[str]: ...
+
+
+async def health(relay: Observed) -> Answer:
     if not relay.started.is_set():
         return True, {"starting": True}
     dead = sorted(t.get_name() for t in relay.tasks if t.done())
     return not dead, {"dead_tasks": dead} if dead else {}
 
 
-async def readiness(relay: Relay) -> Answer:
+async def readiness(relay: Observed) -> Answer:
     if relay.claimer is None:
         return False, {"starting": True}
     checks: dict[str, Any] = {}

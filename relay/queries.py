@@ -175,7 +175,9 @@ RETURNING destination
 )
 
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
-# updated as in RECORD. Still one statement; the two parts touch disjoint rows.
+# updated as in RECORD. Still one statement; the two parts touch disjoint rows. Its UPDATE
+# repeats RECORD's SET list but for delivered_at (no delivered row reaches it), spelled out
+# rather than pasted together so that each statement reads whole: change both together.
 RECORD_DELETING = """
 WITH u AS (
     SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[],

@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from outbox.errors import describe
 from relay import probes
 from relay.breaker import Breaker
 from relay.claimer import Claimer
@@ -25,7 +26,6 @@ from relay.completer import Completer, Key
 from relay.config import Settings
 from relay.config.base import package_version
 from relay.delivery import Deliveries
-from relay.errors import describe
 from relay.leases import Leases
 from relay.listener import Listener
 from relay.maintenance import every
@@ -34,11 +34,10 @@ from relay.maintenance.reaper import Reaper
 from relay.maintenance.reporter import Reporter
 from relay.maintenance.retention import Retention
 from relay.metrics import Metrics
-from relay.routes import attempt_limits, build_routes
+from relay.routes import attempt_limits, build_routes, build_sinks
 from relay.server import HttpServer, HttpStartupError, build_app
 from relay.shutdown import FINAL_BUDGET, shutdown
 from relay.sinks import Sink
-from relay.sinks.registry import build_sinks
 from relay.startup import RelayStartupError, open_store
 from relay.store import Record, Store
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from relay.config import Backoff, Settings
 from relay.sinks import Sink
+from relay.sinks.registry import KINDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,19 @@ class Route:
     def blocks_keys(self) -> bool:
         """A failed row holds up the rest of its key until retried or skipped."""
         return self.ordered and not self.parks_poison
+
+
+def build_sinks(settings: Settings) -> dict[str, Sink]:
+    """The sink of each configured destination: one sink per kind, shared by that kind's
+    destinations (one Kafka producer, one HTTP client per relay)."""
+    sinks: dict[str, Sink] = {}
+    for kind in KINDS.values():
+        mine = {n: d for n, d in settings.destinations.items() if d.kind == kind.name}
+        if mine:
+            section = settings.section(kind.section) if kind.section else None
+            sink = kind.build(section, mine)
+            sinks.update(dict.fromkeys(mine, sink))
+    return sinks
 
 
 def build_routes(settings: Settings, sinks: Mapping[str, Sink]) -> dict[str, Route]:

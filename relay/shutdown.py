@@ -6,17 +6,20 @@ keep the process from exiting (the reaper takes back whatever was not released).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import structlog
 
-from relay.errors import describe
-from relay.leases import LOST_IDS_LOGGED
+from outbox.errors import describe
+from relay.completer import Completer
+from relay.config import Settings
+from relay.delivery import Deliveries
+from relay.leases import LOST_IDS_LOGGED, Leases
+from relay.metrics import Metrics
+from relay.server import HttpServer
+from relay.sinks import Sink
 from relay.store import DB_ERRORS, UNAVAILABLE, Store
-
-if TYPE_CHECKING:
-    from relay.relay import Relay
 
 log = structlog.get_logger("relay")
 
@@ -26,8 +29,25 @@ LAST_WRITE_TIMEOUT = 5.0
 FINAL_BUDGET = 10.0
 
 
+class Stopping(Protocol):
+    """What a shutdown reads of a relay."""
+
+    settings: Settings
+    metrics: Metrics
+    leases: Leases
+    completer: Completer | None
+    deliveries: Deliveries | None
+    http: HttpServer | None
+
+    @property
+    def sinks(self) -> Mapping[str, Sink]: ...
+
+    @property
+    def store(self) -> Store: ...
+
+
 async def shutdown(
-    relay: Relay, claimer: asyncio.Task[None], background: set[asyncio.Task[Any]]
+    relay: Stopping, claimer: asyncio.Task[None], background: set[asyncio.Task[Any]]
 ) -> None:
     timeout = relay.settings.relay.shutdown_timeout
     loop = asyncio.get_running_loop()
@@ -72,7 +92,7 @@ async def shutdown(
 
 
 async def _drain(
-    relay: Relay, claimer: asyncio.Task[None], timeout: float, deadline: float
+    relay: Stopping, claimer: asyncio.Task[None], timeout: float, deadline: float
 ) -> None:
     """Let the claim in progress end and deliveries finish, until the deadline."""
     loop = asyncio.get_running_loop()
@@ -92,7 +112,7 @@ async def _drain(
 
 
 async def _close(
-    relay: Relay, store: Store, stuck: set[asyncio.Task[Any]], left: Callable[[float], float]
+    relay: Stopping, store: Store, stuck: set[asyncio.Task[Any]], left: Callable[[float], float]
 ) -> None:
     for sink in {id(s): s for s in relay.sinks.values()}.values():
         try:

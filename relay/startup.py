@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 import asyncpg
 import structlog
 
+from outbox.errors import describe
 from outbox.migrate import not_utf8
 from relay.config import Settings
-from relay.errors import describe
 from relay.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
 
 log = structlog.get_logger("relay")

@@ -13,6 +13,8 @@ from typing import Any
 
 import asyncpg
 
+from outbox.errors import describe
+from outbox.schema import Status
 from relay import queries
 from relay.model import Envelope, Lease, UnreadableHeaders
 
@@ -56,7 +58,7 @@ class Record:
 
     id: int
     token: int  # the fencing token of the claim this outcome belongs to
-    status: str  # delivered | pending | failed
+    status: Status  # delivered, pending or failed
     counted: int  # 1 if this was an attempt, 0 if deferred
     delay: float  # seconds until run_after, for pending
     error: str | None
@@ -172,7 +174,7 @@ class Store:
             n = int(status.split()[-1])
             if n < batch_size:
                 status = await conn.execute(
-                    self._purge_finished, retention, None, batch_size - n, ["skipped"]
+                    self._purge_finished, retention, None, batch_size - n, [Status.SKIPPED]
                 )
                 n += int(status.split()[-1])
         return n
@@ -334,7 +336,7 @@ def _headers(text: str) -> Any:
     try:
         return json.loads(text)
     except (RecursionError, ValueError) as exc:
-        return UnreadableHeaders(f"{type(exc).__name__}: {exc}")
+        return UnreadableHeaders(describe(exc))
 
 
 def _timestamp(epoch: float) -> datetime:

@@ -20,7 +20,7 @@ from relay.config import ConfigError, load_settings
 from relay.model import Envelope, Outcome
 from relay.ops import admin
 from relay.relay import Relay, RelayStartupError
-from relay.sinks.registry import build_sinks
+from relay.routes import build_sinks
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.test_relay import enqueue_n, fetch_rows
 
@@ -270,9 +270,9 @@ class ScriptedWebhookLike:
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         return [
-            Outcome.retry(e.id, "HTTP 503", retry_in=0.05, http_status=503)
+            Outcome.retry(e.id, "HTTP 503", retry_in=0.05, status_class="5xx")
             if e.attempts == 0
-            else Outcome.delivered(e.id, http_status=204)
+            else Outcome.delivered(e.id, status_class="2xx")
             for e in batch
         ]
 

@@ -9,8 +9,7 @@ import pytest
 
 from relay import backoff
 from relay.config import ConfigError, load_settings
-from relay.routes import build_routes
-from relay.sinks.registry import build_sinks
+from relay.routes import build_routes, build_sinks
 from relay.sinks.webhook.config import WebhookDestination
 from relay.sinks.webhook.signing import Signer, decode_secret
 from relay.sinks.webhook.sink import WebhookSink

@@ -49,6 +49,16 @@ async def make_sink() -> AsyncIterator[SinkFactory]:
         await s.close()
 
 
+async def deliver_all(sink: WebhookSink, batch: list[Envelope]) -> list[Outcome]:
+    """Deliver rows of several destinations as the relay does: one call per destination, the
+    calls running at once."""
+    groups: dict[str, list[Envelope]] = {}
+    for env in batch:
+        groups.setdefault(env.destination, []).append(env)
+    results = await asyncio.gather(*(sink.deliver(envs) for envs in groups.values()))
+    return [o for outcomes in results for o in outcomes]
+
+
 async def one(sink: WebhookSink, env: Envelope) -> Outcome:
     [outcome] = await sink.deliver([env])
     assert outcome.id == env.id
@@ -74,7 +84,7 @@ async def test_signed_delivery_verifies_with_reference_library(
             "X-Team": "row-loses",
         }
     )
-    assert await one(sink, env) == Outcome.delivered(env.id, http_status=200)
+    assert await one(sink, env) == Outcome.delivered(env.id, status_class="2xx")
 
     [req] = receiver.wait_for(1)
     assert (req.method, req.path, req.body) == ("POST", "/hooks/orders", env.payload)
@@ -239,7 +249,7 @@ async def test_redirect_is_not_followed(receiver: Receiver, make_sink: SinkFacto
         strict=dest(receiver.url + "/b", retry_client_errors=False),
     )
     a, b = envelope("retrying"), envelope("strict")
-    outcomes = {o.id: o for o in await sink.deliver([a, b])}
+    outcomes = {o.id: o for o in await deliver_all(sink, [a, b])}
     assert outcomes[a.id].result is Result.RETRY
     assert outcomes[b.id].result is Result.FAILED
     assert "redirects are not followed" in (outcomes[b.id].error or "")
@@ -256,7 +266,7 @@ async def test_client_errors_retry_by_default_or_fail_when_configured(
         retrying=dest(receiver.url), strict=dest(receiver.url, retry_client_errors=False)
     )
     a, b = envelope("retrying"), envelope("strict")
-    outcomes = {o.id: o.result for o in await sink.deliver([a, b])}
+    outcomes = {o.id: o.result for o in await deliver_all(sink, [a, b])}
     assert outcomes == {a.id: Result.RETRY, b.id: Result.FAILED}
 
 
@@ -279,7 +289,7 @@ async def test_connection_refused_and_reset_are_retries(
         flaky=dest(receiver.url),
     )
     dead, flaky = envelope("dead"), envelope("flaky")
-    outcomes = {o.id: o for o in await sink.deliver([dead, flaky])}
+    outcomes = {o.id: o for o in await deliver_all(sink, [dead, flaky])}
     assert outcomes[dead.id].result is Result.RETRY
     assert "ConnectError" in (outcomes[dead.id].error or "")
     assert outcomes[flaky.id].result is Result.RETRY
@@ -291,12 +301,6 @@ async def test_dns_failure_is_a_retry(make_sink: SinkFactory) -> None:
     sink = make_sink(hook=dest("http://no-such-host.invalid/hook"))
     outcome = await one(sink, envelope())
     assert outcome.result is Result.RETRY and "DNS lookup" in (outcome.error or "")
-
-
-async def test_unknown_destination_fails(make_sink: SinkFactory, receiver: Receiver) -> None:
-    sink = make_sink(hook=dest(receiver.url))
-    outcome = await one(sink, envelope("orders-kafka"))
-    assert outcome.result is Result.FAILED and "not a webhook" in (outcome.error or "")
 
 
 # --- isolation -----------------------------------------------------------------------------
@@ -321,7 +325,7 @@ async def test_slow_endpoint_does_not_delay_a_healthy_one(
     )
     batch = [envelope("slow") for _ in range(4)] + [envelope("healthy") for _ in range(20)]
     started = time.monotonic()
-    task = asyncio.create_task(sink.deliver(batch))
+    task = asyncio.create_task(deliver_all(sink, batch))
     reqs = await asyncio.to_thread(healthy.wait_for, 20)
     healthy_done = max(r.at for r in reqs) - started
     outcomes = await task
@@ -346,7 +350,7 @@ async def test_rows_queued_behind_a_slow_endpoint_are_deferred_not_held(
         slot_wait=0.3, slow=dest(slow.url, max_concurrency=2), healthy=dest(healthy.url)
     )
     batch = [envelope("slow") for _ in range(10)] + [envelope("healthy") for _ in range(3)]
-    task = asyncio.create_task(sink.deliver(batch))
+    task = asyncio.create_task(deliver_all(sink, batch))
     await asyncio.to_thread(slow.wait_for, 2)
     assert not sink.available("slow")  # congested: 10 rows for 2 slots
     assert sink.available("healthy")

@@ -87,52 +87,61 @@ def _print_relays(relays: list[dict[str, Any]]) -> None:
         click.echo(f"  {r['relay_id']}: {r['state']} on {where}, {when}; serves {serves}")
 
 
+STATUS_COLUMNS = (
+    "DESTINATION",
+    "PENDING",
+    "DUE",
+    "OLDEST",
+    "RUNNING",
+    "DELIVERED",
+    "FAILED",
+    "SKIPPED",
+    "STATE",
+)
+
+
 def _print_status(data: dict[str, Any]) -> None:
     dests = data["destinations"]
     if not dests:
         click.echo(f"the outbox in schema {data['schema']!r} is empty")
         _print_relays(data["relays"])
         return
-    head = (
-        "DESTINATION",
-        "PENDING",
-        "DUE",
-        "OLDEST",
-        "RUNNING",
-        "DELIVERED",
-        "FAILED",
-        "SKIPPED",
-        "STATE",
+    _print_table([STATUS_COLUMNS, *(_status_row(d) for d in dests)])
+    _print_relays(data["relays"])
+    _print_details(dests)
+
+
+def _status_row(d: dict[str, Any]) -> tuple[str, ...]:
+    state = "active"
+    if d["paused"]:
+        p = d["paused"]
+        state = f"PAUSED since {p['since'][:19]}" + (f" by {p['by']}" if p["by"] else "")
+        if p["reason"]:
+            state += f": {p['reason']}"
+    counts = (d["pending"], d["due_now"])
+    more = (d["running"], d["delivered"], d["failed"], d["skipped"])
+    return (
+        d["destination"],
+        *map(str, counts),
+        age(d["oldest_pending_age_s"]),
+        *map(str, more),
+        state,
     )
-    rows = [head]
-    for d in dests:
-        state = "active"
-        if d["paused"]:
-            p = d["paused"]
-            state = f"PAUSED since {p['since'][:19]}" + (f" by {p['by']}" if p["by"] else "")
-            if p["reason"]:
-                state += f": {p['reason']}"
-        rows.append(
-            (
-                d["destination"],
-                str(d["pending"]),
-                str(d["due_now"]),
-                age(d["oldest_pending_age_s"]),
-                str(d["running"]),
-                str(d["delivered"]),
-                str(d["failed"]),
-                str(d["skipped"]),
-                state,
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    """Columns aligned: the first to the left, the numbers to the right, the last as it is."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [
             c.ljust(w) if i == 0 else c.rjust(w)
             for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
         click.echo("  ".join([*cells, r[-1]]))
-    _print_relays(data["relays"])
+
+
+def _print_details(dests: list[dict[str, Any]]) -> None:
+    """What needs attention: leases held, failures by error, blocked keys."""
     leases = [(d["destination"], x) for d in dests for x in d["in_flight"]]
     if leases:
         click.echo("\nin flight:")

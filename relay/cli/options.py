@@ -16,6 +16,7 @@ import click
 
 from outbox import queries
 from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
+from outbox.errors import describe
 from relay import secrets
 from relay.config import ConfigError, schema_from_environment
 from relay.durations import format_duration, parse_duration, parse_since
@@ -117,7 +118,7 @@ def with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[
         raise click.ClickException(str(exc)) from exc
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise click.ClickException(
-            f"database error at {redact(database_url)}: {type(exc).__name__}: {exc}. Check "
+            f"database error at {redact(database_url)}: {describe(exc)}. Check "
             "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
         ) from exc
     except ValueError as exc:  # a URL that is not PostgreSQL

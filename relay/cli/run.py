@@ -11,6 +11,7 @@ import asyncpg
 import click
 
 from outbox.dburl import redact
+from outbox.errors import describe
 from outbox.migrate import MigrationError
 from outbox.migrate import migrate as run_migrations
 from relay import secrets
@@ -62,7 +63,7 @@ def migrate(database_url: str, schema: str, dry_run: bool, wait: float) -> None:
         asyncpg.InterfaceError,
     ) as exc:
         raise click.ClickException(
-            f"cannot migrate {redact(database_url)}: {type(exc).__name__}: {exc}. Check "
+            f"cannot migrate {redact(database_url)}: {describe(exc)}. Check "
             "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
         ) from exc
     if not result.applied:

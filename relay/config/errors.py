@@ -3,10 +3,10 @@ input echoed that could hold a secret."""
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from relay import secrets
 
@@ -14,22 +14,20 @@ from relay import secrets
 _ECHO_MAX_CHARS = 40
 
 
-@functools.cache
-def _echoable_fields() -> frozenset[str]:
-    from relay.config.settings import all_models
-
-    names = {f.alias or n for m in all_models() for n, f in m.model_fields.items()}
+def echoable_fields(models: Iterable[type[BaseModel]]) -> frozenset[str]:
+    """The names of settings whose values may be echoed: none that names a secret."""
+    names = {f.alias or n for m in models for n, f in m.model_fields.items()}
     return frozenset(n for n in names if not secrets.SECRET_KEY.search(n))
 
 
-def _shown(err: Any, loc: tuple[Any, ...]) -> str:
+def _shown(err: Any, loc: tuple[Any, ...], echoable: frozenset[str]) -> str:
     """`` (got …)`` for an input that is safe to echo, else nothing: only a short scalar of a
     setting that cannot hold a secret, never a table, a list, a dict key's value (destination
     or header names) or anything under a secret-bearing key."""
     if err["type"] in ("missing", "extra_forbidden") or not loc:
         return ""
     last = loc[-1]
-    if not isinstance(last, str) or last not in _echoable_fields():
+    if not isinstance(last, str) or last not in echoable:
         return ""
     if any(secrets.SECRET_KEY.search(str(p)) for p in loc):
         return ""
@@ -41,7 +39,7 @@ def _shown(err: Any, loc: tuple[Any, ...]) -> str:
     return ""
 
 
-def _message(err: Any, loc: str) -> str:
+def _message(err: Any, loc: str, kinds: Sequence[str]) -> str:
     kind = err["type"]
     if kind == "extra_forbidden":
         return "unknown key (check its spelling and section)"
@@ -57,7 +55,7 @@ def _message(err: Any, loc: str) -> str:
     if kind in ("dict_type", "model_type", "model_attributes_type"):
         return "must be a table: [section] or key = { … } (not [[…]], which makes a list)"
     if kind == "union_tag_not_found":
-        return f"needs kind = {_kinds(' or kind = ')}"
+        return f"needs kind = {_kinds(kinds, ' or kind = ')}"
     if kind == "union_tag_invalid":
         tag = (err.get("ctx") or {}).get("tag")
         got = (
@@ -65,7 +63,7 @@ def _message(err: Any, loc: str) -> str:
             if isinstance(tag, str) and len(tag) <= _ECHO_MAX_CHARS and tag.isprintable()
             else ""
         )
-        return f"kind must be {_kinds(' or ')}{got}"
+        return f"kind must be {_kinds(kinds, ' or ')}{got}"
     error = (err.get("ctx") or {}).get("error")
     if kind == "value_error" and error is not None:
         return str(error)  # our validators' own words, without pydantic's "Value error, "
@@ -73,20 +71,21 @@ def _message(err: Any, loc: str) -> str:
     return msg
 
 
-def _kinds(between: str) -> str:
-    from relay.sinks.registry import KINDS
-
-    return between.join(f'"{k}"' for k in KINDS)
+def _kinds(kinds: Sequence[str], between: str) -> str:
+    return between.join(f'"{k}"' for k in kinds)
 
 
-def format_errors(exc: ValidationError) -> str:
+def format_errors(exc: ValidationError, echoable: frozenset[str], kinds: Sequence[str]) -> str:
+    """One line per error: the key, what is wrong, and the input where it is safe to show.
+    ``echoable`` (see :func:`echoable_fields`) and ``kinds`` (the kinds of destination) come
+    from the models that validated."""
     lines = []
     for err in exc.errors():
         parts = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
         loc = ".".join(str(p) for p in parts)
         loc = loc.replace("schema_", "schema") or "(top level)"
-        msg = _message(err, loc)
+        msg = _message(err, loc, kinds)
         got = err.get("input")
-        shown = "" if isinstance(got, str) and got and got in msg else _shown(err, parts)
+        shown = "" if isinstance(got, str) and got and got in msg else _shown(err, parts, echoable)
         lines.append(f"  {loc}: {msg}{shown}")
     return "\n".join(lines)

@@ -41,7 +41,7 @@ from outbox.queries import check_schema
 from relay import secrets
 from relay.config.base import MAX_SECONDS, Backoff, ConfigError, Delivery, Duration, Section
 from relay.config.environment import OurEnvironment, schema_from_environment
-from relay.config.errors import format_errors
+from relay.config.errors import echoable_fields, format_errors
 
 # Delivered rows are kept this long by default: long enough to answer "was event 123
 # delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
@@ -247,6 +247,17 @@ def all_models() -> list[type[BaseModel]]:
     return models
 
 
+@functools.cache
+def _echoable() -> frozenset[str]:
+    return echoable_fields(all_models())
+
+
+def _explain(exc: ValidationError) -> str:
+    from relay.sinks.registry import KINDS
+
+    return format_errors(exc, _echoable(), list(KINDS))
+
+
 def top_level_keys() -> list[str]:
     return list(settings_model().model_fields)
 
@@ -288,7 +299,7 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
     try:
         settings = settings_model()(**data)
     except ValidationError as exc:
-        message = f"invalid configuration{where}:\n{format_errors(exc)}"
+        message = f"invalid configuration{where}:\n{_explain(exc)}"
         raise ConfigError(secrets.hide(message, found)) from None
     except SettingsError as exc:
         # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.

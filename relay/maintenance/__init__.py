@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from relay.errors import describe
+from outbox.errors import describe
 from relay.store import DB_ERRORS
 
 log = structlog.get_logger("relay")

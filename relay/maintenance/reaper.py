@@ -9,7 +9,8 @@ from collections.abc import Callable
 import asyncpg
 import structlog
 
-from relay.errors import describe
+from outbox.errors import describe
+from outbox.schema import Status
 from relay.leases import LOST_IDS_LOGGED
 from relay.metrics import Metrics
 from relay.store import DB_ERRORS, UNAVAILABLE, Store
@@ -48,7 +49,7 @@ class Reaper:
             rows = await self._one_by_one(never, exc)
         if rows:
             self.metrics.reaped.inc(len(rows))
-            failed = [r["id"] for r in rows if r["status"] == "failed"]
+            failed = [r["id"] for r in rows if r["status"] == Status.FAILED]
             log.warning(
                 "relay.lease.expired",
                 count=len(rows),

@@ -12,6 +12,7 @@ from typing import Any
 
 import asyncpg
 
+from outbox.schema import Status
 from relay.ops import queries
 
 
@@ -39,7 +40,12 @@ async def _check_tables(conn: asyncpg.Connection, schema: str) -> None:
 # --- status ---------------------------------------------------------------------------------
 
 
+COUNTS = ("pending", "due_now", "running", "delivered", "failed", "skipped")
+
+
 async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
+    """Per destination: row counts, leases held, failures by error, blocked keys, whether it
+    is paused; and the relays. One snapshot (repeatable read), so the parts agree."""
     await _check_tables(conn, schema)
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         counts = await conn.fetch(_sql(queries.STATUS_COUNTS, schema))
@@ -51,45 +57,17 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
     dests: dict[str, dict[str, Any]] = {}
 
     def dest(name: str) -> dict[str, Any]:
-        return dests.setdefault(
-            name,
-            {
-                "destination": name,
-                "paused": None,
-                "pending": 0,
-                "due_now": 0,
-                "running": 0,
-                "delivered": 0,
-                "failed": 0,
-                "skipped": 0,
-                "oldest_pending_age_s": None,
-                "last_delivered_at": None,
-                "in_flight": [],
-                "failed_errors": [],
-                "blocked_keys": [],
-            },
-        )
+        return dests.setdefault(name, _empty_destination(name))
 
     for r in counts:
-        d = dest(r["destination"])
-        d.update(
-            pending=r["pending"],
-            due_now=r["due"],
-            running=r["running"],
-            delivered=r["delivered"],
-            failed=r["failed"],
-            skipped=r["skipped"],
-            oldest_pending_age_s=(
-                round(r["oldest_pending_age"], 3) if r["oldest_pending_age"] is not None else None
-            ),
-            last_delivered_at=_iso(r["last_delivered_at"]),
-        )
+        dest(r["destination"]).update(_counts(r))
     for r in leases:
+        left = r["lease_left"]
         dest(r["destination"])["in_flight"].append(
             {
                 "relay": r["locked_by"],
                 "rows": r["rows"],
-                "lease_left_s": round(r["lease_left"], 3) if r["lease_left"] is not None else None,
+                "lease_left_s": round(left, 3) if left is not None else None,
             }
         )
     for r in errors:
@@ -112,15 +90,39 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
             "reason": r["reason"],
         }
     rows = [dests[k] for k in sorted(dests)]
-    totals = {
-        k: sum(d[k] for d in rows)
-        for k in ("pending", "due_now", "running", "delivered", "failed", "skipped")
-    }
     return {
         "schema": schema,
         "destinations": rows,
-        "totals": totals,
+        "totals": {k: sum(d[k] for d in rows) for k in COUNTS},
         "relays": [_relay(r) for r in relays],
+    }
+
+
+def _empty_destination(name: str) -> dict[str, Any]:
+    """A destination in `status` before its rows are counted (one that is only paused)."""
+    return {
+        "destination": name,
+        "paused": None,
+        **dict.fromkeys(COUNTS, 0),
+        "oldest_pending_age_s": None,
+        "last_delivered_at": None,
+        "in_flight": [],
+        "failed_errors": [],
+        "blocked_keys": [],
+    }
+
+
+def _counts(r: asyncpg.Record) -> dict[str, Any]:
+    oldest = r["oldest_pending_age"]
+    return {
+        "pending": r["pending"],
+        "due_now": r["due"],
+        "running": r["running"],
+        "delivered": r["delivered"],
+        "failed": r["failed"],
+        "skipped": r["skipped"],
+        "oldest_pending_age_s": round(oldest, 3) if oldest is not None else None,
+        "last_delivered_at": _iso(r["last_delivered_at"]),
     }
 
 
@@ -233,7 +235,7 @@ async def retry(
                     f"no outbox row with id {', '.join(map(str, missing))}; check the id "
                     "(`outbox-relay status` lists failed rows per destination). Nothing changed."
                 )
-            not_failed = {i: s for i, s in found.items() if s != "failed"}
+            not_failed = {i: s for i, s in found.items() if s != Status.FAILED}
             if not_failed:
                 listed = ", ".join(f"{i} is {s}" for i, s in sorted(not_failed.items()))
                 raise AdminError(
@@ -290,10 +292,10 @@ async def purge(
     deleted = {"delivered": 0, "skipped": 0, "failed": 0}
     statements: list[tuple[str, str, tuple[Any, ...]]] = [
         ("delivered", queries.PURGE_DELIVERED, ()),
-        ("skipped", queries.PURGE_FINISHED, (["skipped"],)),
+        ("skipped", queries.PURGE_FINISHED, ([Status.SKIPPED],)),
     ]
     if failed:
-        statements.append(("failed", queries.PURGE_FINISHED, (["failed"],)))
+        statements.append(("failed", queries.PURGE_FINISHED, ([Status.FAILED],)))
     batches = 0
     for status_name, sql, extra in statements:
         rendered = _sql(sql, schema)
@@ -360,7 +362,7 @@ async def skip(
             raise AdminError(
                 f"no outbox row with id {', '.join(map(str, missing))}. Nothing changed."
             )
-        not_failed = {i: s for i, s in found.items() if s != "failed"}
+        not_failed = {i: s for i, s in found.items() if s != Status.FAILED}
         if not_failed:
             listed = ", ".join(f"{i} is {s}" for i, s in sorted(not_failed.items()))
             raise AdminError(f"only failed rows can be skipped: {listed}. Nothing changed.")

@@ -19,10 +19,11 @@ from relay.model import Envelope, Outcome
 class Sink(Protocol):
     """Delivers batches and says, per envelope, what happened.
 
-    ``deliver`` returns exactly one outcome per envelope (in any order) and never raises for
-    a delivery problem: a failure of one message is that message's outcome, so its
-    neighbours are still recorded. Exceptions are reserved for bugs; the relay then retries
-    the whole batch.
+    Every envelope of a ``batch`` is of one destination, one of those the sink was built for
+    (the relay groups a claim by destination). ``deliver`` returns exactly one outcome per
+    envelope (in any order) and never raises for a delivery problem: a failure of one
+    message is that message's outcome, so its neighbours are still recorded. Exceptions are
+    reserved for bugs; the relay then retries the whole batch.
     """
 
     kind: str  # "kafka", "webhook", …: the label of its metrics and traces

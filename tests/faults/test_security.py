@@ -142,6 +142,16 @@ def test_secrets_never_reach_the_logs(db_url: str, kafka_bootstrap: str, tmp_pat
             )
             admin = await asyncpg.connect(to_asyncpg_dsn(db_url))
             try:
+                # The listener connects after start-up: only a listener that was connected
+                # can be lost and come back.
+                await wait_until(
+                    lambda: admin.fetchval(
+                        "SELECT count(*) > 0 FROM pg_stat_activity "
+                        "WHERE application_name = 'outbox-relay-listen:secretive'"
+                    ),
+                    timeout=30,
+                    what="the listener connected",
+                )
                 await admin.execute(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                     "WHERE datname = current_database() AND application_name LIKE "

@@ -25,6 +25,7 @@ from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
+from outbox.errors import describe
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result, truncate_error
 from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
@@ -55,12 +56,6 @@ REFUSED_TOPIC_TTL = 30.0
 
 OUTBOX_ID = "outbox-id"
 CONTENT_TYPE = "content-type"
-
-
-def describe(exc: BaseException) -> str:
-    name = type(exc).__name__
-    text = str(exc)
-    return f"{name}: {text}" if text and text != name else name
 
 
 def producer_options(cfg: KafkaSettings) -> dict[str, Any]:
@@ -178,6 +173,8 @@ class KafkaSink:
         return hs
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
+        if not batch:
+            return []
         try:
             producer = await self._ensure_started()
         except Exception as exc:
@@ -186,11 +183,12 @@ class KafkaSink:
             reason = f"Kafka unavailable at {self.bootstrap}: {describe(exc)}"
             return [Outcome.defer(e.id, reason, wait) for e in batch]
 
+        topic = self.topics[batch[0].destination]  # one destination per batch: one topic
         outcomes: list[Outcome] = []
-        groups, broken = await self._partition(producer, batch, outcomes)
+        groups, broken = await self._partition(producer, topic, batch, outcomes)
         sends: list[tuple[asyncio.Future[Any], list[Envelope]]] = []
         singles: list[Envelope] = []
-        for (topic, partition), items in groups.items():
+        for partition, items in groups.items():
             if broken is not None:
                 outcomes.extend(self._not_sent(env, broken) for env, _, _ in items)
                 continue
@@ -218,7 +216,7 @@ class KafkaSink:
                 failures.append(res)
                 outcomes.extend(self._outcome_for(e.id, res) for e in envs)
         if singles:
-            single_outcomes = await self._send_singly(producer, singles)
+            single_outcomes = await self._send_singly(producer, topic, singles)
             failures.extend(o_exc for _, o_exc in single_outcomes if o_exc is not None)
             outcomes.extend(o for o, _ in single_outcomes)
 
@@ -281,65 +279,57 @@ class KafkaSink:
     async def _partition(
         self,
         producer: AIOKafkaProducer,
+        topic: str,
         batch: Sequence[Envelope],
         outcomes: list[Outcome],
-    ) -> tuple[dict[tuple[str, int], list[_Item]], BaseException | None]:
-        """Group envelopes by topic partition, as the producer's own partitioner would."""
-        groups: dict[tuple[str, int], list[_Item]] = {}
-        partitions: dict[str, list[int]] = {}
-        refused: dict[str, BaseException] = {}
-        broken: BaseException | None = None
-        limit = self.settings.max_request_size
+    ) -> tuple[dict[int, list[_Item]], BaseException | None]:
+        """Group one topic's envelopes by partition, as the producer's own partitioner would.
+        Rows that cannot be sent get their outcome in ``outcomes``; the error returned, if
+        any, says the cluster cannot be reached."""
+        known_bad = self._recently_refused(topic)
+        if known_bad is not None:
+            outcomes.extend(self._topic_refused(env, topic, known_bad) for env in batch)
+            return {}, None
+        try:
+            # Waits for metadata (creating the topic where the broker does that).
+            parts = sorted(await producer.partitions_for(topic))
+        except (KafkaError, OSError) as exc:
+            if not await self._about_the_topic(producer, topic, exc):
+                outcomes.extend(self._not_sent(env, exc) for env in batch)
+                return {}, exc
+            self._refused[topic] = (exc, time.monotonic() + REFUSED_TOPIC_TTL)
+            outcomes.extend(self._topic_refused(env, topic, exc) for env in batch)
+            return {}, None
+        groups: dict[int, list[_Item]] = {}
         for env in batch:
-            topic = self.topics.get(env.destination)
-            if topic is None:
-                outcomes.append(
-                    Outcome.failed(env.id, f"destination {env.destination!r} is not a Kafka one")
-                )
-                continue
-            if broken is not None:
-                outcomes.append(self._not_sent(env, broken))
-                continue
-            known_bad = refused.get(topic) or self._recently_refused(topic)
-            if known_bad is not None:
-                outcomes.append(self._topic_refused(env, topic, known_bad))
-                continue
-            parts = partitions.get(topic)
-            if parts is None:
-                try:
-                    # Waits for metadata (creating the topic where the broker does that).
-                    parts = partitions[topic] = sorted(await producer.partitions_for(topic))
-                except (KafkaError, OSError) as exc:
-                    if await self._about_the_topic(producer, topic, exc):
-                        refused[topic] = exc
-                        self._refused[topic] = (exc, time.monotonic() + REFUSED_TOPIC_TTL)
-                        outcomes.append(self._topic_refused(env, topic, exc))
-                    else:
-                        broken = exc
-                        outcomes.append(self._not_sent(env, exc))
-                    continue
             if not env.held():
                 # Metadata can take a while: the relay's lease on the row may have run out.
                 outcomes.append(Outcome.not_held(env.id))
                 continue
             key = env.key.encode() if env.key is not None else None
             headers = self._headers(env)
-            # The producer's own measure (it refuses a message above it in send()): a row is
-            # refused here exactly when the producer would refuse it.
-            size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, env.payload, headers)
-            if size > limit:
-                outcomes.append(
-                    Outcome.failed(
-                        env.id,
-                        f"MessageSizeTooLargeError: the message is {size} bytes with its key, "
-                        f"headers and framing, above kafka.max_request_size ({limit}); it "
-                        "cannot be sent as it is",
-                    )
-                )
+            too_large = self._too_large(env, key, headers)
+            if too_large is not None:
+                outcomes.append(too_large)
                 continue
             partition = self._partitioner(key, parts, parts)
-            groups.setdefault((topic, partition), []).append((env, key, headers))
-        return groups, broken
+            groups.setdefault(partition, []).append((env, key, headers))
+        return groups, None
+
+    def _too_large(
+        self, env: Envelope, key: bytes | None, headers: list[tuple[str, bytes]]
+    ) -> Outcome | None:
+        """The producer's own measure (it refuses a message above it in send()): a row is
+        refused here exactly when the producer would refuse it."""
+        limit = self.settings.max_request_size
+        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, env.payload, headers)
+        if size <= limit:
+            return None
+        return Outcome.failed(
+            env.id,
+            f"MessageSizeTooLargeError: the message is {size} bytes with its key, headers and "
+            f"framing, above kafka.max_request_size ({limit}); it cannot be sent as it is",
+        )
 
     async def _send_batches(
         self,
@@ -367,13 +357,13 @@ class KafkaSink:
             sends.append((await producer.send_batch(builder, topic, partition=partition), envs))
 
     async def _send_singly(
-        self, producer: AIOKafkaProducer, envs: list[Envelope]
+        self, producer: AIOKafkaProducer, topic: str, envs: list[Envelope]
     ) -> list[tuple[Outcome, BaseException | None]]:
         futures: list[tuple[Envelope, asyncio.Future[Any] | BaseException]] = []
         for env in envs:
             try:
                 fut = await producer.send(
-                    self.topics[env.destination],
+                    topic,
                     value=env.payload,
                     key=env.key.encode() if env.key is not None else None,
                     headers=self._headers(env),

@@ -19,6 +19,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 import structlog
 
+from outbox.errors import describe
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
 from relay.sinks.webhook.client import POLICY, build_client
@@ -71,12 +72,6 @@ class Endpoint:
     def origin(self) -> str:
         # Logged and stored instead of the URL: paths and queries often carry tokens.
         return f"{self.url.scheme}://{self.url.netloc.decode('ascii')}"
-
-
-def describe(exc: BaseException) -> str:
-    name = type(exc).__name__
-    text = str(exc)
-    return f"{name}: {text}" if text and text != name else name
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
@@ -176,37 +171,24 @@ class WebhookSink:
     # --- delivering ------------------------------------------------------------------------
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
+        """One destination's rows (the Sink contract), each POSTed on its own, at most
+        ``max_concurrency`` at a time."""
+        if not batch:
+            return []
+        ep = self.endpoints[batch[0].destination]
         client = self._ensure_client()
-        outcomes: list[Outcome] = []
-        groups: dict[str, list[Envelope]] = {}
-        for env in batch:
-            if env.destination in self.endpoints:
-                groups.setdefault(env.destination, []).append(env)
-            else:
-                reason = f"destination {env.destination!r} is not a webhook one"
-                outcomes.append(Outcome.failed(env.id, reason))
         # Counted before the first await: the relay asks available() right after handing a
         # batch over, and must see these rows already, or it claims more for a busy endpoint.
-        for d, envs in groups.items():
-            self.endpoints[d].in_hand += len(envs)
+        ep.in_hand += len(batch)
         try:
-            results = await asyncio.gather(
-                *(
-                    self._deliver_group(client, self.endpoints[d], envs)
-                    for d, envs in groups.items()
-                )
-            )
+            outcomes = await asyncio.gather(*(self._attempt(client, ep, e) for e in batch))
         finally:
-            for d, envs in groups.items():
-                self.endpoints[d].in_hand -= len(envs)
-        for group in results:
-            outcomes.extend(group)
+            ep.in_hand -= len(batch)
+        self._log_group(ep, outcomes)
         return outcomes
 
-    async def _deliver_group(
-        self, client: httpx.AsyncClient, ep: Endpoint, envs: list[Envelope]
-    ) -> list[Outcome]:
-        outcomes = await asyncio.gather(*(self._attempt(client, ep, e) for e in envs))
+    @staticmethod
+    def _log_group(ep: Endpoint, outcomes: list[Outcome]) -> None:
         gone = [o.id for o in outcomes if o.error and o.error.startswith("HTTP 410")]
         if gone:
             log.warning(
@@ -225,7 +207,6 @@ class WebhookSink:
                 rows=len(refused),
                 error=refused[0].error,
             )
-        return outcomes
 
     async def _attempt(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
         try:
@@ -362,7 +343,7 @@ class WebhookSink:
     ) -> tuple[Outcome, Health]:
         status = response.status_code
         if 200 <= status < 300:
-            return Outcome.delivered(env.id, http_status=status), Health.UP
+            return Outcome.delivered(env.id, status_class=_class_of(status)), Health.UP
         error = f"HTTP {status} in {latency_ms:.0f} ms from {ep.origin}"
         if status in (301, 302, 303, 307, 308) and "location" in response.headers:
             error += " (redirects are not followed; point the destination at the final URL)"
@@ -372,7 +353,7 @@ class WebhookSink:
         error = truncate_error(error)
 
         if status == 410:
-            return Outcome.failed(env.id, error, http_status=status), Health.UNKNOWN
+            return Outcome.failed(env.id, error, status_class=_class_of(status)), Health.UNKNOWN
         if status in TRANSIENT_STATUSES or status >= 500:
             retry_in = None
             if status in RETRY_AFTER_STATUSES:
@@ -380,12 +361,12 @@ class WebhookSink:
                 if asked is not None:
                     retry_in = min(max(asked, MIN_RETRY_AFTER), ep.config.retry_after_max)
             health = Health.UNKNOWN if status == 425 else Health.DOWN
-            return Outcome.retry(env.id, error, retry_in, http_status=status), health
+            return Outcome.retry(env.id, error, retry_in, status_class=_class_of(status)), health
         # Other 4xx, 3xx, and odd codes: retried by default, as Svix and Hook0 do, since
         # such answers are often a deployment mistake that gets fixed.
         if ep.config.retry_client_errors:
-            return Outcome.retry(env.id, error, http_status=status), Health.UNKNOWN
-        return Outcome.failed(env.id, error, http_status=status), Health.UNKNOWN
+            return Outcome.retry(env.id, error, status_class=_class_of(status)), Health.UNKNOWN
+        return Outcome.failed(env.id, error, status_class=_class_of(status)), Health.UNKNOWN
 
     def _record(self, ep: Endpoint, health: Health, error: str | None) -> None:
         breaker = ep.breaker
@@ -406,3 +387,8 @@ class WebhookSink:
 
 
 __all__ = ["WebhookSink", "parse_retry_after"]
+
+
+def _class_of(status: int) -> str:
+    """An HTTP status as its class, the label of the attempts metric: 503 -> "5xx"."""
+    return f"{status // 100}xx"

@@ -20,6 +20,7 @@ import click
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
+from outbox.errors import describe
 from relay.relay import Relay
 from relay.tools.bench.common import DESTINATION, Target, TimingSink, percentile, rss_mb
 from relay.tools.bench.drain import relay_settings
@@ -82,7 +83,25 @@ def _writer_main(
     try:
         asyncio.run(_write(db_url, rate, seconds, conns, per_tx, start_at, out))
     except Exception as exc:  # reported by the parent, which names what to change
-        Path(out).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        Path(out).write_text(json.dumps({"error": describe(exc)}))
+
+
+def _read_commits(outs: list[Path]) -> tuple[dict[int, float], float]:
+    """What the writer processes committed (row id -> when), and the longest run of them."""
+    commits: dict[int, float] = {}
+    elapsed = 0.0
+    for out in outs:
+        data = json.loads(out.read_text())
+        if "error" in data:
+            hint = (
+                "; lower --writers or --processes (PostgreSQL's max_connections)"
+                if "TooManyConnections" in data["error"]
+                else ""
+            )
+            raise click.ClickException(f"the load generator failed: {data['error']}{hint}")
+        commits.update(dict(data["commits"]))
+        elapsed = max(elapsed, data["elapsed"])
+    return commits, elapsed
 
 
 async def steady(
@@ -124,19 +143,7 @@ async def steady(
             await asyncio.to_thread(proc.join, seconds * 3 + 60)
             if proc.exitcode != 0:
                 raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
-        commits: dict[int, float] = {}
-        elapsed = 0.0
-        for out in outs:
-            data = json.loads(out.read_text())
-            if "error" in data:
-                hint = (
-                    "; lower --writers or --processes (PostgreSQL's max_connections)"
-                    if "TooManyConnections" in data["error"]
-                    else ""
-                )
-                raise click.ClickException(f"the load generator failed: {data['error']}{hint}")
-            commits.update(dict(data["commits"]))
-            elapsed = max(elapsed, data["elapsed"])
+        commits, elapsed = _read_commits(outs)
         deadline = time.monotonic() + 30
         while len(sink.acked) < len(commits) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -150,6 +157,18 @@ async def steady(
                 proc.kill()
         relay.stop()
         await task
+    return _report(sink, commits, elapsed, rate, per_tx, processes, idle_cpu)
+
+
+def _report(
+    sink: TimingSink,
+    commits: dict[int, float],
+    elapsed: float,
+    rate: float,
+    per_tx: int,
+    processes: int,
+    idle_cpu: float,
+) -> dict[str, Any]:
     latencies = [(sink.acked[i] - t) * 1000 for i, t in commits.items() if i in sink.acked]
     return {
         "offered_per_s": rate,
