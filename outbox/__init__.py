@@ -7,28 +7,58 @@
 
 The relay (``outbox-relay run``) delivers them afterwards, at least once, each carrying its
 row id (``outbox-id`` / ``webhook-id``) so consumers can deduplicate.
+
+The names below load on first use: the relay and its commands import parts of this package
+(URLs, SQL, statuses) without paying for SQLAlchemy.
 """
 
-from outbox.enqueue import (
-    EventSpec,
-    Outbox,
-    enqueue,
-    enqueue_many,
-    enqueue_many_sync,
-    enqueue_sync,
-)
-from outbox.errors import OutboxError, OutboxValidationError
-from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES
-from outbox.schema import (
-    Status,
-    define_outbox_table,
-    define_paused_table,
-    define_relays_table,
-    metadata,
-    outbox_table,
-    paused_table,
-    relays_table,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from outbox.errors import OutboxError, OutboxValidationError
+    from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES
+    from outbox.schema import (
+        define_outbox_table,
+        define_paused_table,
+        define_relays_table,
+        metadata,
+        outbox_table,
+        paused_table,
+        relays_table,
+    )
+    from outbox.status import Status
+    from outbox.writer import (
+        EventSpec,
+        Outbox,
+        enqueue,
+        enqueue_many,
+        enqueue_many_sync,
+        enqueue_sync,
+    )
+
+# Each public name, and the module that defines it.
+_HOMES = {
+    "DEFAULT_MAX_PAYLOAD_BYTES": "outbox.message",
+    "EventSpec": "outbox.writer",
+    "Outbox": "outbox.writer",
+    "OutboxError": "outbox.errors",
+    "OutboxValidationError": "outbox.errors",
+    "Status": "outbox.status",
+    "define_outbox_table": "outbox.schema",
+    "define_paused_table": "outbox.schema",
+    "define_relays_table": "outbox.schema",
+    "enqueue": "outbox.writer",
+    "enqueue_many": "outbox.writer",
+    "enqueue_many_sync": "outbox.writer",
+    "enqueue_sync": "outbox.writer",
+    "metadata": "outbox.schema",
+    "outbox_table": "outbox.schema",
+    "paused_table": "outbox.schema",
+    "relays_table": "outbox.schema",
+}
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
@@ -49,3 +79,20 @@ __all__ = [
     "paused_table",
     "relays_table",
 ]
+assert sorted(__all__) == sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'outbox' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    # Every name of that module, found directly from now on.
+    for other, where in _HOMES.items():
+        if where == home:
+            globals()[other] = getattr(module, other)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -6,8 +6,6 @@ matches it column for column and index for index.
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 from sqlalchemy import (
     DDL,
     BigInteger,
@@ -27,18 +25,11 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from outbox.queries import check_schema, quote_ident
+from outbox.status import Status as Status  # where it used to live
 
 TABLE_NAME = "outbox"
 PAUSED_TABLE_NAME = "outbox_paused"
 RELAYS_TABLE_NAME = "outbox_relays"
-
-
-class Status(StrEnum):
-    PENDING = "pending"
-    RUNNING = "running"
-    DELIVERED = "delivered"
-    FAILED = "failed"
-    SKIPPED = "skipped"  # an operator chose not to deliver a failed row
 
 
 # The functions and triggers of migrations 0001 and 0003, created with the table by

@@ -24,7 +24,7 @@ from dataclasses import replace
 import structlog
 
 from outbox.errors import describe
-from outbox.schema import Status
+from outbox.status import Status
 from relay.model import truncate_error
 from relay.store import UNAVAILABLE, Record, Store
 

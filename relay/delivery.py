@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import structlog
 
 from outbox.errors import describe
-from outbox.schema import Status
+from outbox.status import Status
 from relay import backoff, outcomes, tracing
 from relay.completer import Completer
 from relay.leases import Leases, ids

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import structlog
 
-from outbox.schema import Status
+from outbox.status import Status
 from relay.metrics import Metrics
 from relay.model import Envelope
 from relay.store import Record, Store

@@ -131,7 +131,7 @@ class CircuitCollector(Collector):
 
 
 class Metrics:
-    """Every series the relay exports (see the README's Operations section)."""
+    """Every series the relay exports (see docs/operations.md)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)

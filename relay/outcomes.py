@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from outbox.schema import Status
+from outbox.status import Status
 from relay import backoff
 from relay.config.base import MAX_SECONDS, Backoff
 from relay.model import Envelope, Outcome, Result, truncate_error

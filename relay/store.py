@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 
 from outbox.errors import describe
-from outbox.schema import Status
+from outbox.status import Status
 from relay import queries
 from relay.model import Envelope, Lease, UnreadableHeaders
 

@@ -41,36 +41,7 @@ from relay.sinks.registry import KINDS  # noqa: E402
 
 # The meaning of the settings whose model field has no description: used in its place. Once a
 # field has a description its entry here must go (the script says so).
-EXTRA_NOTES: dict[str, str] = {
-    "log_level": "the least severe level that is logged",
-    "relay.schema": "schema of the outbox table; `OUTBOX_SCHEMA` sets it too (the one schema "
-    "variable of every command), and the two must not name different schemas",
-    "http.enabled": "serve `/metrics`, `/healthz`, `/readyz`; `false`: no listener (the relay "
-    "works the same)",
-    "destinations.NAME.kind": "the kind of sink that delivers the destination's rows; it "
-    "decides which other keys the destination takes",
-    "destinations.NAME.topic": "the Kafka topic the destination's rows go to",
-    "destinations.NAME.headers": "extra request headers (values never printed); headers the "
-    "relay sets itself (`webhook-*`, `content-type`, framing headers) are refused",
-    "kafka.bootstrap_servers": "`host:port` entries, comma-separated string or list "
-    "(`[::1]:9092` for IPv6; port 9092 if omitted)",
-    "kafka.client_id": "the producer's client id, as the brokers see it",
-    "kafka.acks": "`all`, or `1` (the leader only: a leader failover can lose an acknowledged "
-    "message); `0` is refused (nothing would be acknowledged); `-1` means `all`",
-    "kafka.enable_idempotence": 'the idempotent producer; needs `acks = "all"`',
-    "kafka.compression_type": "compression of the producer's batches; `snappy`, `lz4` and "
-    "`zstd` need the cramjam package (`pip install 'aiokafka[snappy]'`), checked at load",
-    "kafka.request_timeout_ms": "milliseconds the producer waits for a broker's answer",
-    "kafka.security_protocol": "how the producer connects; the `SASL_` ones need `sasl_mechanism`",
-    "kafka.sasl_mechanism": "`PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512` (`OAUTHBEARER` is not "
-    "supported yet and refused); needs `security_protocol` `SASL_PLAINTEXT` or `SASL_SSL`",
-    "kafka.sasl_plain_username": "required with a `sasl_mechanism` (for SCRAM too)",
-    "kafka.sasl_plain_password": "required with a `sasl_mechanism`; never printed",
-    "kafka.ssl_cafile": "TLS: the CA certificates file",
-    "kafka.ssl_certfile": "TLS: the client certificate file",
-    "kafka.ssl_keyfile": "TLS: the client certificate's key file",
-    "webhooks.user_agent": "the `user-agent` header of every webhook request",
-}
+EXTRA_NOTES: dict[str, str] = {}
 
 # What the reference says about some keys beyond their description, printed below the table
 # that holds the key.

@@ -54,7 +54,12 @@ class Delivery(Section):
     """What a destination of every kind has: its kind, how its rows are ordered, what blocks
     a key, and its retry policy (where unset, the relay's)."""
 
-    kind: str
+    kind: str = Field(
+        description=(
+            "the kind of sink that delivers the destination's rows; it decides which other keys the"
+            " destination takes"
+        )
+    )
     ordering: Literal["none", "key"] = Field(
         "none",
         description="key: rows of one key are delivered one at a time, in enqueue (id) order",

@@ -52,7 +52,15 @@ DEFAULT_RETENTION = 3600.0
 class RelaySettings(Section):
     """[relay]: the claim, the lease, retries, retention, start-up and shutdown."""
 
-    schema_: str = Field("public", alias="schema", min_length=1)
+    schema_: str = Field(
+        "public",
+        alias="schema",
+        min_length=1,
+        description=(
+            "schema of the outbox table; `OUTBOX_SCHEMA` sets it too (the one schema variable of "
+            "every command), and the two must not name different schemas"
+        ),
+    )
     relay_id: str | None = Field(None, description="defaults to host-pid-random")
     batch_size: int = Field(500, ge=1, le=10_000, description="rows per claim")
     max_in_flight: int = Field(
@@ -130,7 +138,13 @@ class RelaySettings(Section):
 class HttpSettings(Section):
     """The relay's own HTTP listener: /metrics, /healthz, /readyz."""
 
-    enabled: bool = True
+    enabled: bool = Field(
+        True,
+        description=(
+            "serve `/metrics`, `/healthz`, `/readyz`; `false`: no listener (the relay works the "
+            "same)"
+        ),
+    )
     host: str = Field("0.0.0.0", min_length=1, description="address to listen on")  # noqa: S104
     port: int = Field(9090, ge=0, le=65535, description="0 picks a free port (tests)")
 
@@ -152,7 +166,9 @@ class Settings(BaseSettings):
     database_url: SecretStr = Field(
         description="postgresql:// or postgresql+asyncpg:// URL; never logged"
     )
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="the least severe level that is logged"
+    )
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="json, console, or auto (JSON unless stdout is a terminal)"
     )

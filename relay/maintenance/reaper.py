@@ -10,7 +10,7 @@ import asyncpg
 import structlog
 
 from outbox.errors import describe
-from outbox.schema import Status
+from outbox.status import Status
 from relay.leases import LOST_IDS_LOGGED
 from relay.metrics import Metrics
 from relay.store import DB_ERRORS, UNAVAILABLE, Store

@@ -12,7 +12,7 @@ from typing import Any
 
 import asyncpg
 
-from outbox.schema import Status
+from outbox.status import Status
 from relay.ops import queries
 
 

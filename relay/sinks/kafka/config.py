@@ -69,12 +69,34 @@ def _acks(v: Any) -> Any:
 class KafkaSettings(Section):
     """The one producer the relay shares between all Kafka destinations."""
 
-    bootstrap_servers: str | list[str] = "localhost:9092"
-    client_id: str = "outbox-relay"
+    bootstrap_servers: str | list[str] = Field(
+        "localhost:9092",
+        description=(
+            "`host:port` entries, comma-separated string or list (`[::1]:9092` for IPv6; port 9092 "
+            "if omitted)"
+        ),
+    )
+    client_id: str = Field(
+        "outbox-relay", description="the producer's client id, as the brokers see it"
+    )
     # "1" from OUTBOX_KAFKA_ACKS=1 (or acks = "1" in TOML) means 1.
-    acks: Annotated[Literal["all", 0, 1, -1], BeforeValidator(_acks)] = "all"
-    enable_idempotence: bool = True
-    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = None
+    acks: Annotated[Literal["all", 0, 1, -1], BeforeValidator(_acks)] = Field(
+        "all",
+        description=(
+            "`all`, or `1` (the leader only: a leader failover can lose an acknowledged message); "
+            "`0` is refused (nothing would be acknowledged); `-1` means `all`"
+        ),
+    )
+    enable_idempotence: bool = Field(
+        True, description='the idempotent producer; needs `acks = "all"`'
+    )
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
+        None,
+        description=(
+            "compression of the producer's batches; `snappy`, `lz4` and `zstd` need the cramjam "
+            "package (`pip install 'aiokafka[snappy]'`), checked at load"
+        ),
+    )
     # Upper bounds: what the Kafka protocol's int32 fields and a sane relay take.
     linger_ms: int = Field(
         0, ge=0, le=10_000, description="keep 0: the relay already sends in batches"
@@ -85,17 +107,35 @@ class KafkaSettings(Section):
     max_request_size: int = Field(
         1_048_576, ge=1024, le=100 * 1024 * 1024, description="largest message, bytes"
     )
-    request_timeout_ms: int = Field(30_000, ge=1000, le=300_000)
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    request_timeout_ms: int = Field(
+        30_000,
+        ge=1000,
+        le=300_000,
+        description="milliseconds the producer waits for a broker's answer",
+    )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="how the producer connects; the `SASL_` ones need `sasl_mechanism`"
+    )
     # OAUTHBEARER is accepted by the type only to be refused with a clear message.
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = (
-        Field(None, validate_default=True)
+        Field(
+            None,
+            validate_default=True,
+            description=(
+                "`PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512` (`OAUTHBEARER` is not supported yet "
+                "and refused); needs `security_protocol` `SASL_PLAINTEXT` or `SASL_SSL`"
+            ),
+        )
     )
-    sasl_plain_username: str | None = Field(None, validate_default=True)
-    sasl_plain_password: SecretStr | None = Field(None, validate_default=True)
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
+    sasl_plain_username: str | None = Field(
+        None, validate_default=True, description="required with a `sasl_mechanism` (for SCRAM too)"
+    )
+    sasl_plain_password: SecretStr | None = Field(
+        None, validate_default=True, description="required with a `sasl_mechanism`; never printed"
+    )
+    ssl_cafile: str | None = Field(None, description="TLS: the CA certificates file")
+    ssl_certfile: str | None = Field(None, description="TLS: the client certificate file")
+    ssl_keyfile: str | None = Field(None, description="TLS: the client certificate's key file")
 
     @field_validator("bootstrap_servers")
     @classmethod
@@ -157,8 +197,18 @@ class KafkaSettings(Section):
 
 
 class KafkaDestination(Delivery):
-    kind: Literal["kafka"]
-    topic: str = Field(min_length=1, max_length=249, pattern=r"^[A-Za-z0-9._-]+$")
+    kind: Literal["kafka"] = Field(
+        description=(
+            "the kind of sink that delivers the destination's rows; it decides which other keys the"
+            " destination takes"
+        )
+    )
+    topic: str = Field(
+        min_length=1,
+        max_length=249,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="the Kafka topic the destination's rows go to",
+    )
 
     @field_validator("topic")
     @classmethod

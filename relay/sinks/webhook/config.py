@@ -45,7 +45,9 @@ class WebhookClientSettings(Section):
         4096, ge=0, le=1_048_576, description="response body bytes read, at most"
     )
     user_agent: str = Field(
-        default_factory=lambda: f"outbox-relay/{package_version()}", min_length=1
+        default_factory=lambda: f"outbox-relay/{package_version()}",
+        min_length=1,
+        description="the `user-agent` header of every webhook request",
     )
 
 
@@ -102,7 +104,12 @@ class Circuit(Section):
 
 
 class WebhookDestination(Delivery):
-    kind: Literal["webhook"]
+    kind: Literal["webhook"] = Field(
+        description=(
+            "the kind of sink that delivers the destination's rows; it decides which other keys the"
+            " destination takes"
+        )
+    )
     url: str = Field(description="http(s) URL the events are POSTed to")
     secrets: list[SecretStr] = Field(
         default_factory=list, description="whsec_ signing secrets; several while rotating"
@@ -115,7 +122,14 @@ class WebhookDestination(Delivery):
         None, gt=0, le=300, description="overrides webhooks.connect_timeout"
     )
     max_concurrency: int = Field(16, ge=1, le=1000, description="in-flight requests, at most")
-    headers: dict[str, str] = Field(default_factory=dict, repr=False)
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        repr=False,
+        description=(
+            "extra request headers (values never printed); headers the relay sets itself "
+            "(`webhook-*`, `content-type`, framing headers) are refused"
+        ),
+    )
     retry_client_errors: bool = Field(
         True, description="retry 3xx and 4xx (but 408/410/425/429); false: fail them at once"
     )
