@@ -15,6 +15,7 @@ The names below load on first use: the relay and its commands import parts of th
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -82,17 +83,21 @@ __all__ = [
 assert sorted(__all__) == sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'outbox' has no attribute {name!r}")
-    module = importlib.import_module(home)
-    # Every name of that module, found directly from now on.
-    for other, where in _HOMES.items():
-        if where == home:
-            globals()[other] = getattr(module, other)
-    return globals()[name]
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which then see only the imports above: a misspelt name
+    # (outbox.enqeue) stays an error for them instead of becoming Any.
 
+    def __getattr__(name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module 'outbox' has no attribute {name!r}")
+        module = importlib.import_module(home)
+        # Every name of that module, found directly from now on.
+        for other, where in _HOMES.items():
+            if where == home:
+                globals()[other] = getattr(module, other)
+        return globals()[name]
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+    def __dir__() -> list[str]:
+        loaded = {k for k, v in globals().items() if isinstance(v, ModuleType)}
+        return sorted({*__all__, *(k for k in loaded if k not in ("importlib",))})

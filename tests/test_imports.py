@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-HEAVY = ("sqlalchemy", "aiokafka", "httpx", "relay.relay", "relay.tools")
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("sqlalchemy", "aiokafka", "aiohttp", "uvloop", "httpx", "relay.relay", "relay.tools")
 
 
 def imported(code: str) -> set[str]:
@@ -35,3 +37,29 @@ def test_importing_the_library_loads_sqlalchemy_only_when_used() -> None:
     assert "outbox.status" in modules and "sqlalchemy" not in modules
     used = imported("import outbox; outbox.enqueue")
     assert {"sqlalchemy", "outbox.writer"} <= used
+
+
+def test_type_checkers_still_catch_a_misspelt_outbox_name(tmp_path: Path) -> None:
+    """The lazy names stay visible to mypy as what they are: a typo is an error, not Any."""
+    snippet = tmp_path / "uses_outbox.py"
+    snippet.write_text(
+        "import outbox\n"
+        "from outbox import enqueue, Status\n"
+        "status: Status = Status.PENDING\n"
+        "outbox.enqeue\n"
+        "from outbox import enqueue_synk\n"
+    )
+    cache = ROOT / ".mypy_cache"  # warm: ./scripts/test runs mypy first
+    # A process of its own: mypy raises the interpreter's recursion limit and keeps it raised.
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(cache), "--strict", str(snippet)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    out, status = done.stdout + done.stderr, done.returncode
+    assert status == 1, out
+    assert 'Module has no attribute "enqeue"' in out, out
+    assert 'Module "outbox" has no attribute "enqueue_synk"' in out, out
+    assert out.count("error:") == 2, out  # the names that exist type-check

@@ -91,3 +91,21 @@ async def test_a_sink_is_given_one_destination_per_call(db_url: str) -> None:
                 await asyncio.sleep(0.05)
     assert sink.calls and all(len(c) == 1 for c in sink.calls), sink.calls
     assert set().union(*sink.calls) == {"a", "b"}
+
+
+def test_a_sink_missing_part_of_the_interface_is_refused_at_construction() -> None:
+    """A sink without ``kind`` would fail every row it is handed; one without ``circuits``
+    every metrics scrape. Refused before anything is claimed."""
+    import pytest
+
+    from relay.relay import Relay
+
+    class Bare:  # deliver() alone, as a hand-written sink might start
+        async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
+            return [Outcome.delivered(e.id) for e in batch]
+
+    s = settings("postgresql://root@127.0.0.1:5432/unused", "127.0.0.1:9")
+    with pytest.raises(TypeError, match=r"'orders' \(Bare\) is not a relay.sinks.Sink") as e:
+        Relay(s, sinks={"orders": Bare()})  # type: ignore[dict-item]
+    assert "kind, start, available, ready, circuits, close" in str(e.value)
+    Relay(s, sinks={"orders": MemorySink()})  # a whole sink is accepted
