@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import structlog
 
@@ -27,12 +27,10 @@ log = structlog.get_logger("relay")
 
 
 async def wait_for(
-    stopping: asyncio.Event, event: asyncio.Event | None, timeout: float | None
+    stopping: asyncio.Event, events: Sequence[asyncio.Event], timeout: float | None
 ) -> None:
-    """Sleep until ``event``, ``stopping``, or ``timeout``; whichever comes first."""
-    waits = [asyncio.ensure_future(stopping.wait())]
-    if event is not None:
-        waits.append(asyncio.ensure_future(event.wait()))
+    """Sleep until one of ``events``, ``stopping``, or ``timeout``; whichever comes first."""
+    waits = [asyncio.ensure_future(e.wait()) for e in (stopping, *events)]
     try:
         await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -91,15 +89,19 @@ class Claimer:
     async def run(self) -> None:
         rs = self.settings
         retry = 0.1
+        capacity = self.leases.capacity
         while not self.stopping.is_set():
+            # Cleared before the state is read: rows leaving after this wake the waits below.
+            capacity.clear()
             free = rs.max_in_flight - len(self.leases)
             if free <= 0:
-                self.leases.capacity.clear()
-                await wait_for(self.stopping, self.leases.capacity, None)
+                await wait_for(self.stopping, [capacity], None)
                 continue
             destinations = self.claimable()
             if not destinations:
-                await wait_for(self.stopping, self.wakeup, rs.poll_interval)
+                # Every sink is full (or paused, or its circuit open): rows leaving a sink
+                # make room, so they wake the claim as a NOTIFY does, not the next poll.
+                await wait_for(self.stopping, [self.wakeup, capacity], rs.poll_interval)
                 continue
             limit = min(rs.batch_size, free)
             # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
@@ -114,14 +116,14 @@ class Claimer:
                 await asyncio.sleep(0)
             if error is not None:
                 self._failed(error, retry)
-                await wait_for(self.stopping, None, retry)
+                await wait_for(self.stopping, [], retry)
                 retry = min(retry * 2, 5.0)
                 continue
             retry = 0.1
             self._database_up()
             if len(batch) < limit and not self._scan_progressed:
                 await wait_for(
-                    self.stopping, self.wakeup, rs.poll_interval * random.uniform(0.8, 1.2)
+                    self.stopping, [self.wakeup], rs.poll_interval * random.uniform(0.8, 1.2)
                 )
 
     async def _claim(

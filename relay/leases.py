@@ -58,6 +58,8 @@ class Leases:
         now = time.monotonic()
         for env in envs:
             self._handed[env.id] = (env.token, now)
+        # They left their sink, which may take more now.
+        self.capacity.set()
 
     def recorded(
         self,
@@ -102,6 +104,7 @@ class Leases:
         for env in envs:
             if self._held.get(env.id) is env:
                 del self._held[env.id]
+                self._handed.pop(env.id, None)
         self.capacity.set()
 
     async def heartbeat(self, store: Store, lease: float) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 
 from outbox.errors import describe
-from relay import probes
+from relay import loop, probes
 from relay.breaker import Breaker
 from relay.claimer import Claimer
 from relay.completer import Completer, Key
@@ -56,7 +56,7 @@ class Relay:
     ) -> None:
         self.settings = settings
         self.id = relay_id or settings.relay_id()
-        self.sinks = sinks if sinks is not None else build_sinks(settings)
+        self.sinks = _checked(sinks) if sinks is not None else build_sinks(settings)
         self.routes = build_routes(settings, self.sinks)
         self.stats: Counter[str] = Counter()
         self.started = asyncio.Event()  # for tests and probes: set once claiming has begun
@@ -236,6 +236,7 @@ class Relay:
             retention_s=rs.retention,
             paused=sorted(self.paused),
             http_port=self.http.port if self.http else None,
+            event_loop=loop.name(),
         )
 
     # --- what the parts tell each other -------------------------------------------------
@@ -255,6 +256,23 @@ class Relay:
 
     def _circuits(self) -> list[tuple[str, str, Breaker]]:
         return [(s.kind, ep, b) for s in _distinct(self.sinks) for ep, b in s.circuits().items()]
+
+
+SINK_MEMBERS = ("kind", "start", "deliver", "available", "ready", "circuits", "close")
+
+
+def _checked(sinks: dict[str, Sink]) -> dict[str, Sink]:
+    """Sinks handed in by a caller, refused at once when they lack part of the interface: a
+    sink without ``kind`` would fail every row it is given, a missing ``circuits`` every
+    metrics scrape."""
+    for name, sink in sinks.items():
+        missing = [m for m in SINK_MEMBERS if not hasattr(sink, m)]
+        if missing:
+            raise TypeError(
+                f"the sink for destination {name!r} ({type(sink).__name__}) is not a "
+                f"relay.sinks.Sink: it lacks {', '.join(missing)}"
+            )
+    return sinks
 
 
 def _distinct(sinks: dict[str, Sink]) -> list[Sink]:

@@ -180,3 +180,21 @@ async def test_a_producer_that_cannot_start_leaves_the_sink_unavailable(
         assert not sink.available("orders")
     finally:
         await sink.close()
+
+
+async def test_rows_of_another_destination_fail_alone(kafka_bootstrap: str) -> None:
+    """A batch that breaks the one-destination contract: the rows this sink has a topic for
+    are sent, each other row fails alone with the reason (not the whole batch retried)."""
+    from dataclasses import replace
+
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, enable_idempotence=False)
+    sink = KafkaSink(settings, {"orders": KafkaDestination(kind="kafka", topic="orders")})
+    try:
+        await sink.start()
+        ours, stray = envelope(1), replace(envelope(2), destination="elsewhere")
+        outcomes = {o.id: o for o in await sink.deliver([ours, stray])}
+        assert outcomes[1].result is Result.DELIVERED, outcomes[1]
+        assert outcomes[2].result is Result.FAILED
+        assert "'elsewhere' is not a Kafka one" in (outcomes[2].error or "")
+    finally:
+        await sink.close()

@@ -111,7 +111,9 @@ async def test_flaky_endpoint_gets_every_event_in_the_end(
 async def _all_attempted(db_url: str, ids: list[int]) -> bool:
     got = await rows(db_url)
     return all(
-        got[i]["attempts"] >= 1 and "ConnectError" in (got[i]["last_error"] or "") for i in ids
+        got[i]["attempts"] >= 1
+        and "cannot connect (ConnectionRefusedError)" in (got[i]["last_error"] or "")
+        for i in ids
     )
 
 
@@ -184,3 +186,21 @@ async def test_dead_endpoint_does_not_slow_a_healthy_one(
 async def _dead_settled(db_url: str, ids: list[int]) -> bool:
     got = await rows(db_url)
     return all(got[i]["status"] == "pending" and got[i]["last_error"] for i in ids)
+
+
+async def test_a_full_endpoint_that_drains_is_claimed_for_at_once(
+    db_url: str, receiver: Receiver
+) -> None:
+    """An endpoint taking one request at a time is full after a claim of 20 (4 x its
+    max_concurrency): when those rows leave the sink the claim resumes then, not at the next
+    poll (30 s here). Before, a fast endpoint was paced by the poll interval."""
+    ids = await enqueue(db_url, "hook", 100)
+    s = settings(
+        db_url,
+        "127.0.0.1:9",
+        destinations={"hook": hook(receiver.url, max_concurrency=1)},
+        relay={"poll_interval": 30, "batch_size": 20, "max_in_flight": 100},
+    )
+    async with running(s):
+        await wait_until(lambda: all_in(db_url, ids, "delivered"), timeout=20, what="delivered")
+    assert len(receiver.requests) == 100

@@ -291,7 +291,7 @@ async def test_connection_refused_and_reset_are_retries(
     dead, flaky = envelope("dead"), envelope("flaky")
     outcomes = {o.id: o for o in await deliver_all(sink, [dead, flaky])}
     assert outcomes[dead.id].result is Result.RETRY
-    assert "ConnectError" in (outcomes[dead.id].error or "")
+    assert "cannot connect (ConnectionRefusedError)" in (outcomes[dead.id].error or "")
     assert outcomes[flaky.id].result is Result.RETRY
     assert "Error" in (outcomes[flaky.id].error or "")
     assert (await one(sink, envelope("flaky"))).result is Result.DELIVERED

@@ -121,7 +121,13 @@ def run(config: Path | None, check: bool) -> None:
             variables=unknown,
             action="not settings, so ignored: check their spelling",
         )
-    sys.exit(asyncio.run(_run(settings)))
+    from relay import loop
+
+    try:
+        status = loop.run(_run(settings), settings.relay.event_loop)
+    except loop.LoopUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(status)
 
 
 async def _run(settings: Settings) -> int:

@@ -95,6 +95,11 @@ class RelaySettings(Section):
         description="seconds between checks for rows of unknown destinations",
     )
     pool_size: int = Field(4, ge=2, le=64, description="database connections (plus LISTEN)")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto",
+        description="the event loop: uvloop where it is installed (auto), uvloop or refuse to "
+        "start without it, or the standard library's",
+    )
     startup_timeout: float = Field(
         60.0,
         ge=0,

@@ -4,7 +4,8 @@ itself with a :class:`SinkKind`; ``relay/sinks/registry.py`` lists the kinds."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -68,4 +69,26 @@ class SinkKind:
     )
 
 
-__all__ = ["Sink", "SinkKind"]
+async def misrouted(
+    batch: Sequence[Envelope],
+    known: Container[str],
+    kind: str,
+    deliver: Callable[[Sequence[Envelope]], Awaitable[list[Outcome]]],
+) -> list[Outcome]:
+    """For a sink handed a batch that breaks the contract (several destinations, or one it
+    does not have): each known destination's rows are delivered, each other row fails alone
+    with the reason, instead of the whole batch failing."""
+    groups: dict[str, list[Envelope]] = {}
+    outcomes: list[Outcome] = []
+    for env in batch:
+        if env.destination in known:
+            groups.setdefault(env.destination, []).append(env)
+        else:
+            reason = f"destination {env.destination!r} is not a {kind} one of this relay"
+            outcomes.append(Outcome.failed(env.id, reason))
+    for group in await asyncio.gather(*(deliver(g) for g in groups.values())):
+        outcomes.extend(group)
+    return outcomes
+
+
+__all__ = ["Sink", "SinkKind", "misrouted"]

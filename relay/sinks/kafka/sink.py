@@ -28,6 +28,7 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from outbox.errors import describe
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result, truncate_error
+from relay.sinks import misrouted
 from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
 
 log = structlog.get_logger("relay.sink.kafka")
@@ -175,6 +176,9 @@ class KafkaSink:
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         if not batch:
             return []
+        dest = batch[0].destination
+        if dest not in self.topics or any(e.destination != dest for e in batch):
+            return await misrouted(batch, self.topics, "Kafka", self.deliver)
         try:
             producer = await self._ensure_started()
         except Exception as exc:
@@ -183,7 +187,7 @@ class KafkaSink:
             reason = f"Kafka unavailable at {self.bootstrap}: {describe(exc)}"
             return [Outcome.defer(e.id, reason, wait) for e in batch]
 
-        topic = self.topics[batch[0].destination]  # one destination per batch: one topic
+        topic = self.topics[dest]  # one destination per batch: one topic
         outcomes: list[Outcome] = []
         groups, broken = await self._partition(producer, topic, batch, outcomes)
         sends: list[tuple[asyncio.Future[Any], list[Envelope]]] = []

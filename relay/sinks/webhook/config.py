@@ -8,22 +8,25 @@ import os
 import re
 from typing import Any, Literal
 
-import httpx
 from pydantic import Field, SecretStr, field_validator, model_validator
+from yarl import URL
 
 from relay.config.base import MAX_SECONDS, Backoff, Delivery, Section, package_version
 from relay.sinks.webhook.signing import decode_secret
 
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+_NUMERIC = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+))*\.?$", re.IGNORECASE)
 
 
 def _valid_host(host: str) -> bool:
-    """A DNS name (IDNA already applied by httpx) or an IP address, nothing else."""
+    """A DNS name (IDNA already applied by yarl) or an IP address, nothing else."""
     try:
         ipaddress.ip_address(host.strip("[]"))
         return True
     except ValueError:
         pass
+    if _NUMERIC.match(host):
+        return False  # 127.1, 2130706433, 0x7f.1: an address in a form resolvers read loosely
     labels = host.rstrip(".").split(".")
     return len(host) <= 253 and all(_LABEL.match(label) for label in labels)
 
@@ -34,7 +37,12 @@ class WebhookClientSettings(Section):
     max_connections: int = Field(
         100, ge=1, description="open connections at most (keep >= sum of max_concurrency)"
     )
-    max_keepalive_connections: int = Field(20, ge=0, description="idle connections kept")
+    max_keepalive_connections: int = Field(
+        20,
+        ge=0,
+        description="no longer used: idle connections are bounded by max_connections and "
+        "close after keepalive_expiry (accepted so older files still load)",
+    )
     keepalive_expiry: float = Field(
         30.0, gt=0, le=86400, description="seconds an idle connection lives"
     )
@@ -176,10 +184,11 @@ class WebhookDestination(Delivery):
     @classmethod
     def _http_url(cls, v: str) -> str:
         try:
-            url = httpx.URL(v)
-        except httpx.InvalidURL as exc:
-            # httpx quotes the offending piece, which may be part of a credential (a password
-            # read as the port): say what is wrong without it.
+            url = URL(v)
+            port = url.explicit_port
+        except (ValueError, TypeError) as exc:
+            # The parser may quote the offending piece, which may be part of a credential (a
+            # password read as the port): say what is wrong without it.
             text = str(exc).lower()
             what = next((w for w in ("port", "character", "too long") if w in text), "")
             problem = {
@@ -192,16 +201,16 @@ class WebhookDestination(Delivery):
             ) from None
         if url.scheme not in ("http", "https"):
             raise ValueError(f"must be an http:// or https:// URL, not {url.scheme or 'none'!r}")
-        if not url.host:
+        if not url.raw_host:
             raise ValueError("has no host")
-        if not _valid_host(url.raw_host.decode("ascii", "replace")):
+        if not _valid_host(url.raw_host):
             raise ValueError(
                 "its host is not a valid host name or IP address (letters, digits, hyphens "
                 "and dots; no spaces or empty labels)"
             )
-        if url.port is not None and not 1 <= url.port <= 65535:
+        if port is not None and not 1 <= port <= 65535:
             raise ValueError("its port must be a number from 1 to 65535")
-        if url.userinfo:
+        if url.raw_user is not None or url.raw_password is not None:
             raise ValueError(
                 "must not carry credentials (user:password@); send them in headers, e.g. "
                 'headers = { Authorization = "Basic …" }'

@@ -2,27 +2,28 @@
 
 Each destination is an *endpoint* with its own concurrency limit and circuit breaker, and a
 batch is split per endpoint with the groups running concurrently: a slow or dead endpoint
-holds only its own rows. Every request goes through one shared, SSRF-guarded client.
+holds only its own rows. Every request goes through one shared, SSRF-guarded client
+(client.py). What is the same for every request of an endpoint (its URL, configured headers,
+timeouts) is built once, so a request costs its signature and little else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 
-import httpx
+import aiohttp
 import structlog
+from yarl import URL
 
 from outbox.errors import describe
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
-from relay.sinks.webhook.client import POLICY, build_client
+from relay.sinks import misrouted
+from relay.sinks.webhook.answers import Health, classify, parse_retry_after, transport_text
+from relay.sinks.webhook.client import Sessions, literal_refusal
 from relay.sinks.webhook.config import (
     RESERVED_HEADERS,
     WebhookClientSettings,
@@ -34,32 +35,23 @@ from relay.sinks.webhook.ssrf import AddressPolicy, AddressRefused
 
 log = structlog.get_logger("relay.sink.webhook")
 
-BODY_IN_ERROR = 512  # response bytes kept in last_error
-RETRY_AFTER_STATUSES = frozenset({429, 503})
-TRANSIENT_STATUSES = frozenset({408, 425, 429})
-MIN_RETRY_AFTER = 1.0  # "Retry-After: 0" must not become a hot loop
 # An endpoint holding this many times its max_concurrency in rows is not offered more.
 CONGESTION_FACTOR = 4
 BUSY_RETRY_IN = 1.0
-
-
-class Health(enum.Enum):
-    """What an attempt says about the endpoint, for its circuit breaker."""
-
-    UP = "up"
-    DOWN = "down"
-    UNKNOWN = "unknown"  # e.g. a 400 about one message: the endpoint answers, but not well
 
 
 @dataclass(eq=False)
 class Endpoint:
     name: str
     config: WebhookDestination
-    url: httpx.URL
+    url: URL
     signer: Signer
     policy: AddressPolicy
-    timeout: httpx.Timeout
+    timeout: aiohttp.ClientTimeout
     breaker: Breaker
+    headers: dict[str, str]  # the configured headers, lower-cased names
+    # The URL's host is an IP literal the policy refuses (aiohttp never resolves literals).
+    refused: AddressRefused | None
     semaphore: asyncio.Semaphore
     probe: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_hand: int = 0  # rows handed to deliver() for this endpoint and not yet returned
@@ -71,28 +63,11 @@ class Endpoint:
     @property
     def origin(self) -> str:
         # Logged and stored instead of the URL: paths and queries often carry tokens.
-        return f"{self.url.scheme}://{self.url.netloc.decode('ascii')}"
-
-
-def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """Seconds from ``now`` that a ``Retry-After`` value asks for (delta-seconds or HTTP date)."""
-    if value is None:
-        return None
-    value = value.strip()
-    if re.fullmatch(r"\d+(\.\d+)?", value):
-        return float(value)
-    try:
-        when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:  # an HTTP date is GMT by definition
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
-
-
-def snippet(body: bytes) -> str:
-    text = body[:BODY_IN_ERROR].decode("utf-8", "replace")
-    return " ".join(text.split())
+        port = self.url.explicit_port
+        host = self.url.raw_host or ""
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{self.url.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
 class WebhookSink:
@@ -105,7 +80,6 @@ class WebhookSink:
         http: WebhookClientSettings,
         destinations: Mapping[str, WebhookDestination],
         *,
-        client: httpx.AsyncClient | None = None,
         slot_wait: float = 5.0,
     ) -> None:
         """``slot_wait``: seconds a row waits for one of its endpoint's request slots.
@@ -117,21 +91,30 @@ class WebhookSink:
         self.http = http
         self.slot_wait = slot_wait
         self.endpoints = {name: self._endpoint(name, d) for name, d in destinations.items()}
-        self._client = client
-        self._own_client = client is None
+        self._sessions: Sessions | None = None
+        # Set to a list to collect each answered request's latency in ms (the benchmark).
+        self.latencies: list[float] | None = None
 
     def _endpoint(self, name: str, d: WebhookDestination) -> Endpoint:
+        url = URL(d.url, encoded=False)
+        policy = AddressPolicy(d.allow_private_networks, tuple(d.allowed_networks))
         return Endpoint(
             name=name,
             config=d,
-            url=httpx.URL(d.url),
+            url=url,
             signer=Signer(d.signing_keys()),
-            policy=AddressPolicy(d.allow_private_networks, tuple(d.allowed_networks)),
-            timeout=httpx.Timeout(
-                d.timeout, connect=d.connect_timeout or self.http.connect_timeout
+            policy=policy,
+            # Only the TCP + TLS set-up of a new connection: the attempt's own timer does the
+            # rest (see _send).
+            timeout=aiohttp.ClientTimeout(
+                total=None,
+                connect=None,
+                sock_connect=d.connect_timeout or self.http.connect_timeout,
             ),
             breaker=Breaker(d.circuit.threshold, d.circuit.cooldown, d.circuit.max_cooldown),
             semaphore=asyncio.Semaphore(d.max_concurrency),
+            headers={k.lower(): v for k, v in d.headers.items()},
+            refused=literal_refusal(url.raw_host or "", policy),
         )
 
     def circuits(self) -> dict[str, Breaker]:
@@ -140,7 +123,14 @@ class WebhookSink:
         return {f"{name} {ep.origin}": ep.breaker for name, ep in self.endpoints.items()}
 
     async def start(self) -> None:
-        self._ensure_client()
+        self._ensure_sessions()
+        if "max_keepalive_connections" in self.http.model_fields_set:
+            log.warning(
+                "relay.config.ignored",
+                key="webhooks.max_keepalive_connections",
+                hint="idle connections are bounded by webhooks.max_connections and close after "
+                "webhooks.keepalive_expiry; remove the setting",
+            )
         wanted = sum(ep.config.max_concurrency for ep in self.endpoints.values())
         if wanted > self.http.max_connections:
             # Endpoints would then wait on each other for connections: not isolated.
@@ -151,10 +141,10 @@ class WebhookSink:
                 hint="raise webhooks.max_connections",
             )
 
-    def _ensure_client(self) -> httpx.AsyncClient:
-        if self._client is None:
-            self._client = build_client(self.http)
-        return self._client
+    def _ensure_sessions(self) -> Sessions:
+        if self._sessions is None:
+            self._sessions = Sessions(self.http)
+        return self._sessions
 
     def available(self, destination: str) -> bool:
         ep = self.endpoints.get(destination)
@@ -164,9 +154,9 @@ class WebhookSink:
         return self.available(destination)
 
     async def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None and self._own_client:
-            await client.aclose()
+        sessions, self._sessions = self._sessions, None
+        if sessions is not None:
+            await sessions.close()
 
     # --- delivering ------------------------------------------------------------------------
 
@@ -175,17 +165,72 @@ class WebhookSink:
         ``max_concurrency`` at a time."""
         if not batch:
             return []
-        ep = self.endpoints[batch[0].destination]
-        client = self._ensure_client()
+        dest = batch[0].destination
+        ep = self.endpoints.get(dest)
+        if ep is None or any(e.destination != dest for e in batch):
+            return await misrouted(batch, self.endpoints, "webhook", self.deliver)
+        client = self._ensure_sessions().get(ep.policy)
         # Counted before the first await: the relay asks available() right after handing a
         # batch over, and must see these rows already, or it claims more for a busy endpoint.
         ep.in_hand += len(batch)
         try:
-            outcomes = await asyncio.gather(*(self._attempt(client, ep, e) for e in batch))
+            outcomes = await self._walk(client, ep, batch)
         finally:
             ep.in_hand -= len(batch)
         self._log_group(ep, outcomes)
         return outcomes
+
+    async def _walk(
+        self, client: aiohttp.ClientSession, ep: Endpoint, batch: Sequence[Envelope]
+    ) -> list[Outcome]:
+        """Up to ``max_concurrency`` workers walk the batch in order, each taking one of the
+        endpoint's request slots before its next row: a few tasks per batch, not one per row.
+        Rows no worker started within ``slot_wait`` (the endpoint was busy with other
+        batches) are deferred, unattempted."""
+        outcomes: list[Outcome | None] = [None] * len(batch)
+        rows = iter(range(len(batch)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.slot_wait
+
+        async def worker() -> None:
+            while await self._slot(ep, deadline):
+                try:
+                    # A row not started by the deadline is deferred, even when this worker
+                    # has a slot: it would wait behind the endpoint's pace for its turn.
+                    i = next(rows, None) if loop.time() < deadline else None
+                    if i is None:
+                        return
+                    outcomes[i] = await self._attempt(client, ep, batch[i])
+                finally:
+                    ep.semaphore.release()
+
+        workers = min(len(batch), ep.config.max_concurrency)
+        if workers == 1:
+            await worker()
+        else:
+            await asyncio.gather(*(worker() for _ in range(workers)))
+        return [o or self._busy(ep, env) for o, env in zip(outcomes, batch, strict=True)]
+
+    @staticmethod
+    async def _slot(ep: Endpoint, deadline: float) -> bool:
+        """Take a request slot of the endpoint; False if none came free by ``deadline``."""
+        if not ep.semaphore.locked():
+            await ep.semaphore.acquire()  # free: no wait, and no timer to arm
+            return True
+        try:
+            async with asyncio.timeout_at(deadline):
+                await ep.semaphore.acquire()
+        except TimeoutError:
+            return False
+        return True
+
+    def _busy(self, ep: Endpoint, env: Envelope) -> Outcome:
+        return Outcome.defer(
+            env.id,
+            f"endpoint {ep.origin} busy: no free request slot within {self.slot_wait:g} s "
+            f"(max_concurrency {ep.config.max_concurrency}); not attempted",
+            BUSY_RETRY_IN,
+        )
 
     @staticmethod
     def _log_group(ep: Endpoint, outcomes: list[Outcome]) -> None:
@@ -208,40 +253,29 @@ class WebhookSink:
                 error=refused[0].error,
             )
 
-    async def _attempt(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
+    async def _attempt(self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope) -> Outcome:
+        """One row, with a request slot held."""
         try:
-            try:
-                async with asyncio.timeout(self.slot_wait):
-                    await ep.semaphore.acquire()
-            except TimeoutError:
-                return Outcome.defer(
-                    env.id,
-                    f"endpoint {ep.origin} busy: no free request slot within "
-                    f"{self.slot_wait:g} s (max_concurrency {ep.config.max_concurrency}); "
-                    "not attempted",
-                    BUSY_RETRY_IN,
-                )
-            try:
-                # Checked after the wait for a slot: the circuit may have opened meanwhile.
-                state = ep.breaker.state
-                if state is State.HALF_OPEN:
-                    # One probe at a time; the others wait for its verdict.
-                    async with ep.probe:
-                        state = ep.breaker.state
-                        if state is State.HALF_OPEN:
-                            return await self._send_held(client, ep, env)
-                if state is State.OPEN:
-                    return self._defer(ep, env)
-                # It may have waited for a slot past the relay's lease: then not ours to send.
-                return await self._send_held(client, ep, env)
-            finally:
-                ep.semaphore.release()
+            # Checked after the wait for a slot: the circuit may have opened meanwhile.
+            state = ep.breaker.state
+            if state is State.HALF_OPEN:
+                # One probe at a time; the others wait for its verdict.
+                async with ep.probe:
+                    state = ep.breaker.state
+                    if state is State.HALF_OPEN:
+                        return await self._send_held(client, ep, env)
+            if state is State.OPEN:
+                return self._defer(ep, env)
+            # It may have waited for a slot past the relay's lease: then not ours to send.
+            return await self._send_held(client, ep, env)
         except Exception as exc:
             # A bug in this sink: keep it to this row (retried later), loudly.
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
 
-    async def _send_held(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
+    async def _send_held(
+        self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope
+    ) -> Outcome:
         if not env.held():
             return Outcome.not_held(env.id)
         return await self._send(client, ep, env)
@@ -252,54 +286,51 @@ class WebhookSink:
             env.id, f"circuit open for {ep.origin} (destination {ep.name!r}); not attempted", wait
         )
 
-    def _headers(self, ep: Endpoint, env: Envelope) -> httpx.Headers | str:
+    def _headers(self, ep: Endpoint, env: Envelope) -> dict[str, str] | str:
         """The request headers, or why the row's headers cannot be sent."""
-        headers = httpx.Headers()
-        for name, value in env.headers.items():
-            if name.lower() in RESERVED_HEADERS:
-                continue  # would clash with what the relay sets
-            problem = header_problem(name, value)
-            if problem:
-                return f"row header cannot be sent: {problem}"
-            # Blanks around a field value are not part of it in HTTP, and h11 refuses to send
-            # them: the row failed as "not sendable" although Kafka carries the same header.
-            headers[name] = value.strip(" \t")
-        for name, value in ep.config.headers.items():
-            headers[name] = value  # the endpoint's configuration wins over a row's header
+        headers: dict[str, str] = {}
+        if env.headers:
+            for name, value in env.headers.items():
+                lower = name.lower()
+                if lower in RESERVED_HEADERS:
+                    continue  # would clash with what the relay sets
+                problem = header_problem(name, value)
+                if problem:
+                    return f"row header cannot be sent: {problem}"
+                # Blanks around a field value are not part of it in HTTP; a row failed as
+                # "not sendable" for them once, although Kafka carries the same header.
+                headers[lower] = value.strip(" \t")
+        headers.update(ep.headers)  # the endpoint's configuration wins over a row's header
         headers["content-type"] = env.content_type
         headers["webhook-id"] = str(env.id)
         return headers
 
-    async def _send(self, client: httpx.AsyncClient, ep: Endpoint, env: Envelope) -> Outcome:
+    async def _send(self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope) -> Outcome:
+        if ep.refused is not None:
+            return self._refused(ep, env, ep.refused)
         headers = self._headers(ep, env)
         if isinstance(headers, str):
             return Outcome.failed(env.id, truncate_error(headers))
         timestamp = int(time.time())
         headers["webhook-timestamp"] = str(timestamp)
-        headers["webhook-signature"] = ep.signer.sign(str(env.id), timestamp, env.payload)
+        headers["webhook-signature"] = ep.signer.sign(headers["webhook-id"], timestamp, env.payload)
 
         started = time.monotonic()
         try:
-            # httpx timeouts are per phase; this bounds the whole attempt.
+            # One timer bounds the whole attempt: the wait for a pooled connection, the DNS
+            # lookup (our resolver runs in the connect step), the request and the body read.
+            # aiohttp's own total and connect timeouts would arm two more per request.
             async with asyncio.timeout(ep.config.timeout):
-                async with client.stream(
-                    "POST",
+                async with client.post(
                     ep.url,
-                    content=env.payload,
+                    data=env.payload,
                     headers=headers,
                     timeout=ep.timeout,
-                    extensions={POLICY: ep.policy},
+                    allow_redirects=False,
                 ) as response:
                     body = await self._read_capped(response)
         except AddressRefused as exc:
-            return Outcome.failed(
-                env.id,
-                truncate_error(
-                    f"refused by the SSRF guard: {exc}. If this endpoint is meant to be "
-                    f"internal, set allow_private_networks = true or allowed_networks = "
-                    f'["<cidr>"] on destination {ep.name!r}'
-                ),
-            )
+            return self._refused(ep, env, exc)
         except TimeoutError:
             took = time.monotonic() - started
             return self._transport_failure(
@@ -307,66 +338,47 @@ class WebhookSink:
                 env,
                 f"timed out after {took:.1f} s (destination timeout {ep.config.timeout:g} s)",
             )
-        except httpx.LocalProtocolError as exc:
+        except (ValueError, aiohttp.InvalidURL) as exc:
             # We could not even form the request from this row: retrying gives the same.
             return Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
-        except httpx.HTTPError as exc:  # connect/DNS/read errors, httpx's own timeouts
+        except (aiohttp.ClientError, OSError) as exc:  # connect/DNS/read errors
             took = time.monotonic() - started
-            return self._transport_failure(ep, env, f"{describe(exc)} after {took * 1000:.0f} ms")
+            return self._transport_failure(
+                ep, env, f"{transport_text(exc)} after {took * 1000:.0f} ms"
+            )
         latency_ms = (time.monotonic() - started) * 1000
-        outcome, health = self._classify(ep, env, response, body, latency_ms)
+        if self.latencies is not None:
+            self.latencies.append(latency_ms)
+        outcome, health = classify(env, response, body, latency_ms, ep.origin, ep.config)
         self._record(ep, health, outcome.error)
         return outcome
 
-    async def _read_capped(self, response: httpx.Response) -> bytes:
+    @staticmethod
+    def _refused(ep: Endpoint, env: Envelope, exc: AddressRefused) -> Outcome:
+        return Outcome.failed(
+            env.id,
+            truncate_error(
+                f"refused by the SSRF guard: {exc}. If this endpoint is meant to be "
+                f"internal, set allow_private_networks = true or allowed_networks = "
+                f'["<cidr>"] on destination {ep.name!r}'
+            ),
+        )
+
+    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
         cap = self.http.max_response_bytes
         body = bytearray()
-        if cap:
-            async for chunk in response.aiter_raw():
-                body += chunk
-                if len(body) >= cap:
-                    break  # the rest is not read; the connection is then not reused
-        return bytes(body[:cap])
+        while len(body) < cap:
+            chunk = await response.content.read(cap - len(body))
+            if not chunk:
+                break
+            body += chunk
+        # Unread bytes, if any, are not drained: the connection is closed instead of reused.
+        return bytes(body)
 
     def _transport_failure(self, ep: Endpoint, env: Envelope, what: str) -> Outcome:
         error = truncate_error(f"{what} ({ep.origin})")
         self._record(ep, Health.DOWN, error)
         return Outcome.retry(env.id, error)
-
-    def _classify(
-        self,
-        ep: Endpoint,
-        env: Envelope,
-        response: httpx.Response,
-        body: bytes,
-        latency_ms: float,
-    ) -> tuple[Outcome, Health]:
-        status = response.status_code
-        if 200 <= status < 300:
-            return Outcome.delivered(env.id, status_class=_class_of(status)), Health.UP
-        error = f"HTTP {status} in {latency_ms:.0f} ms from {ep.origin}"
-        if status in (301, 302, 303, 307, 308) and "location" in response.headers:
-            error += " (redirects are not followed; point the destination at the final URL)"
-        text = snippet(body)
-        if text:
-            error += f": {text}"
-        error = truncate_error(error)
-
-        if status == 410:
-            return Outcome.failed(env.id, error, status_class=_class_of(status)), Health.UNKNOWN
-        if status in TRANSIENT_STATUSES or status >= 500:
-            retry_in = None
-            if status in RETRY_AFTER_STATUSES:
-                asked = parse_retry_after(response.headers.get("retry-after"))
-                if asked is not None:
-                    retry_in = min(max(asked, MIN_RETRY_AFTER), ep.config.retry_after_max)
-            health = Health.UNKNOWN if status == 425 else Health.DOWN
-            return Outcome.retry(env.id, error, retry_in, status_class=_class_of(status)), health
-        # Other 4xx, 3xx, and odd codes: retried by default, as Svix and Hook0 do, since
-        # such answers are often a deployment mistake that gets fixed.
-        if ep.config.retry_client_errors:
-            return Outcome.retry(env.id, error, status_class=_class_of(status)), Health.UNKNOWN
-        return Outcome.failed(env.id, error, status_class=_class_of(status)), Health.UNKNOWN
 
     def _record(self, ep: Endpoint, health: Health, error: str | None) -> None:
         breaker = ep.breaker
@@ -387,8 +399,3 @@ class WebhookSink:
 
 
 __all__ = ["WebhookSink", "parse_retry_after"]
-
-
-def _class_of(status: int) -> str:
-    """An HTTP status as its class, the label of the attempts metric: 503 -> "5xx"."""
-    return f"{status // 100}xx"

@@ -1,9 +1,10 @@
 """SSRF guard: webhooks may only reach public addresses unless a destination allows more.
 
-The check happens inside the HTTP client's connect step: the host is resolved once, every
-address is checked, and the socket is opened to a checked address. There is no second DNS
-lookup between check and connect for a rebinding attacker to answer differently. TLS still
-uses the URL's host name for SNI and certificate checks, since only the TCP target changes.
+The check happens inside the HTTP client's connect step (client.GuardedResolver): the host is
+resolved once, every address is checked, and the socket is opened to a checked address. There
+is no second DNS lookup between check and connect for a rebinding attacker to answer
+differently. TLS still uses the URL's host name for SNI and certificate checks, since only
+the TCP target changes.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ import ipaddress
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
-
-import httpcore
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -101,62 +99,3 @@ async def resolve(host: str, port: int) -> list[IPAddress]:
     for _family, _type, _proto, _canon, sockaddr in infos:
         seen.setdefault(ipaddress.ip_address(str(sockaddr[0])), None)
     return list(seen)
-
-
-class GuardedBackend(httpcore.AsyncNetworkBackend):
-    """An httpcore network backend that resolves, checks, then connects to a checked address."""
-
-    def __init__(self, policy: AddressPolicy, inner: httpcore.AsyncNetworkBackend | None = None):
-        self.policy = policy
-        self._inner = inner or httpcore.AnyIOBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        try:
-            async with asyncio.timeout_at(deadline):
-                addresses = await resolve(host, port)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"DNS lookup of {host} timed out") from None
-        except (OSError, UnicodeError) as exc:  # socket.gaierror is an OSError
-            raise httpcore.ConnectError(f"DNS lookup of {host} failed: {exc}") from exc
-        if not addresses:
-            raise httpcore.ConnectError(f"DNS lookup of {host} returned no address")
-        # One refused address refuses the host: a mix of public and private answers is a
-        # classic rebinding set-up, and we would not know which one a retry reaches.
-        refused = [a for a in addresses if not self.policy.permits(a)]
-        if refused:
-            raise AddressRefused(host, refused)
-        last: Exception | None = None
-        for ip in addresses:
-            left = None if deadline is None else max(0.001, deadline - loop.time())
-            try:
-                return await self._inner.connect_tcp(
-                    str(ip),
-                    port,
-                    timeout=left,
-                    local_address=local_address,
-                    socket_options=socket_options,
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                last = exc
-        assert last is not None
-        raise last
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.ConnectError("unix sockets are not webhook targets")
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)

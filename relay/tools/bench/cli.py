@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -12,6 +11,7 @@ from typing import Any
 import click
 
 from outbox.migrate import migrate
+from relay import loop
 from relay.tools.bench.common import Target, emit, machine
 from relay.tools.bench.receiver import local_receiver
 from relay.tools.localbroker import LocalBroker
@@ -53,6 +53,13 @@ def common(func: Any) -> Any:
             help="Idempotent producer; default on with --bootstrap, off for the local broker "
             "(whose memory engine rejects it).",
         ),
+        click.option(
+            "--loop",
+            type=click.Choice(["auto", "uvloop", "asyncio"]),
+            default="auto",
+            show_default=True,
+            help="The event loop, as relay.event_loop: compare the two on one machine.",
+        ),
         click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
     ]
     for option in reversed(options):
@@ -69,8 +76,10 @@ async def target(opts: dict[str, Any]) -> AsyncIterator[Target]:
             broker = stack.enter_context(LocalBroker())
             bootstrap = broker.bootstrap
         url = opts.get("webhook_url")
+        receiver = None
         if sink == "webhook" and not url:
-            url = stack.enter_context(local_receiver())
+            receiver = stack.enter_context(local_receiver())
+            url = receiver.url
         idempotence = opts.get("idempotence")
         yield Target(
             kind=sink,
@@ -78,6 +87,7 @@ async def target(opts: dict[str, Any]) -> AsyncIterator[Target]:
             idempotent=idempotence if idempotence is not None else broker is None,
             webhook_url=url,
             webhook_concurrency=opts.get("webhook_concurrency", 64),
+            receiver_cpu=receiver.cpu_seconds if receiver else None,
         )
 
 
@@ -86,6 +96,7 @@ async def run_scenarios(opts: dict[str, Any], scenarios: dict[str, Scenario]) ->
     results: dict[str, Any] = {}
     async with target(opts) as t:
         results["sink"] = t.describe()
+        results["event_loop"] = loop.name()
         for name, scenario in scenarios.items():
             # Each scenario gets a database of its own, so none measures another's leftovers.
             async with scratch_database(database_url, "outbox_bench") as db_url:
@@ -103,7 +114,7 @@ def execute(
     from relay.logs import configure
 
     configure("warning", "console")
-    results = asyncio.run(run_scenarios(opts, scenarios))
+    results = loop.run(run_scenarios(opts, scenarios), opts.get("loop", "auto"))
     if derive is not None:
         derive(results)
     emit(results, opts["as_json"])

@@ -9,7 +9,7 @@ import platform
 import resource
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,10 @@ class Target:
     webhook_url: str | None = None
     webhook_concurrency: int = 64
     topics: list[str] = field(default_factory=list)
+    # CPU seconds the local receiver has used so far, when the benchmark started one.
+    receiver_cpu: Callable[[], float] | None = None
+    # Request latencies (ms) of the webhook sinks made, for p50/p99.
+    latencies: list[float] = field(default_factory=list)
 
     def make_sink(self, max_request_size: int = 1_048_576) -> Sink:
         if self.kind == "null":
@@ -80,7 +84,9 @@ class Target:
                 secrets=["whsec_" + base64.b64encode(os.urandom(32)).decode()],
             )
             client = WebhookClientSettings(max_connections=max(100, self.webhook_concurrency))
-            return WebhookSink(client, {DESTINATION: dest})
+            sink = WebhookSink(client, {DESTINATION: dest})
+            sink.latencies = self.latencies
+            return sink
         raise click.UsageError(f"unknown sink {self.kind!r}")
 
     def describe(self) -> str:

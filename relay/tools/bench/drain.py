@@ -12,7 +12,7 @@ from outbox.dburl import to_asyncpg_dsn
 from relay.config import load_settings
 from relay.model import Envelope, Lease
 from relay.relay import Relay
-from relay.tools.bench.common import DESTINATION, Target, prefill, rss_mb
+from relay.tools.bench.common import DESTINATION, Target, percentile, prefill, rss_mb
 
 # The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
 # done. Kept here (not in outbox.queries) because the product never runs it.
@@ -59,6 +59,8 @@ async def drain(
     await prefill(db_url, events, payload, keys)
     settings = relay_settings(db_url, batch_size, max_in_flight, ordering)
     running = [Relay(settings, sinks={DESTINATION: target.make_sink()}) for _ in range(relays)]
+    target.latencies.clear()
+    receiver0 = target.receiver_cpu() if target.receiver_cpu else None
     cpu0 = time.process_time()
     started = time.monotonic()
     tasks = [asyncio.create_task(r.run()) for r in running]
@@ -70,6 +72,9 @@ async def drain(
             await asyncio.sleep(0.005)
         elapsed = time.monotonic() - started
         cpu = time.process_time() - cpu0
+        receiver_cpu = None
+        if target.receiver_cpu is not None and receiver0 is not None:
+            receiver_cpu = target.receiver_cpu() - receiver0
     finally:
         for r in running:
             r.stop()
@@ -78,7 +83,7 @@ async def drain(
     statements = sum(
         sum(r.store.statements[k] for k in ("claim", "record", "activate")) for r in running
     )
-    return {
+    result = {
         "events": events,
         "delivered": delivered,
         "complete": delivered == events,
@@ -94,6 +99,22 @@ async def drain(
         "relay_cpu_per_event_us": round(cpu / max(delivered, 1) * 1e6, 1),
         "max_rss_mb": round(rss_mb(), 1),
     }
+    if target.kind == "webhook":
+        result.update(_webhook_figures(target.latencies, receiver_cpu, delivered, elapsed))
+    return result
+
+
+def _webhook_figures(
+    latencies: list[float], receiver_cpu: float | None, delivered: int, elapsed: float
+) -> dict[str, Any]:
+    """Where a webhook drain's time goes: requests, their latency, the receiver's CPU."""
+    figures: dict[str, Any] = {"requests_per_s": round(len(latencies) / elapsed, 1)}
+    if latencies:
+        figures["request_p50_ms"] = round(percentile(latencies, 50), 2)
+        figures["request_p99_ms"] = round(percentile(latencies, 99), 2)
+    if receiver_cpu is not None:
+        figures["receiver_cpu_per_event_us"] = round(receiver_cpu / max(delivered, 1) * 1e6, 1)
+    return figures
 
 
 async def naive(

@@ -1,0 +1,169 @@
+"""The webhook sink's HTTP client (aiohttp) keeps every guarantee the sink makes: the SSRF
+guard on resolved names (DNS answers faked, connections real), no cookies or proxies from
+anywhere, each row's destination respected, and the claim woken when a full sink drains."""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from relay.model import Result
+from relay.sinks.webhook import client as client_module
+from relay.sinks.webhook.config import WebhookClientSettings
+from relay.sinks.webhook.sink import WebhookSink
+from relay.sinks.webhook.ssrf import IPAddress
+from tests.support.receiver import Receiver
+from tests.webhook_helpers import closed_port, dest, envelope
+
+
+@pytest.fixture
+async def sinks() -> AsyncIterator[list[WebhookSink]]:
+    made: list[WebhookSink] = []
+    yield made
+    for s in made:
+        await s.close()
+
+
+@pytest.fixture
+def fake_dns(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, list[str]], None]:
+    """Make the guard's resolver answer ``host`` with ``addresses`` (other names resolve)."""
+    answers: dict[str, list[IPAddress]] = {}
+    real = client_module.resolve
+
+    async def resolve(host: str, port: int) -> list[IPAddress]:
+        if host in answers:
+            return answers[host]
+        return await real(host, port)
+
+    monkeypatch.setattr(client_module, "resolve", resolve)
+
+    def set_answer(host: str, addresses: list[str]) -> None:
+        answers[host] = [ipaddress.ip_address(a) for a in addresses]
+
+    return set_answer
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [["127.0.0.1"], ["::ffff:127.0.0.1"], ["8.8.8.8", "127.0.0.1"], ["::ffff:169.254.169.254"]],
+    ids=["loopback", "ipv4-mapped-ipv6", "public-and-private-mix", "mapped-metadata"],
+)
+async def test_a_name_resolving_to_a_private_address_is_refused(
+    answer: list[str],
+    fake_dns: Callable[[str, list[str]], None],
+    receiver: Receiver,
+    sinks: list[WebhookSink],
+) -> None:
+    fake_dns("hooks.example.test", answer)
+    url = f"http://hooks.example.test:{receiver.port}/in"
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(url, allow_private_networks=False)})
+    sinks.append(sink)
+    [outcome] = await sink.deliver([envelope()])
+    assert outcome.result is Result.FAILED, outcome
+    error = outcome.error or ""
+    assert "refused by the SSRF guard" in error and "allow_private_networks" in error
+    assert ipaddress.ip_address(answer[-1]).compressed in error or answer[-1] in error
+    assert receiver.requests == []
+
+
+async def test_the_connection_goes_to_the_checked_address(
+    fake_dns: Callable[[str, list[str]], None], receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    """Allowed by an allow-list naming the IPv4 network, a name answered with the IPv4-mapped
+    IPv6 form of loopback is reached at exactly that address (no second lookup)."""
+    fake_dns("hooks.example.test", ["::ffff:127.0.0.1"])
+    url = f"http://hooks.example.test:{receiver.port}/in"
+    hook = dest(url, allow_private_networks=False, allowed_networks=["127.0.0.0/8"])
+    sink = WebhookSink(WebhookClientSettings(), {"hook": hook})
+    sinks.append(sink)
+    [outcome] = await sink.deliver([envelope()])
+    assert outcome.result is Result.DELIVERED, outcome
+    [request] = receiver.wait_for(1)
+    assert request.headers["host"] == f"hooks.example.test:{receiver.port}"
+
+
+async def test_no_cookie_travels_from_one_answer_to_the_next_request(
+    fake_dns: Callable[[str, list[str]], None], receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    # A host name: a cookie jar would refuse cookies of a bare IP address anyway.
+    fake_dns("hooks.example.test", ["127.0.0.1"])
+    receiver.respond(200, headers={"Set-Cookie": "session=abc; Path=/"}, times=1)
+    url = f"http://hooks.example.test:{receiver.port}/in"
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(url)})
+    sinks.append(sink)
+    for _ in range(2):
+        [outcome] = await sink.deliver([envelope()])
+        assert outcome.result is Result.DELIVERED
+    _, second = receiver.wait_for(2)
+    assert "cookie" not in {k.lower() for k in second.headers}
+
+
+async def test_proxy_variables_are_ignored(
+    monkeypatch: pytest.MonkeyPatch, receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    dead_proxy = f"http://127.0.0.1:{closed_port()}"
+    for var in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.setenv(var, dead_proxy)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(receiver.url)})
+    sinks.append(sink)
+    [outcome] = await sink.deliver([envelope()])
+    assert outcome.result is Result.DELIVERED, outcome
+    assert len(receiver.wait_for(1)) == 1
+
+
+async def test_a_large_answer_is_read_only_up_to_the_cap(
+    receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    receiver.respond(500, body=b"E" * 2_000_000, times=1)
+    sink = WebhookSink(WebhookClientSettings(max_response_bytes=64), {"hook": dest(receiver.url)})
+    sinks.append(sink)
+    [outcome] = await sink.deliver([envelope()])
+    assert outcome.result is Result.RETRY
+    assert "E" * 64 in (outcome.error or "") and "E" * 65 not in (outcome.error or "")
+    # The connection whose answer was not read to the end is not reused: the next works.
+    [outcome] = await sink.deliver([envelope()])
+    assert outcome.result is Result.DELIVERED, outcome
+
+
+async def test_rows_of_another_destination_fail_alone(
+    receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(receiver.url)})
+    sinks.append(sink)
+    ours, stray = envelope("hook"), envelope("elsewhere")
+    outcomes = {o.id: o for o in await sink.deliver([ours, stray])}
+    assert outcomes[ours.id].result is Result.DELIVERED
+    assert outcomes[stray.id].result is Result.FAILED
+    assert "'elsewhere' is not a webhook one" in (outcomes[stray.id].error or "")
+    [only_stray] = await sink.deliver([envelope("elsewhere")])
+    assert only_stray.result is Result.FAILED
+
+
+async def test_a_batch_larger_than_the_concurrency_is_sent_in_full(
+    receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    """Workers walk the batch: every row is sent once, in a batch ten times the limit."""
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(receiver.url, max_concurrency=3)})
+    sinks.append(sink)
+    batch = [envelope() for _ in range(30)]
+    outcomes = await sink.deliver(batch)
+    assert [o.id for o in outcomes] == [e.id for e in batch]
+    assert all(o.result is Result.DELIVERED for o in outcomes)
+    ids = sorted(int(r.headers["webhook-id"]) for r in receiver.wait_for(30))
+    assert ids == sorted(e.id for e in batch)
+
+
+async def test_concurrent_batches_share_the_endpoint_limit(
+    receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    receiver.respond(200, delay=0.2)
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(receiver.url, max_concurrency=2)})
+    sinks.append(sink)
+    results = await asyncio.gather(*(sink.deliver([envelope(), envelope()]) for _ in range(3)))
+    assert all(o.result is Result.DELIVERED for r in results for o in r)
+    assert receiver.max_in_flight == 2
