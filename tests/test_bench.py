@@ -100,3 +100,23 @@ def test_drain_ordered_vs_unordered_and_webhook_sink(pg_admin_url: str) -> None:
     out = bench("drain", "--sink", "webhook", "--events", "1000", admin=pg_admin_url)
     assert out["drain"]["complete"] is True and out["drain"]["delivered"] == 1000
     assert out["sink"].startswith("webhook to http://127.0.0.1:")
+
+
+def test_steady_prints_no_latency_for_a_rate_it_did_not_offer() -> None:
+    """Latencies measured at 6k/s must not be printed as the latencies of 10k/s."""
+    from relay.sinks.null import NullSink
+    from relay.tools.bench.common import TimingSink
+    from relay.tools.bench.steady import _report, load_shape
+
+    sink = TimingSink(NullSink())
+    sink.acked = {i: 100.0 + 0.01 for i in range(600)}
+    commits = {i: 100.0 for i in range(600)}
+    short = _report(sink, commits, 0.1, 10_000, 10, 2, 0.0)  # 6,000/s of 10,000/s
+    assert short["rate_reached"] is False
+    assert "p99_ms" not in short and "6,000/s of 10,000/s" in short["latency"]
+    full = _report(sink, commits, 0.0605, 10_000, 10, 2, 0.0)  # 9,917/s
+    assert full["rate_reached"] is True and full["p99_ms"] > 0
+    assert load_shape(1000, None, None) == (1, 1)
+    assert load_shape(3000, None, None) == (6, 2)
+    assert load_shape(10_000, None, None) == (20, 2)
+    assert load_shape(10_000, 5, 3) == (5, 3)  # what the user says wins
