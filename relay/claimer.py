@@ -68,6 +68,7 @@ class Claimer:
         # Per ordered destination: the key after which the next claim continues its walk.
         self._cursors: dict[str, str | None] = {}
         self._turn = 0  # rotates which destination claims first
+        self._waiting_for_room = False  # a destination was skipped because its sink is full
 
     def wake(self) -> None:
         self.wakeup.set()
@@ -80,11 +81,11 @@ class Claimer:
 
     def claimable(self) -> list[str]:
         paused = self.paused()
-        return [
-            name
-            for name, route in self.routes.items()
-            if name not in paused and route.sink.available(name)
-        ]
+        names = [name for name in self.routes if name not in paused]
+        ready = [name for name in names if self.routes[name].sink.available(name)]
+        # A sink that is full now takes more when rows leave it: then wake, not at the poll.
+        self._waiting_for_room = len(ready) < len(names)
+        return ready
 
     async def run(self) -> None:
         rs = self.settings
@@ -100,8 +101,11 @@ class Claimer:
             destinations = self.claimable()
             if not destinations:
                 # Every sink is full (or paused, or its circuit open): rows leaving a sink
-                # make room, so they wake the claim as a NOTIFY does, not the next poll.
-                await wait_for(self.stopping, [self.wakeup, capacity], rs.poll_interval)
+                # make room, so they wake the claim as a NOTIFY does, not the next poll. A
+                # NOTIFY already noted stays set for the next claim, and is not waited on
+                # again (that would spin).
+                events = [capacity] if self.wakeup.is_set() else [self.wakeup, capacity]
+                await wait_for(self.stopping, events, rs.poll_interval)
                 continue
             limit = min(rs.batch_size, free)
             # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
@@ -122,9 +126,8 @@ class Claimer:
             retry = 0.1
             self._database_up()
             if len(batch) < limit and not self._scan_progressed:
-                await wait_for(
-                    self.stopping, [self.wakeup], rs.poll_interval * random.uniform(0.8, 1.2)
-                )
+                events = [self.wakeup, capacity] if self._waiting_for_room else [self.wakeup]
+                await wait_for(self.stopping, events, rs.poll_interval * random.uniform(0.8, 1.2))
 
     async def _claim(
         self, destinations: list[str], limit: int

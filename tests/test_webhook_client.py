@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +170,140 @@ async def test_concurrent_batches_share_the_endpoint_limit(
     results = await asyncio.gather(*(sink.deliver([envelope(), envelope()]) for _ in range(3)))
     assert all(o.result is Result.DELIVERED for r in results for o in r)
     assert receiver.max_in_flight == 2
+
+
+# --- found by a hostile review of the new client ---------------------------------------------
+
+
+async def _raw_server(
+    answer: bytes, seen: list[bytes] | None = None, ssl_ctx: ssl.SSLContext | None = None
+) -> tuple[asyncio.Server, int]:
+    """A bare HTTP/1.1 server answering every request with ``answer``; notes request lines."""
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = []
+                while (line := await r.readline()) not in (b"\r\n", b""):
+                    head.append(line)
+                if not head:
+                    return
+                if seen is not None:
+                    seen.append(head[0])
+                length = next(
+                    (
+                        int(h.split(b":")[1])
+                        for h in head
+                        if h.lower().startswith(b"content-length")
+                    ),
+                    0,
+                )
+                await r.readexactly(length)
+                w.write(answer)
+                await w.drain()
+        except (OSError, asyncio.IncompleteReadError, ssl.SSLError):
+            pass
+        finally:
+            w.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ssl_ctx)
+    return server, server.sockets[0].getsockname()[1]
+
+
+OK = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+TRIP = {"threshold": 1, "cooldown": 30, "max_cooldown": 60}
+
+
+async def test_an_untrusted_certificate_is_a_retry_and_counts_the_endpoint_down(
+    tmp_path: Path, sinks: list[WebhookSink]
+) -> None:
+    """TLS is verified; a self-signed (expired, mis-issued) certificate gets fixed, so the row
+    is retried and the circuit counts it, not failed for good as "not sendable"."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    server, port = await _raw_server(OK, ssl_ctx=ctx)
+    sink = WebhookSink(
+        WebhookClientSettings(), {"hook": dest(f"https://127.0.0.1:{port}/", circuit=TRIP)}
+    )
+    sinks.append(sink)
+    try:
+        [outcome] = await sink.deliver([envelope()])
+    finally:
+        server.close()
+    assert outcome.result is Result.RETRY, outcome
+    assert "TLS certificate not trusted" in (outcome.error or ""), outcome
+    assert not sink.available("hook")  # the circuit opened
+
+
+async def test_an_overflowing_retry_after_date_is_still_a_503(sinks: list[WebhookSink]) -> None:
+    answer = (
+        b"HTTP/1.1 503 Busy\r\nretry-after: Mon, 01 Jan 2030 00:00:00 +99999999999999\r\n"
+        b"content-length: 0\r\n\r\n"
+    )
+    server, port = await _raw_server(answer)
+    sink = WebhookSink(
+        WebhookClientSettings(), {"hook": dest(f"http://127.0.0.1:{port}/", circuit=TRIP)}
+    )
+    sinks.append(sink)
+    try:
+        [outcome] = await sink.deliver([envelope()])
+    finally:
+        server.close()
+    assert outcome.result is Result.RETRY and (outcome.error or "").startswith("HTTP 503"), outcome
+    assert not sink.available("hook")  # the 503 counted against the endpoint
+
+
+@pytest.mark.parametrize(
+    ("target", "sent"),
+    [
+        ("/in?token=ab%2Bc%2Fd%3D&x=%41", "/in?token=ab%2Bc%2Fd%3D&x=%41"),
+        ("/%41%7E/a%2fb", "/%41%7E/a%2fb"),
+        ("/a b/ü?q=a b", "/a%20b/%C3%BC?q=a%20b"),  # only what a request line cannot hold
+    ],
+)
+async def test_the_configured_request_target_is_sent_as_written(
+    target: str, sent: str, sinks: list[WebhookSink]
+) -> None:
+    """Receivers that sign or compare the raw URL must see it as configured."""
+    seen: list[bytes] = []
+    server, port = await _raw_server(OK, seen=seen)
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(f"http://127.0.0.1:{port}{target}")})
+    sinks.append(sink)
+    try:
+        [outcome] = await sink.deliver([envelope()])
+    finally:
+        server.close()
+    assert outcome.result is Result.DELIVERED, outcome
+    assert seen[0].split(b" ")[1] == sent.encode()
+
+
+@pytest.mark.parametrize("url", ["http://example.com/a\r\nX-Evil: 1", "http://example.com/a\tb"])
+def test_a_url_with_a_control_character_is_refused(url: str) -> None:
+    with pytest.raises(ValueError, match="control character"):
+        dest(url)
+
+
+@pytest.mark.parametrize("value", ["Bearer abc\x0b", "a\x1bb", "x\x7f"])
+def test_a_configured_header_with_a_control_character_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="control character"):
+        dest("https://example.com/", headers={"Authorization": value})
+
+
+async def test_a_row_header_that_cannot_be_encoded_fails_alone(
+    receiver: Receiver, sinks: list[WebhookSink]
+) -> None:
+    sink = WebhookSink(WebhookClientSettings(), {"hook": dest(receiver.url)})
+    sinks.append(sink)
+    bad, good = envelope(headers={"x-note": "\udcff"}), envelope()
+    outcomes = {o.id: o for o in await sink.deliver([bad, good])}
+    assert outcomes[bad.id].result is Result.FAILED
+    assert "cannot be encoded" in (outcomes[bad.id].error or "")
+    assert outcomes[good.id].result is Result.DELIVERED

@@ -40,7 +40,7 @@ def parse_retry_after(value: str | None, now: datetime | None = None) -> float |
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
     if when.tzinfo is None:  # an HTTP date is GMT by definition
         when = when.replace(tzinfo=UTC)
@@ -91,6 +91,8 @@ def classify(
 
 def transport_text(exc: BaseException) -> str:
     """A transport error in words: aiohttp's connector errors say which address failed."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"TLS certificate not trusted: {exc.certificate_error}"
     if isinstance(exc, aiohttp.ClientConnectorDNSError):
         return f"DNS lookup of {exc.host} failed: {exc.os_error}"
     if isinstance(exc, aiohttp.ClientConnectorError):

@@ -20,9 +20,11 @@ import ipaddress
 import socket
 import ssl
 from typing import Any
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
+from yarl import URL
 
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.ssrf import AddressPolicy, AddressRefused, IPAddress, resolve
@@ -60,6 +62,28 @@ def _result(host: str, ip: IPAddress, port: int) -> ResolveResult:
         "proto": 0,
         "flags": socket.AI_NUMERICHOST,
     }
+
+
+# Everything printable in ASCII stays as written; spaces and other text are percent-encoded.
+_AS_WRITTEN = "".join(chr(c) for c in range(0x21, 0x7F))
+
+
+def request_url(configured: str) -> URL:
+    """The URL to request, its path and query sent as configured: receivers that sign or
+    compare the request target must see ``%2F`` and ``%41`` as written, not normalised.
+    Only characters that cannot appear in a request line are percent-encoded (as UTF-8);
+    the host is IDNA-encoded; a fragment is never sent."""
+    parsed = URL(configured)
+    parts = urlsplit(configured)
+    host = parsed.raw_host or ""
+    return URL.build(
+        scheme=parsed.scheme,
+        host=f"[{host}]" if ":" in host else host,  # encoded: IPv6 brackets are ours to add
+        port=parsed.explicit_port,
+        path=quote(parts.path or "/", safe=_AS_WRITTEN),
+        query_string=quote(parts.query, safe=_AS_WRITTEN),
+        encoded=True,
+    )
 
 
 def literal_refusal(host: str, policy: AddressPolicy) -> AddressRefused | None:

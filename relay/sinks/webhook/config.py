@@ -35,13 +35,17 @@ class WebhookClientSettings(Section):
     """The one HTTP client the relay shares between all webhook destinations."""
 
     max_connections: int = Field(
-        100, ge=1, description="open connections at most (keep >= sum of max_concurrency)"
+        100,
+        ge=1,
+        description="requests in flight at most, per address policy (destinations with the "
+        "same allow_private_networks / allowed_networks share one pool); keep >= the sum of "
+        "their max_concurrency",
     )
     max_keepalive_connections: int = Field(
         20,
         ge=0,
-        description="no longer used: idle connections are bounded by max_connections and "
-        "close after keepalive_expiry (accepted so older files still load)",
+        description="no longer used: idle connections close after keepalive_expiry "
+        "(accepted so older files still load)",
     )
     keepalive_expiry: float = Field(
         30.0, gt=0, le=86400, description="seconds an idle connection lives"
@@ -84,6 +88,7 @@ RESERVED_HEADERS = frozenset(
         "proxy-connection",
     }
 )
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # tab is allowed in a field value
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 
 
@@ -93,6 +98,12 @@ def header_problem(name: str, value: str) -> str | None:
         return f"header name {name!r} is not a valid HTTP token"
     if any(c in value for c in "\r\n\x00"):
         return f"header {name!r} has a line break or NUL in its value"
+    if _CONTROL.search(value):
+        return f"header {name!r} has a control character in its value"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return f"header {name!r} holds text that cannot be encoded (a lone surrogate)"
     return None
 
 
@@ -183,6 +194,9 @@ class WebhookDestination(Delivery):
     @field_validator("url")
     @classmethod
     def _http_url(cls, v: str) -> str:
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in v):
+            # The URL parser would silently drop CR, LF and tab: a request to another URL.
+            raise ValueError("not a valid URL: it holds a control character (a line break?)")
         try:
             url = URL(v)
             port = url.explicit_port

@@ -23,7 +23,7 @@ from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
 from relay.sinks import misrouted
 from relay.sinks.webhook.answers import Health, classify, parse_retry_after, transport_text
-from relay.sinks.webhook.client import Sessions, literal_refusal
+from relay.sinks.webhook.client import Sessions, literal_refusal, request_url
 from relay.sinks.webhook.config import (
     RESERVED_HEADERS,
     WebhookClientSettings,
@@ -96,7 +96,7 @@ class WebhookSink:
         self.latencies: list[float] | None = None
 
     def _endpoint(self, name: str, d: WebhookDestination) -> Endpoint:
-        url = URL(d.url, encoded=False)
+        url = request_url(d.url)
         policy = AddressPolicy(d.allow_private_networks, tuple(d.allowed_networks))
         return Endpoint(
             name=name,
@@ -128,8 +128,7 @@ class WebhookSink:
             log.warning(
                 "relay.config.ignored",
                 key="webhooks.max_keepalive_connections",
-                hint="idle connections are bounded by webhooks.max_connections and close after "
-                "webhooks.keepalive_expiry; remove the setting",
+                hint="idle connections close after webhooks.keepalive_expiry; remove the setting",
             )
         wanted = sum(ep.config.max_concurrency for ep in self.endpoints.values())
         if wanted > self.http.max_connections:
@@ -338,14 +337,19 @@ class WebhookSink:
                 env,
                 f"timed out after {took:.1f} s (destination timeout {ep.config.timeout:g} s)",
             )
-        except (ValueError, aiohttp.InvalidURL) as exc:
-            # We could not even form the request from this row: retrying gives the same.
+        except aiohttp.InvalidURL as exc:
             return Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
-        except (aiohttp.ClientError, OSError) as exc:  # connect/DNS/read errors
+        except (aiohttp.ClientError, OSError) as exc:
+            # Connect, DNS, TLS (an untrusted certificate gets fixed: a retry, and the endpoint
+            # counted down) and read errors. Before ValueError: aiohttp's certificate error is
+            # one too.
             took = time.monotonic() - started
             return self._transport_failure(
                 ep, env, f"{transport_text(exc)} after {took * 1000:.0f} ms"
             )
+        except ValueError as exc:
+            # We could not even form the request from this row: retrying gives the same.
+            return Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
         latency_ms = (time.monotonic() - started) * 1000
         if self.latencies is not None:
             self.latencies.append(latency_ms)
