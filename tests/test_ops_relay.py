@@ -345,8 +345,13 @@ async def test_metrics_after_a_known_run(db_url: str, kafka_bootstrap: str) -> N
                 return metric_values(res.text)
 
             async def stats_seen() -> bool:
+                # A refresh taken after the run settled: one taken before it (every 0.2 s)
+                # already shows "later" at 3, but "orders" still pending.
                 v = await scrape()
-                return v.get(("outbox_pending_rows", (("destination", "later"),))) == 3
+                return (
+                    v.get(("outbox_pending_rows", (("destination", "later"),))) == 3
+                    and v.get(("outbox_pending_rows", (("destination", "orders"),))) == 0
+                )
 
             await wait_until(stats_seen, what="pending gauges refreshed")
             v = await scrape()
