@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import signal
 import subprocess
 import sys
@@ -198,6 +199,9 @@ async def test_sigterm_under_load_exits_0_and_leaves_nothing_running(
     counts = await status_counts(db_url)
     assert counts.get("running", 0) == 0, counts
     assert '"event": "relay.stopped"' in relay.output()
+    # `run` uses the relay's default event loop: uvloop where it is installed.
+    loop_kind = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    assert f'"event_loop": "{loop_kind}"' in relay.output()
     assert f'"reason": "{signal.Signals(sig).name}"' in relay.output()
     # Nothing lost: a second relay finishes the rest.
     finisher = RelayProcess(cfg).start()
