@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox import endpoints as endpoints
     from outbox.errors import OutboxError, OutboxValidationError
     from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES
     from outbox.schema import (
@@ -82,12 +83,17 @@ __all__ = [
 ]
 assert sorted(__all__) == sorted(_HOMES)
 
+# Modules reached as attributes: outbox.endpoints.create(...).
+_SUBMODULES = frozenset({"endpoints"})
+
 
 if not TYPE_CHECKING:
     # Hidden from type checkers, which then see only the imports above: a misspelt name
     # (outbox.enqeue) stays an error for them instead of becoming Any.
 
     def __getattr__(name: str) -> Any:
+        if name in _SUBMODULES:
+            return importlib.import_module(f"outbox.{name}")
         home = _HOMES.get(name)
         if home is None:
             raise AttributeError(f"module 'outbox' has no attribute {name!r}")
@@ -100,4 +106,4 @@ if not TYPE_CHECKING:
 
     def __dir__() -> list[str]:
         loaded = {k for k, v in globals().items() if isinstance(v, ModuleType)}
-        return sorted({*__all__, *(k for k in loaded if k not in ("importlib",))})
+        return sorted({*__all__, *_SUBMODULES, *(k for k in loaded if k not in ("importlib",))})

@@ -34,6 +34,10 @@ MAX_KEY_BYTES = 1024
 MAX_CONTENT_TYPE_BYTES = 255
 MAX_HEADERS_BYTES = 16 * 1024
 MAX_HEADERS = 100  # also what HTTP servers commonly take
+# An event type ("invoice.paid") and a tenant ("acme") select the endpoints of an `endpoints`
+# destination; the type is sent as a header (and as CloudEvents' type), so no control characters.
+MAX_EVENT_TYPE_BYTES = 255
+MAX_TENANT_BYTES = 255
 
 Payload = bytes | bytearray | memoryview | str | Mapping[str, Any] | list[Any]
 
@@ -48,6 +52,8 @@ class NewMessage:
     content_type: str
     headers_json: str
     run_after: datetime | None
+    event_type: str | None = None
+    tenant: str | None = None
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -186,6 +192,16 @@ def _validate_content_type(content_type: object) -> str | None:
     return ctype
 
 
+def _label(field: str, value: object, limit: int) -> str | None:
+    """An optional event type or tenant: a non-empty str without control characters."""
+    if value is None:
+        return None
+    label = _text(field, value, limit, kind="a non-empty str or None")
+    if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in label):
+        raise OutboxValidationError(field, "contains a control character")
+    return label
+
+
 def build_message(
     *,
     destination: str,
@@ -194,11 +210,15 @@ def build_message(
     headers: Mapping[str, str] | None = None,
     run_after: datetime | None = None,
     content_type: str | None = None,
+    event_type: str | None = None,
+    tenant: str | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> NewMessage:
     _text("destination", destination, MAX_DESTINATION_BYTES)
     if key is not None:
         _text("key", key, MAX_KEY_BYTES, kind="a str or None")
+    _label("event_type", event_type, MAX_EVENT_TYPE_BYTES)
+    _label("tenant", tenant, MAX_TENANT_BYTES)
     ctype_given = _validate_content_type(content_type)
     if run_after is not None:
         if not isinstance(run_after, datetime):
@@ -229,4 +249,6 @@ def build_message(
         content_type=ctype,
         headers_json=headers_json,
         run_after=run_after,
+        event_type=event_type,
+        tenant=tenant,
     )

@@ -78,34 +78,40 @@ DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
 
 # SQLAlchemy text() form (named binds); works for every SQLAlchemy PostgreSQL driver.
 ENQUEUE_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
+                     tenant)
 VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
-        COALESCE(CAST(:run_after AS timestamptz), now()))
+        COALESCE(CAST(:run_after AS timestamptz), now()), :event_type, :tenant)
 RETURNING id
 """
 
 ENQUEUE_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()))
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
+                     tenant)
+VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()), $7, $8)
 RETURNING id
 """
 
 # Many rows in one statement. Identity values are drawn in the order unnest yields rows, so
 # the ascending ids correspond to the input order.
 ENQUEUE_MANY_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
+                     tenant)
+SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
 FROM unnest(CAST(:destinations AS text[]), CAST(:keys AS text[]), CAST(:payloads AS bytea[]),
             CAST(:content_types AS text[]), CAST(:headers AS text[]),
-            CAST(:run_afters AS timestamptz[])) AS u(d, k, p, c, h, r)
+            CAST(:run_afters AS timestamptz[]), CAST(:event_types AS text[]),
+            CAST(:tenants AS text[])) AS u(d, k, p, c, h, r, e, t)
 RETURNING id
 """
 
 ENQUEUE_MANY_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[])
-     AS u(d, k, p, c, h, r)
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
+                     tenant)
+SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[],
+            $7::text[], $8::text[])
+     AS u(d, k, p, c, h, r, e, t)
 RETURNING id
 """
 
@@ -169,3 +175,105 @@ TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
 SERVER_ENCODING = "SELECT current_setting('server_encoding')"
 
 NOTIFY = "SELECT pg_notify($1, '')"
+
+
+# --- endpoints (webhooks for many receivers) ------------------------------------------------
+# SQLAlchemy text() forms; {endpoints} and {deliveries} are the schema's tables.
+
+_ENDPOINT_COLUMNS = """
+id, destination, url, tenant, event_types, secret, previous_secret, previous_secret_until,
+rate_limit, description, enabled, disabled_reason, disabled_at, failing_since,
+last_success_at, created_at, updated_at
+"""
+
+ENDPOINT_CREATE = (
+    """
+INSERT INTO {endpoints} (destination, url, tenant, event_types, secret, rate_limit, description)
+VALUES (:destination, :url, :tenant, CAST(:event_types AS text[]), :secret, :rate_limit,
+        :description)
+RETURNING"""
+    + _ENDPOINT_COLUMNS
+)
+
+ENDPOINT_GET = "SELECT" + _ENDPOINT_COLUMNS + "FROM {endpoints} WHERE id = :id"
+
+ENDPOINT_LIST = (
+    "SELECT"
+    + _ENDPOINT_COLUMNS
+    + """FROM {endpoints}
+WHERE (CAST(:destination AS text) IS NULL OR destination = :destination)
+  AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
+ORDER BY id
+"""
+)
+
+# Each :set_x says whether x is changed, so that "set to NULL" and "leave as it is" differ.
+ENDPOINT_UPDATE = (
+    """
+UPDATE {endpoints} SET
+    url = CASE WHEN :set_url THEN :url ELSE url END,
+    tenant = CASE WHEN :set_tenant THEN :tenant ELSE tenant END,
+    event_types = CASE WHEN :set_event_types THEN CAST(:event_types AS text[])
+                       ELSE event_types END,
+    rate_limit = CASE WHEN :set_rate_limit THEN CAST(:rate_limit AS integer) ELSE rate_limit END,
+    description = CASE WHEN :set_description THEN :description ELSE description END,
+    updated_at = now()
+WHERE id = :id
+RETURNING"""
+    + _ENDPOINT_COLUMNS
+)
+
+ENDPOINT_DISABLE = (
+    """
+UPDATE {endpoints}
+SET enabled = false, disabled_reason = :reason, disabled_at = now(), updated_at = now()
+WHERE id = :id
+RETURNING"""
+    + _ENDPOINT_COLUMNS
+)
+
+# Enabling starts its health afresh: the failures before it was disabled do not count again.
+ENDPOINT_ENABLE = (
+    """
+UPDATE {endpoints}
+SET enabled = true, disabled_reason = NULL, disabled_at = NULL, failing_since = NULL,
+    updated_at = now()
+WHERE id = :id
+RETURNING"""
+    + _ENDPOINT_COLUMNS
+)
+
+ENDPOINT_ROTATE = (
+    """
+UPDATE {endpoints}
+SET previous_secret = secret,
+    previous_secret_until = now() + make_interval(secs => :keep_seconds),
+    secret = :secret,
+    updated_at = now()
+WHERE id = :id
+RETURNING"""
+    + _ENDPOINT_COLUMNS
+)
+
+# Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
+# sent, and the log says why.
+ENDPOINT_DELETE = """
+WITH cancelled AS (
+    UPDATE {deliveries}
+    SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
+        last_error = 'endpoint ' || CAST(:id AS bigint) || ' was deleted'
+    WHERE endpoint_id = CAST(:id AS bigint) AND status IN ('pending', 'running')
+    RETURNING 1
+),
+gone AS (
+    DELETE FROM {endpoints} WHERE id = CAST(:id AS bigint) RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM cancelled) AS cancelled
+"""
+
+
+def render_endpoints(sql: str, schema: str) -> str:
+    """Fill in ``{endpoints}`` and ``{deliveries}`` of ``schema``."""
+    return sql.replace("{endpoints}", qualified_table(schema, "outbox_endpoints")).replace(
+        "{deliveries}", qualified_table(schema, "outbox_deliveries")
+    )

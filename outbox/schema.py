@@ -6,12 +6,16 @@ matches it column for column and index for index.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     DDL,
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
+    Float,
     Identity,
     Index,
     Integer,
@@ -19,6 +23,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    UniqueConstraint,
     event,
     text,
 )
@@ -30,6 +35,9 @@ from outbox.status import Status as Status  # where it used to live
 TABLE_NAME = "outbox"
 PAUSED_TABLE_NAME = "outbox_paused"
 RELAYS_TABLE_NAME = "outbox_relays"
+ENDPOINTS_TABLE_NAME = "outbox_endpoints"
+DELIVERIES_TABLE_NAME = "outbox_deliveries"
+ATTEMPTS_TABLE_NAME = "outbox_attempts"
 
 
 # The functions and triggers of migrations 0001 and 0003, created with the table by
@@ -114,6 +122,9 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
         # while the row still carries the value that claim returned.
         Column("claims", Integer, nullable=False, server_default=text("0")),
         Column("finished_at", DateTime(timezone=True), nullable=True),
+        # For destinations of kind "endpoints": which endpoints an event goes to.
+        Column("event_type", Text, nullable=True),
+        Column("tenant", Text, nullable=True),
         *_outbox_constraints_and_indexes(),
         schema=schema,
     )
@@ -193,7 +204,144 @@ def define_relays_table(metadata: MetaData, schema: str | None = None) -> Table:
     )
 
 
+_ENDPOINTS_NOTIFY_FUNCTION = """
+CREATE FUNCTION {schema}outbox_endpoints_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.outbox', 'endpoints');
+    RETURN NULL;
+END
+$$
+"""
+_ENDPOINTS_NOTIFY_TRIGGER = """
+CREATE TRIGGER outbox_endpoints_notify
+    AFTER INSERT OR UPDATE OR DELETE ON {schema}outbox_endpoints
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_endpoints_notify()
+"""
+
+
+def _timestamp(name: str, *, now: bool = False) -> Column[Any]:
+    if now:
+        return Column(name, DateTime(timezone=True), nullable=False, server_default=text("now()"))
+    return Column(name, DateTime(timezone=True), nullable=True)
+
+
+def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_endpoints`` (webhook receivers registered at runtime) to ``metadata``."""
+    table = Table(
+        ENDPOINTS_TABLE_NAME,
+        metadata,
+        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        Column("destination", Text, nullable=False),
+        Column("url", Text, nullable=False),
+        Column("tenant", Text, nullable=True),
+        Column("event_types", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
+        Column("secret", Text, nullable=False),
+        Column("previous_secret", Text, nullable=True),
+        _timestamp("previous_secret_until"),
+        Column("rate_limit", Integer, nullable=True),
+        Column("description", Text, nullable=False, server_default=text("''::text")),
+        Column("enabled", Boolean, nullable=False, server_default=text("true")),
+        Column("disabled_reason", Text, nullable=True),
+        _timestamp("disabled_at"),
+        _timestamp("failing_since"),
+        _timestamp("last_success_at"),
+        _timestamp("created_at", now=True),
+        _timestamp("updated_at", now=True),
+        CheckConstraint("destination <> ''", name="outbox_endpoints_destination_check"),
+        CheckConstraint("url <> ''", name="outbox_endpoints_url_check"),
+        CheckConstraint(
+            "rate_limit IS NULL OR rate_limit > 0", name="outbox_endpoints_rate_limit_check"
+        ),
+        Index(
+            "outbox_endpoints_destination_idx",
+            "destination",
+            "id",
+            postgresql_where=text("enabled"),
+        ),
+        schema=schema,
+    )
+    prefix = f"{quote_ident(check_schema(schema))}." if schema else ""
+    for when, sql in (
+        ("before_create", _ENDPOINTS_NOTIFY_FUNCTION),
+        ("after_create", _ENDPOINTS_NOTIFY_TRIGGER),
+    ):
+        event.listen(table, when, DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
+    return table
+
+
+def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_deliveries`` (one row per event and matching endpoint) to ``metadata``."""
+    return Table(
+        DELIVERIES_TABLE_NAME,
+        metadata,
+        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        Column("event_id", BigInteger, nullable=False),
+        Column("endpoint_id", BigInteger, nullable=False),
+        Column("destination", Text, nullable=False),
+        Column("status", Text, nullable=False, server_default=text("'pending'::text")),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        _timestamp("run_after", now=True),
+        Column("locked_by", Text, nullable=True),
+        _timestamp("locked_until"),
+        Column("claims", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        Column("last_status", Integer, nullable=True),
+        _timestamp("created_at", now=True),
+        _timestamp("finished_at"),
+        CheckConstraint(
+            "status IN ('pending', 'running', 'delivered', 'failed', 'cancelled')",
+            name="outbox_deliveries_status_check",
+        ),
+        UniqueConstraint(
+            "event_id", "endpoint_id", name="outbox_deliveries_event_id_endpoint_id_key"
+        ),
+        Index(
+            "outbox_deliveries_claim_idx",
+            "endpoint_id",
+            "run_after",
+            "id",
+            postgresql_where=text("status = 'pending'"),
+        ),
+        Index(
+            "outbox_deliveries_lease_idx",
+            "locked_until",
+            postgresql_where=text("status = 'running'"),
+        ),
+        Index(
+            "outbox_deliveries_finished_idx",
+            "finished_at",
+            postgresql_where=text("status IN ('delivered', 'failed', 'cancelled')"),
+        ),
+        schema=schema,
+    )
+
+
+def define_attempts_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_attempts`` (the message log of endpoint deliveries) to ``metadata``."""
+    return Table(
+        ATTEMPTS_TABLE_NAME,
+        metadata,
+        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        Column("delivery_id", BigInteger, nullable=False),
+        Column("event_id", BigInteger, nullable=False),
+        Column("endpoint_id", BigInteger, nullable=False),
+        _timestamp("at", now=True),
+        Column("http_status", Integer, nullable=True),
+        Column("duration_ms", Float, nullable=True),
+        Column("response", Text, nullable=True),
+        Column("error", Text, nullable=True),
+        Column("replay", Boolean, nullable=False, server_default=text("false")),
+        Index("outbox_attempts_event_idx", "event_id", "id"),
+        Index("outbox_attempts_endpoint_idx", "endpoint_id", "at"),
+        Index("outbox_attempts_at_idx", "at"),
+        schema=schema,
+    )
+
+
 metadata = MetaData()
 outbox_table = define_outbox_table(metadata)
 paused_table = define_paused_table(metadata)
 relays_table = define_relays_table(metadata)
+endpoints_table = define_endpoints_table(metadata)
+deliveries_table = define_deliveries_table(metadata)
+attempts_table = define_attempts_table(metadata)

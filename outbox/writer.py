@@ -38,6 +38,8 @@ class EventSpec(TypedDict, total=False):
     headers: Mapping[str, str] | None
     run_after: datetime | None
     content_type: str | None
+    event_type: str | None
+    tenant: str | None
 
 
 class Outbox:
@@ -71,6 +73,8 @@ class Outbox:
         run_after: datetime | None,
         content_type: str | None,
         trace: Mapping[str, str] | None = None,
+        event_type: str | None = None,
+        tenant: str | None = None,
     ) -> NewMessage:
         if trace and (headers is None or isinstance(headers, Mapping)):
             headers = tracing.with_trace_headers(headers, trace)
@@ -81,6 +85,8 @@ class Outbox:
             headers=headers,
             run_after=run_after,
             content_type=content_type,
+            event_type=event_type,
+            tenant=tenant,
             max_payload_bytes=self.max_payload_bytes,
         )
 
@@ -102,6 +108,8 @@ class Outbox:
         headers: Mapping[str, str] | None,
         run_after: datetime | None,
         content_type: str | None,
+        event_type: str | None,
+        tenant: str | None,
     ) -> _Statement:
         m = self._message(
             destination,
@@ -111,8 +119,19 @@ class Outbox:
             run_after,
             content_type,
             tracing.current_trace_headers(),
+            event_type,
+            tenant,
         )
-        args = (m.destination, m.key, m.payload, m.content_type, m.headers_json, m.run_after)
+        args = (
+            m.destination,
+            m.key,
+            m.payload,
+            m.content_type,
+            m.headers_json,
+            m.run_after,
+            m.event_type,
+            m.tenant,
+        )
         return _Statement(
             self._one_sa, dict(zip(_ONE_BINDS, args, strict=True)), self._one_pg, args
         )
@@ -128,6 +147,8 @@ class Outbox:
             [m.content_type for m in ms],
             [m.headers_json for m in ms],
             [m.run_after for m in ms],
+            [m.event_type for m in ms],
+            [m.tenant for m in ms],
         )
         binds = dict(zip(_MANY_BINDS, columns, strict=True))
         return _Statement(self._many_sa, binds, self._many_pg, columns)
@@ -147,9 +168,15 @@ class Outbox:
         headers: Mapping[str, str] | None = None,
         run_after: datetime | None = None,
         content_type: str | None = None,
+        event_type: str | None = None,
+        tenant: str | None = None,
     ) -> int:
-        """Add one event to ``conn``'s open transaction and return its id."""
-        statement = self._one(destination, payload, key, headers, run_after, content_type)
+        """Add one event to ``conn``'s open transaction and return its id.
+
+        ``event_type`` and ``tenant`` choose the endpoints of an ``endpoints`` destination."""
+        statement = self._one(
+            destination, payload, key, headers, run_after, content_type, event_type, tenant
+        )
         [row_id] = await _run(conn, statement)
         return row_id
 
@@ -170,9 +197,13 @@ class Outbox:
         headers: Mapping[str, str] | None = None,
         run_after: datetime | None = None,
         content_type: str | None = None,
+        event_type: str | None = None,
+        tenant: str | None = None,
     ) -> int:
         """``enqueue`` for a SQLAlchemy ``Session`` or ``Connection``."""
-        statement = self._one(destination, payload, key, headers, run_after, content_type)
+        statement = self._one(
+            destination, payload, key, headers, run_after, content_type, event_type, tenant
+        )
         [row_id] = _run_sync(conn, statement)
         return row_id
 
@@ -183,8 +214,26 @@ class Outbox:
 
 
 # The bind names of ENQUEUE_SA and ENQUEUE_MANY_SA, in the order of the asyncpg forms' $n.
-_ONE_BINDS = ("destination", "key", "payload", "content_type", "headers", "run_after")
-_MANY_BINDS = ("destinations", "keys", "payloads", "content_types", "headers", "run_afters")
+_ONE_BINDS = (
+    "destination",
+    "key",
+    "payload",
+    "content_type",
+    "headers",
+    "run_after",
+    "event_type",
+    "tenant",
+)
+_MANY_BINDS = (
+    "destinations",
+    "keys",
+    "payloads",
+    "content_types",
+    "headers",
+    "run_afters",
+    "event_types",
+    "tenants",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +273,9 @@ def _spec_kwargs(ev: EventSpec) -> dict[str, Any]:
     unknown = set(ev) - _SPEC_KEYS
     if unknown:
         raise TypeError(f"unknown event keys {sorted(unknown)}; expected {sorted(_SPEC_KEYS)}")
-    kw: dict[str, Any] = dict.fromkeys(("key", "headers", "run_after", "content_type"), None)
+    kw: dict[str, Any] = dict.fromkeys(
+        ("key", "headers", "run_after", "content_type", "event_type", "tenant"), None
+    )
     kw.update(ev)
     if "destination" not in ev or "payload" not in ev:
         raise TypeError("each event needs 'destination' and 'payload'")

@@ -98,7 +98,14 @@ def test_cli_migrate_bad_url() -> None:
     assert run.returncode == 1 and "postgresql://" in run.stderr
 
 
-TABLES = ("outbox", "outbox_paused", "outbox_relays")
+TABLES = (
+    "outbox",
+    "outbox_paused",
+    "outbox_relays",
+    "outbox_endpoints",
+    "outbox_deliveries",
+    "outbox_attempts",
+)
 
 CATALOG = {
     "columns": """
@@ -145,8 +152,9 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
         engine.dispose()
     migrated, modelled = await catalog(db_url), await catalog(empty_db_url)
     by_table = {t: [c for c in migrated["columns"] if c[0] == t] for t in TABLES}
-    assert len(by_table["outbox"]) == 16 and len(by_table["outbox_paused"]) == 4
-    assert len(by_table["outbox_relays"]) == 8
+    assert len(by_table["outbox"]) == 18 and len(by_table["outbox_paused"]) == 4
+    assert len(by_table["outbox_relays"]) == 8 and len(by_table["outbox_endpoints"]) == 17
+    assert len(by_table["outbox_deliveries"]) == 14 and len(by_table["outbox_attempts"]) == 10
     assert {i[1] for i in migrated["indexes"]} >= {"outbox_delivered_idx", "outbox_paused_pkey"}
     assert migrated == modelled
 
