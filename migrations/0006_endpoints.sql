@@ -67,6 +67,9 @@ CREATE TABLE outbox_deliveries (
 CREATE INDEX outbox_deliveries_claim_idx ON outbox_deliveries (endpoint_id, run_after, id)
     WHERE status = 'pending';
 
+-- An endpoint's deliveries whatever their state: `endpoints show`, delete, replay.
+CREATE INDEX outbox_deliveries_endpoint_idx ON outbox_deliveries (endpoint_id, id);
+
 CREATE INDEX outbox_deliveries_lease_idx ON outbox_deliveries (locked_until)
     WHERE status = 'running';
 
@@ -104,6 +107,10 @@ BEGIN
 END
 $$;
 
+-- Not on the health columns the relays write (failing_since, last_success_at): those would
+-- wake every relay at each delivery outcome.
 CREATE TRIGGER outbox_endpoints_notify
-    AFTER INSERT OR UPDATE OR DELETE ON outbox_endpoints
+    AFTER INSERT OR DELETE OR UPDATE OF destination, url, tenant, event_types, secret,
+        previous_secret, previous_secret_until, rate_limit, enabled
+    ON outbox_endpoints
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_endpoints_notify();

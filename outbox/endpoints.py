@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import concurrent.futures
 import ipaddress
+import itertools
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,6 +31,7 @@ from typing import Any
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import StatementError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
@@ -38,10 +41,22 @@ from outbox.message import MAX_DESTINATION_BYTES, MAX_EVENT_TYPE_BYTES, MAX_TENA
 from outbox.message import _label as _check_label
 from outbox.message import _text as _check_text
 
+__all__ = [
+    "UNSET",
+    "Endpoint",
+    "EndpointNotFound",
+    "Endpoints",
+    "check_reachable",
+]
+
 MAX_URL_BYTES = 2048
 MAX_DESCRIPTION_BYTES = 1024
 MAX_EVENT_TYPES = 100
 DEFAULT_KEEP_PREVIOUS = timedelta(hours=24)
+MAX_KEEP_PREVIOUS = timedelta(days=366)
+MAX_RATE_LIMIT = 2**31 - 1  # the column is an integer
+MAX_ID = 2**63 - 1  # and ids are bigint
+DNS_TIMEOUT = 5.0  # seconds a registration waits for the URL's host to resolve
 
 
 class EndpointNotFound(OutboxError):
@@ -157,10 +172,13 @@ class Endpoints:
             out["event_types"] = _event_types(event_types)
         if rate_limit is not UNSET:
             if rate_limit is not None and (
-                isinstance(rate_limit, bool) or not isinstance(rate_limit, int) or rate_limit < 1
+                isinstance(rate_limit, bool)
+                or not isinstance(rate_limit, int)
+                or not 1 <= rate_limit <= MAX_RATE_LIMIT
             ):
                 raise OutboxValidationError(
-                    "rate_limit", "must be a positive int (requests per second) or None"
+                    "rate_limit",
+                    f"must be an int from 1 to {MAX_RATE_LIMIT} (requests per second) or None",
                 )
             out["rate_limit"] = rate_limit
         if description is not UNSET:
@@ -206,8 +224,12 @@ class Endpoints:
     def _rotate_call(
         self, endpoint_id: int, keep_previous: timedelta, secret: str | None
     ) -> tuple[_Call, str]:
-        if not isinstance(keep_previous, timedelta) or keep_previous < timedelta(0):
-            raise OutboxValidationError("keep_previous", "must be a timedelta of zero or more")
+        if not isinstance(keep_previous, timedelta) or not (
+            timedelta(0) <= keep_previous <= MAX_KEEP_PREVIOUS
+        ):
+            raise OutboxValidationError(
+                "keep_previous", f"must be a timedelta from zero to {MAX_KEEP_PREVIOUS.days} days"
+            )
         plain = endpoint_secrets.generate() if secret is None else _given_secret(secret)
         binds = {
             "id": _id(endpoint_id),
@@ -215,6 +237,33 @@ class Endpoints:
             "keep_seconds": keep_previous.total_seconds(),
         }
         return _Call(self._rotate, binds), plain
+
+    def _list_call(self, destination: object, tenant: object) -> _Call:
+        """``tenant`` lists the endpoints registered for that tenant, not those taking all."""
+        if destination is not None:
+            _check_text("destination", destination, MAX_DESTINATION_BYTES)
+        return _Call(
+            self._list,
+            {
+                "destination": destination,
+                "tenant": _check_label("tenant", tenant, MAX_TENANT_BYTES),
+            },
+        )
+
+    def _get_call(self, endpoint_id: int) -> _Call:
+        return _Call(self._get, {"id": _id(endpoint_id)})
+
+    def _refuse_rotation(self, rows: Sequence[Any], endpoint_id: int) -> None:
+        """A rotation changed no row: the endpoint is missing, or its previous secret is still
+        within the window promised at the last rotation."""
+        until = self._one(rows, endpoint_id).previous_secret_until
+        raise OutboxValidationError(
+            "keep_previous",
+            f"the previous secret of endpoint {endpoint_id} is still valid until "
+            f"{until.isoformat() if until else '?'}; rotate again after that, or pass "
+            "keep_previous=timedelta(0) (--keep-previous-hours 0) to drop it at once (a leaked "
+            "secret)",
+        )
 
     def _endpoint(self, row: Any, *, secret: str | None = None) -> Endpoint:
         m = row._mapping
@@ -275,8 +324,7 @@ class Endpoints:
         call, plain = self._create_call(
             destination, url, tenant, event_types, rate_limit, description, secret
         )
-        if check_dns:
-            await asyncio.to_thread(check_reachable, url, allow_private_networks)
+        await _check_address(url, allow_private_networks, check_dns)
         return self._one(await _run(conn, call), 0, plain)
 
     async def get(
@@ -288,7 +336,7 @@ class Endpoints:
     async def list(
         self, conn: AsyncTarget, *, destination: str | None = None, tenant: str | None = None
     ) -> builtins.list[Endpoint]:
-        rows = await _run(conn, _Call(self._list, {"destination": destination, "tenant": tenant}))
+        rows = await _run(conn, self._list_call(destination, tenant))
         return [self._endpoint(r) for r in rows]
 
     async def update(
@@ -314,8 +362,8 @@ class Endpoints:
             description=description,
         )
         call = self._update_call(endpoint_id, changes)
-        if "url" in changes and check_dns:
-            await asyncio.to_thread(check_reachable, url, allow_private_networks)
+        if "url" in changes:
+            await _check_address(url, allow_private_networks, check_dns)
         return self._one(await _run(conn, call), endpoint_id)
 
     async def disable(
@@ -339,7 +387,10 @@ class Endpoints:
     ) -> Endpoint:
         """A new secret (returned); the previous one still signs for ``keep_previous``."""
         call, plain = self._rotate_call(endpoint_id, keep_previous, secret)
-        return self._one(await _run(conn, call), endpoint_id, plain)
+        rows = await _run(conn, call)
+        if not rows:
+            self._refuse_rotation(await _run(conn, self._get_call(endpoint_id)), endpoint_id)
+        return self._one(rows, endpoint_id, plain)
 
     async def delete(self, conn: AsyncTarget, endpoint_id: int) -> int:
         """Delete the endpoint; its unfinished deliveries end as ``cancelled``. Returns how
@@ -367,8 +418,7 @@ class Endpoints:
         call, plain = self._create_call(
             destination, url, tenant, event_types, rate_limit, description, secret
         )
-        if check_dns:
-            check_reachable(url, allow_private_networks)
+        check_reachable(url, allow_private_networks, resolve=check_dns)
         return self._one(_run_sync(conn, call), 0, plain)
 
     def get_sync(
@@ -380,7 +430,7 @@ class Endpoints:
     def list_sync(
         self, conn: SyncTarget, *, destination: str | None = None, tenant: str | None = None
     ) -> builtins.list[Endpoint]:
-        rows = _run_sync(conn, _Call(self._list, {"destination": destination, "tenant": tenant}))
+        rows = _run_sync(conn, self._list_call(destination, tenant))
         return [self._endpoint(r) for r in rows]
 
     def update_sync(
@@ -404,8 +454,8 @@ class Endpoints:
             description=description,
         )
         call = self._update_call(endpoint_id, changes)
-        if "url" in changes and check_dns:
-            check_reachable(url, allow_private_networks)
+        if "url" in changes:
+            check_reachable(url, allow_private_networks, resolve=check_dns)
         return self._one(_run_sync(conn, call), endpoint_id)
 
     def disable_sync(
@@ -428,16 +478,22 @@ class Endpoints:
         secret: str | None = None,
     ) -> Endpoint:
         call, plain = self._rotate_call(endpoint_id, keep_previous, secret)
-        return self._one(_run_sync(conn, call), endpoint_id, plain)
+        rows = _run_sync(conn, call)
+        if not rows:
+            self._refuse_rotation(_run_sync(conn, self._get_call(endpoint_id)), endpoint_id)
+        return self._one(rows, endpoint_id, plain)
 
     def delete_sync(self, conn: SyncTarget, endpoint_id: int) -> int:
         rows = _run_sync(conn, _Call(self._delete, {"id": _id(endpoint_id)}))
         return _deleted(rows, endpoint_id)
 
 
-def check_reachable(url: str, allow_private_networks: bool = False) -> None:
+def check_reachable(
+    url: str, allow_private_networks: bool = False, *, resolve: bool = True
+) -> None:
     """Refuse a URL whose host does not resolve, or resolves to a private, loopback or other
-    non-public address (unless allowed): the relay would refuse to deliver to it anyway."""
+    non-public address (unless allowed): the relay would refuse to deliver to it anyway. An IP
+    literal is checked even when ``resolve`` is off (nothing to look up)."""
     from yarl import URL
 
     from relay.sinks.webhook.ssrf import is_public
@@ -447,22 +503,45 @@ def check_reachable(url: str, allow_private_networks: bool = False) -> None:
     try:
         addresses = [ipaddress.ip_address(host.strip("[]"))]
     except ValueError:
-        try:
-            infos = socket.getaddrinfo(host, parsed.port or 443, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as exc:
-            raise OutboxValidationError(
-                "url", f"its host {host!r} does not resolve ({exc}); check the spelling"
-            ) from None
-        addresses = builtins.list(dict.fromkeys(ipaddress.ip_address(str(i[4][0])) for i in infos))
+        if not resolve:
+            return
+        addresses = _lookup(host, parsed.port or 443)
     refused = [a for a in addresses if not is_public(a)]
     if refused and not allow_private_networks:
         shown = ", ".join(map(str, refused))
         raise OutboxValidationError(
             "url",
-            f"its host {host!r} resolves to non-public address(es) {shown}; endpoints may "
-            "only be public unless the destination sets allow_private_networks = true "
+            f"its host {host!r} is or resolves to non-public address(es) {shown}; endpoints "
+            "may only be public unless the destination sets allow_private_networks = true "
             "(then pass allow_private_networks=True / --allow-private-networks)",
         )
+
+
+def _lookup(host: str, port: int) -> builtins.list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The host's addresses, or OutboxValidationError if it does not resolve within
+    DNS_TIMEOUT (getaddrinfo itself has no timeout: a stuck resolver would hang the call)."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outbox-dns")
+    try:
+        future = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+        infos = future.result(timeout=DNS_TIMEOUT)
+    except concurrent.futures.TimeoutError:
+        raise OutboxValidationError(
+            "url",
+            f"its host {host!r} did not resolve within {DNS_TIMEOUT:g} s; check the DNS, or "
+            "pass check_dns=False (--no-dns-check) to register it unresolved",
+        ) from None
+    except (OSError, UnicodeError) as exc:
+        raise OutboxValidationError(
+            "url", f"its host {host!r} does not resolve ({exc}); check the spelling"
+        ) from None
+    finally:
+        pool.shutdown(wait=False)
+    return builtins.list(dict.fromkeys(ipaddress.ip_address(str(i[4][0])) for i in infos))
+
+
+async def _check_address(url: str, allow_private_networks: bool, resolve: bool) -> None:
+    # In a thread: a DNS lookup must not stop the caller's event loop.
+    await asyncio.to_thread(check_reachable, url, allow_private_networks, resolve=resolve)
 
 
 def _given(**values: Any) -> dict[str, Any]:
@@ -470,8 +549,12 @@ def _given(**values: Any) -> dict[str, Any]:
 
 
 def _id(endpoint_id: object) -> int:
-    if isinstance(endpoint_id, bool) or not isinstance(endpoint_id, int) or endpoint_id < 1:
-        raise OutboxValidationError("endpoint_id", "must be a positive int")
+    if (
+        isinstance(endpoint_id, bool)
+        or not isinstance(endpoint_id, int)
+        or not 1 <= endpoint_id <= MAX_ID
+    ):
+        raise OutboxValidationError("endpoint_id", f"must be an int from 1 to {MAX_ID}")
     return endpoint_id
 
 
@@ -491,18 +574,23 @@ def _given_secret(secret: object) -> str:
 
 
 def _event_types(values: object) -> builtins.list[str]:
-    if isinstance(values, str) or not isinstance(values, Iterable):
+    if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
         raise OutboxValidationError(
             "event_types", 'must be a list of str (e.g. ["invoice.paid"]); empty: every type'
         )
-    out = builtins.list(dict.fromkeys(values))
-    if len(out) > MAX_EVENT_TYPES:
+    # At most one more than the limit is read: an endless iterable fails instead of hanging.
+    given = builtins.list(itertools.islice(values, MAX_EVENT_TYPES + 1))
+    if len(given) > MAX_EVENT_TYPES:
         raise OutboxValidationError(
-            "event_types", f"{len(out)} types, above the limit of {MAX_EVENT_TYPES}"
+            "event_types", f"more than {MAX_EVENT_TYPES} types; subscribe to all (empty) instead"
         )
-    for t in out:
+    for t in given:
+        if not isinstance(t, str):
+            raise OutboxValidationError(
+                "event_types", f"each type must be a non-empty str, got {type(t).__name__}"
+            )
         _check_label("event_types", t, MAX_EVENT_TYPE_BYTES)
-    return out
+    return builtins.list(dict.fromkeys(given))
 
 
 def _deleted(rows: Sequence[Any], endpoint_id: int) -> int:
@@ -518,7 +606,11 @@ async def _run(conn: AsyncTarget, call: _Call) -> builtins.list[Any]:
             "outbox.endpoints takes a SQLAlchemy AsyncSession or AsyncConnection; got "
             f"{type(conn).__name__} (use the _sync functions for a Session or Connection)"
         )
-    result = await conn.execute(call.sql, call.binds)
+    try:
+        result = await conn.execute(call.sql, call.binds)
+    except StatementError as exc:
+        _hide_parameters(exc)
+        raise
     return builtins.list(result.fetchall())
 
 
@@ -528,7 +620,18 @@ def _run_sync(conn: SyncTarget, call: _Call) -> builtins.list[Any]:
             "the _sync endpoint functions take a SQLAlchemy Session or Connection; got "
             f"{type(conn).__name__} (await the async ones for async connections)"
         )
-    return builtins.list(conn.execute(call.sql, call.binds).fetchall())
+    try:
+        return builtins.list(conn.execute(call.sql, call.binds).fetchall())
+    except StatementError as exc:
+        _hide_parameters(exc)
+        raise
+
+
+def _hide_parameters(exc: StatementError) -> None:
+    """SQLAlchemy prints a failed statement's parameters in its message, and ours carry the
+    endpoint's secret (in clear when no key is set): a lock timeout must not log it."""
+    exc.hide_parameters = True
+    exc.params = None
 
 
 _default = Endpoints()

@@ -78,6 +78,16 @@ DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
 
 # SQLAlchemy text() form (named binds); works for every SQLAlchemy PostgreSQL driver.
 ENQUEUE_SA = """
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
+VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
+        COALESCE(CAST(:run_after AS timestamptz), now()))
+RETURNING id
+"""
+
+# Events with an event type or tenant (migration 0006's columns). Events without use the
+# statements above, which name only 0001's columns: an application deployed before `migrate`
+# ran keeps enqueueing.
+ENQUEUE_LABELLED_SA = """
 INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
                      tenant)
 VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
@@ -86,6 +96,12 @@ RETURNING id
 """
 
 ENQUEUE_PG = """
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
+VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()))
+RETURNING id
+"""
+
+ENQUEUE_LABELLED_PG = """
 INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
                      tenant)
 VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()), $7, $8)
@@ -95,6 +111,15 @@ RETURNING id
 # Many rows in one statement. Identity values are drawn in the order unnest yields rows, so
 # the ascending ids correspond to the input order.
 ENQUEUE_MANY_SA = """
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
+SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
+FROM unnest(CAST(:destinations AS text[]), CAST(:keys AS text[]), CAST(:payloads AS bytea[]),
+            CAST(:content_types AS text[]), CAST(:headers AS text[]),
+            CAST(:run_afters AS timestamptz[])) AS u(d, k, p, c, h, r)
+RETURNING id
+"""
+
+ENQUEUE_MANY_LABELLED_SA = """
 INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
                      tenant)
 SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
@@ -106,6 +131,14 @@ RETURNING id
 """
 
 ENQUEUE_MANY_PG = """
+INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
+SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[])
+     AS u(d, k, p, c, h, r)
+RETURNING id
+"""
+
+ENQUEUE_MANY_LABELLED_PG = """
 INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
                      tenant)
 SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
@@ -212,6 +245,9 @@ ENDPOINT_UPDATE = (
     """
 UPDATE {endpoints} SET
     url = CASE WHEN :set_url THEN :url ELSE url END,
+    -- A new URL starts its health afresh: the old one's failures are not its own.
+    failing_since = CASE WHEN :set_url AND url IS DISTINCT FROM :url THEN NULL
+                         ELSE failing_since END,
     tenant = CASE WHEN :set_tenant THEN :tenant ELSE tenant END,
     event_types = CASE WHEN :set_event_types THEN CAST(:event_types AS text[])
                        ELSE event_types END,
@@ -226,7 +262,12 @@ RETURNING"""
 ENDPOINT_DISABLE = (
     """
 UPDATE {endpoints}
-SET enabled = false, disabled_reason = :reason, disabled_at = now(), updated_at = now()
+SET enabled = false,
+    -- Disabling a disabled endpoint keeps when and why it was (an auto-disable's reason).
+    disabled_reason = CASE WHEN enabled THEN CAST(:reason AS text)
+                           ELSE coalesce(CAST(:reason AS text), disabled_reason) END,
+    disabled_at = CASE WHEN enabled THEN now() ELSE disabled_at END,
+    updated_at = now()
 WHERE id = :id
 RETURNING"""
     + _ENDPOINT_COLUMNS
@@ -243,14 +284,19 @@ RETURNING"""
     + _ENDPOINT_COLUMNS
 )
 
+# One previous secret at a time: while it is still valid, only a rotation that drops it at
+# once (keep_seconds = 0, a leaked secret) goes through; the others change no row, and the
+# caller reads ENDPOINT_GET to say until when.
 ENDPOINT_ROTATE = (
     """
 UPDATE {endpoints}
-SET previous_secret = secret,
-    previous_secret_until = now() + make_interval(secs => :keep_seconds),
+SET previous_secret = CASE WHEN :keep_seconds > 0 THEN secret END,
+    previous_secret_until = CASE WHEN :keep_seconds > 0
+                                 THEN now() + make_interval(secs => :keep_seconds) END,
     secret = :secret,
     updated_at = now()
 WHERE id = :id
+  AND (:keep_seconds = 0 OR previous_secret_until IS NULL OR previous_secret_until <= now())
 RETURNING"""
     + _ENDPOINT_COLUMNS
 )
@@ -258,15 +304,16 @@ RETURNING"""
 # Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
 # sent, and the log says why.
 ENDPOINT_DELETE = """
-WITH cancelled AS (
+WITH gone AS (
+    DELETE FROM {endpoints} WHERE id = CAST(:id AS bigint) RETURNING 1
+),
+cancelled AS (
     UPDATE {deliveries}
     SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
         last_error = 'endpoint ' || CAST(:id AS bigint) || ' was deleted'
     WHERE endpoint_id = CAST(:id AS bigint) AND status IN ('pending', 'running')
+      AND EXISTS (SELECT 1 FROM gone)
     RETURNING 1
-),
-gone AS (
-    DELETE FROM {endpoints} WHERE id = CAST(:id AS bigint) RETURNING 1
 )
 SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM cancelled) AS cancelled
 """

@@ -214,7 +214,9 @@ $$
 """
 _ENDPOINTS_NOTIFY_TRIGGER = """
 CREATE TRIGGER outbox_endpoints_notify
-    AFTER INSERT OR UPDATE OR DELETE ON {schema}outbox_endpoints
+    AFTER INSERT OR DELETE OR UPDATE OF destination, url, tenant, event_types, secret,
+        previous_secret, previous_secret_until, rate_limit, enabled
+    ON {schema}outbox_endpoints
     FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_endpoints_notify()
 """
 
@@ -302,6 +304,7 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
             "id",
             postgresql_where=text("status = 'pending'"),
         ),
+        Index("outbox_deliveries_endpoint_idx", "endpoint_id", "id"),
         Index(
             "outbox_deliveries_lease_idx",
             "locked_until",

@@ -57,10 +57,24 @@ class Outbox:
         self.schema = schema
         self.max_payload_bytes = max_payload_bytes
         table = queries.qualified_table(schema)
-        self._one_sa = text(queries.render(queries.ENQUEUE_SA, table))
-        self._many_sa = text(queries.render(queries.ENQUEUE_MANY_SA, table))
-        self._one_pg = queries.render(queries.ENQUEUE_PG, table)
-        self._many_pg = queries.render(queries.ENQUEUE_MANY_PG, table)
+        # (unlabelled, labelled): events without event_type and tenant use statements that
+        # name only the columns every migrated outbox has (see queries.ENQUEUE_LABELLED_SA).
+        self._one_sa = (
+            text(queries.render(queries.ENQUEUE_SA, table)),
+            text(queries.render(queries.ENQUEUE_LABELLED_SA, table)),
+        )
+        self._many_sa = (
+            text(queries.render(queries.ENQUEUE_MANY_SA, table)),
+            text(queries.render(queries.ENQUEUE_MANY_LABELLED_SA, table)),
+        )
+        self._one_pg = (
+            queries.render(queries.ENQUEUE_PG, table),
+            queries.render(queries.ENQUEUE_LABELLED_PG, table),
+        )
+        self._many_pg = (
+            queries.render(queries.ENQUEUE_MANY_PG, table),
+            queries.render(queries.ENQUEUE_MANY_LABELLED_PG, table),
+        )
 
     # --- building rows -------------------------------------------------------------------
 
@@ -122,36 +136,41 @@ class Outbox:
             event_type,
             tenant,
         )
-        args = (
+        args: tuple[Any, ...] = (
             m.destination,
             m.key,
             m.payload,
             m.content_type,
             m.headers_json,
             m.run_after,
-            m.event_type,
-            m.tenant,
         )
+        labelled = m.event_type is not None or m.tenant is not None
+        if labelled:
+            args += (m.event_type, m.tenant)
         return _Statement(
-            self._one_sa, dict(zip(_ONE_BINDS, args, strict=True)), self._one_pg, args
+            self._one_sa[labelled],
+            dict(zip(_ONE_BINDS, args, strict=False)),
+            self._one_pg[labelled],
+            args,
         )
 
     def _many(self, events: Iterable[EventSpec]) -> _Statement | None:
         ms = self._messages(events)
         if not ms:
             return None
-        columns = (
+        columns: tuple[list[Any], ...] = (
             [m.destination for m in ms],
             [m.key for m in ms],
             [m.payload for m in ms],
             [m.content_type for m in ms],
             [m.headers_json for m in ms],
             [m.run_after for m in ms],
-            [m.event_type for m in ms],
-            [m.tenant for m in ms],
         )
-        binds = dict(zip(_MANY_BINDS, columns, strict=True))
-        return _Statement(self._many_sa, binds, self._many_pg, columns)
+        labelled = any(m.event_type is not None or m.tenant is not None for m in ms)
+        if labelled:
+            columns += ([m.event_type for m in ms], [m.tenant for m in ms])
+        binds = dict(zip(_MANY_BINDS, columns, strict=False))
+        return _Statement(self._many_sa[labelled], binds, self._many_pg[labelled], columns)
 
     # The public methods spell their keywords out (and twice, async and sync) so that type
     # checkers and editors show each one; the work is done once, by _one/_many and _run.

@@ -189,3 +189,15 @@ def test_signer_repr_hides_keys() -> None:
 )
 def test_is_public(address: str, public: bool) -> None:
     assert is_public(ipaddress.ip_address(address)) is public
+
+
+def test_an_endpoints_destination_says_it_is_not_delivered_yet(tmp_path: Path) -> None:
+    path = write(tmp_path, '[destinations.customers]\nkind = "endpoints"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(path)
+    text = str(caught.value)
+    assert "destinations.customers" in text and "does not deliver them yet" in text
+    # Another unknown kind keeps the plain message.
+    path = write(tmp_path, '[destinations.customers]\nkind = "carrier-pigeon"\n')
+    with pytest.raises(ConfigError, match="got 'carrier-pigeon'"):
+        load_settings(path)

@@ -26,6 +26,7 @@ COMMANDS = {
     "pause": "relay.cli.ops:pause",
     "resume": "relay.cli.ops:resume",
     "skip": "relay.cli.ops:skip",
+    "endpoints": "relay.cli.endpoints:endpoints",
     "demo": "relay.cli.tools:demo",
     "bench": "relay.tools.bench.cli:bench",
 }

@@ -1,5 +1,6 @@
-"""The statements of the operations commands (status, show, retry, purge, pause, skip): see
-relay/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are filled in."""
+"""The statements of the operations commands (status, show, retry, purge, pause, skip,
+endpoints): see relay/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are
+filled in, and :func:`render_endpoint_activity` for ``{deliveries}`` and ``{attempts}``."""
 
 from __future__ import annotations
 
@@ -144,3 +145,49 @@ SET status = 'skipped',
 WHERE id = ANY($1::bigint[]) AND status = 'failed'
 RETURNING id, destination, key
 """
+
+
+# --- endpoints show / delete ----------------------------------------------------------------
+# SQLAlchemy text() forms (named binds): the endpoints commands run through outbox.endpoints,
+# which takes a SQLAlchemy connection. {deliveries} and {attempts} are the schema's tables,
+# filled in by render_endpoint_activity.
+
+# One endpoint's deliveries by status. Its last outcome is that of the newest delivery that
+# was tried: a success there (last_error NULL) means the endpoint has recovered.
+ENDPOINT_DELIVERIES = """
+WITH tried AS (
+    SELECT last_error, last_status
+    FROM {deliveries}
+    WHERE endpoint_id = :id AND (last_error IS NOT NULL OR last_status IS NOT NULL)
+    ORDER BY id DESC
+    LIMIT 1
+)
+SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       count(*) FILTER (WHERE status = 'delivered') AS delivered,
+       count(*) FILTER (WHERE status = 'failed') AS failed,
+       count(*) FILTER (WHERE status = 'cancelled') AS cancelled,
+       CAST(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))
+            AS float8) AS oldest_pending_age,
+       (SELECT last_error FROM tried) AS last_error,
+       (SELECT last_status FROM tried) AS last_status
+FROM {deliveries}
+WHERE endpoint_id = :id
+"""
+
+# Its newest attempts (outbox_attempts_endpoint_idx), replays included.
+ENDPOINT_RECENT_ATTEMPTS = """
+SELECT at, event_id, http_status, duration_ms, error
+FROM {attempts}
+WHERE endpoint_id = :id
+ORDER BY at DESC, id DESC
+LIMIT :limit
+"""
+
+
+def render_endpoint_activity(sql: str, schema: str) -> str:
+    """Fill in ``{deliveries}`` (outbox_deliveries) and ``{attempts}`` (outbox_attempts) of
+    ``schema``."""
+    return sql.replace("{deliveries}", qualified_table(schema, "outbox_deliveries")).replace(
+        "{attempts}", qualified_table(schema, "outbox_attempts")
+    )

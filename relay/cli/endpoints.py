@@ -1,0 +1,606 @@
+"""``outbox-relay endpoints``: the webhook endpoints registered at runtime for destinations of
+kind ``endpoints`` (see :mod:`outbox.endpoints`). Each change is one transaction; each
+command prints its result as text or ``--json``; a signing secret is printed only by ``add``,
+``rotate-secret`` and ``show --show-secret``.
+
+SQLAlchemy and outbox.endpoints are imported when a command runs, not when ``--help`` lists
+it, so that the operations commands keep starting fast (tests/test_imports.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import asyncpg
+import click
+
+from outbox.dburl import redact, to_sqlalchemy_async_url
+from outbox.errors import OutboxError, describe
+from relay import secrets
+from relay.cli.options import age, database_url_option, echo_json, json_option, schema_option
+from relay.ops import queries
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection
+
+    from outbox.endpoints import Endpoint, Endpoints
+
+T = TypeVar("T")
+Action = Callable[["Endpoints", "AsyncConnection"], Awaitable[T]]
+
+# The columns' own limits: a larger number is a usage error, not a database error.
+ENDPOINT_ID = click.IntRange(1, 2**63 - 1)
+RATE_LIMIT = click.IntRange(1, 2**31 - 1)
+RECENT_ATTEMPTS = 10
+# Longer is no longer a rotation; and timedelta and PostgreSQL intervals have limits.
+MAX_KEEP_PREVIOUS_HOURS = 24 * 366
+DELIVERY_STATUSES = ("pending", "running", "delivered", "failed", "cancelled")
+
+
+def run(database_url: str, schema: str, action: Action[T]) -> T:
+    """Run ``action`` in one transaction of its own; errors become one clear message, worded
+    as the other operations commands word them."""
+    from sqlalchemy.exc import DBAPIError
+
+    from outbox.endpoints import Endpoints
+
+    try:
+        return asyncio.run(_transaction(database_url, Endpoints(schema), action))
+    except OutboxError as exc:  # EndpointNotFound, OutboxValidationError, a secret key problem
+        raise click.ClickException(str(exc)) from exc
+    except DBAPIError as exc:
+        # SQLAlchemy's wording adds the SQL; the driver's own error is what the others show.
+        orig = exc.orig or exc
+        raise _database_error(database_url, schema, orig.__cause__ or orig) from exc
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        raise _database_error(database_url, schema, exc) from exc
+    except ValueError as exc:  # a URL that is not PostgreSQL
+        raise click.ClickException(str(exc)) from exc
+
+
+async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T]) -> T:
+    from sqlalchemy.ext.asyncio import create_async_engine
+    from sqlalchemy.pool import NullPool
+
+    engine = create_async_engine(
+        to_sqlalchemy_async_url(database_url),
+        poolclass=NullPool,
+        hide_parameters=True,  # a secret is a parameter, and errors quote parameters
+        connect_args={
+            "timeout": 10,
+            "server_settings": {"application_name": "outbox-relay-cli"},
+        },
+    )
+    try:
+        async with engine.begin() as conn:
+            return await action(endpoints, conn)
+    finally:
+        await engine.dispose()
+
+
+def _database_error(database_url: str, schema: str, exc: BaseException) -> click.ClickException:
+    if isinstance(exc, asyncpg.UndefinedTableError):
+        return click.ClickException(
+            f"the endpoint tables are missing from schema {schema!r} ({exc}): run "
+            "`outbox-relay migrate` (with the same --database-url and --schema)"
+        )
+    return click.ClickException(
+        f"database error at {redact(database_url)}: {describe(exc)}. Check "
+        "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
+    )
+
+
+async def _activity(conn: AsyncConnection, schema: str, endpoint_id: int) -> dict[str, Any]:
+    """The endpoint's deliveries by status, its last outcome, and its newest attempts."""
+    from sqlalchemy import text
+
+    def sql(statement: str) -> Any:
+        return text(queries.render_endpoint_activity(statement, schema))
+
+    binds = {"id": endpoint_id, "limit": RECENT_ATTEMPTS}
+    d = (await conn.execute(sql(queries.ENDPOINT_DELIVERIES), binds)).one()._mapping
+    attempts = (await conn.execute(sql(queries.ENDPOINT_RECENT_ATTEMPTS), binds)).all()
+    oldest = d["oldest_pending_age"]
+    return {
+        "deliveries": {
+            **{s: d[s] for s in DELIVERY_STATUSES},
+            "oldest_pending_age_s": round(oldest, 3) if oldest is not None else None,
+            "last_status": d["last_status"],
+            "last_error": d["last_error"],
+        },
+        "recent_attempts": [
+            {
+                "at": a.at.isoformat(),
+                "event_id": a.event_id,
+                "http_status": a.http_status,
+                "duration_ms": round(a.duration_ms, 1) if a.duration_ms is not None else None,
+                "error": a.error,
+            }
+            for a in attempts
+        ],
+    }
+
+
+# --- options ----------------------------------------------------------------------------------
+
+
+def _register_secret(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # Known from here on, so that no error message of the command can print it.
+    if value:
+        secrets.register([value])
+    return value
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter("must be a number of hours", ctx, param)
+    return value
+
+
+def url_check_options(func: Any) -> Any:
+    func = click.option(
+        "--no-dns-check",
+        is_flag=True,
+        help="Do not resolve the URL's host now (the relay still checks it at every delivery).",
+    )(func)
+    return click.option(
+        "--allow-private-networks",
+        is_flag=True,
+        help="Accept a host on a private or loopback network (for destinations that set "
+        "allow_private_networks = true).",
+    )(func)
+
+
+# --- text output ------------------------------------------------------------------------------
+
+
+def _audience(ep: Endpoint) -> tuple[str, str]:
+    """Whose events and which types it receives; '*' is every one."""
+    return ep.tenant or "*", ",".join(ep.event_types) or "*"
+
+
+def _state(ep: Endpoint) -> str:
+    if ep.enabled:
+        return "enabled"
+    return "disabled" + (f": {ep.disabled_reason}" if ep.disabled_reason else "")
+
+
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
+    """Columns aligned to the left, the last as it is (free text)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        click.echo("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]))
+
+
+def _print_fields(fields: dict[str, Any]) -> None:
+    for k, v in fields.items():
+        if isinstance(v, datetime):
+            v = v.isoformat()
+        click.echo(f"{k + ':':<22} {'-' if v is None or v == '' else v}")
+
+
+def _print_endpoint(ep: Endpoint) -> None:
+    tenant, types = _audience(ep)
+    _print_fields(
+        {
+            "id": ep.id,
+            "destination": ep.destination,
+            "url": ep.url,
+            "tenant": tenant if ep.tenant else "* (every tenant)",
+            "event_types": types if ep.event_types else "* (every type)",
+            "rate_limit": f"{ep.rate_limit}/s" if ep.rate_limit else "none",
+            "description": ep.description,
+            "state": _state(ep),
+            "disabled_at": ep.disabled_at,
+            "failing_since": ep.failing_since,
+            "last_success_at": ep.last_success_at,
+            "created_at": ep.created_at,
+            "updated_at": ep.updated_at,
+            "previous_secret_until": ep.previous_secret_until,
+        }
+    )
+    if ep.secret is not None:
+        _print_fields({"secret": ep.secret})
+
+
+def _print_activity(activity: dict[str, Any]) -> None:
+    d = activity["deliveries"]
+    oldest = f" (oldest {age(d['oldest_pending_age_s'])})" if d["pending"] else ""
+    counts = ", ".join(f"{d[s]} {s}" for s in DELIVERY_STATUSES)
+    error = (d["last_error"] or "").replace("\n", " ")
+    _print_fields(
+        {
+            "deliveries": counts.replace(" pending", f" pending{oldest}", 1),
+            "last_status": d["last_status"],
+            "last_error": error[:300],
+        }
+    )
+    attempts = activity["recent_attempts"]
+    if not attempts:
+        click.echo("\nno attempts yet")
+        return
+    click.echo(f"\nlatest {len(attempts)} attempt(s), newest first:")
+    rows = [("AT", "EVENT", "HTTP", "MS", "ERROR")]
+    for a in attempts:
+        ms = a["duration_ms"]
+        rows.append(
+            (
+                a["at"][:19],
+                str(a["event_id"]),
+                str(a["http_status"] or "-"),
+                "-" if ms is None else f"{ms:.0f}",
+                (a["error"] or "-").replace("\n", " ")[:160],
+            )
+        )
+    _print_table(rows)
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+@click.group()
+def endpoints() -> None:
+    """Webhook endpoints registered at runtime.
+
+    The receivers of destinations of kind `endpoints`: add, list, show, update, disable,
+    enable, rotate-secret, delete. Running relays see a change within a second."""
+
+
+@endpoints.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("destination")
+@click.argument("url")
+@click.option("--tenant", help="Only this tenant's events (default: every tenant's).")
+@click.option(
+    "--event-type",
+    "event_types",
+    multiple=True,
+    metavar="TYPE",
+    help="Only events of this type (repeatable; default: every type).",
+)
+@click.option("--rate-limit", type=RATE_LIMIT, metavar="N", help="At most N requests a second.")
+@click.option("--description", default="", help="A note for people: whose receiver it is.")
+@click.option(
+    "--secret",
+    metavar="whsec_…",
+    callback=_register_secret,
+    help="Sign with this secret (Standard Webhooks format) instead of a generated one.",
+)
+@url_check_options
+def add(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    destination: str,
+    url: str,
+    tenant: str | None,
+    event_types: tuple[str, ...],
+    rate_limit: int | None,
+    description: str,
+    secret: str | None,
+    allow_private_networks: bool,
+    no_dns_check: bool,
+) -> None:
+    """Register an endpoint; prints its secret.
+
+    URL becomes an endpoint of DESTINATION (a destination of kind `endpoints`); the signing
+    secret printed is shown again only by `show --show-secret`."""
+    ep = run(
+        database_url,
+        schema,
+        lambda e, c: e.create(
+            c,
+            destination=destination,
+            url=url,
+            tenant=tenant,
+            event_types=event_types,
+            rate_limit=rate_limit,
+            description=description,
+            secret=secret,
+            allow_private_networks=allow_private_networks,
+            check_dns=not no_dns_check,
+        ),
+    )
+    if as_json:
+        echo_json(ep.as_dict())
+        return
+    tenant_shown, types = _audience(ep)
+    click.echo(
+        f"added endpoint {ep.id} to {ep.destination}: {ep.url} (tenant {tenant_shown}, "
+        f"event types {types})"
+    )
+    if secret is None:
+        click.echo(f"secret: {ep.secret}")
+        click.echo(
+            "give it to the receiver now to verify signatures; it is not shown again unless "
+            f"asked for: `outbox-relay endpoints show {ep.id} --show-secret`"
+        )
+
+
+@endpoints.command("list")
+@database_url_option
+@schema_option
+@json_option
+@click.option("--destination", help="Only this destination's endpoints.")
+@click.option("--tenant", help="Only endpoints of this tenant (not those taking every tenant).")
+def list_(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    destination: str | None,
+    tenant: str | None,
+) -> None:
+    """List the endpoints (never their secrets)."""
+    found = run(
+        database_url, schema, lambda e, c: e.list(c, destination=destination, tenant=tenant)
+    )
+    if as_json:
+        echo_json({"endpoints": [ep.as_dict() for ep in found]})
+        return
+    if not found:
+        click.echo(
+            "no endpoints" + (" match" if destination or tenant else "") + " (add one with "
+            "`outbox-relay endpoints add DESTINATION URL`)"
+        )
+        return
+    rows = [("ID", "DESTINATION", "URL", "TENANT", "EVENT TYPES", "RATE LIMIT", "STATE")]
+    for ep in found:
+        rate = f"{ep.rate_limit}/s" if ep.rate_limit else "-"
+        rows.append((str(ep.id), ep.destination, ep.url, *_audience(ep), rate, _state(ep)))
+    _print_table(rows)
+
+
+@endpoints.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
+@click.option("--show-secret", is_flag=True, help="Print its signing secret too.")
+def show(
+    database_url: str, schema: str, as_json: bool, endpoint_id: int, show_secret: bool
+) -> None:
+    """Show an endpoint, its deliveries and attempts.
+
+    Endpoint ID's settings and health, its deliveries by status with the last outcome, and
+    its latest attempts."""
+
+    async def read(e: Endpoints, c: AsyncConnection) -> tuple[Endpoint, dict[str, Any]]:
+        ep = await e.get(c, endpoint_id, show_secret=show_secret)
+        return ep, await _activity(c, schema, endpoint_id)
+
+    ep, activity = run(database_url, schema, read)
+    if as_json:
+        echo_json({**ep.as_dict(), **activity})
+        return
+    _print_endpoint(ep)
+    click.echo()
+    _print_activity(activity)
+
+
+def _changes(
+    url: str | None,
+    tenant: str | None,
+    all_tenants: bool,
+    event_types: tuple[str, ...],
+    all_event_types: bool,
+    rate_limit: int | None,
+    no_rate_limit: bool,
+    description: str | None,
+) -> dict[str, Any]:
+    """The keywords of Endpoints.update for what the options ask to change."""
+    for a, b, given in (
+        ("--tenant", "--all-tenants", tenant is not None and all_tenants),
+        ("--event-type", "--all-event-types", bool(event_types) and all_event_types),
+        ("--rate-limit", "--no-rate-limit", rate_limit is not None and no_rate_limit),
+    ):
+        if given:
+            raise click.UsageError(f"{a} and {b} contradict each other: give one")
+    changes: dict[str, Any] = {}
+    if url is not None:
+        changes["url"] = url
+    if tenant is not None or all_tenants:
+        changes["tenant"] = tenant  # None: every tenant
+    if event_types or all_event_types:
+        changes["event_types"] = list(event_types)  # empty: every type
+    if rate_limit is not None or no_rate_limit:
+        changes["rate_limit"] = rate_limit  # None: no limit
+    if description is not None:
+        changes["description"] = description
+    if not changes:
+        raise click.UsageError(
+            "nothing to change: give --url, --tenant/--all-tenants, --event-type/"
+            "--all-event-types, --rate-limit/--no-rate-limit or --description"
+        )
+    return changes
+
+
+@endpoints.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
+@click.option("--url", help="Send to this URL from now on.")
+@click.option("--tenant", help="Only this tenant's events.")
+@click.option("--all-tenants", is_flag=True, help="Every tenant's events.")
+@click.option(
+    "--event-type",
+    "event_types",
+    multiple=True,
+    metavar="TYPE",
+    help="Only events of these types (repeatable; replaces the list).",
+)
+@click.option("--all-event-types", is_flag=True, help="Events of every type.")
+@click.option("--rate-limit", type=RATE_LIMIT, metavar="N", help="At most N requests a second.")
+@click.option("--no-rate-limit", is_flag=True, help="No rate limit.")
+@click.option("--description", help="A note for people (empty to clear it).")
+@url_check_options
+def update(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    endpoint_id: int,
+    url: str | None,
+    tenant: str | None,
+    all_tenants: bool,
+    event_types: tuple[str, ...],
+    all_event_types: bool,
+    rate_limit: int | None,
+    no_rate_limit: bool,
+    description: str | None,
+    allow_private_networks: bool,
+    no_dns_check: bool,
+) -> None:
+    """Change an endpoint's settings.
+
+    Only what is given changes in endpoint ID; the rest stays as it is."""
+    changes = _changes(
+        url,
+        tenant,
+        all_tenants,
+        event_types,
+        all_event_types,
+        rate_limit,
+        no_rate_limit,
+        description,
+    )
+    ep = run(
+        database_url,
+        schema,
+        lambda e, c: e.update(
+            c,
+            endpoint_id,
+            **changes,
+            allow_private_networks=allow_private_networks,
+            check_dns=not no_dns_check,
+        ),
+    )
+    if as_json:
+        echo_json(ep.as_dict())
+        return
+    click.echo(f"updated endpoint {ep.id} ({', '.join(changes)}); relays see it within a second")
+    _print_endpoint(ep)
+
+
+@endpoints.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
+@click.option("--reason", help="Why; shown by `endpoints list` and `endpoints show`.")
+def disable(
+    database_url: str, schema: str, as_json: bool, endpoint_id: int, reason: str | None
+) -> None:
+    """Stop sending to an endpoint.
+
+    Endpoint ID gets no requests until it is enabled again."""
+    ep = run(database_url, schema, lambda e, c: e.disable(c, endpoint_id, reason=reason))
+    if as_json:
+        echo_json(ep.as_dict())
+        return
+    click.echo(
+        f"disabled endpoint {ep.id} ({ep.url}): relays stop sending to it within a second. "
+        f"Undo with `outbox-relay endpoints enable {ep.id}`."
+    )
+
+
+@endpoints.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
+def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> None:
+    """Send to a disabled endpoint again.
+
+    Endpoint ID's health starts afresh: failures before it was disabled do not count."""
+    ep = run(database_url, schema, lambda e, c: e.enable(c, endpoint_id))
+    if as_json:
+        echo_json(ep.as_dict())
+        return
+    click.echo(f"enabled endpoint {ep.id} ({ep.url}): relays send to it again within a second")
+
+
+@endpoints.command("rotate-secret")
+@database_url_option
+@schema_option
+@json_option
+@click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
+@click.option(
+    "--keep-previous-hours",
+    type=click.FloatRange(0, MAX_KEEP_PREVIOUS_HOURS),
+    default=24.0,
+    show_default=True,
+    metavar="H",
+    callback=_finite,
+    help="How long the previous secret still signs too, so the receiver can switch.",
+)
+def rotate_secret(
+    database_url: str, schema: str, as_json: bool, endpoint_id: int, keep_previous_hours: float
+) -> None:
+    """Give an endpoint a new secret; prints it.
+
+    The previous secret signs too for --keep-previous-hours, while the receiver switches."""
+    keep = timedelta(hours=keep_previous_hours)
+    ep = run(database_url, schema, lambda e, c: e.rotate_secret(c, endpoint_id, keep_previous=keep))
+    if as_json:
+        echo_json(ep.as_dict())
+        return
+    click.echo(f"new secret of endpoint {ep.id}: {ep.secret}")
+    until = ep.previous_secret_until
+    click.echo(
+        f"requests carry signatures by both secrets until {until:%Y-%m-%d %H:%M:%S %Z}"
+        if until and keep
+        else "the previous secret no longer signs"
+    )
+
+
+def _on_terminal() -> bool:
+    # A function of its own, so that a test can stand in for a terminal.
+    return sys.stdin.isatty()
+
+
+def _confirm_delete(database_url: str, schema: str, endpoint_id: int) -> None:
+    if not _on_terminal():
+        raise click.UsageError(
+            f"deleting endpoint {endpoint_id} cancels its unfinished deliveries and there is "
+            "no terminal to confirm on: pass --yes to delete it"
+        )
+
+    async def read(e: Endpoints, c: AsyncConnection) -> tuple[Endpoint, dict[str, Any]]:
+        return await e.get(c, endpoint_id), await _activity(c, schema, endpoint_id)
+
+    # A transaction of its own: none stays open while someone reads the question.
+    ep, activity = run(database_url, schema, read)
+    unfinished = activity["deliveries"]["pending"] + activity["deliveries"]["running"]
+    click.confirm(
+        f"delete endpoint {ep.id} of {ep.destination} ({ep.url}) and cancel its {unfinished} "
+        "unfinished deliveries?",
+        abort=True,
+        err=True,
+    )
+
+
+@endpoints.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def delete(database_url: str, schema: str, as_json: bool, endpoint_id: int, yes: bool) -> None:
+    """Delete an endpoint, cancelling its deliveries.
+
+    Endpoint ID's unfinished deliveries end as cancelled (never sent). Asks first, unless
+    --yes."""
+    if not yes:
+        _confirm_delete(database_url, schema, endpoint_id)
+    cancelled = run(database_url, schema, lambda e, c: e.delete(c, endpoint_id))
+    if as_json:
+        echo_json({"id": endpoint_id, "deleted": True, "cancelled": cancelled})
+        return
+    click.echo(f"deleted endpoint {endpoint_id}; cancelled {cancelled} unfinished deliveries")
