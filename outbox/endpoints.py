@@ -9,7 +9,8 @@ Every function runs in the connection it is given (inside the caller's transacti
 is one) and has a ``_sync`` twin for SQLAlchemy's ``Session``/``Connection``. An event of the
 destination goes to every enabled endpoint whose tenant is the event's (an endpoint without a
 tenant takes every tenant) and whose event types include the event's (none listed: all).
-Running relays see a change within a second (NOTIFY, and a periodic refresh).
+A change notifies the relays (NOTIFY on the outbox's channel); this relay version stores
+endpoints but does not deliver to them yet (docs/endpoints.md).
 
 Secrets are returned only by ``create``, ``rotate_secret`` and ``get(..., show_secret=True)``,
 and are stored encrypted when ``OUTBOX_ENDPOINT_SECRET_KEY`` is set (see

@@ -320,7 +320,7 @@ SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM cancelled) 
 
 
 def render_endpoints(sql: str, schema: str) -> str:
-    """Fill in ``{endpoints}`` and ``{deliveries}`` of ``schema``."""
-    return sql.replace("{endpoints}", qualified_table(schema, "outbox_endpoints")).replace(
-        "{deliveries}", qualified_table(schema, "outbox_deliveries")
-    )
+    """Fill in ``{endpoints}``, ``{deliveries}`` and ``{attempts}`` of ``schema``."""
+    for name in ("endpoints", "deliveries", "attempts"):
+        sql = sql.replace("{" + name + "}", qualified_table(schema, f"outbox_{name}"))
+    return sql

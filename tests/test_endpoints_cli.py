@@ -348,7 +348,7 @@ def test_rotate_secret_prints_the_new_secret_that_show_then_shows(db_url: str) -
     new = stored_secret(db_url, ep["id"])
     assert new != ep["secret"] and len(key_of(new)) == 32
     assert res.output.count(new) == 1 and ep["secret"] not in res.output
-    assert "signatures by both secrets until" in res.output
+    assert "the previous secret stays valid until" in res.output
     shown = cli_json(db_url, "show", str(ep["id"]), "--show-secret")
     assert shown["secret"] == new
     kept = sql(

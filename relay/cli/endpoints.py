@@ -21,6 +21,7 @@ import click
 
 from outbox.dburl import redact, to_sqlalchemy_async_url
 from outbox.errors import OutboxError, describe
+from outbox.queries import render_endpoints
 from relay import secrets
 from relay.cli.options import age, database_url_option, echo_json, json_option, schema_option
 from relay.ops import queries
@@ -100,7 +101,7 @@ async def _activity(conn: AsyncConnection, schema: str, endpoint_id: int) -> dic
     from sqlalchemy import text
 
     def sql(statement: str) -> Any:
-        return text(queries.render_endpoint_activity(statement, schema))
+        return text(render_endpoints(statement, schema))
 
     binds = {"id": endpoint_id, "limit": RECENT_ATTEMPTS}
     d = (await conn.execute(sql(queries.ENDPOINT_DELIVERIES), binds)).one()._mapping
@@ -248,7 +249,8 @@ def endpoints() -> None:
     """Webhook endpoints registered at runtime.
 
     The receivers of destinations of kind `endpoints`: add, list, show, update, disable,
-    enable, rotate-secret, delete. Running relays see a change within a second."""
+    enable, rotate-secret, delete. (This relay version stores them; it does not deliver to
+    them yet.)"""
 
 
 @endpoints.command()
@@ -484,7 +486,7 @@ def update(
     if as_json:
         echo_json(ep.as_dict())
         return
-    click.echo(f"updated endpoint {ep.id} ({', '.join(changes)}); relays see it within a second")
+    click.echo(f"updated endpoint {ep.id} ({', '.join(changes)})")
     _print_endpoint(ep)
 
 
@@ -505,8 +507,7 @@ def disable(
         echo_json(ep.as_dict())
         return
     click.echo(
-        f"disabled endpoint {ep.id} ({ep.url}): relays stop sending to it within a second. "
-        f"Undo with `outbox-relay endpoints enable {ep.id}`."
+        f"disabled endpoint {ep.id} ({ep.url}). Undo with `outbox-relay endpoints enable {ep.id}`."
     )
 
 
@@ -523,7 +524,7 @@ def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> N
     if as_json:
         echo_json(ep.as_dict())
         return
-    click.echo(f"enabled endpoint {ep.id} ({ep.url}): relays send to it again within a second")
+    click.echo(f"enabled endpoint {ep.id} ({ep.url})")
 
 
 @endpoints.command("rotate-secret")
@@ -554,7 +555,7 @@ def rotate_secret(
     click.echo(f"new secret of endpoint {ep.id}: {ep.secret}")
     until = ep.previous_secret_until
     click.echo(
-        f"requests carry signatures by both secrets until {until:%Y-%m-%d %H:%M:%S %Z}"
+        f"the previous secret stays valid until {until:%Y-%m-%d %H:%M:%S %Z}"
         if until and keep
         else "the previous secret no longer signs"
     )

@@ -1,6 +1,6 @@
 """The statements of the operations commands (status, show, retry, purge, pause, skip,
 endpoints): see relay/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are
-filled in, and :func:`render_endpoint_activity` for ``{deliveries}`` and ``{attempts}``."""
+filled in, and outbox.queries.render_endpoints for ``{deliveries}`` and ``{attempts}``."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ RETURNING id, destination, key
 # --- endpoints show / delete ----------------------------------------------------------------
 # SQLAlchemy text() forms (named binds): the endpoints commands run through outbox.endpoints,
 # which takes a SQLAlchemy connection. {deliveries} and {attempts} are the schema's tables,
-# filled in by render_endpoint_activity.
+# filled in by outbox.queries.render_endpoints.
 
 # One endpoint's deliveries by status. Its last outcome is that of the newest delivery that
 # was tried: a success there (last_error NULL) means the endpoint has recovered.
@@ -183,11 +183,3 @@ WHERE endpoint_id = :id
 ORDER BY at DESC, id DESC
 LIMIT :limit
 """
-
-
-def render_endpoint_activity(sql: str, schema: str) -> str:
-    """Fill in ``{deliveries}`` (outbox_deliveries) and ``{attempts}`` (outbox_attempts) of
-    ``schema``."""
-    return sql.replace("{deliveries}", qualified_table(schema, "outbox_deliveries")).replace(
-        "{attempts}", qualified_table(schema, "outbox_attempts")
-    )
