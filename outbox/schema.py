@@ -260,6 +260,12 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
             "id",
             postgresql_where=text("enabled"),
         ),
+        Index(
+            "outbox_endpoints_match_idx",
+            "destination",
+            "tenant",
+            postgresql_where=text("enabled"),
+        ),
         schema=schema,
     )
     prefix = f"{quote_ident(check_schema(schema))}." if schema else ""
@@ -290,6 +296,7 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
         Column("last_status", Integer, nullable=True),
         _timestamp("created_at", now=True),
         _timestamp("finished_at"),
+        Column("replay", Boolean, nullable=False, server_default=text("false")),
         CheckConstraint(
             "status IN ('pending', 'running', 'delivered', 'failed', 'cancelled')",
             name="outbox_deliveries_status_check",
@@ -308,6 +315,11 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
         Index(
             "outbox_deliveries_lease_idx",
             "locked_until",
+            postgresql_where=text("status = 'running'"),
+        ),
+        Index(
+            "outbox_deliveries_running_idx",
+            "endpoint_id",
             postgresql_where=text("status = 'running'"),
         ),
         Index(

@@ -104,7 +104,11 @@ class Deliveries:
         latencies = []
         for env in envs:
             outcome = outcome_of.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
-            if outcome.result is Result.DELIVERED and outcome.status_class is None:
+            if (
+                outcome.result is Result.DELIVERED
+                and outcome.status_class is None
+                and outcome.error is None
+            ):
                 # The common case, kept short: most rows of most batches.
                 records.append(
                     Record(env.id, env.token, Status.DELIVERED, 1, 0.0, None, dest, env.key)

@@ -169,6 +169,19 @@ class Metrics:
             "Deliveries that raised unexpectedly (a bug); their rows were retried",
             registry=r,
         )
+        self.endpoint_attempts = Counter(
+            "outbox_endpoint_delivery_attempts",
+            "Attempts to deliver events to endpoints registered at runtime (kind = endpoints) "
+            "by outcome and HTTP status class",
+            ["destination", "outcome", "status_class"],
+            registry=r,
+        )
+        self.endpoints_disabled = Counter(
+            "outbox_endpoints_disabled",
+            "Endpoints this relay disabled (410 Gone, or failing for disable_after)",
+            ["destination"],
+            registry=r,
+        )
         self.retention_deleted = Counter(
             "outbox_retention_deleted_rows",
             "Delivered rows deleted by retention (by this relay)",

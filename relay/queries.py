@@ -14,15 +14,17 @@ from outbox.queries import NOTIFY as NOTIFY
 from outbox.queries import SERVER_ENCODING as SERVER_ENCODING
 from outbox.queries import TABLE_EXISTS as TABLE_EXISTS
 from outbox.queries import qualified_table as qualified_table
+from outbox.queries import render_endpoints
 
 
 def render_ops(sql: str, schema: str) -> str:
-    """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused) and ``{relays}``
-    (outbox_relays) of ``schema``."""
-    return (
+    """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused), ``{relays}``
+    (outbox_relays), and ``{endpoints}``, ``{deliveries}``, ``{attempts}`` of ``schema``."""
+    return render_endpoints(
         sql.replace("{table}", qualified_table(schema))
         .replace("{paused}", qualified_table(schema, PAUSED_TABLE))
-        .replace("{relays}", qualified_table(schema, RELAYS_TABLE))
+        .replace("{relays}", qualified_table(schema, RELAYS_TABLE)),
+        schema,
     )
 
 
@@ -175,9 +177,12 @@ RETURNING destination
 )
 
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
-# updated as in RECORD. Still one statement; the two parts touch disjoint rows. Its UPDATE
-# repeats RECORD's SET list but for delivered_at (no delivered row reaches it), spelled out
-# rather than pasted together so that each statement reads whole: change both together.
+# updated as in RECORD. An event fanned out to endpoints whose deliveries are still open is
+# kept (recorded as delivered, like a row of RECORD): the deliveries read its payload, and
+# retention deletes it once they have ended. Still one statement; the two parts touch
+# disjoint rows (their EXISTS tests read one snapshot). Its UPDATE repeats RECORD's SET list,
+# spelled out rather than pasted together so that each statement reads whole: change both
+# together.
 RECORD_DELETING = """
 WITH u AS (
     SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[],
@@ -189,6 +194,8 @@ gone AS (
     USING u
     WHERE o.id = u.id AND u.status = 'delivered'
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
+                      WHERE d.event_id = o.id AND d.status IN ('pending', 'running'))
     RETURNING o.id, o.claims
 ),
 kept AS (
@@ -198,12 +205,16 @@ kept AS (
         run_after = CASE WHEN u.status = 'pending'
                          THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
         last_error = COALESCE(u.error, o.last_error),
+        delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
         finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
         claims = u.token,  -- unchanged; see RECORD
         locked_by = NULL,
         locked_until = NULL
     FROM u
-    WHERE o.id = u.id AND u.status <> 'delivered'
+    WHERE o.id = u.id
+      AND (u.status <> 'delivered'
+           OR EXISTS (SELECT 1 FROM {deliveries} AS d
+                      WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
     RETURNING o.id, o.claims
 )
@@ -231,6 +242,11 @@ GROUP BY destination
 
 PING = "SELECT 1"
 
+COLUMN_EXISTS = """
+SELECT EXISTS (SELECT 1 FROM information_schema.columns
+               WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)
+"""
+
 # A relay says it is alive, and what it serves, every few seconds (one row per relay).
 REGISTER = """
 INSERT INTO {relays} (relay_id, host, pid, version, destinations)
@@ -247,12 +263,16 @@ UNREGISTER = "UPDATE {relays} SET stopped_at = now(), seen_at = now() WHERE rela
 FORGET_RELAYS = "DELETE FROM {relays} WHERE seen_at < now() - make_interval(secs => $1)"
 
 # The batch is picked in a CTE, which runs once: as `id IN (SELECT … LIMIT n)` the planner
-# may choose a nested loop that re-runs the LIMIT subquery and deletes more than n rows.
+# may choose a nested loop that re-runs the LIMIT subquery and deletes more than n rows. An
+# event fanned out to endpoints stays while any of its deliveries is open: they read its
+# payload (one probe of the deliveries' unique index per row).
 PURGE_DELIVERED = """
 WITH doomed AS (
-    SELECT id FROM {table}
+    SELECT id FROM {table} AS o
     WHERE status = 'delivered' AND delivered_at < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
+                      WHERE d.event_id = o.id AND d.status IN ('pending', 'running'))
     ORDER BY delivered_at
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -402,4 +422,252 @@ WHERE f.status = 'failed' AND f.key IS NOT NULL
                     AND e.status = 'failed')
 GROUP BY f.destination, f.key, f.id, f.last_error
 ORDER BY f.destination, f.key
+"""
+
+
+# --- Endpoints (kind = "endpoints"): fan-out, then one delivery per (event, endpoint) -------
+
+# Fan-out of a claimed batch of events ($1): one delivery per matching endpoint (enabled, of
+# the event's destination, of its tenant or of every tenant, taking its type or every type).
+# Idempotent: a batch fanned out again (its claim reaped after a crash) adds nothing. Returns,
+# per event that matched, how many endpoints it matched; an event missing from the answer
+# matched none.
+FAN_OUT = """
+WITH matched AS (
+    SELECT o.id AS event_id, e.id AS endpoint_id, o.destination
+    FROM {table} AS o
+    CROSS JOIN LATERAL (
+        SELECT e.id FROM {endpoints} AS e
+        WHERE e.enabled AND e.destination = o.destination AND e.tenant = o.tenant
+          AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types))
+        UNION ALL
+        SELECT e.id FROM {endpoints} AS e
+        WHERE e.enabled AND e.destination = o.destination AND e.tenant IS NULL
+          AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types))
+    ) AS e
+    WHERE o.id = ANY($1::bigint[])
+),
+added AS (
+    INSERT INTO {deliveries} (event_id, endpoint_id, destination)
+    SELECT event_id, endpoint_id, destination FROM matched
+    ORDER BY event_id, endpoint_id
+    ON CONFLICT (event_id, endpoint_id) DO NOTHING
+    RETURNING 1
+)
+SELECT event_id, count(*)::int AS endpoints, (SELECT count(*) FROM added)::int AS added
+FROM matched
+GROUP BY event_id
+"""
+
+# The delivery claim. It walks the endpoints that have pending deliveries, in id order from
+# the cursor $7 (NULL: from the first), at most $6 of them, with a loose index scan of the
+# claim index; takes from each enabled endpoint of this relay's destinations ($1), but those
+# it skips ($5: circuit open, no room), its due deliveries, oldest first, at most $2 per
+# endpoint, and fewer for a rate-limited one: its limit less its attempts in the last second
+# and its deliveries in flight (claimed by any relay). A dead endpoint's backlog is never
+# scanned past: the claim reads one endpoint's due rows at a time. At most $3 rows in all,
+# marked running under this relay's lease ($4 relay, $8 seconds). The rows come with what
+# sending needs: the event (NULL if it was deleted) and the endpoint's URL and secrets. The
+# last row (id -1) carries the cursor for the next claim in endpoint_id: the last endpoint
+# examined when the scan limit cut the walk short, the last one claimed from when the batch
+# filled up, NULL when the walk reached the end.
+DELIVERY_CLAIM = """
+WITH RECURSIVE eps AS (
+    (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
+     WHERE d.status = 'pending' AND ($7::bigint IS NULL OR d.endpoint_id > $7::bigint)
+     ORDER BY d.endpoint_id
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.endpoint_id, eps.n + 1
+    FROM eps CROSS JOIN LATERAL (
+        SELECT d.endpoint_id FROM {deliveries} AS d
+        WHERE d.status = 'pending' AND d.endpoint_id > eps.endpoint_id
+        ORDER BY d.endpoint_id
+        LIMIT 1
+    ) AS nxt
+    WHERE eps.n < $6
+),
+picked AS (
+    SELECT d.id, e.id AS endpoint_id
+    FROM eps
+    -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
+    -- the endpoints registered.
+    CROSS JOIN LATERAL (SELECT * FROM {endpoints} AS e WHERE e.id = eps.endpoint_id OFFSET 0)
+        AS e
+    CROSS JOIN LATERAL (
+        SELECT d.id FROM {deliveries} AS d
+        WHERE d.endpoint_id = e.id AND d.status = 'pending' AND d.run_after <= now()
+        ORDER BY d.run_after, d.id
+        LIMIT CASE WHEN e.rate_limit IS NULL THEN $2::int
+                   ELSE least($2::int, greatest(0, e.rate_limit
+                       - (SELECT count(*) FROM {attempts} AS a
+                          WHERE a.endpoint_id = e.id AND a.at > now() - interval '1 second')
+                       - (SELECT count(*) FROM {deliveries} AS r
+                          WHERE r.endpoint_id = e.id AND r.status = 'running')))
+              END
+    ) AS d
+    WHERE e.enabled AND e.destination = ANY($1::text[]) AND NOT (e.id = ANY($5::bigint[]))
+    LIMIT $3
+),
+locked AS (
+    -- Another relay may have claimed a row since this statement's snapshot: the lock
+    -- re-reads it and the status check drops it.
+    SELECT d.id FROM {deliveries} AS d
+    WHERE d.id = ANY(ARRAY(SELECT id FROM picked)) AND d.status = 'pending'
+    ORDER BY d.id
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {deliveries} AS d
+    SET status = 'running', locked_by = $4, locked_until = now() + make_interval(secs => $8),
+        claims = d.claims + 1
+    WHERE d.id = ANY(ARRAY(SELECT id FROM locked))
+    RETURNING d.id, d.event_id, d.endpoint_id, d.destination, d.attempts, d.claims, d.replay
+)
+SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.replay,
+       o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
+       extract(epoch FROM o.created_at)::float8 AS created_at,
+       e.url, e.secret, CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END
+           AS previous_secret, e.rate_limit
+FROM claimed AS c
+JOIN {endpoints} AS e ON e.id = c.endpoint_id
+LEFT JOIN {table} AS o ON o.id = c.event_id
+UNION ALL
+SELECT -1, 0, CASE
+           WHEN (SELECT count(*) FROM picked) >= $3 THEN (SELECT max(endpoint_id) FROM picked)
+           WHEN (SELECT count(*) FROM eps) >= $6
+               THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
+       END,
+       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+"""
+
+# The outcomes of deliveries, in one statement: each delivery still held under its claim's
+# token ($2) is recorded, as RECORD does for events, and every attempt made ($4 counted = 1)
+# is logged, whether or not its delivery was still held: the request was sent. Returns the
+# (id, token) pairs recorded.
+DELIVERY_RECORD = """
+WITH u AS (
+    SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[],
+                         $6::text[], $7::int[], $8::bigint[], $9::bigint[], $10::float8[],
+                         $11::text[], $12::bool[])
+         AS u(id, token, status, counted, delay, error, http_status, event_id, endpoint_id,
+              duration_ms, response, replay)
+),
+done AS (
+    UPDATE {deliveries} AS d
+    SET status = u.status,
+        attempts = d.attempts + u.counted,
+        run_after = CASE WHEN u.status = 'pending'
+                         THEN now() + make_interval(secs => u.delay) ELSE d.run_after END,
+        last_error = CASE WHEN u.status = 'delivered' THEN NULL
+                          ELSE COALESCE(u.error, d.last_error) END,
+        last_status = COALESCE(u.http_status, d.last_status),
+        finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
+        replay = u.status = 'pending' AND u.counted = 0 AND d.replay,
+        locked_by = NULL,
+        locked_until = NULL
+    FROM u
+    WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = $13
+    RETURNING d.id, d.claims
+),
+logged AS (
+    INSERT INTO {attempts} (delivery_id, event_id, endpoint_id, http_status, duration_ms,
+                            response, error, replay)
+    SELECT u.id, u.event_id, u.endpoint_id, u.http_status, u.duration_ms, u.response,
+           u.error, u.replay
+    FROM u
+    WHERE u.counted = 1
+)
+SELECT id, claims FROM done
+"""
+
+DELIVERY_HEARTBEAT = """
+UPDATE {deliveries} AS d SET locked_until = now() + make_interval(secs => $4)
+FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
+WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = $3
+RETURNING d.id
+"""
+
+DELIVERY_RELEASE = """
+UPDATE {deliveries} AS d
+SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
+FROM unnest($2::bigint[], $3::int[]) AS u(id, token)
+WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = $1
+"""
+
+# Deliveries whose relay stopped heartbeating: back to pending, an attempt counted (the request
+# may have been sent), or failed at their destination's attempt limit ($3/$4; $1 otherwise).
+DELIVERY_REAP = """
+WITH expired AS (
+    SELECT id FROM {deliveries}
+    WHERE status = 'running' AND locked_until < now()
+    ORDER BY locked_until
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+),
+limits AS (
+    SELECT * FROM unnest($3::text[], $4::int[]) AS l(destination, max_attempts)
+),
+judged AS (
+    SELECT d.id, d.attempts + 1 >= coalesce(
+               (SELECT l.max_attempts FROM limits AS l WHERE l.destination = d.destination), $1)
+           AS spent
+    FROM {deliveries} AS d JOIN expired USING (id)
+)
+UPDATE {deliveries} AS d
+SET status = CASE WHEN j.spent THEN 'failed' ELSE 'pending' END,
+    attempts = d.attempts + 1,
+    run_after = now(),
+    last_error = 'lease expired: relay ' || coalesce(d.locked_by, '?')
+                 || ' stopped before recording an outcome',
+    finished_at = CASE WHEN j.spent THEN now() END,
+    locked_by = NULL,
+    locked_until = NULL
+FROM judged AS j
+WHERE d.id = j.id
+RETURNING d.id, d.status
+"""
+
+# An endpoint's health after a batch of attempts ($2: whether any succeeded): the first failure
+# after a success starts failing_since, a success clears it. Returns for how long each endpoint
+# has been failing (NULL: it is not).
+ENDPOINT_HEALTH = """
+UPDATE {endpoints} AS e
+SET last_success_at = CASE WHEN h.ok THEN now() ELSE e.last_success_at END,
+    failing_since = CASE WHEN h.ok THEN NULL ELSE coalesce(e.failing_since, now()) END
+FROM (SELECT * FROM unnest($1::bigint[], $2::bool[]) AS h(id, ok) ORDER BY id) AS h
+WHERE e.id = h.id
+RETURNING e.id, extract(epoch FROM now() - e.failing_since)::float8 AS failing_for
+"""
+
+# Disables an endpoint ($1) with a reason ($2): at once ($3 NULL, a 410 Gone), or if it has
+# been failing for at least $3 seconds. Only an enabled endpoint; returns its id if it did.
+ENDPOINT_DISABLE = """
+UPDATE {endpoints}
+SET enabled = false, disabled_at = now(), disabled_reason = $2, updated_at = now()
+WHERE id = $1 AND enabled
+  AND ($3::float8 IS NULL OR failing_since <= now() - make_interval(secs => $3))
+RETURNING id
+"""
+
+# Retention of the message log and of ended deliveries, a batch at a time.
+PURGE_DELIVERIES = """
+WITH doomed AS (
+    SELECT id FROM {deliveries}
+    WHERE status IN ('delivered', 'failed', 'cancelled')
+      AND finished_at < now() - make_interval(secs => $1)
+    ORDER BY finished_at
+    LIMIT $2
+)
+DELETE FROM {deliveries} AS d USING doomed WHERE d.id = doomed.id
+"""
+
+PURGE_ATTEMPTS = """
+WITH doomed AS (
+    SELECT id FROM {attempts}
+    WHERE at < now() - make_interval(secs => $1)
+    ORDER BY at
+    LIMIT $2
+)
+DELETE FROM {attempts} AS a USING doomed WHERE a.id = doomed.id
 """

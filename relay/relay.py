@@ -87,6 +87,10 @@ class Relay:
         """Claim now (a NOTIFY arrived, rows became claimable)."""
         if self.claimer is not None:
             self.claimer.wake()
+        for sink in _distinct(self.sinks):
+            wake = getattr(sink, "wake", None)
+            if wake is not None:
+                wake()  # sinks with work of their own (endpoint deliveries)
 
     @property
     def in_flight(self) -> int:
@@ -120,9 +124,12 @@ class Relay:
         # The HTTP server is supervised like the rest, but stopped last (probes answer "not
         # ready" while the relay drains), by shutdown().
         http_task = {self.http.task} if self.http is not None and self.http.task else set()
+        # Sinks with loops of their own (the endpoints sink's deliveries) are supervised too;
+        # they stop when the sink is closed.
+        sink_tasks = {t for s in _distinct(self.sinks) for t in getattr(s, "tasks", set)()}
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stop_wait = asyncio.create_task(self.stopping.wait())
-        self.tasks = {*background, *http_task, claimer}
+        self.tasks = {*background, *http_task, *sink_tasks, claimer}
         self.metrics.up.set(1)
         self.started.set()
         self._log_started()
@@ -188,6 +195,17 @@ class Relay:
             self.stats,
             self.stopping,
         )
+        rs = self.settings.relay
+        for sink in _distinct(self.sinks):
+            attach = getattr(sink, "attach", None)
+            if attach is not None:
+                # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
+                attach(
+                    store,
+                    max_in_flight=rs.max_in_flight,
+                    poll_interval=rs.poll_interval,
+                    metrics=self.metrics,
+                )
         await self.pauses()
         await self._register()
 

@@ -111,6 +111,13 @@ class Store:
         self._table = table
         self._paused_table = queries.qualified_table(schema, queries.PAUSED_TABLE)
         self._relays_table = queries.qualified_table(schema, queries.RELAYS_TABLE)
+        # Retention of ended endpoint deliveries and of the message log (migration 0006).
+        self._purge_deliveries = sql(queries.PURGE_DELIVERIES)
+        self._purge_attempts = sql(queries.PURGE_ATTEMPTS)
+        self._endpoint_tables = tuple(
+            queries.qualified_table(schema, t)
+            for t in ("outbox_endpoints", "outbox_deliveries", "outbox_attempts")
+        )
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
@@ -131,10 +138,20 @@ class Store:
         async with self._connection() as conn:
             return await getattr(conn, method)(sql, *args)
 
+    async def call(self, method: str, sql: str, *args: Any) -> Any:
+        """Run a statement of a sink that keeps tables of its own (the endpoints sink), on
+        this pool, with its connection handling; ``sql`` is rendered for the schema."""
+        return await self._call(method, queries.render_ops(sql, self.schema), *args)
+
     async def missing_tables(self) -> list[str]:
         """The outbox tables this relay needs that are not in its schema."""
-        tables = (self._table, self._paused_table, self._relays_table)
-        return [t for t in tables if not await self._call("fetchval", queries.TABLE_EXISTS, t)]
+        tables = (self._table, self._paused_table, self._relays_table, *self._endpoint_tables)
+        missing = [t for t in tables if not await self._call("fetchval", queries.TABLE_EXISTS, t)]
+        if not missing and not await self._call(
+            "fetchval", queries.COLUMN_EXISTS, self.schema, "outbox_deliveries", "replay"
+        ):
+            missing.append(f"{self._endpoint_tables[1]}.replay (migration 0007)")
+        return missing
 
     async def server_encoding(self) -> str:
         return str(await self._call("fetchval", queries.SERVER_ENCODING))
@@ -176,6 +193,11 @@ class Store:
                 status = await conn.execute(
                     self._purge_finished, retention, None, batch_size - n, [Status.SKIPPED]
                 )
+                n += int(status.split()[-1])
+            # The message log and ended deliveries age out with the events (counted apart:
+            # the batch size bounds each).
+            for statement in (self._purge_deliveries, self._purge_attempts):
+                status = await conn.execute(statement, retention, batch_size)
                 n += int(status.split()[-1])
         return n
 

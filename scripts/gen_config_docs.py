@@ -433,7 +433,10 @@ def build() -> Walk:
         env_prefix=str(model.model_config.get("env_prefix", "")),
         env_delimiter=str(model.model_config.get("env_nested_delimiter", "_")),
     )
-    kinds = {k.section: k for k in KINDS.values() if k.section}
+    kinds: dict[str, list[str]] = {}
+    for k in KINDS.values():
+        if k.section:
+            kinds.setdefault(k.section, []).append(code(k.name))
     fields = model.model_fields
     plain = [n for n, f in fields.items() if model_of(f.annotation) is None]
     section(
@@ -452,7 +455,7 @@ def build() -> Walk:
         elif inner is not None:
             intro = docstring(inner)
             if name in kinds:
-                intro += f" Used by destinations of kind `{kinds[name].name}`."
+                intro += f" Used by destinations of kind {' and '.join(kinds[name])}."
             section(inner, name, walk, level=2, intro=intro)
     return walk
 

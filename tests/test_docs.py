@@ -106,7 +106,9 @@ def test_every_setting_is_in_the_configuration_reference() -> None:
         "destinations.NAME.circuit.threshold",
     ):
         assert key in expected, key
-    assert "relay.backoff" not in expected and "destinations.NAME.circuit" not in expected
+    # A table is not a key of its own where it is first met (an endpoints destination's
+    # `circuit` row points at the webhook kind's table, as `backoff` rows point at relay's).
+    assert "relay.backoff" not in expected and "destinations.NAME.circuit.cooldown" in expected
     # Each key in backticks, as the reference tables write them: a key that merely appears
     # inside another word or sentence does not count.
     text = REFERENCE.read_text()

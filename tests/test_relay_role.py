@@ -15,6 +15,7 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import migrate
+from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.store import Record, Store, create_pool
 from tests.support.deploy import DEPLOY
 
@@ -114,6 +115,7 @@ async def test_relay_role_can_run_the_queue_and_nothing_else(db_url: str, role_n
         await _age_delivered(db_url)
         assert await store.delete_finished(60, 100) == 1
         await store.forget_relays(3600)
+        await _endpoint_statements(db_url, store)
         await store.unregister()
     finally:
         await pool.close()
@@ -132,9 +134,57 @@ async def test_relay_role_can_run_the_queue_and_nothing_else(db_url: str, role_n
             "TRUNCATE outbox",
             "ALTER TABLE outbox ADD COLUMN x int",
             "INSERT INTO outbox_paused (destination) VALUES ('orders')",  # operators pause
+            # Applications register endpoints; relays change only their health and state.
+            "INSERT INTO outbox_endpoints (destination, url, secret) VALUES ('d', 'u', 's')",
+            "UPDATE outbox_endpoints SET url = 'http://evil.example/'",
+            "DELETE FROM outbox_endpoints",
         ):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 c.execute(forbidden)
+
+
+async def _endpoint_statements(db_url: str, store: Store) -> None:
+    """The endpoints sink's statements, as the role: fan-out, claim, heartbeat, record (with
+    the message log), health, disable, reap, release, and their retention."""
+    owner = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        endpoint = await owner.fetchval(
+            "INSERT INTO outbox_endpoints (destination, url, secret) "
+            "VALUES ('customers', 'http://127.0.0.1:9/', $1) RETURNING id",
+            "whsec_" + "A" * 44,
+        )
+        events = [
+            await owner.fetchval(
+                "INSERT INTO outbox (destination, payload) VALUES ('customers', '{}') RETURNING id"
+            )
+            for _ in range(2)
+        ]
+    finally:
+        await owner.close()
+    deliveries = DeliveryStore(store)
+    assert await deliveries.fan_out(events) == dict.fromkeys(events, 1)
+    first, second = (await deliveries.claim(["customers"], 10, 10, [], 100, None))[0]
+    assert await deliveries.heartbeat([first, second]) == {first.id, second.id}
+    rec = DeliveryRecord(
+        first.id,
+        first.token,
+        "delivered",
+        1,
+        0.0,
+        None,
+        200,
+        first.event_id,
+        endpoint,
+        1.0,
+        "ok",
+        False,
+    )
+    assert await deliveries.record([rec]) == {first.id}
+    assert await deliveries.health({endpoint: False}) == {endpoint: 0.0}
+    assert await deliveries.disable(endpoint, "gone", None)
+    await deliveries.release([second])
+    assert await deliveries.reap(5, {"customers": 5}) == 0
+    assert await store.delete_finished(0, 100) is not None
 
 
 async def _expire(db_url: str, row_id: int) -> None:

@@ -154,7 +154,7 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
     by_table = {t: [c for c in migrated["columns"] if c[0] == t] for t in TABLES}
     assert len(by_table["outbox"]) == 18 and len(by_table["outbox_paused"]) == 4
     assert len(by_table["outbox_relays"]) == 8 and len(by_table["outbox_endpoints"]) == 17
-    assert len(by_table["outbox_deliveries"]) == 14 and len(by_table["outbox_attempts"]) == 10
+    assert len(by_table["outbox_deliveries"]) == 15 and len(by_table["outbox_attempts"]) == 10
     assert {i[1] for i in migrated["indexes"]} >= {"outbox_delivered_idx", "outbox_paused_pkey"}
     assert migrated == modelled
 

@@ -191,13 +191,36 @@ def test_is_public(address: str, public: bool) -> None:
     assert is_public(ipaddress.ip_address(address)) is public
 
 
-def test_an_endpoints_destination_says_it_is_not_delivered_yet(tmp_path: Path) -> None:
-    path = write(tmp_path, '[destinations.customers]\nkind = "endpoints"\n')
+def test_an_endpoints_destination_loads_with_its_defaults(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        '[destinations.customers]\nkind = "endpoints"\ndisable_after = "2d"\nmax_concurrency = 3\n',
+    )
+    d = load_settings(path).destinations["customers"]
+    assert d.kind == "endpoints" and d.disable_after == 2 * 86400 and d.max_concurrency == 3
+    assert d.max_attempts == 10 and not d.allow_private_networks  # the webhook defaults
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        ('ordering = "key"', "not supported for an endpoints destination"),
+        ('url = "https://example.com/"', "url"),  # registered per endpoint, not here
+        ('disable_after = "10s"', "disable_after"),
+    ],
+)
+def test_an_endpoints_destination_refuses_what_it_cannot_do(
+    tmp_path: Path, extra: str, words: str
+) -> None:
+    path = write(tmp_path, f'[destinations.customers]\nkind = "endpoints"\n{extra}\n')
     with pytest.raises(ConfigError) as caught:
         load_settings(path)
     text = str(caught.value)
-    assert "destinations.customers" in text and "does not deliver them yet" in text
-    # Another unknown kind keeps the plain message.
+    assert "destinations.customers" in text and words in text
+
+
+def test_an_unknown_kind_names_the_kinds(tmp_path: Path) -> None:
     path = write(tmp_path, '[destinations.customers]\nkind = "carrier-pigeon"\n')
-    with pytest.raises(ConfigError, match="got 'carrier-pigeon'"):
+    with pytest.raises(ConfigError, match="got 'carrier-pigeon'") as caught:
         load_settings(path)
+    assert '"endpoints"' in str(caught.value)

@@ -1,7 +1,10 @@
 -- The relay's least-privilege login role: it reads, claims, updates and deletes rows of the
 -- outbox table, reads the paused destinations (outbox_paused; `outbox-relay pause` is run by
--- an operator's role), registers itself in outbox_relays, and nothing else. (LISTEN and
--- advisory locks need no privilege.)
+-- an operator's role), registers itself in outbox_relays, fans events out to the endpoints
+-- registered at runtime (reading outbox_endpoints and writing only their health and
+-- disabled state; the application registers them), claims and records outbox_deliveries and
+-- logs attempts in outbox_attempts, and nothing else. (LISTEN and advisory locks need no
+-- privilege.)
 --
 --   psql "$OWNER_URL" -v ON_ERROR_STOP=1 -v role=outbox_relay -v password="$RELAY_PASSWORD" \
 --        -v schema=public -f deploy/sql/relay_role.sql
@@ -25,3 +28,8 @@ GRANT USAGE ON SCHEMA :"schema" TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox TO :"role";
 GRANT SELECT ON TABLE :"schema".outbox_paused TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_relays TO :"role";
+GRANT SELECT ON TABLE :"schema".outbox_endpoints TO :"role";
+GRANT UPDATE (failing_since, last_success_at, enabled, disabled_at, disabled_reason, updated_at)
+    ON TABLE :"schema".outbox_endpoints TO :"role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_deliveries TO :"role";
+GRANT SELECT, INSERT, DELETE ON TABLE :"schema".outbox_attempts TO :"role";

@@ -63,14 +63,6 @@ def _message(err: Any, loc: str, kinds: Sequence[str]) -> str:
             if isinstance(tag, str) and len(tag) <= _ECHO_MAX_CHARS and tag.isprintable()
             else ""
         )
-        if tag == "endpoints":
-            # Registered at runtime already (migration 0006, outbox.endpoints and the
-            # `endpoints` command); the relay delivering them is the next step (issue #16).
-            return (
-                f"kind must be {_kinds(kinds, ' or ')}: endpoints registered at runtime can be "
-                "managed (outbox-relay endpoints …) but this relay version does not deliver "
-                "them yet; use a webhook destination per receiver meanwhile"
-            )
         return f"kind must be {_kinds(kinds, ' or ')}{got}"
     error = (err.get("ctx") or {}).get("error")
     if kind == "value_error" and error is not None:

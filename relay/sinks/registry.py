@@ -3,6 +3,6 @@ here (see docs/architecture.md)."""
 
 from __future__ import annotations
 
-from relay.sinks import SinkKind, kafka, webhook
+from relay.sinks import SinkKind, endpoints, kafka, webhook
 
-KINDS: dict[str, SinkKind] = {k.name: k for k in (kafka.KIND, webhook.KIND)}
+KINDS: dict[str, SinkKind] = {k.name: k for k in (kafka.KIND, webhook.KIND, endpoints.KIND)}

@@ -164,20 +164,10 @@ class Circuit(Section):
     )
 
 
-class WebhookDestination(Delivery):
-    kind: Literal["webhook"] = Field(
-        description=(
-            "the kind of sink that delivers the destination's rows; it decides which other keys the"
-            " destination takes"
-        )
-    )
-    url: str = Field(description="http(s) URL the events are POSTed to")
-    secrets: list[SecretStr] = Field(
-        default_factory=list, description="whsec_ signing secrets; several while rotating"
-    )
-    secret_env: str | None = Field(
-        None, description="environment variable holding the secret(s), read at start-up"
-    )
+class WebhookDelivery(Delivery):
+    """How a destination's rows are POSTed: what a webhook destination (one URL) and an
+    endpoints destination (URLs registered at runtime) share."""
+
     timeout: float = Field(15.0, gt=0, le=300, description="seconds per request, in total")
     connect_timeout: float | None = Field(
         None, gt=0, le=300, description="overrides webhooks.connect_timeout"
@@ -206,13 +196,59 @@ class WebhookDestination(Delivery):
     allowed_networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = Field(
         default_factory=list, description="CIDRs allowed although not public, e.g. 10.1.0.0/16"
     )
-    circuit: Circuit = Circuit()
+    circuit: Circuit = Field(
+        Circuit(), description="circuit breaker of each endpoint: threshold, cooldown, max_cooldown"
+    )
     max_attempts: int = Field(
         WEBHOOK_MAX_ATTEMPTS, ge=1, le=10_000, description="attempts before a row is failed"
     )
     backoff: Backoff = Field(
         Backoff(schedule=list(WEBHOOK_SCHEDULE), jitter=0.2),
         description="retry delays; by default the Standard Webhooks schedule over ~2 days",
+    )
+
+    @field_validator("allowed_networks", mode="before")
+    @classmethod
+    def _cidrs(cls, v: Any) -> Any:
+        if not isinstance(v, list):
+            return v
+        nets = []
+        for item in v:
+            if isinstance(item, str):
+                try:
+                    item = ipaddress.ip_network(item)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{item!r} is not a network in CIDR form like 10.1.0.0/16 ({exc})"
+                    ) from None
+            nets.append(item)
+        return nets
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if name.lower() in RESERVED_HEADERS:
+                raise ValueError(f"header {name!r} is set by the relay and cannot be configured")
+            problem = header_problem(name, value)
+            if problem:
+                raise ValueError(problem)
+        return v
+
+
+class WebhookDestination(WebhookDelivery):
+    kind: Literal["webhook"] = Field(
+        description=(
+            "the kind of sink that delivers the destination's rows; it decides which other keys the"
+            " destination takes"
+        )
+    )
+    url: str = Field(description="http(s) URL the events are POSTed to")
+    secrets: list[SecretStr] = Field(
+        default_factory=list, description="whsec_ signing secrets; several while rotating"
+    )
+    secret_env: str | None = Field(
+        None, description="environment variable holding the secret(s), read at start-up"
     )
 
     @model_validator(mode="before")
@@ -238,39 +274,11 @@ class WebhookDestination(Delivery):
     def _http_url(cls, v: str) -> str:
         return check_url(v)
 
-    @field_validator("allowed_networks", mode="before")
-    @classmethod
-    def _cidrs(cls, v: Any) -> Any:
-        if not isinstance(v, list):
-            return v
-        nets = []
-        for item in v:
-            if isinstance(item, str):
-                try:
-                    item = ipaddress.ip_network(item)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"{item!r} is not a network in CIDR form like 10.1.0.0/16 ({exc})"
-                    ) from None
-            nets.append(item)
-        return nets
-
     @field_validator("secrets")
     @classmethod
     def _whsec(cls, v: list[SecretStr]) -> list[SecretStr]:
         for s in v:
             decode_secret(s.get_secret_value())
-        return v
-
-    @field_validator("headers")
-    @classmethod
-    def _headers(cls, v: dict[str, str]) -> dict[str, str]:
-        for name, value in v.items():
-            if name.lower() in RESERVED_HEADERS:
-                raise ValueError(f"header {name!r} is set by the relay and cannot be configured")
-            problem = header_problem(name, value)
-            if problem:
-                raise ValueError(problem)
         return v
 
     @model_validator(mode="after")

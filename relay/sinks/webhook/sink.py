@@ -27,6 +27,7 @@ from relay.sinks.webhook.client import Sessions, literal_refusal, request_url
 from relay.sinks.webhook.config import (
     RESERVED_HEADERS,
     WebhookClientSettings,
+    WebhookDelivery,
     WebhookDestination,
     header_problem,
 )
@@ -43,7 +44,7 @@ BUSY_RETRY_IN = 1.0
 @dataclass(eq=False)
 class Endpoint:
     name: str
-    config: WebhookDestination
+    config: WebhookDelivery
     url: URL
     signer: Signer
     policy: AddressPolicy
@@ -96,13 +97,28 @@ class WebhookSink:
         self.latencies: list[float] | None = None
 
     def _endpoint(self, name: str, d: WebhookDestination) -> Endpoint:
-        url = request_url(d.url)
+        return self.endpoint(name, d, d.url, d.signing_keys())
+
+    def endpoint(
+        self,
+        name: str,
+        d: WebhookDelivery,
+        url_text: str,
+        keys: Sequence[bytes],
+        *,
+        breaker: Breaker | None = None,
+        semaphore: asyncio.Semaphore | None = None,
+    ) -> Endpoint:
+        """An endpoint to send to: ``url_text`` signed with ``keys``, under ``d``'s rules.
+        ``breaker`` and ``semaphore``: kept from an earlier version of the endpoint (one
+        registered at runtime whose URL or secret changed)."""
+        url = request_url(url_text)
         policy = AddressPolicy(d.allow_private_networks, tuple(d.allowed_networks))
         return Endpoint(
             name=name,
             config=d,
             url=url,
-            signer=Signer(d.signing_keys()),
+            signer=Signer(keys),
             policy=policy,
             # Only the TCP + TLS set-up of a new connection: the attempt's own timer does the
             # rest (see _send).
@@ -111,8 +127,9 @@ class WebhookSink:
                 connect=None,
                 sock_connect=d.connect_timeout or self.http.connect_timeout,
             ),
-            breaker=Breaker(d.circuit.threshold, d.circuit.cooldown, d.circuit.max_cooldown),
-            semaphore=asyncio.Semaphore(d.max_concurrency),
+            breaker=breaker
+            or Breaker(d.circuit.threshold, d.circuit.cooldown, d.circuit.max_cooldown),
+            semaphore=semaphore or asyncio.Semaphore(d.max_concurrency),
             headers={k.lower(): v for k, v in d.headers.items()},
             refused=literal_refusal(url.raw_host or "", policy),
         )
@@ -272,6 +289,14 @@ class WebhookSink:
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
 
+    async def attempt(self, ep: Endpoint, env: Envelope) -> Outcome:
+        """Send one row to ``ep``, with one of its request slots held by the caller; one
+        outcome, never raises."""
+        return await self._attempt(self._ensure_sessions().get(ep.policy), ep, env)
+
+    def _answered(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
+        """Called with each answer received; subclasses that keep a message log take it."""
+
     async def _send_held(
         self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope
     ) -> Outcome:
@@ -353,6 +378,7 @@ class WebhookSink:
         latency_ms = (time.monotonic() - started) * 1000
         if self.latencies is not None:
             self.latencies.append(latency_ms)
+        self._answered(env, response.status, body, latency_ms)
         outcome, health = classify(env, response, body, latency_ms, ep.origin, ep.config)
         self._record(ep, health, outcome.error)
         return outcome

@@ -1,0 +1,38 @@
+"""The endpoints sink: each event of an ``endpoints`` destination fans out, after its commit,
+into one delivery per matching endpoint registered at runtime (outbox.endpoints), and each
+delivery is POSTed, signed with its endpoint's secret, retried and logged on its own.
+
+It shares the ``[webhooks]`` HTTP client settings with the webhook sink."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from relay import secrets
+from relay.sinks import Sink, SinkKind
+from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.webhook.config import WebhookClientSettings
+
+
+def _build(section: WebhookClientSettings, destinations: Mapping[str, Any]) -> Sink:
+    from relay.sinks.endpoints.sink import EndpointsSink  # the HTTP client only where used
+
+    return EndpointsSink(section, destinations)
+
+
+def _secrets(section: WebhookClientSettings, destinations: Mapping[str, Any]) -> set[str]:
+    found: set[str] = set()
+    for d in destinations.values():
+        found |= secrets.config_secrets({"headers": d.headers})
+    return found
+
+
+KIND = SinkKind(
+    name="endpoints",
+    destination=EndpointsDestination,
+    section="webhooks",
+    settings=WebhookClientSettings,
+    build=_build,
+    secrets=_secrets,
+)

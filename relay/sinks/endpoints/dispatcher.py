@@ -1,0 +1,499 @@
+"""Delivering fanned-out events to their endpoints: claim, send, record, per endpoint.
+
+Every (event, endpoint) pair is a row of outbox_deliveries with its own status, attempts,
+backoff and lease, so a slow or dead endpoint holds only its own deliveries. The loop here
+mirrors the relay's own for events, at a smaller scale: a claim statement that walks the
+endpoints with due work (at most ``max_concurrency`` rows each, fewer under a rate limit),
+one task per delivery under its endpoint's request slots and circuit, outcomes written in
+batches together with the message log, a heartbeat for the leases, a reaper for the
+deliveries of relays that died. Endpoints' settings come with each claimed row, so a change
+made at runtime applies to the next claim (a NOTIFY wakes the loop at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import structlog
+
+from outbox.endpoint_secrets import SecretBox
+from outbox.errors import OutboxError, describe
+from relay import outcomes
+from relay.breaker import State
+from relay.metrics import Metrics
+from relay.model import Envelope, Result, header_problem, truncate_error
+from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
+from relay.sinks.webhook.answers import class_of
+from relay.sinks.webhook.signing import decode_secret
+from relay.sinks.webhook.sink import Endpoint, WebhookSink
+from relay.store import DB_ERRORS, UNAVAILABLE
+
+log = structlog.get_logger("relay.sink.endpoints")
+
+RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
+NOT_SENDABLE_RETRY = 60.0  # a delivery whose endpoint cannot be used now (its secret)
+CRASH_RETRY = 5.0
+HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
+SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
+
+
+class Sender(WebhookSink):
+    """The webhook sink's request path, keeping each answer for the message log."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.answers: dict[Envelope, tuple[int, bytes]] = {}
+
+    def _answered(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
+        self.answers[env] = (status, body)
+
+
+@dataclass(eq=False)
+class EndpointState:
+    """What this relay keeps about one registered endpoint between deliveries."""
+
+    id: int
+    config: EndpointsDestination
+    version: tuple[str, str, str | None] = ("", "", None)
+    endpoint: Endpoint | None = None
+    problem: str | None = None  # why it cannot be sent to now (its secret cannot be read)
+    semaphore: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
+    in_hand: int = 0
+    next_send: float = 0.0  # rate limit: the earliest time of the next request
+    failing: bool | None = None  # as last written to the table (None: not written yet)
+    health_written: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.in_hand >= self.config.max_concurrency
+
+    @property
+    def circuit_open(self) -> bool:
+        return self.endpoint is not None and self.endpoint.breaker.state is State.OPEN
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        sender: Sender,
+        destinations: Mapping[str, EndpointsDestination],
+        *,
+        max_in_flight: int = 1000,
+        poll_interval: float = 1.0,
+        secret_box: SecretBox | None = None,
+    ) -> None:
+        self.sender = sender
+        self.destinations = dict(destinations)
+        self.max_in_flight = max_in_flight
+        self.poll_interval = poll_interval
+        self.secret_box = secret_box or SecretBox.from_environment()
+        self.states: dict[int, EndpointState] = {}
+        self.held: dict[int, Claimed] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stats: Counter[str] = Counter()
+        self.store: DeliveryStore | None = None
+        self._wake = asyncio.Event()
+        self._capacity = asyncio.Event()
+        self._written = asyncio.Event()
+        self._outcomes: list[DeliveryRecord] = []
+        self._record_lock = asyncio.Lock()
+        self._claim_lock = asyncio.Lock()
+        self.metrics: Metrics | None = None
+        self._health: dict[int, bool] = {}
+        self._gone: set[int] = set()  # endpoints that answered 410 since the last write
+        self._cursor: int | None = None
+        self._draining = False
+        self._per_endpoint = max(d.max_concurrency for d in self.destinations.values())
+        self._limits = {name: d.max_attempts for name, d in self.destinations.items()}
+        self._default_max = max(self._limits.values())
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    # --- the loops ----------------------------------------------------------------------
+
+    async def run(self, store: DeliveryStore, lease: float) -> None:
+        """Claim, record, heartbeat and reap until cancelled; a crash of one ends all (the
+        relay supervises this task and stops)."""
+        self.store = store
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._claim_loop())
+            group.create_task(self._record_loop())
+            group.create_task(self._every(lease / 3, self._heartbeat, "heartbeat"))
+            group.create_task(
+                self._every(min(self.poll_interval, max(lease / 2, 0.5)), self._reap, "reaper")
+            )
+
+    async def _every(self, interval: float, job: object, name: str) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await job()  # type: ignore[operator]
+            except DB_ERRORS as exc:
+                log.warning("relay.endpoints.maintenance_failed", job=name, error=describe(exc))
+
+    async def _claim_loop(self) -> None:
+        assert self.store is not None
+        while not self._draining:
+            room = self.max_in_flight - len(self.held)
+            if room <= 0:
+                self._capacity.clear()
+                await _wait(self._capacity, self.poll_interval)
+                continue
+            skip = [s.id for s in self.states.values() if s.busy or s.circuit_open]
+            self._wake.clear()
+            # Held until the claimed rows have their tasks: a drain waits for it, so that no
+            # row claimed while stopping is left unreleased.
+            async with self._claim_lock:
+                if self._draining:
+                    return
+                try:
+                    claimed, self._cursor = await self.store.claim(
+                        list(self.destinations), self._per_endpoint, room, skip, SCAN, self._cursor
+                    )
+                except DB_ERRORS as exc:
+                    log.warning("relay.endpoints.claim_failed", error=describe(exc))
+                    claimed = []
+                    self._cursor = None
+                for c in claimed:
+                    self.held[c.id] = c
+                    state = self._state(c)
+                    state.in_hand += 1
+                    task = asyncio.create_task(self._deliver(c, state))
+                    self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
+            if claimed:
+                self.stats["claimed"] += len(claimed)
+                await asyncio.sleep(0)
+            elif self._cursor is None:
+                await _wait(self._wake, self.poll_interval)
+
+    async def _record_loop(self) -> None:
+        assert self.store is not None
+        delay = 0.2
+        while True:
+            if not self._outcomes:
+                self._written.clear()
+                await _wait(self._written, self.poll_interval)
+                continue
+            async with self._record_lock:
+                batch, self._outcomes = self._outcomes, []
+                try:
+                    written = await self.store.record(batch)
+                except UNAVAILABLE as exc:
+                    self._outcomes[:0] = batch  # kept, and written when the database is back
+                    log.warning(
+                        "relay.endpoints.record_failed", count=len(batch), error=describe(exc)
+                    )
+                    written = None
+                except DB_ERRORS as exc:
+                    # A value the database refuses: each delivery is left to its lease, and
+                    # the reaper retries it (an attempt counted), rather than the batch looping.
+                    log.error(
+                        "relay.endpoints.record_refused",
+                        count=len(batch),
+                        ids=[r.id for r in batch[:20]],
+                        error=describe(exc),
+                    )
+                    written = set()
+            if written is None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            delay = 0.2
+            for r in batch:
+                c = self.held.pop(r.id, None)
+                if c is not None and r.id not in written:
+                    self.stats["lost"] += 1
+            self.stats["recorded"] += len(written)
+            self._capacity.set()
+            await self._write_health()
+
+    async def _heartbeat(self) -> None:
+        assert self.store is not None
+        held = [c for c in self.held.values() if c.lease.held(c.event_id)]
+        if not held:
+            return
+        before = time.monotonic()
+        kept = await self.store.heartbeat(held)
+        for c in held:
+            if c.id in kept:
+                c.lease.until = before + self.store.store.lease
+            else:
+                c.lease.lost.add(c.event_id)
+
+    async def _reap(self) -> None:
+        assert self.store is not None
+        n = await self.store.reap(self._default_max, self._limits)
+        if n:
+            log.warning("relay.endpoints.reaped", deliveries=n)
+            self.wake()
+
+    # --- one delivery -------------------------------------------------------------------
+
+    def _state(self, c: Claimed) -> EndpointState:
+        config = self.destinations[c.destination]
+        state = self.states.get(c.endpoint_id)
+        if state is None or state.config is not config:
+            state = self.states[c.endpoint_id] = EndpointState(
+                c.endpoint_id, config, semaphore=asyncio.Semaphore(config.max_concurrency)
+            )
+        version = (c.url, c.secret, c.previous_secret)
+        if version != state.version:
+            # New, or changed at runtime: the URL and keys of this claim apply from now on;
+            # the circuit and request slots carry over.
+            state.version = version
+            try:
+                keys = [decode_secret(self.secret_box.open(c.secret))]
+                if c.previous_secret:
+                    keys.append(decode_secret(self.secret_box.open(c.previous_secret)))
+                state.endpoint = self.sender.endpoint(
+                    f"{c.destination}#{c.endpoint_id}",
+                    config,
+                    c.url,
+                    keys,
+                    breaker=state.endpoint.breaker if state.endpoint else None,
+                    semaphore=state.semaphore,
+                )
+                state.problem = None
+            except (OutboxError, ValueError) as exc:
+                state.endpoint = None
+                state.problem = f"endpoint {c.endpoint_id} cannot be used: {describe(exc)}"
+                log.error("relay.endpoints.unusable", endpoint=c.endpoint_id, error=state.problem)
+        return state
+
+    async def _deliver(self, c: Claimed, state: EndpointState) -> None:
+        try:
+            record = await self._attempt(c, state)
+        except Exception as exc:
+            log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
+            record = self._record(
+                c, "pending", 1, CRASH_RETRY, f"relay error during delivery: {describe(exc)}"
+            )
+        finally:
+            state.in_hand -= 1
+        self._outcomes.append(record)
+        self._written.set()
+        if not state.busy:
+            self.wake()  # its endpoint has room again
+
+    async def _attempt(self, c: Claimed, state: EndpointState) -> DeliveryRecord:
+        config = self.destinations[c.destination]
+        if not c.found:
+            return self._record(
+                c,
+                "cancelled",
+                0,
+                0.0,
+                f"event {c.event_id} no longer exists (deleted or purged) before it could be "
+                "sent; nothing to deliver",
+            )
+        if state.endpoint is None:
+            return self._record(c, "pending", 0, NOT_SENDABLE_RETRY, state.problem)
+        if (problem := header_problem(c.headers)) is not None:
+            return self._record(c, "failed", 1, 0.0, problem)
+        env = Envelope(
+            id=c.event_id,
+            destination=c.destination,
+            key=None,
+            payload=c.payload,
+            content_type=c.content_type,
+            headers=c.headers,  # type: ignore[arg-type]
+            attempts=c.attempts,
+            created_at=datetime.fromtimestamp(c.created_at, UTC),
+            token=c.token,
+            lease=c.lease,
+        )
+        async with state.semaphore:
+            await self._pace(state, c.rate_limit)
+            started = time.monotonic()
+            outcome = await self.sender.attempt(state.endpoint, env)
+            took = (time.monotonic() - started) * 1000
+        answer = self.sender.answers.pop(env, None)
+        if outcome.result is Result.DEFER:
+            return self._record(
+                c, "pending", 0, outcomes.clamp_delay(outcome.retry_in, 1.0), outcome.error
+            )
+        rec = outcomes.to_record(env, outcome, config.max_attempts, config.backoff)
+        status, body = answer if answer is not None else (None, b"")
+        ok = outcome.result is Result.DELIVERED
+        self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False) or ok
+        if status == 410:
+            self._gone.add(c.endpoint_id)
+        if self.metrics is not None:
+            self.metrics.endpoint_attempts.labels(
+                c.destination, outcome.result.value, outcome.status_class or "none"
+            ).inc()
+        return DeliveryRecord(
+            id=c.id,
+            token=c.token,
+            status=str(rec.status),
+            counted=1,
+            delay=rec.delay,
+            error=rec.error,
+            http_status=status,
+            event_id=c.event_id,
+            endpoint_id=c.endpoint_id,
+            duration_ms=round(took, 3),
+            response=_text(body) if status is not None else None,
+            replay=c.replay,
+        )
+
+    @staticmethod
+    async def _pace(state: EndpointState, rate: int | None) -> None:
+        """Spread a rate-limited endpoint's requests over the second (the claim bounds how
+        many may start within one; this keeps them from starting all at once)."""
+        if not rate:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        at = max(now, state.next_send)
+        state.next_send = at + 1.0 / rate
+        if at > now:
+            await asyncio.sleep(at - now)
+
+    @staticmethod
+    def _record(
+        c: Claimed, status: str, counted: int, delay: float, error: str | None
+    ) -> DeliveryRecord:
+        return DeliveryRecord(
+            id=c.id,
+            token=c.token,
+            status=status,
+            counted=counted,
+            delay=delay,
+            error=truncate_error(error) if error else None,
+            http_status=None,
+            event_id=c.event_id,
+            endpoint_id=c.endpoint_id,
+            duration_ms=None,
+            response=None,
+            replay=c.replay,
+        )
+
+    # --- endpoint health ----------------------------------------------------------------
+
+    async def _write_health(self) -> None:
+        """Write what the attempts said about their endpoints, when it changed (or now and
+        then while all is well), and disable those failing too long or gone."""
+        assert self.store is not None
+        now = time.monotonic()
+        changes = {}
+        for eid, ok in self._health.items():
+            state = self.states.get(eid)
+            if state is None:
+                continue
+            if (
+                state.failing is None
+                or state.failing == ok
+                or (ok and now - state.health_written > HEALTH_REFRESH)
+            ):
+                changes[eid] = ok
+        self._health = {}
+        gone, self._gone = self._gone, set()
+        if changes:
+            try:
+                failing_for = await self.store.health(changes)
+            except DB_ERRORS as exc:
+                log.warning("relay.endpoints.health_failed", error=describe(exc))
+                return
+            for eid, ok in changes.items():
+                state = self.states[eid]
+                state.failing, state.health_written = not ok, now
+                seconds = failing_for.get(eid)
+                if seconds is not None and seconds >= state.config.disable_after:
+                    await self._disable(
+                        eid,
+                        f"failing without a success for {seconds / 86400:.1f} days "
+                        f"(disable_after {state.config.disable_after:g} s)",
+                        state.config.disable_after,
+                    )
+        for eid in gone:
+            await self._disable(eid, "the endpoint answered 410 Gone", None)
+
+    async def _disable(self, endpoint_id: int, reason: str, failing_for: float | None) -> None:
+        assert self.store is not None
+        try:
+            done = await self.store.disable(endpoint_id, reason, failing_for)
+        except DB_ERRORS as exc:
+            log.warning("relay.endpoints.disable_failed", endpoint=endpoint_id, error=describe(exc))
+            return
+        if done:
+            self.stats["disabled"] += 1
+            if self.metrics is not None:
+                dest = next(
+                    (c.destination for c in self.held.values() if c.endpoint_id == endpoint_id),
+                    "",
+                )
+                self.metrics.endpoints_disabled.labels(dest or "unknown").inc()
+            log.warning(
+                "relay.endpoints.disabled",
+                endpoint=endpoint_id,
+                reason=reason,
+                hint=f"outbox-relay endpoints enable {endpoint_id} once it is fixed",
+            )
+
+    # --- stopping -----------------------------------------------------------------------
+
+    async def drain(self, timeout: float) -> None:
+        """Stop claiming; let deliveries in flight finish for ``timeout`` seconds; write
+        their outcomes; put what was not attempted back to pending."""
+        self._draining = True
+        self._wake.set()
+        self._capacity.set()
+        async with self._claim_lock:  # a claim in progress hands its rows over first
+            pass
+        if self.tasks:
+            _, late = await asyncio.wait(set(self.tasks), timeout=max(timeout, 0.0))
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        if self.store is None:
+            return
+        async with self._record_lock:  # a write in progress ends first
+            batch, self._outcomes = self._outcomes, []
+            if batch:
+                try:
+                    await self.store.record(batch)
+                except DB_ERRORS as exc:
+                    # Attempted, so not released: the reaper takes them back after their
+                    # lease, counting the attempt.
+                    log.error(
+                        "relay.endpoints.record_failed", count=len(batch), error=describe(exc)
+                    )
+            for r in batch:
+                self.held.pop(r.id, None)
+        leftover = list(self.held.values())
+        if leftover:
+            try:
+                await self.store.release(leftover)
+                log.info("relay.endpoints.released", count=len(leftover))
+            except DB_ERRORS as exc:
+                log.error(
+                    "relay.endpoints.release_failed",
+                    count=len(leftover),
+                    error=describe(exc),
+                    action="the reaper returns them to pending when their lease expires",
+                )
+            self.held.clear()
+
+
+def _text(body: bytes) -> str:
+    """The start of an answer, as text the log can hold (PostgreSQL text holds no NUL)."""
+    return body[:RESPONSE_LOGGED].decode("utf-8", "replace").replace("\x00", "")
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout):
+            await event.wait()
+
+
+__all__ = ["Dispatcher", "EndpointState", "Sender", "class_of"]

@@ -1,0 +1,119 @@
+"""The endpoints sink: fan-out as the sink's delivery, the dispatcher for the rest.
+
+For the relay, an endpoints destination is a sink like any other: its events are claimed,
+"delivered" and recorded. Delivering one here means writing its deliveries, one per
+matching endpoint, in one statement per batch; the event is then recorded as delivered (its
+payload stays until its deliveries end: see the retention guard in relay/queries.py). The
+dispatcher (dispatcher.py) sends the deliveries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from outbox.errors import describe
+from relay.breaker import Breaker
+from relay.model import Envelope, Outcome, Result
+from relay.sinks import misrouted
+from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+from relay.sinks.endpoints.store import DeliveryStore
+from relay.sinks.webhook.config import WebhookClientSettings
+from relay.store import DB_ERRORS, Store
+
+log = structlog.get_logger("relay.sink.endpoints")
+
+FAN_OUT_RETRY = 2.0
+
+
+class EndpointsSink:
+    kind = "endpoints"
+
+    def __init__(
+        self, http: WebhookClientSettings, destinations: Mapping[str, EndpointsDestination]
+    ) -> None:
+        self.destinations = dict(destinations)
+        self.sender = Sender(http, {})
+        self.dispatcher = Dispatcher(self.sender, self.destinations)
+        self._store: DeliveryStore | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def attach(
+        self, store: Store, *, max_in_flight: int, poll_interval: float, metrics: Any
+    ) -> None:
+        """Called by the relay once the database is reached, before any claim."""
+        self._store = DeliveryStore(store)
+        self.dispatcher.max_in_flight = max_in_flight
+        self.dispatcher.poll_interval = poll_interval
+        self.dispatcher.metrics = metrics
+
+    async def start(self) -> None:
+        await self.sender.start()
+        if self._store is not None and self._task is None:
+            self._task = asyncio.create_task(
+                self.dispatcher.run(self._store, self._store.store.lease),
+                name="endpoint-deliveries",
+            )
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """For the relay to supervise: if the dispatcher dies, the relay stops."""
+        return {self._task} if self._task is not None else set()
+
+    def wake(self) -> None:
+        self.dispatcher.wake()
+
+    async def drain(self, timeout: float) -> None:
+        await self.dispatcher.drain(timeout)
+
+    async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
+        """Fan a batch of events out into deliveries; one outcome per event."""
+        if not batch:
+            return []
+        if any(e.destination not in self.destinations for e in batch):
+            return await misrouted(batch, self.destinations, "endpoints", self.deliver)
+        if self._store is None:
+            return [Outcome.retry(e.id, "endpoints sink not attached to a database") for e in batch]
+        held = [e for e in batch if e.held()]
+        outcomes = [Outcome.not_held(e.id) for e in batch if not e.held()]
+        if not held:
+            return outcomes
+        try:
+            matched = await self._store.fan_out([e.id for e in held])
+        except DB_ERRORS as exc:
+            error = f"fan-out to endpoints failed: {describe(exc)}"
+            return outcomes + [Outcome.retry(e.id, error, FAN_OUT_RETRY) for e in held]
+        self.dispatcher.wake()
+        for e in held:
+            if e.id in matched:
+                outcomes.append(Outcome.delivered(e.id))
+            else:
+                # Recorded, not failed and not retried: nobody subscribed to it.
+                outcomes.append(Outcome(e.id, Result.DELIVERED, NO_MATCH))
+        return outcomes
+
+    def available(self, destination: str) -> bool:
+        return True
+
+    def ready(self, destination: str) -> bool:
+        return True
+
+    def circuits(self) -> dict[str, Breaker]:
+        return {
+            f"{s.endpoint.name} {s.endpoint.origin}": s.endpoint.breaker
+            for s in self.dispatcher.states.values()
+            if s.endpoint is not None
+        }
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.sender.close()
+
+
+NO_MATCH = "no endpoint matched (none enabled for its destination, tenant and event type)"

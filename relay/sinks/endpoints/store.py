@@ -1,0 +1,185 @@
+"""The endpoints sink's statements (relay/queries.py), over the relay's pool."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from relay import queries
+from relay.model import Lease
+from relay.store import Store, _headers
+
+
+@dataclass(slots=True, eq=False)
+class Claimed:
+    """One delivery (an event for one endpoint) this relay claimed, with what sending needs."""
+
+    id: int
+    event_id: int
+    endpoint_id: int
+    destination: str
+    attempts: int
+    token: int
+    replay: bool
+    found: bool  # False: the event was deleted (purged) before it could be sent
+    payload: bytes
+    content_type: str
+    headers: object
+    created_at: float
+    url: str
+    secret: str
+    previous_secret: str | None
+    rate_limit: int | None
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRecord:
+    """One delivery's outcome as DELIVERY_RECORD takes it, with its attempt for the log."""
+
+    id: int
+    token: int
+    status: str  # delivered, pending, failed, cancelled
+    counted: int  # 1: an attempt was made (logged); 0: not attempted
+    delay: float
+    error: str | None
+    http_status: int | None
+    event_id: int
+    endpoint_id: int
+    duration_ms: float | None
+    response: str | None
+    replay: bool
+
+
+class DeliveryStore:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    @property
+    def relay_id(self) -> str:
+        return self.store.relay_id
+
+    async def fan_out(self, event_ids: Sequence[int]) -> dict[int, int]:
+        """Deliveries for the events' matching endpoints; endpoints matched, per event."""
+        self.store.statements["fan_out"] += 1
+        rows = await self.store.call("fetch", queries.FAN_OUT, list(event_ids))
+        return {r[0]: r[1] for r in rows}
+
+    async def claim(
+        self,
+        destinations: Sequence[str],
+        per_endpoint: int,
+        limit: int,
+        skip: Sequence[int],
+        scan: int,
+        cursor: int | None,
+    ) -> tuple[list[Claimed], int | None]:
+        self.store.statements["delivery_claim"] += 1
+        lease = self.store.lease
+        until = time.monotonic() + lease  # before the statement: never later than its now()
+        rows = await self.store.call(
+            "fetch",
+            queries.DELIVERY_CLAIM,
+            list(destinations),
+            per_endpoint,
+            limit,
+            self.relay_id,
+            list(skip),
+            scan,
+            cursor,
+            lease,
+        )
+        claimed = [
+            Claimed(
+                id=r[0],
+                event_id=r[1],
+                endpoint_id=r[2],
+                destination=r[3],
+                attempts=r[4],
+                token=r[5],
+                replay=r[6],
+                found=r[7],
+                payload=r[8] or b"",
+                content_type=r[9] or "application/octet-stream",
+                headers={} if r[10] in (None, "{}") else _headers(r[10]),
+                created_at=r[11] or 0.0,
+                url=r[12],
+                secret=r[13],
+                previous_secret=r[14],
+                rate_limit=r[15],
+                lease=Lease(until),
+            )
+            for r in rows[:-1]
+        ]
+        return claimed, rows[-1][2]
+
+    async def record(self, records: Sequence[DeliveryRecord]) -> set[int]:
+        """Write outcomes and log attempts; the ids recorded (the others were no longer this
+        relay's under their claim)."""
+        self.store.statements["delivery_record"] += 1
+        rows = await self.store.call(
+            "fetch",
+            queries.DELIVERY_RECORD,
+            [r.id for r in records],
+            [r.token for r in records],
+            [r.status for r in records],
+            [r.counted for r in records],
+            [r.delay for r in records],
+            [r.error for r in records],
+            [r.http_status for r in records],
+            [r.event_id for r in records],
+            [r.endpoint_id for r in records],
+            [r.duration_ms for r in records],
+            [r.response for r in records],
+            [r.replay for r in records],
+            self.relay_id,
+        )
+        return {r[0] for r in rows}
+
+    async def heartbeat(self, held: Sequence[Claimed]) -> set[int]:
+        rows = await self.store.call(
+            "fetch",
+            queries.DELIVERY_HEARTBEAT,
+            [c.id for c in held],
+            [c.token for c in held],
+            self.relay_id,
+            self.store.lease,
+        )
+        return {r[0] for r in rows}
+
+    async def release(self, held: Sequence[Claimed]) -> None:
+        await self.store.call(
+            "execute",
+            queries.DELIVERY_RELEASE,
+            self.relay_id,
+            [c.id for c in held],
+            [c.token for c in held],
+        )
+
+    async def reap(self, default_max: int, limits: Mapping[str, int], limit: int = 5000) -> int:
+        rows = await self.store.call(
+            "fetch",
+            queries.DELIVERY_REAP,
+            default_max,
+            limit,
+            list(limits),
+            list(limits.values()),
+        )
+        return len(rows)
+
+    async def health(self, changes: Mapping[int, bool]) -> dict[int, float | None]:
+        """Write endpoints' health; seconds each has been failing (None: it is not)."""
+        rows = await self.store.call(
+            "fetch", queries.ENDPOINT_HEALTH, list(changes), list(changes.values())
+        )
+        return {r[0]: r[1] for r in rows}
+
+    async def disable(self, endpoint_id: int, reason: str, failing_for: float | None) -> bool:
+        row = await self.store.call(
+            "fetchval", queries.ENDPOINT_DISABLE, endpoint_id, reason, failing_for
+        )
+        return row is not None
+
+
+__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore"]
