@@ -47,11 +47,13 @@ def endpoints_settings(db_url: str, **dest: Any) -> Any:
     )
 
 
-async def add_endpoint(engine: AsyncEngine, url: str, **kw: Any) -> outbox.endpoints.Endpoint:
+async def add_endpoint(
+    engine: AsyncEngine, url: str, key: str | None = None, **kw: Any
+) -> outbox.endpoints.Endpoint:
+    """Register an endpoint (``key``: stored encrypted with this Fernet key)."""
+    api = outbox.endpoints.Endpoints(secret_key=key) if key else outbox.endpoints
     async with engine.begin() as conn:
-        return await outbox.endpoints.create(
-            conn, destination=DEST, url=url, allow_private_networks=True, **kw
-        )
+        return await api.create(conn, destination=DEST, url=url, allow_private_networks=True, **kw)
 
 
 async def enqueue(db_url: str, events: list[dict[str, Any]]) -> list[int]:
@@ -204,3 +206,282 @@ async def test_changes_at_runtime_apply_within_a_second(
         await wait_until(lambda: delivered_to(second) == [b, c], timeout=5, what="third")
         await asyncio.sleep(0.5)
         assert delivered_to(first) == [a, b]  # disabled: not sent to
+
+
+async def test_410_gone_disables_the_endpoint_at_once(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    gone, fine = make_receiver(), make_receiver()
+    gone.respond(410, body=b"unsubscribed")
+    ep = await add_endpoint(aengine, gone.url)
+    await add_endpoint(aengine, fine.url)
+    async with running(endpoints_settings(db_url)) as relay:
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: deliveries_done(db_url, 2), what="first event")
+        [b] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: delivered_to(fine) == [a, b], what="second event")
+        await asyncio.sleep(0.5)
+        sample = relay.metrics.registry.get_sample_value(
+            "outbox_endpoints_disabled_total", {"destination": DEST}
+        )
+    assert len(gone.requests) == 1  # disabled after its 410: the second event was not sent
+    [endpoint] = await fetch(db_url, "SELECT * FROM outbox_endpoints WHERE id = $1", ep.id)
+    assert not endpoint["enabled"] and "410" in endpoint["disabled_reason"]
+    [d] = await fetch(
+        db_url, "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1 AND event_id = $2", ep.id, a
+    )
+    assert d["status"] == "failed" and d["last_status"] == 410
+    # A disabled endpoint takes no new events.
+    assert not await fetch(
+        db_url, "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1 AND event_id = $2", ep.id, b
+    )
+    assert sample == 1
+
+
+async def test_an_endpoint_failing_longer_than_disable_after_is_disabled(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(503)
+    ep = await add_endpoint(aengine, receiver.url)
+    await fetch(
+        db_url,
+        "UPDATE outbox_endpoints SET failing_since = now() - interval '2 hours' WHERE id = $1",
+        ep.id,
+    )
+    async with running(endpoints_settings(db_url, disable_after="1h")):
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE NOT enabled"),
+            what="disabled",
+        )
+    [endpoint] = await fetch(db_url, "SELECT * FROM outbox_endpoints WHERE id = $1", ep.id)
+    assert "failing without a success" in endpoint["disabled_reason"]
+    assert len(receiver.requests) == 1
+
+
+async def test_a_recent_failure_does_not_disable(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(503, times=2)
+    ep = await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url, disable_after="1h")):
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: deliveries_done(db_url, 1), what="delivered at last")
+    [endpoint] = await fetch(db_url, "SELECT * FROM outbox_endpoints WHERE id = $1", ep.id)
+    assert endpoint["enabled"] and endpoint["failing_since"] is None
+
+
+async def test_a_rotated_secret_signs_with_both_until_the_previous_expires(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    ep = await add_endpoint(aengine, receiver.url)
+    async with aengine.begin() as conn:
+        rotated = await outbox.endpoints.rotate_secret(conn, ep.id)
+    assert rotated.secret != ep.secret
+    async with running(endpoints_settings(db_url)):
+        [a] = await enqueue(db_url, [{"payload": {"n": 1}}])
+        await wait_until(lambda: delivered_to(receiver) == [a], what="first")
+        await fetch(
+            db_url,
+            "UPDATE outbox_endpoints SET previous_secret_until = now() - interval '1 s' "
+            "WHERE id = $1",
+            ep.id,
+        )
+        [b] = await enqueue(db_url, [{"payload": {"n": 2}}])
+        await wait_until(lambda: delivered_to(receiver) == [a, b], what="second")
+    first, second = receiver.requests
+    assert len(first.headers["webhook-signature"].split()) == 2
+    verify(ep.secret, first.body, first.headers)  # receivers not yet updated
+    verify(rotated.secret, first.body, first.headers)
+    assert len(second.headers["webhook-signature"].split()) == 1
+    verify(rotated.secret, second.body, second.headers)
+    with pytest.raises(Exception, match="signature"):
+        verify(ep.secret, second.body, second.headers)
+
+
+async def test_secrets_encrypted_at_rest_are_opened_with_the_key(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cryptography.fernet import Fernet
+
+    key = Fernet.generate_key().decode()
+    monkeypatch.setenv("OUTBOX_ENDPOINT_SECRET_KEY", key)  # the relay's
+    ep = await add_endpoint(aengine, receiver.url, key=key)
+    [stored] = await fetch(db_url, "SELECT secret FROM outbox_endpoints WHERE id = $1", ep.id)
+    assert stored["secret"].startswith("enc:")
+    async with running(endpoints_settings(db_url)):
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: delivered_to(receiver) == [a], what="delivered")
+    verify(ep.secret, receiver.requests[0].body, receiver.requests[0].headers)
+
+
+async def test_without_the_key_an_encrypted_secret_holds_its_deliveries_not_loses_them(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cryptography.fernet import Fernet
+
+    monkeypatch.delenv("OUTBOX_ENDPOINT_SECRET_KEY", raising=False)  # the relay has none
+    await add_endpoint(aengine, receiver.url, key=Fernet.generate_key().decode())
+    async with running(endpoints_settings(db_url)):
+        await enqueue(db_url, [{"payload": {}}])
+        rows = await wait_until(
+            lambda: fetch(db_url, "SELECT * FROM outbox_deliveries WHERE last_error IS NOT NULL"),
+            what="held with a reason",
+        )
+    [d] = rows
+    assert d["status"] == "pending" and d["attempts"] == 0
+    assert "OUTBOX_ENDPOINT_SECRET_KEY" in d["last_error"]
+    assert receiver.requests == []
+
+
+async def test_private_addresses_are_refused_unless_the_destination_allows_them(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    await add_endpoint(aengine, receiver.url)  # registered with the check off
+    async with running(endpoints_settings(db_url, allow_private_networks=False)):
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: deliveries_done(db_url, 1), what="refused")
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries")
+    assert d["status"] == "failed" and "SSRF guard" in d["last_error"]
+    assert receiver.requests == []
+
+
+async def test_retry_after_holds_only_its_endpoint(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    busy, other = make_receiver(), make_receiver()
+    busy.respond(429, headers={"Retry-After": "2"}, times=1)
+    await add_endpoint(aengine, busy.url)
+    await add_endpoint(aengine, other.url)
+    async with running(endpoints_settings(db_url)):
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: delivered_to(other) == [a], timeout=3, what="other at once")
+        await wait_until(lambda: delivered_to(busy) == [a], timeout=10, what="busy later")
+    first, second = busy.requests
+    assert 1.9 <= second.at - first.at < 4
+
+
+async def test_deleting_an_endpoint_cancels_its_open_deliveries(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(500)
+    ep = await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url, backoff={"schedule": [30]})):
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: len(receiver.requests) == 1, what="first attempt")
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_deliveries WHERE status = 'pending'"),
+            what="backing off",
+        )
+        async with aengine.begin() as conn:
+            assert await outbox.endpoints.delete(conn, ep.id) == 1
+        await asyncio.sleep(0.5)
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries")
+    assert d["status"] == "cancelled" and f"endpoint {ep.id} was deleted" in d["last_error"]
+    assert len(receiver.requests) == 1
+
+
+async def test_a_dead_relays_deliveries_are_reaped_and_sent(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    await add_endpoint(aengine, receiver.url)
+    [a] = await enqueue(db_url, [{"payload": {}}])
+    # As a relay that fanned the event out, claimed the delivery and died would leave it.
+    await fetch(db_url, "UPDATE outbox SET status = 'delivered', delivered_at = now()")
+    await fetch(
+        db_url,
+        "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination, status, locked_by, "
+        "locked_until, claims) SELECT $1, id, destination, 'running', 'dead-relay', "
+        "now() - interval '1 s', 1 FROM outbox_endpoints",
+        a,
+    )
+    async with running(endpoints_settings(db_url)):
+        await wait_until(lambda: deliveries_done(db_url, 1), what="reaped and delivered")
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries")
+    assert d["status"] == "delivered" and d["attempts"] == 2  # the lost attempt counts
+    assert delivered_to(receiver) == [a]
+
+
+async def test_an_event_stays_until_its_deliveries_end_even_with_retention_zero(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(500, times=3)
+    await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url)
+    s = s.model_copy(
+        update={"relay": s.relay.model_copy(update={"retention": 0, "retention_interval": 0.2})}
+    )
+    async with running(s):
+        [a] = await enqueue(db_url, [{"payload": {"keep": "me"}}])
+        await wait_until(lambda: len(receiver.requests) >= 2, what="retrying")
+        [event] = await fetch(db_url, "SELECT * FROM outbox WHERE id = $1", a)
+        assert event["status"] == "delivered"  # fanned out, and kept for its delivery
+        await wait_until(lambda: delivered_to(receiver) == [a], what="delivered at last")
+        assert receiver.requests[-1].body == receiver.requests[0].body
+        await wait_until(lambda: _gone(db_url, a), timeout=10, what="event deleted once delivered")
+
+
+async def _gone(db_url: str, event: int) -> bool:
+    return not await fetch(db_url, "SELECT 1 FROM outbox WHERE id = $1", event)
+
+
+async def test_stopping_releases_deliveries_not_yet_attempted(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(200, delay=1.0)
+    await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url, max_concurrency=1)
+    s = s.model_copy(update={"relay": s.relay.model_copy(update={"shutdown_timeout": 0.5})})
+    async with running(s):
+        await enqueue(db_url, [{"payload": {"n": i}} for i in range(5)])
+        await wait_until(lambda: len(receiver.requests) >= 1, what="sending")
+    rows = await fetch(db_url, "SELECT * FROM outbox_deliveries ORDER BY id")
+    assert len(rows) == 5 and not [r for r in rows if r["status"] == "running"]
+    untouched = [r for r in rows if r["status"] == "pending" and r["attempts"] == 0]
+    assert len(untouched) >= 3  # released, not counted as attempts
+
+
+async def test_fan_out_twice_adds_nothing(db_url: str, aengine: AsyncEngine) -> None:
+    from relay.queries import FAN_OUT, render_ops
+
+    await add_endpoint(aengine, "http://127.0.0.1:9/a")
+    await add_endpoint(aengine, "http://127.0.0.1:9/b", event_types=["x"])
+    ids = await enqueue(db_url, [{"payload": {}, "event_type": "x"}, {"payload": {}}])
+    sql = render_ops(FAN_OUT, "public")
+    first = {r["event_id"]: r["endpoints"] for r in await fetch(db_url, sql, ids)}
+    again = await fetch(db_url, sql, ids)
+    assert first == {ids[0]: 2, ids[1]: 1}
+    assert {r["added"] for r in again} == {0}
+    assert len(await fetch(db_url, "SELECT * FROM outbox_deliveries")) == 3
+
+
+async def test_an_answer_with_nul_bytes_is_logged_without_them(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(500, body=b"bad\x00answer", times=1)
+    await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url)):
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: deliveries_done(db_url, 1), what="delivered")
+    log = await fetch(db_url, "SELECT * FROM outbox_attempts ORDER BY id")
+    assert [a["http_status"] for a in log] == [500, 200]
+    assert log[0]["response"] == "badanswer"
+
+
+async def test_the_rate_limit_holds_across_relays(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    limited, free = make_receiver(), make_receiver()
+    await add_endpoint(aengine, limited.url, rate_limit=4)
+    await add_endpoint(aengine, free.url)
+    s = endpoints_settings(db_url)
+    async with running(s, relay_id="one"), running(s, relay_id="two"):
+        ids = await enqueue(db_url, [{"payload": {"n": i}} for i in range(16)])
+        await wait_until(lambda: len(delivered_to(free)) == 16, timeout=5, what="unlimited")
+        await wait_until(lambda: len(delivered_to(limited)) == 16, timeout=20, what="limited")
+    assert delivered_to(limited) == ids
+    times = sorted(r.at for r in limited.requests)
+    # 16 requests at 4 a second, shared by two relays: about 4 s, never 8 a second.
+    assert times[-1] - times[0] >= 2.9
+    busiest = max(sum(1 for t in times if start <= t < start + 1.0) for start in times)
+    assert busiest <= 6, busiest

@@ -390,7 +390,8 @@ class WebhookSink:
             truncate_error(
                 f"refused by the SSRF guard: {exc}. If this endpoint is meant to be "
                 f"internal, set allow_private_networks = true or allowed_networks = "
-                f'["<cidr>"] on destination {ep.name!r}'
+                # An endpoint registered at runtime is named "destination#id".
+                f'["<cidr>"] on destination {ep.name.partition("#")[0]!r}'
             ),
         )
 
