@@ -205,6 +205,7 @@ class Relay:
                     max_in_flight=rs.max_in_flight,
                     poll_interval=rs.poll_interval,
                     metrics=self.metrics,
+                    paused=lambda: self.paused,
                 )
         await self.pauses()
         await self._register()

@@ -485,3 +485,52 @@ async def test_the_rate_limit_holds_across_relays(
     assert times[-1] - times[0] >= 2.9
     busiest = max(sum(1 for t in times if start <= t < start + 1.0) for start in times)
     assert busiest <= 6, busiest
+
+
+async def test_an_endpoint_that_keeps_failing_is_disabled_once_past_disable_after(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    """Its health is re-read while it keeps failing, not only when it changes."""
+    receiver.respond(503)
+    ep = await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url, disable_after="1h")) as relay:
+        relay.sinks[DEST].dispatcher.health_refresh = 0.0  # type: ignore[attr-defined]
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: len(receiver.requests) >= 1, what="first failure")
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE failing_since IS NOT NULL"),
+            what="failing",
+        )
+        # As if it had been failing for two hours by now.
+        await fetch(
+            db_url,
+            "UPDATE outbox_endpoints SET failing_since = now() - interval '2 hours' WHERE id = $1",
+            ep.id,
+        )
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE NOT enabled"),
+            what="disabled",
+        )
+
+
+async def test_pausing_the_destination_holds_its_deliveries(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url)) as relay:
+        await fetch(db_url, "INSERT INTO outbox_paused (destination) VALUES ($1)", DEST)
+        await wait_until(lambda: DEST in relay.paused, what="paused seen")
+        # Fanned out before the pause (as a relay not yet aware of it would have).
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await fetch(db_url, "UPDATE outbox SET status = 'delivered' WHERE id = $1", a)
+        await fetch(
+            db_url,
+            "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination) "
+            "SELECT $1, id, destination FROM outbox_endpoints",
+            a,
+        )
+        relay.wake()
+        await asyncio.sleep(1.0)
+        assert receiver.requests == []
+        await fetch(db_url, "DELETE FROM outbox_paused")
+        await wait_until(lambda: delivered_to(receiver) == [a], what="resumed")

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -106,6 +106,9 @@ class Dispatcher:
         self._record_lock = asyncio.Lock()
         self._claim_lock = asyncio.Lock()
         self.metrics: Metrics | None = None
+        # Destinations an operator paused (outbox-relay pause): their deliveries wait too.
+        self.paused: Callable[[], Collection[str]] = frozenset
+        self.health_refresh = HEALTH_REFRESH
         self._health: dict[int, bool] = {}
         self._gone: set[int] = set()  # endpoints that answered 410 since the last write
         self._cursor: int | None = None
@@ -147,6 +150,12 @@ class Dispatcher:
                 self._capacity.clear()
                 await _wait(self._capacity, self.poll_interval)
                 continue
+            paused = self.paused()
+            serving = [d for d in self.destinations if d not in paused]
+            if not serving:  # every destination paused: nothing is sent
+                self._wake.clear()
+                await _wait(self._wake, self.poll_interval)
+                continue
             skip = [s.id for s in self.states.values() if s.busy or s.circuit_open]
             self._wake.clear()
             # Held until the claimed rows have their tasks: a drain waits for it, so that no
@@ -156,7 +165,7 @@ class Dispatcher:
                     return
                 try:
                     claimed, self._cursor = await self.store.claim(
-                        list(self.destinations), self._per_endpoint, room, skip, SCAN, self._cursor
+                        serving, self._per_endpoint, room, skip, SCAN, self._cursor
                     )
                 except DB_ERRORS as exc:
                     log.warning("relay.endpoints.claim_failed", error=describe(exc))
@@ -390,10 +399,13 @@ class Dispatcher:
             state = self.states.get(eid)
             if state is None:
                 continue
+            # Written when it changes (state.failing == ok: it was failing and succeeded, or
+            # the reverse), and now and then while it stays as it is: a success refreshes
+            # last_success_at, a failure re-reads how long it has been failing (disable_after).
             if (
                 state.failing is None
                 or state.failing == ok
-                or (ok and now - state.health_written > HEALTH_REFRESH)
+                or now - state.health_written > self.health_refresh
             ):
                 changes[eid] = ok
         self._health = {}

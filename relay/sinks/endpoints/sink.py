@@ -10,13 +10,13 @@ dispatcher (dispatcher.py) sends the deliveries.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from outbox.errors import describe
-from relay.breaker import Breaker
+from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import misrouted
 from relay.sinks.endpoints.config import EndpointsDestination
@@ -43,10 +43,17 @@ class EndpointsSink:
         self._task: asyncio.Task[None] | None = None
 
     def attach(
-        self, store: Store, *, max_in_flight: int, poll_interval: float, metrics: Any
+        self,
+        store: Store,
+        *,
+        max_in_flight: int,
+        poll_interval: float,
+        metrics: Any,
+        paused: Callable[[], Collection[str]],
     ) -> None:
         """Called by the relay once the database is reached, before any claim."""
         self._store = DeliveryStore(store)
+        self.dispatcher.paused = paused
         self.dispatcher.max_in_flight = max_in_flight
         self.dispatcher.poll_interval = poll_interval
         self.dispatcher.metrics = metrics
@@ -102,10 +109,12 @@ class EndpointsSink:
         return True
 
     def circuits(self) -> dict[str, Breaker]:
+        """Circuits that are not closed only: with thousands of endpoints, one series each
+        would swamp the metrics; a missing endpoint's circuit is closed."""
         return {
             f"{s.endpoint.name} {s.endpoint.origin}": s.endpoint.breaker
             for s in self.dispatcher.states.values()
-            if s.endpoint is not None
+            if s.endpoint is not None and s.endpoint.breaker.state is not State.CLOSED
         }
 
     async def close(self) -> None:
