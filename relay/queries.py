@@ -659,7 +659,9 @@ WITH doomed AS (
     ORDER BY finished_at
     LIMIT $2
 )
-DELETE FROM {deliveries} AS d USING doomed WHERE d.id = doomed.id
+DELETE FROM {deliveries} AS d USING doomed
+-- Re-checked on the row itself: a delivery replayed since the snapshot is pending again.
+WHERE d.id = doomed.id AND d.status IN ('delivered', 'failed', 'cancelled')
 """
 
 PURGE_ATTEMPTS = """

@@ -22,6 +22,7 @@ COMMANDS = {
     "status": "relay.cli.ops:status",
     "show": "relay.cli.ops:show",
     "retry": "relay.cli.ops:retry",
+    "replay": "relay.cli.ops:replay",
     "purge": "relay.cli.ops:purge",
     "pause": "relay.cli.ops:pause",
     "resume": "relay.cli.ops:resume",

@@ -249,8 +249,7 @@ def endpoints() -> None:
     """Webhook endpoints registered at runtime.
 
     The receivers of destinations of kind `endpoints`: add, list, show, update, disable,
-    enable, rotate-secret, delete. (This relay version stores them; it does not deliver to
-    them yet.)"""
+    enable, rotate-secret, delete. Relays see each change at their next claim."""
 
 
 @endpoints.command()

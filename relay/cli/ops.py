@@ -1,13 +1,16 @@
-"""The operations commands: status, show, retry, purge, pause, resume, skip. Each runs one
-function of relay/ops/admin.py and prints its result, as text or ``--json``."""
+"""The operations commands: status, show, retry, replay, purge, pause, resume, skip. Each runs
+functions of relay/ops/admin.py and prints their result, as text or ``--json``."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import asyncpg
 import click
 
 from relay.cli.options import (
@@ -35,7 +38,8 @@ from relay.ops import admin
     "--fail-if-pending-older-than",
     type=Duration(),
     metavar="DURATION",
-    help=f"Exit {EXIT_CONDITION} if the oldest pending row is older than this (e.g. 5m).",
+    help=f"Exit {EXIT_CONDITION} if the oldest pending row, or an enabled endpoint's oldest "
+    "pending delivery, is older than this (e.g. 5m).",
 )
 def status(
     database_url: str,
@@ -60,6 +64,18 @@ def status(
             problems.append(
                 f"pending rows older than {format_duration(fail_if_pending_older_than)} "
                 f"in {', '.join(late)}"
+            )
+        # Events of endpoints destinations are delivered once fanned out: their waiting is
+        # in their deliveries, per endpoint (a disabled endpoint's wait on purpose).
+        stuck = [
+            f"endpoint {e['id']}"
+            for e in data.get("endpoints", [])
+            if e["enabled"] and (e["oldest_pending_age_s"] or 0) > fail_if_pending_older_than
+        ]
+        if stuck:
+            problems.append(
+                f"pending deliveries older than {format_duration(fail_if_pending_older_than)} "
+                f"for {', '.join(stuck)}"
             )
     data["problems"] = problems
     if as_json:
@@ -105,10 +121,12 @@ def _print_status(data: dict[str, Any]) -> None:
     if not dests:
         click.echo(f"the outbox in schema {data['schema']!r} is empty")
         _print_relays(data["relays"])
+        _print_endpoints(data)
         return
     _print_table([STATUS_COLUMNS, *(_status_row(d) for d in dests)])
     _print_relays(data["relays"])
     _print_details(dests)
+    _print_endpoints(data)
 
 
 def _status_row(d: dict[str, Any]) -> tuple[str, ...]:
@@ -138,6 +156,87 @@ def _print_table(rows: list[tuple[str, ...]]) -> None:
             for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
         click.echo("  ".join([*cells, r[-1]]))
+
+
+def _print_rows(rows: Sequence[tuple[str, ...]], indent: str = "") -> None:
+    """Columns aligned to the left, the last as it is (free text)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    for r in rows:
+        cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)]
+        click.echo(indent + "  ".join([*cells, r[-1]]))
+
+
+def _line(text: str | None, limit: int) -> str:
+    """Free text on one line, at most ``limit`` characters."""
+    if not text:
+        return "-"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _needs_a_look(e: dict[str, Any]) -> bool:
+    return bool(e["pending"] or e["failing_since"] or not e["enabled"])
+
+
+def _endpoint_state(e: dict[str, Any]) -> str:
+    if e["enabled"]:
+        return "enabled"
+    reason = e["disabled_reason"]
+    return "DISABLED" + (f": {_line(reason, 80)}" if reason else "")
+
+
+def _print_endpoints(data: dict[str, Any]) -> None:
+    """The endpoints of `endpoints` destinations: those that need a look first."""
+    total = data["endpoints_total"]
+    if not total:
+        return
+    listed = data["endpoints"]
+    attention = data["endpoints_needing_attention"]
+    click.echo(
+        f"\nendpoints ({total} registered; {attention} with pending deliveries, failing or "
+        "disabled):"
+    )
+    rows: list[tuple[str, ...]] = [
+        (
+            "ID",
+            "DESTINATION",
+            "ORIGIN",
+            "PENDING",
+            "OLDEST",
+            "FAILING SINCE",
+            "LAST HTTP",
+            "LAST SUCCESS",
+            "STATE",
+        )
+    ]
+    for e in listed:
+        last_http = e["last_http_status"]
+        rows.append(
+            (
+                str(e["id"]),
+                e["destination"],
+                e["origin"] or "-",
+                str(e["pending"]),
+                age(e["oldest_pending_age_s"]),
+                (e["failing_since"] or "-")[:19],
+                str(last_http) if last_http else "none" if e["last_attempt_at"] else "-",
+                (e["last_success_at"] or "-")[:19],
+                _endpoint_state(e),
+            )
+        )
+    _print_rows(rows, "  ")
+    rest = total - len(listed)
+    if rest:
+        rest_attention = attention - sum(1 for e in listed if _needs_a_look(e))
+        click.echo(
+            f"  … {rest} more endpoint(s) not listed"
+            + (
+                f", {rest_attention} of them with pending deliveries, failing or disabled"
+                if rest_attention
+                else ": enabled, not failing, nothing pending"
+            )
+            + " (`outbox-relay endpoints list`, `outbox-relay endpoints show ID`)"
+        )
 
 
 def _print_details(dests: list[dict[str, Any]]) -> None:
@@ -185,12 +284,19 @@ def _print_details(dests: list[dict[str, Any]]) -> None:
 def show(
     database_url: str, schema: str, as_json: bool, ids: tuple[int, ...], preview_bytes: int
 ) -> None:
-    """Show outbox rows in full: status, attempts, last error, headers, payload preview."""
-    found, missing = with_db(
-        database_url, lambda c: admin.show(c, schema, list(ids), preview_bytes)
-    )
+    """Show outbox rows in full: status, attempts, last error, headers, payload preview.
+
+    An event of an `endpoints` destination also shows its deliveries (one per endpoint) and
+    their attempts from the message log."""
+
+    async def read(c: asyncpg.Connection) -> tuple[list[Any], list[int], dict[str, Any]]:
+        found, missing = await admin.show(c, schema, list(ids), preview_bytes)
+        activity = await admin.event_deliveries(c, schema, [r["id"] for r in found])
+        return found, missing, activity
+
+    found, missing, activity = with_db(database_url, read)
     if as_json:
-        echo_json({"rows": found, "missing": missing})
+        echo_json({"rows": found, "missing": missing, **activity})
     else:
         for i, row in enumerate(found):
             if i:
@@ -199,11 +305,69 @@ def show(
                 if k == "headers":
                     v = json.dumps(v, ensure_ascii=False)
                 click.echo(f"{k + ':':<16} {'-' if v is None else v}")
+            _print_event_deliveries(row["id"], activity)
     if missing:
         raise click.ClickException(
             f"no outbox row with id {', '.join(map(str, missing))} (delivered rows are deleted "
             "after relay.retention)"
         )
+
+
+# `show` in text: an event's deliveries and attempts beyond these are left to --json.
+SHOWN_DELIVERIES = 50
+SHOWN_ATTEMPTS = 20
+
+
+def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
+    deliveries = [d for d in activity["deliveries"] if d["event_id"] == event_id]
+    attempts = [a for a in activity["attempts"] if a["event_id"] == event_id]
+    if not deliveries and not attempts:
+        return  # not an event of an `endpoints` destination (or not fanned out yet)
+    counts = Counter(d["status"] for d in deliveries)
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    click.echo(f"{'deliveries:':<16} {len(deliveries)}" + (f" ({summary})" if summary else ""))
+    rows: list[tuple[str, ...]]
+    if deliveries:
+        rows = [("ENDPOINT", "ORIGIN", "STATUS", "ATTEMPTS", "HTTP", "FINISHED", "LAST ERROR")]
+        for d in deliveries[:SHOWN_DELIVERIES]:
+            rows.append(
+                (
+                    str(d["endpoint_id"]),
+                    d["origin"] or "(deleted)",
+                    d["status"],
+                    str(d["attempts"]),
+                    str(d["last_status"] or "-"),
+                    (d["finished_at"] or "-")[:19],
+                    _line(d["last_error"], 120),
+                )
+            )
+        _print_rows(rows, "  ")
+        if len(deliveries) > SHOWN_DELIVERIES:
+            click.echo(f"  … {len(deliveries) - SHOWN_DELIVERIES} more (--json lists them all)")
+    if not attempts:
+        click.echo(f"{'attempt_log:':<16} no attempts yet")
+        return
+    shown = attempts[-SHOWN_ATTEMPTS:]
+    older = len(attempts) - len(shown)
+    click.echo(
+        f"{'attempt_log:':<16} {len(attempts)} attempt(s), oldest first"
+        + (f"; the {older} oldest left out (--json lists them all)" if older else "")
+    )
+    rows = [("AT", "ENDPOINT", "HTTP", "MS", "REPLAY", "ERROR / RESPONSE")]
+    for a in shown:
+        ms = a["duration_ms"]
+        text = _line(a["error"], 120) if a["error"] else "response: " + _line(a["response"], 80)
+        rows.append(
+            (
+                a["at"][:19],
+                str(a["endpoint_id"]),
+                str(a["http_status"] or "-"),
+                "-" if ms is None else f"{ms:.0f}",
+                "replay" if a["replay"] else "-",
+                text,
+            )
+        )
+    _print_rows(rows, "  ")
 
 
 @click.command()
@@ -261,6 +425,174 @@ def retry(
     click.echo(f"{verb} {result['rows']} failed row(s)")
     for name, d in sorted(result["destinations"].items()):
         click.echo(f"  {name}: {d['rows']} (ids {d['first_id']}…{d['last_id']})")
+
+
+# Ids are bigint: a larger number is a usage error, not a database error.
+ROW_ID = click.IntRange(1, 2**63 - 1)
+
+
+def _on_terminal() -> bool:
+    # A function of its own, so that a test can stand in for a terminal.
+    return sys.stdin.isatty()
+
+
+@click.command()
+@database_url_option
+@schema_option
+@json_option
+@click.argument("event_id", metavar="[ID]", type=ROW_ID, required=False)
+@click.option(
+    "--endpoint",
+    "endpoint_id",
+    type=ROW_ID,
+    metavar="EID",
+    help="With ID: only to this endpoint (added if the event never went to it). With "
+    "--since: the endpoint whose deliveries to replay.",
+)
+@click.option(
+    "--since",
+    type=Duration(),
+    metavar="DURATION",
+    help="Instead of ID: every ended delivery of --endpoint created in the last DURATION "
+    "(e.g. 6h).",
+)
+@click.option("--failed-only", is_flag=True, help="With --since: only the failed deliveries.")
+@click.option("--yes", is_flag=True, help="With --since: do not ask for confirmation.")
+def replay(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    event_id: int | None,
+    endpoint_id: int | None,
+    since: float | None,
+    failed_only: bool,
+    yes: bool,
+) -> None:
+    """Send events to their endpoints again, with the same webhook-id.
+
+    `replay ID` puts every delivery of event ID (delivered, failed, cancelled or pending) back
+    to pending, due now, attempts afresh, its next attempt logged as a replay; `--endpoint EID`
+    only the one to that endpoint. A delivery a relay is sending now is left alone.
+    `replay --endpoint EID --since 6h [--failed-only]` does it for every ended delivery of the
+    endpoint created in that window, and asks first unless --yes."""
+    if event_id is None and since is None:
+        raise click.UsageError(
+            "say what to replay: an event ID (with --endpoint EID for one endpoint only), or "
+            "--endpoint EID --since DURATION for an endpoint's recent deliveries"
+        )
+    if event_id is not None and since is not None:
+        raise click.UsageError("give an event ID or --since, not both")
+    if since is not None and endpoint_id is None:
+        raise click.UsageError("--since replays one endpoint's deliveries: give --endpoint EID")
+    if failed_only and since is None:
+        raise click.UsageError("--failed-only goes with --endpoint EID --since DURATION")
+    if event_id is not None:
+        result = with_db(
+            database_url, lambda c: admin.replay_event(c, schema, event_id, endpoint_id)
+        )
+        if as_json:
+            echo_json(result)
+        else:
+            _print_replayed_event(result)
+        return
+    assert since is not None and endpoint_id is not None
+    if not yes:
+        _confirm_replay(database_url, schema, endpoint_id, since, failed_only)
+    result = with_db(
+        database_url,
+        lambda c: admin.replay_endpoint(c, schema, endpoint_id, since, failed_only=failed_only),
+    )
+    if as_json:
+        echo_json(result)
+    else:
+        _print_replayed_endpoint(result)
+
+
+def _confirm_replay(
+    database_url: str, schema: str, endpoint_id: int, since: float, failed_only: bool
+) -> None:
+    what = "failed" if failed_only else "ended"
+    if not _on_terminal():
+        raise click.UsageError(
+            f"replaying the {what} deliveries of endpoint {endpoint_id} of the last "
+            f"{format_duration(since)} sends them again and there is no terminal to confirm "
+            "on: pass --yes to replay them"
+        )
+    # A transaction of its own: none stays open while someone reads the question.
+    preview = with_db(
+        database_url,
+        lambda c: admin.replay_endpoint(
+            c, schema, endpoint_id, since, failed_only=failed_only, dry_run=True
+        ),
+    )
+    if not preview["replayed"]:
+        return  # nothing to send: the replay says so
+    click.confirm(
+        f"send again {preview['replayed']} {what} deliveries ({_by_status(preview)}) of "
+        f"endpoint {endpoint_id} ({preview['origin']}) created in the last "
+        f"{format_duration(since)}?",
+        abort=True,
+        err=True,
+    )
+
+
+def _by_status(result: dict[str, Any]) -> str:
+    return ", ".join(f"{n} {s}" for s, n in result["by_status"].items())
+
+
+def _endpoint_named(endpoint_id: int, origin: str | None) -> str:
+    return f"endpoint {endpoint_id}" + (f" ({origin})" if origin else "")
+
+
+def _print_replayed_event(r: dict[str, Any]) -> None:
+    event_id = r["event_id"]
+    if r["replayed"]:
+        click.echo(
+            f"replaying event {event_id} to {r['replayed']} endpoint(s) with the same "
+            f"webhook-id ({event_id}): relays send it now"
+        )
+    else:
+        click.echo(f"nothing replayed for event {event_id}")
+    for d in r["deliveries"]:
+        name = _endpoint_named(d["endpoint_id"], d["origin"])
+        if d["created"]:
+            click.echo(f"  {name}: added (the event had not gone to it)")
+        elif d["replayed"]:
+            click.echo(f"  {name}: was {d['was']}")
+        elif d["was"] == "running":
+            click.echo(
+                f"  {name}: left alone, running: relay {d['held_by'] or '?'} is sending it now"
+            )
+        else:
+            click.echo(f"  {name}: left alone, the endpoint was deleted")
+    for eid in r["disabled_endpoints"]:
+        click.echo(
+            f"endpoint {eid} is disabled: its replay waits until "
+            f"`outbox-relay endpoints enable {eid}`"
+        )
+
+
+def _print_replayed_endpoint(r: dict[str, Any]) -> None:
+    name = _endpoint_named(r["endpoint_id"], r["origin"])
+    what = "failed" if r["failed_only"] else "ended"
+    window = format_duration(r["since_s"])
+    if r["replayed"]:
+        click.echo(
+            f"replaying {r['replayed']} {what} deliveries of {name} created in the last "
+            f"{window} ({_by_status(r)}): relays send them now, with their events' webhook-ids"
+        )
+    else:
+        click.echo(f"no {what} deliveries of {name} created in the last {window} to replay")
+    if r["skipped_event_gone"]:
+        click.echo(
+            f"skipped {r['skipped_event_gone']} whose event is gone (deleted by retention or "
+            "purge): nothing to send"
+        )
+    if r["replayed"] and not r["endpoint_enabled"]:
+        click.echo(
+            f"endpoint {r['endpoint_id']} is disabled: the replays wait until "
+            f"`outbox-relay endpoints enable {r['endpoint_id']}`"
+        )
 
 
 @click.command()

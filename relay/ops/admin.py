@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -37,6 +38,39 @@ async def _check_tables(conn: asyncpg.Connection, schema: str) -> None:
             )
 
 
+# --- endpoints (kind = "endpoints"): what show, status and replay say about them -----------
+
+
+def origin(url: str | None) -> str | None:
+    """``scheme://host[:port]`` of an endpoint's URL, as the relay's errors, logs and metrics
+    name it: never the path or query (they often carry tokens), nor credentials. None for an
+    endpoint that was deleted."""
+    if url is None:
+        return None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "(unreadable URL)"
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+ENDPOINT_TABLES = ("endpoints", "deliveries", "attempts")
+
+
+async def _has_endpoint_tables(conn: asyncpg.Connection, schema: str) -> bool:
+    """Whether the schema has the endpoint tables (migration 0006)."""
+    tables = [queries.qualified_table(schema, f"outbox_{t}") for t in ENDPOINT_TABLES]
+    return bool(await conn.fetchval(queries.ENDPOINT_TABLES_EXIST, *tables))
+
+
+def _seconds(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
 # --- status ---------------------------------------------------------------------------------
 
 
@@ -47,6 +81,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
     """Per destination: row counts, leases held, failures by error, blocked keys, whether it
     is paused; and the relays. One snapshot (repeatable read), so the parts agree."""
     await _check_tables(conn, schema)
+    has_endpoints = await _has_endpoint_tables(conn, schema)
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         counts = await conn.fetch(_sql(queries.STATUS_COUNTS, schema))
         leases = await conn.fetch(_sql(queries.STATUS_LEASES, schema))
@@ -54,6 +89,11 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
         paused = await conn.fetch(_sql(queries.PAUSED_DETAIL, schema))
         blocked = await conn.fetch(_sql(queries.BLOCKED_KEYS, schema), None)
         relays = await conn.fetch(_sql(queries.RELAYS, schema))
+        endpoints = (
+            await conn.fetch(_sql(queries.STATUS_ENDPOINTS, schema), STATUS_ENDPOINTS_LISTED)
+            if has_endpoints
+            else []
+        )
     dests: dict[str, dict[str, Any]] = {}
 
     def dest(name: str) -> dict[str, Any]:
@@ -95,6 +135,9 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
         "destinations": rows,
         "totals": {k: sum(d[k] for d in rows) for k in COUNTS},
         "relays": [_relay(r) for r in relays],
+        "endpoints": [_endpoint_status(r) for r in endpoints],
+        "endpoints_total": endpoints[0]["total"] if endpoints else 0,
+        "endpoints_needing_attention": endpoints[0]["needing_attention"] if endpoints else 0,
     }
 
 
@@ -151,6 +194,27 @@ def _relay(r: asyncpg.Record) -> dict[str, Any]:
     }
 
 
+# Endpoints listed by `status`, those that need a look first; the others are counted.
+STATUS_ENDPOINTS_LISTED = 50
+
+
+def _endpoint_status(r: asyncpg.Record) -> dict[str, Any]:
+    return {
+        "id": r["id"],
+        "destination": r["destination"],
+        "origin": origin(r["url"]),
+        "enabled": r["enabled"],
+        "disabled_reason": r["disabled_reason"],
+        "disabled_at": _iso(r["disabled_at"]),
+        "pending": r["pending"],
+        "oldest_pending_age_s": _seconds(r["oldest_pending_age"]),
+        "failing_since": _iso(r["failing_since"]),
+        "last_http_status": r["last_http_status"],
+        "last_attempt_at": _iso(r["last_attempt_at"]),
+        "last_success_at": _iso(r["last_success_at"]),
+    }
+
+
 # --- show -----------------------------------------------------------------------------------
 
 
@@ -199,6 +263,52 @@ async def show(
         )
     missing = sorted(set(ids) - {r["id"] for r in rows})
     return found, missing
+
+
+async def event_deliveries(
+    conn: asyncpg.Connection, schema: str, ids: list[int]
+) -> dict[str, list[dict[str, Any]]]:
+    """The deliveries of these events to their endpoints, and their attempts from the message
+    log (oldest first); both empty for events of other destinations, or without the tables."""
+    if not ids or not await _has_endpoint_tables(conn, schema):
+        return {"deliveries": [], "attempts": []}
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        deliveries = await conn.fetch(_sql(queries.SHOW_DELIVERIES, schema), ids)
+        attempts = await conn.fetch(_sql(queries.SHOW_ATTEMPTS, schema), ids)
+    return {
+        "deliveries": [
+            {
+                "id": d["id"],
+                "event_id": d["event_id"],
+                "endpoint_id": d["endpoint_id"],
+                "origin": origin(d["url"]),  # None: the endpoint was deleted
+                "status": d["status"],
+                "attempts": d["attempts"],
+                "last_status": d["last_status"],
+                "last_error": d["last_error"],
+                "run_after": _iso(d["run_after"]),
+                "locked_by": d["locked_by"],
+                "created_at": _iso(d["created_at"]),
+                "finished_at": _iso(d["finished_at"]),
+            }
+            for d in deliveries
+        ],
+        "attempts": [
+            {
+                "id": a["id"],
+                "delivery_id": a["delivery_id"],
+                "event_id": a["event_id"],
+                "endpoint_id": a["endpoint_id"],
+                "at": _iso(a["at"]),
+                "http_status": a["http_status"],
+                "duration_ms": round(a["duration_ms"], 1) if a["duration_ms"] is not None else None,
+                "error": a["error"],
+                "response": a["response"],
+                "replay": a["replay"],
+            }
+            for a in attempts
+        ],
+    }
 
 
 # --- retry ----------------------------------------------------------------------------------
@@ -262,6 +372,164 @@ async def retry(
         d["first_id"] = min(d["first_id"], r["id"])
         d["last_id"] = max(d["last_id"], r["id"])
     return {"dry_run": False, "rows": len(changed), "destinations": per_dest}
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+ENDED = ("delivered", "failed", "cancelled")
+# A longer --since is every delivery (PostgreSQL intervals end somewhere).
+MAX_REPLAY_WINDOW = 100 * 365 * 86400.0
+
+
+async def _check_replay_tables(conn: asyncpg.Connection, schema: str) -> None:
+    await _check_tables(conn, schema)
+    if not await conn.fetchval(queries.COLUMN_EXISTS, schema, "outbox_deliveries", "replay"):
+        raise AdminError(
+            f"no outbox_deliveries.replay column in schema {schema!r} (migrations 0006 and "
+            "0007): run `outbox-relay migrate` (with the same --database-url and --schema)"
+        )
+
+
+async def _endpoint(conn: asyncpg.Connection, schema: str, endpoint_id: int) -> asyncpg.Record:
+    endpoint = await conn.fetchrow(_sql(queries.REPLAY_ENDPOINT_ROW, schema), endpoint_id)
+    if endpoint is None:
+        raise AdminError(
+            f"no endpoint {endpoint_id} (`outbox-relay endpoints list` shows them). "
+            "Nothing changed."
+        )
+    return endpoint
+
+
+async def replay_event(
+    conn: asyncpg.Connection, schema: str, event_id: int, endpoint_id: int | None = None
+) -> dict[str, Any]:
+    """Send an event to its endpoints again (to ``endpoint_id`` only, if given), with the same
+    webhook-id: its deliveries go back to pending as replays, due now, their attempts afresh,
+    whatever their state but running (a relay is sending it). With ``endpoint_id`` and no
+    delivery to it yet, one is added."""
+    await _check_replay_tables(conn, schema)
+    async with conn.transaction():
+        event = await conn.fetchrow(_sql(queries.REPLAY_EVENT_ROW, schema), event_id)
+        if event is None:
+            raise AdminError(
+                f"no outbox row with id {event_id}: it was deleted (by retention or purge) or "
+                "never existed, so there is no payload to send again. Nothing changed."
+            )
+        destination = event["destination"]
+        endpoint = None
+        if endpoint_id is not None:
+            endpoint = await _endpoint(conn, schema, endpoint_id)
+            if endpoint["destination"] != destination:
+                raise AdminError(
+                    f"endpoint {endpoint_id} is an endpoint of {endpoint['destination']!r} and "
+                    f"event {event_id} an event of {destination!r}: an event goes only to the "
+                    "endpoints of its own destination. Nothing changed."
+                )
+        if event["status"] in (Status.PENDING, Status.RUNNING):
+            raise AdminError(
+                f"event {event_id} is {event['status']}: no relay has sent it yet (relays fan "
+                "it out to its endpoints when they deliver it), so there is nothing to replay. "
+                "Nothing changed."
+            )
+        replay = _sql(queries.REPLAY_EVENT, schema)
+        rows = await conn.fetch(replay, event_id, endpoint_id)
+        created = False
+        if not rows and endpoint is not None:
+            added = await conn.fetchval(
+                _sql(queries.REPLAY_EVENT_INSERT, schema), event_id, endpoint_id, destination
+            )
+            created = added is not None
+            if not created:  # another session added it meanwhile: replay that one
+                rows = await conn.fetch(replay, event_id, endpoint_id)
+        if not rows and not created:
+            raise AdminError(
+                f"event {event_id} of {destination!r} has no deliveries: its destination is not "
+                "of kind `endpoints`, or no endpoint took the event. `--endpoint EID` sends it "
+                "to one endpoint of its destination. Nothing changed."
+            )
+        deliveries = [
+            {
+                "endpoint_id": r["endpoint_id"],
+                "origin": origin(r["url"]),
+                "was": r["status"],
+                "replayed": r["replayed"],
+                "created": False,
+                "held_by": r["locked_by"] if r["status"] == "running" else None,
+                "endpoint_deleted": not r["endpoint_exists"],
+                "endpoint_enabled": r["enabled"] if r["endpoint_exists"] else None,
+            }
+            for r in rows
+        ]
+        if created:
+            assert endpoint is not None
+            deliveries.append(
+                {
+                    "endpoint_id": endpoint_id,
+                    "origin": origin(endpoint["url"]),
+                    "was": None,
+                    "replayed": True,
+                    "created": True,
+                    "held_by": None,
+                    "endpoint_deleted": False,
+                    "endpoint_enabled": endpoint["enabled"],
+                }
+            )
+        replayed = [d for d in deliveries if d["replayed"]]
+        if replayed:
+            await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+    return {
+        "event_id": event_id,
+        "destination": destination,
+        "endpoint_id": endpoint_id,
+        "replayed": len(replayed),
+        "created": int(created),
+        "running": sum(1 for d in deliveries if d["was"] == "running"),
+        "endpoint_deleted": sum(1 for d in deliveries if d["endpoint_deleted"]),
+        "disabled_endpoints": [d["endpoint_id"] for d in replayed if not d["endpoint_enabled"]],
+        "deliveries": deliveries,
+    }
+
+
+async def replay_endpoint(
+    conn: asyncpg.Connection,
+    schema: str,
+    endpoint_id: int,
+    since: float,
+    *,
+    failed_only: bool,
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    """Send again every ended delivery (only the failed ones with ``failed_only``) of an
+    endpoint created in the last ``since`` seconds, as replays; those whose event is gone are
+    counted and left as they are. ``dry_run`` counts and changes nothing."""
+    await _check_replay_tables(conn, schema)
+    statuses = ["failed"] if failed_only else list(ENDED)
+    args = (endpoint_id, min(since, MAX_REPLAY_WINDOW), statuses)
+    async with conn.transaction(readonly=dry_run):
+        endpoint = await _endpoint(conn, schema, endpoint_id)
+        sql = queries.REPLAY_ENDPOINT_PREVIEW if dry_run else queries.REPLAY_ENDPOINT
+        rows = await conn.fetch(_sql(sql, schema), *args)
+        by_status = dict.fromkeys(statuses, 0)
+        gone = 0
+        for r in rows:
+            if r["found"]:
+                by_status[r["status"]] += r["n"]
+            else:
+                gone += r["n"]
+        replayed = sum(by_status.values())
+        if replayed and not dry_run:
+            await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+    return {
+        "endpoint_id": endpoint_id,
+        "destination": endpoint["destination"],
+        "origin": origin(endpoint["url"]),
+        "endpoint_enabled": endpoint["enabled"],
+        "since_s": since,
+        "failed_only": failed_only,
+        "replayed": replayed,
+        "by_status": by_status,
+        "skipped_event_gone": gone,
+    }
 
 
 # --- purge ----------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
-"""The statements of the operations commands (status, show, retry, purge, pause, skip,
-endpoints): see relay/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are
+"""The statements of the operations commands (status, show, retry, replay, purge, pause,
+skip, endpoints): see relay/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are
 filled in, and outbox.queries.render_endpoints for ``{deliveries}`` and ``{attempts}``."""
 
 from __future__ import annotations
 
 # The relay's statements the commands run too.
 from relay.queries import BLOCKED_KEYS as BLOCKED_KEYS
+from relay.queries import COLUMN_EXISTS as COLUMN_EXISTS
 from relay.queries import NOTIFY as NOTIFY
 from relay.queries import PAUSED_TABLE as PAUSED_TABLE
 from relay.queries import PURGE_DELIVERED as PURGE_DELIVERED
@@ -183,3 +184,173 @@ WHERE endpoint_id = :id
 ORDER BY at DESC, id DESC
 LIMIT :limit
 """
+
+
+# --- endpoints in show, status and replay ---------------------------------------------------
+# asyncpg forms ($n binds), as the other operations statements; {endpoints}, {deliveries} and
+# {attempts} are the schema's tables (render_ops fills them in). Endpoints' URLs are read to
+# be cut down to their origin: the commands never print a path or query, nor a secret.
+
+ENDPOINT_TABLES_EXIST = """
+SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
+"""
+
+# `show`: the deliveries of these events (the unique index on (event_id, endpoint_id)), the
+# ones that need a look first. An endpoint deleted since has no URL.
+SHOW_DELIVERIES = """
+SELECT d.id, d.event_id, d.endpoint_id, e.url, d.status, d.attempts, d.last_status,
+       d.last_error, d.run_after, d.locked_by, d.created_at, d.finished_at
+FROM {deliveries} AS d
+LEFT JOIN {endpoints} AS e ON e.id = d.endpoint_id
+WHERE d.event_id = ANY($1::bigint[])
+ORDER BY d.event_id,
+         CASE d.status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 WHEN 'pending' THEN 2
+                       WHEN 'cancelled' THEN 3 ELSE 4 END,
+         d.endpoint_id
+"""
+
+# `show`: the message log of these events (outbox_attempts_event_idx), oldest first.
+SHOW_ATTEMPTS = """
+SELECT id, delivery_id, event_id, endpoint_id, at, http_status, duration_ms, response, error,
+       replay
+FROM {attempts}
+WHERE event_id = ANY($1::bigint[])
+ORDER BY event_id, at, id
+"""
+
+# `status`: the endpoints, those that need a look first (pending deliveries, failing or
+# disabled), at most $1. Pending deliveries are counted from the claim index alone (their
+# count and lowest id per endpoint, an index-only scan of outbox_deliveries_claim_idx), and
+# the age of the oldest is read from that one row; the last HTTP status is the newest attempt's
+# (outbox_attempts_endpoint_idx). total and needing_attention count every endpoint.
+STATUS_ENDPOINTS = """
+WITH waiting AS (
+    SELECT endpoint_id, count(*) AS pending, min(id) AS oldest_id
+    FROM {deliveries}
+    WHERE status = 'pending'
+    GROUP BY endpoint_id
+),
+listed AS (
+    SELECT e.id, e.destination, e.url, e.enabled, e.disabled_reason, e.disabled_at,
+           e.failing_since, e.last_success_at, coalesce(w.pending, 0) AS pending, w.oldest_id,
+           (NOT e.enabled OR e.failing_since IS NOT NULL OR w.pending IS NOT NULL) AS attention,
+           count(*) OVER () AS total,
+           count(*) FILTER (WHERE NOT e.enabled OR e.failing_since IS NOT NULL
+                                  OR w.pending IS NOT NULL) OVER () AS needing_attention
+    FROM {endpoints} AS e
+    LEFT JOIN waiting AS w ON w.endpoint_id = e.id
+    ORDER BY attention DESC, pending DESC, e.failing_since NULLS LAST, e.id
+    LIMIT $1
+)
+SELECT l.id, l.destination, l.url, l.enabled, l.disabled_reason, l.disabled_at,
+       l.failing_since, l.last_success_at, l.pending, l.total, l.needing_attention,
+       extract(epoch FROM now() - (SELECT d.created_at FROM {deliveries} AS d
+                                   WHERE d.id = l.oldest_id))::float8 AS oldest_pending_age,
+       a.http_status AS last_http_status, a.at AS last_attempt_at
+FROM listed AS l
+LEFT JOIN LATERAL (
+    SELECT http_status, at FROM {attempts}
+    WHERE endpoint_id = l.id
+    ORDER BY at DESC, id DESC
+    LIMIT 1
+) AS a ON true
+ORDER BY l.attention DESC, l.pending DESC, l.failing_since NULLS LAST, l.id
+"""
+
+# `replay`: the event, locked against deletion (retention, purge) until the replay commits:
+# a delivery put back to pending keeps its event from then on.
+REPLAY_EVENT_ROW = "SELECT id, destination, status FROM {table} WHERE id = $1 FOR KEY SHARE"
+
+REPLAY_ENDPOINT_ROW = "SELECT id, destination, url, enabled FROM {endpoints} WHERE id = $1"
+
+# `replay ID [--endpoint EID]`: the event's deliveries ($1; $2: only that endpoint's, or NULL
+# for all) back to pending as replays, due now, with their attempts afresh; a running one is
+# left to the relay that holds it, and one whose endpoint was deleted stays as it is (no relay
+# would ever claim it). Returns every delivery looked at, each saying whether it was replayed;
+# the row lock re-reads a delivery a relay changed meanwhile, so `status` is its state now.
+REPLAY_EVENT = """
+WITH target AS (
+    SELECT d.id, d.endpoint_id, d.status, d.locked_by, e.url, e.id IS NOT NULL AS endpoint_exists,
+           coalesce(e.enabled, false) AS enabled
+    FROM {deliveries} AS d
+    LEFT JOIN {endpoints} AS e ON e.id = d.endpoint_id
+    WHERE d.event_id = $1 AND ($2::bigint IS NULL OR d.endpoint_id = $2::bigint)
+    FOR UPDATE OF d
+),
+replayed AS (
+    UPDATE {deliveries} AS d
+    SET status = 'pending', attempts = 0, run_after = now(), replay = true, finished_at = NULL,
+        locked_by = NULL, locked_until = NULL
+    FROM target AS t
+    WHERE d.id = t.id AND t.status <> 'running' AND t.endpoint_exists
+    RETURNING d.id
+)
+SELECT t.id, t.endpoint_id, t.status, t.locked_by, t.url, t.endpoint_exists, t.enabled,
+       r.id IS NOT NULL AS replayed
+FROM target AS t
+LEFT JOIN replayed AS r ON r.id = t.id
+ORDER BY t.endpoint_id
+"""
+
+# `replay ID --endpoint EID` for an endpoint the event was never fanned out to (it was added
+# later, or did not match then): a delivery of its own, pending as a replay.
+REPLAY_EVENT_INSERT = """
+INSERT INTO {deliveries} (event_id, endpoint_id, destination, replay)
+VALUES ($1, $2, $3, true)
+ON CONFLICT (event_id, endpoint_id) DO NOTHING
+RETURNING id
+"""
+
+# `replay --endpoint EID --since D`: the endpoint's deliveries ($1) created in the last $2
+# seconds whose status is one of $3 (ended ones), back to pending as replays. Those whose event
+# is gone (deleted by retention or purge) are left as they are and counted: nothing to send.
+# The events of the others are locked against deletion until the replay commits.
+_REPLAY_WINDOW = """
+WHERE d.endpoint_id = $1 AND d.created_at >= now() - make_interval(secs => $2)
+  AND d.status = ANY($3::text[])
+"""
+
+REPLAY_ENDPOINT_PREVIEW = (
+    """
+SELECT d.status, EXISTS (SELECT 1 FROM {table} AS o WHERE o.id = d.event_id) AS found,
+       count(*) AS n
+FROM {deliveries} AS d
+"""
+    + _REPLAY_WINDOW
+    + """
+GROUP BY 1, 2
+"""
+)
+
+REPLAY_ENDPOINT = (
+    """
+WITH target AS (
+    SELECT d.id, d.status
+    FROM {deliveries} AS d
+    JOIN {table} AS o ON o.id = d.event_id
+"""
+    + _REPLAY_WINDOW
+    + """
+    FOR UPDATE OF d FOR KEY SHARE OF o
+),
+replayed AS (
+    UPDATE {deliveries} AS d
+    SET status = 'pending', attempts = 0, run_after = now(), replay = true, finished_at = NULL,
+        locked_by = NULL, locked_until = NULL
+    FROM target AS t
+    WHERE d.id = t.id
+    RETURNING t.status
+),
+gone AS (
+    SELECT count(*) AS n
+    FROM {deliveries} AS d
+"""
+    + _REPLAY_WINDOW
+    + """
+      AND NOT EXISTS (SELECT 1 FROM {table} AS o WHERE o.id = d.event_id)
+)
+SELECT status, count(*) AS n, true AS found FROM replayed GROUP BY status
+UNION ALL
+SELECT NULL, n, false FROM gone
+"""
+)
