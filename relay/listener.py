@@ -20,16 +20,25 @@ class Listener:
     the relay keeps polling meanwhile, so a lost listener costs latency, never events."""
 
     def __init__(
-        self, dsn: str, channel: str, wake: Callable[[], None], application_name: str
+        self,
+        dsn: str,
+        channel: str,
+        wake: Callable[[], None],
+        application_name: str,
+        on_payload: Callable[[str], None] | None = None,
     ) -> None:
         self.dsn = dsn
         self.channel = channel
         self.wake = wake
         self.application_name = application_name
+        # Called with each notification's payload too ("endpoints": an endpoint changed).
+        self.on_payload = on_payload
         self.connected = asyncio.Event()
 
-    def _on_notify(self, *_: Any) -> None:
+    def _on_notify(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
         self.wake()
+        if self.on_payload is not None and payload:
+            self.on_payload(payload)
 
     async def run(self) -> None:
         delay = 0.2

@@ -176,6 +176,14 @@ RETURNING destination
 """
 )
 
+# An event (o) whose payload a delivery still needs: one of its deliveries to an enabled
+# endpoint is open. A disabled endpoint's deliveries keep nothing: its events age out with
+# retention as others do, and a delivery whose event is gone ends as cancelled when the
+# endpoint is enabled again (one probe of the deliveries' unique index per event).
+_OPEN_DELIVERY = """EXISTS (
+          SELECT 1 FROM {deliveries} AS d JOIN {endpoints} AS e ON e.id = d.endpoint_id
+          WHERE d.event_id = o.id AND d.status IN ('pending', 'running') AND e.enabled)"""
+
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
 # updated as in RECORD. An event fanned out to endpoints whose deliveries are still open is
 # kept (recorded as delivered, like a row of RECORD): the deliveries read its payload, and
@@ -183,7 +191,8 @@ RETURNING destination
 # disjoint rows (their EXISTS tests read one snapshot). Its UPDATE repeats RECORD's SET list,
 # spelled out rather than pasted together so that each statement reads whole: change both
 # together.
-RECORD_DELETING = """
+RECORD_DELETING = (
+    """
 WITH u AS (
     SELECT * FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[],
                          $6::text[])
@@ -194,8 +203,9 @@ gone AS (
     USING u
     WHERE o.id = u.id AND u.status = 'delivered'
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
-      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
-                      WHERE d.event_id = o.id AND d.status IN ('pending', 'running'))
+      AND NOT """
+    + _OPEN_DELIVERY
+    + """
     RETURNING o.id, o.claims
 ),
 kept AS (
@@ -213,13 +223,15 @@ kept AS (
     FROM u
     WHERE o.id = u.id
       AND (u.status <> 'delivered'
-           OR EXISTS (SELECT 1 FROM {deliveries} AS d
-                      WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
+           OR """
+    + _OPEN_DELIVERY
+    + """)
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
     RETURNING o.id, o.claims
 )
 SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
 """
+)
 
 PAUSED_TABLE = "outbox_paused"
 
@@ -242,10 +254,14 @@ GROUP BY destination
 
 PING = "SELECT 1"
 
+# pg_attribute, not information_schema: the latter hides columns the role has no privilege
+# on, and a role granted before a migration must hear "grant", not "migrate".
 COLUMN_EXISTS = """
-SELECT EXISTS (SELECT 1 FROM information_schema.columns
-               WHERE table_schema = $1 AND table_name = $2 AND column_name = $3)
+SELECT EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)
 """
+
+TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
 
 # A relay says it is alive, and what it serves, every few seconds (one row per relay).
 REGISTER = """
@@ -264,15 +280,16 @@ FORGET_RELAYS = "DELETE FROM {relays} WHERE seen_at < now() - make_interval(secs
 
 # The batch is picked in a CTE, which runs once: as `id IN (SELECT … LIMIT n)` the planner
 # may choose a nested loop that re-runs the LIMIT subquery and deletes more than n rows. An
-# event fanned out to endpoints stays while any of its deliveries is open: they read its
-# payload (one probe of the deliveries' unique index per row).
-PURGE_DELIVERED = """
+# event fanned out to endpoints stays while a delivery needs it (_OPEN_DELIVERY).
+PURGE_DELIVERED = (
+    """
 WITH doomed AS (
     SELECT id FROM {table} AS o
     WHERE status = 'delivered' AND delivered_at < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
-                      WHERE d.event_id = o.id AND d.status IN ('pending', 'running'))
+      AND NOT """
+    + _OPEN_DELIVERY
+    + """
     ORDER BY delivered_at
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -281,14 +298,20 @@ DELETE FROM {table} AS o
 USING doomed
 WHERE o.id = doomed.id AND o.status = 'delivered'
 """
+)
 
-# Failed or skipped rows ($4: which of the two) that ended more than $1 seconds ago.
-PURGE_FINISHED = """
+# Failed or skipped rows ($4: which of the two) that ended more than $1 seconds ago, but
+# those a delivery still needs (an event fanned out, then failed by the reaper).
+PURGE_FINISHED = (
+    """
 WITH doomed AS (
-    SELECT id FROM {table}
+    SELECT id FROM {table} AS o
     WHERE status IN ('failed', 'skipped') AND status = ANY($4::text[])
       AND coalesce(finished_at, created_at) < now() - make_interval(secs => $1)
       AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+      AND NOT """
+    + _OPEN_DELIVERY
+    + """
     ORDER BY coalesce(finished_at, created_at)
     LIMIT $3
     FOR UPDATE SKIP LOCKED
@@ -297,6 +320,7 @@ DELETE FROM {table} AS o
 USING doomed
 WHERE o.id = doomed.id AND o.status = ANY($4::text[])
 """
+)
 
 # The visibility fence (see migrations/0003), read in a statement of its own *before* the
 # ordered claim, whose snapshot must be younger than this reading: a transaction that commits
@@ -461,20 +485,24 @@ GROUP BY event_id
 
 # The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 # the cursor $7 (NULL: from the first), at most $6 of them, with a loose index scan of the
-# claim index; takes from each enabled endpoint of this relay's destinations ($1), but those
-# it skips ($5: circuit open, no room), its due deliveries, oldest first, at most $2 per
-# endpoint, and fewer for a rate-limited one: its limit less its attempts in the last second
+# claim index. From each enabled endpoint of this relay's destinations ($1, with each one's
+# max_concurrency in $2), but those it skips ($5: circuit open), it takes due deliveries of
+# the endpoint's own destination, oldest first: as many as the endpoint has room for (its
+# max_concurrency less the requests this relay has in hand for it: $9 endpoints, $10
+# counts), and fewer for a rate-limited one: its limit less its attempts in the last second
 # and its deliveries in flight (claimed by any relay). A dead endpoint's backlog is never
 # scanned past: the claim reads one endpoint's due rows at a time. At most $3 rows in all,
 # marked running under this relay's lease ($4 relay, $8 seconds). The rows come with what
-# sending needs: the event (NULL if it was deleted) and the endpoint's URL and secrets. The
-# last row (id -1) carries the cursor for the next claim in endpoint_id: the last endpoint
-# examined when the scan limit cut the walk short, the last one claimed from when the batch
-# filled up, NULL when the walk reached the end.
+# sending needs: the event (NULL if it was deleted) and the endpoint's URL and secrets.
+# Pending deliveries of an endpoint met on the walk that no longer exists (deleted while its
+# events were being fanned out) or that now belongs to another destination are cancelled,
+# saying so. The last row (id -1) carries the cursor for the next claim in endpoint_id: the
+# last endpoint examined when the scan limit cut the walk short, the last one claimed from
+# when the batch filled up, NULL when the walk reached the end.
 DELIVERY_CLAIM = """
 WITH RECURSIVE eps AS (
     (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
-     WHERE d.status = 'pending' AND ($7::bigint IS NULL OR d.endpoint_id > $7::bigint)
+     WHERE d.status = 'pending' AND d.endpoint_id > coalesce($7::bigint, -1)
      ORDER BY d.endpoint_id
      LIMIT 1)
     UNION ALL
@@ -487,27 +515,51 @@ WITH RECURSIVE eps AS (
     ) AS nxt
     WHERE eps.n < $6
 ),
+conc AS (
+    SELECT * FROM unnest($1::text[], $2::int[]) AS c(destination, max_concurrency)
+),
+hand AS (
+    SELECT * FROM unnest($9::bigint[], $10::int[]) AS h(endpoint_id, n)
+),
 picked AS (
     SELECT d.id, e.id AS endpoint_id
     FROM eps
     -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
     -- the endpoints registered.
-    CROSS JOIN LATERAL (SELECT * FROM {endpoints} AS e WHERE e.id = eps.endpoint_id OFFSET 0)
-        AS e
+    CROSS JOIN LATERAL (
+        SELECT e.*, c.max_concurrency
+                    - coalesce((SELECT h.n FROM hand AS h WHERE h.endpoint_id = e.id), 0) AS room
+        FROM {endpoints} AS e
+        JOIN conc AS c ON c.destination = e.destination
+        WHERE e.id = eps.endpoint_id AND e.enabled AND NOT (e.id = ANY($5::bigint[]))
+        OFFSET 0
+    ) AS e
     CROSS JOIN LATERAL (
         SELECT d.id FROM {deliveries} AS d
-        WHERE d.endpoint_id = e.id AND d.status = 'pending' AND d.run_after <= now()
+        WHERE d.endpoint_id = e.id AND d.destination = e.destination
+          AND d.status = 'pending' AND d.run_after <= now()
         ORDER BY d.run_after, d.id
-        LIMIT CASE WHEN e.rate_limit IS NULL THEN $2::int
-                   ELSE least($2::int, greatest(0, e.rate_limit
+        LIMIT greatest(0, CASE WHEN e.rate_limit IS NULL THEN e.room
+                   ELSE least(e.room, e.rate_limit
                        - (SELECT count(*) FROM {attempts} AS a
                           WHERE a.endpoint_id = e.id AND a.at > now() - interval '1 second')
                        - (SELECT count(*) FROM {deliveries} AS r
-                          WHERE r.endpoint_id = e.id AND r.status = 'running')))
-              END
+                          WHERE r.endpoint_id = e.id AND r.status = 'running'))
+              END)
     ) AS d
-    WHERE e.enabled AND e.destination = ANY($1::text[]) AND NOT (e.id = ANY($5::bigint[]))
     LIMIT $3
+),
+orphaned AS (
+    UPDATE {deliveries} AS d
+    SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
+        last_error = CASE WHEN o.id IS NULL
+                          THEN 'endpoint ' || d.endpoint_id || ' was deleted'
+                          ELSE 'endpoint ' || d.endpoint_id || ' moved to destination '
+                               || quote_literal(o.destination) END
+    FROM eps LEFT JOIN {endpoints} AS o ON o.id = eps.endpoint_id
+    WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
+      AND (o.id IS NULL OR o.destination <> d.destination)
+    RETURNING d.id
 ),
 locked AS (
     -- Another relay may have claimed a row since this statement's snapshot: the lock
@@ -533,7 +585,7 @@ FROM claimed AS c
 JOIN {endpoints} AS e ON e.id = c.endpoint_id
 LEFT JOIN {table} AS o ON o.id = c.event_id
 UNION ALL
-SELECT -1, 0, CASE
+SELECT -1, (SELECT count(*) FROM orphaned), CASE
            WHEN (SELECT count(*) FROM picked) >= $3 THEN (SELECT max(endpoint_id) FROM picked)
            WHEN (SELECT count(*) FROM eps) >= $6
                THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)

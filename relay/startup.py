@@ -82,6 +82,13 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
                 f"the outbox tables in schema {rs.db_schema!r} are missing or not up to date "
                 f"(no {', '.join(missing)}): run `outbox-relay migrate` first"
             )
+        lacking = await store.missing_privileges()
+        if lacking:
+            raise RelayStartupError(
+                f"the relay's role lacks {', '.join(lacking)}: run deploy/sql/relay_role.sql "
+                "again (it grants what each migration added; retention reads these tables "
+                "for every destination)"
+            )
         await prepare(store)
     except BaseException:
         await pool.close()
@@ -95,8 +102,8 @@ def refused_at_startup(exc: BaseException) -> str:
     if isinstance(exc, asyncpg.InsufficientPrivilegeError):
         return (
             f"{what} The relay's role needs SELECT on outbox_paused and SELECT, INSERT, UPDATE, "
-            "DELETE on outbox and outbox_relays (run deploy/sql/relay_role.sql again after "
-            "migrating)"
+            "DELETE on outbox and outbox_relays, and what deploy/sql/relay_role.sql grants on "
+            "the endpoint tables (run it again after migrating)"
         )
     if isinstance(exc, asyncpg.QueryCanceledError):
         return (

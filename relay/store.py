@@ -148,10 +148,31 @@ class Store:
         tables = (self._table, self._paused_table, self._relays_table, *self._endpoint_tables)
         missing = [t for t in tables if not await self._call("fetchval", queries.TABLE_EXISTS, t)]
         if not missing and not await self._call(
-            "fetchval", queries.COLUMN_EXISTS, self.schema, "outbox_deliveries", "replay"
+            "fetchval", queries.COLUMN_EXISTS, self._endpoint_tables[1], "replay"
         ):
             missing.append(f"{self._endpoint_tables[1]}.replay (migration 0007)")
         return missing
+
+    async def missing_privileges(self) -> list[str]:
+        """What the relay's role may not do on the endpoint tables (a role granted before
+        migration 0006/0007: deploy/sql/relay_role.sql must run again). Retention reads them
+        for every destination."""
+        endpoints, deliveries, attempts = self._endpoint_tables
+        wanted = [
+            (endpoints, "SELECT"),
+            (deliveries, "SELECT"),
+            (deliveries, "INSERT"),
+            (deliveries, "UPDATE"),
+            (deliveries, "DELETE"),
+            (attempts, "SELECT"),
+            (attempts, "INSERT"),
+            (attempts, "DELETE"),
+        ]
+        return [
+            f"{what} on {table}"
+            for table, what in wanted
+            if not await self._call("fetchval", queries.TABLE_PRIVILEGE, table, what)
+        ]
 
     async def server_encoding(self) -> str:
         return str(await self._call("fetchval", queries.SERVER_ENCODING))

@@ -18,6 +18,7 @@ import outbox
 from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
 from tests.support.receiver import Receiver
 from tests.support.relays import running, settings, wait_until
+from tests.webhook_helpers import SECRET as SECRET_W
 from tests.webhook_helpers import closed_port, verify
 
 DEST = "customer-events"
@@ -421,6 +422,37 @@ async def test_an_event_stays_until_its_deliveries_end_even_with_retention_zero(
         await wait_until(lambda: _gone(db_url, a), timeout=10, what="event deleted once delivered")
 
 
+def claimed_row(token: int, attempts: int = 0) -> Any:
+    from relay.model import Lease
+    from relay.sinks.endpoints.store import Claimed
+
+    return Claimed(
+        7,
+        1,
+        1,
+        DEST,
+        attempts,
+        token,
+        False,
+        True,
+        b"",
+        "x",
+        {},
+        0.0,
+        "u",
+        "s",
+        None,
+        None,
+        Lease(0),
+    )
+
+
+def load_destination(d: dict[str, Any]) -> Any:
+    from relay.sinks.webhook.config import WebhookDestination
+
+    return WebhookDestination.model_validate(d)
+
+
 async def _gone(db_url: str, event: int) -> bool:
     return not await fetch(db_url, "SELECT 1 FROM outbox WHERE id = $1", event)
 
@@ -534,3 +566,269 @@ async def test_pausing_the_destination_holds_its_deliveries(
         assert receiver.requests == []
         await fetch(db_url, "DELETE FROM outbox_paused")
         await wait_until(lambda: delivered_to(receiver) == [a], what="resumed")
+
+
+# --- from the hostile review: each of these failed before its fix ------------------------
+
+
+async def test_deliveries_of_an_endpoint_deleted_during_fan_out_are_cancelled(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    """The delete cancelled nothing (no delivery yet); the fan-out, before the delete's
+    commit, added one: it must not wait for ever, nor keep its event."""
+    await add_endpoint(aengine, receiver.url)
+    [a] = await enqueue(db_url, [{"payload": {}}])
+    await fetch(db_url, "UPDATE outbox SET status = 'delivered', delivered_at = now()")
+    await fetch(
+        db_url,
+        "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination) VALUES ($1, 999, $2)",
+        a,
+        DEST,
+    )
+    async with running(endpoints_settings(db_url)):
+        await wait_until(lambda: deliveries_done(db_url, 1), what="orphan ended")
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries")
+    assert d["status"] == "cancelled" and d["last_error"] == "endpoint 999 was deleted"
+
+
+async def test_an_endpoint_moved_to_another_destination_does_not_stop_the_relay(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(500)
+    ep = await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url, backoff={"schedule": [0.2]})
+    async with running(s) as relay:
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: len(receiver.requests) >= 1, what="first attempt")
+        await fetch(
+            db_url, "UPDATE outbox_endpoints SET destination = 'legacy' WHERE id = $1", ep.id
+        )
+        await wait_until(lambda: deliveries_done(db_url, 1), what="cancelled")
+        assert not relay.stopping.is_set()
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries")
+    assert d["status"] == "cancelled" and "moved to destination 'legacy'" in d["last_error"]
+
+
+async def test_slow_endpoints_do_not_starve_others_of_connections(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    slow1, slow2, fast = make_receiver(), make_receiver(), make_receiver()
+    slow1.respond(200, delay=3.0)
+    slow2.respond(200, delay=3.0)
+    for r in (slow1, slow2, fast):
+        await add_endpoint(aengine, r.url)
+    s = endpoints_settings(db_url, timeout=2, max_concurrency=2)
+    s = s.model_copy(update={"webhooks": s.webhooks.model_copy(update={"max_connections": 4})})
+    async with running(s):
+        await enqueue(db_url, [{"payload": {"n": i}} for i in range(4)])
+        await wait_until(lambda: len(delivered_to(fast)) == 4, timeout=8, what="fast ones")
+    fast_errors = await fetch(
+        db_url,
+        "SELECT a.* FROM outbox_attempts a JOIN outbox_endpoints e ON e.id = a.endpoint_id "
+        "WHERE e.url = $1 AND a.error IS NOT NULL",
+        fast.url,
+    )
+    assert fast_errors == []
+
+
+async def test_a_disabled_endpoints_backlog_does_not_keep_events(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(500)
+    ep = await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url, backoff={"schedule": [60]})
+    s = s.model_copy(
+        update={"relay": s.relay.model_copy(update={"retention": 1, "retention_interval": 0.2})}
+    )
+    async with running(s):
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: len(receiver.requests) == 1, what="attempted")
+        await asyncio.sleep(1.5)
+        assert not await _gone(db_url, a)  # kept: its enabled endpoint will retry
+        async with aengine.begin() as conn:
+            await outbox.endpoints.disable(conn, ep.id, reason="customer left")
+        await wait_until(lambda: _gone(db_url, a), timeout=10, what="event aged out")
+
+
+async def test_queued_deliveries_are_not_sent_after_a_410_and_each_destination_keeps_its_limit(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(410, delay=0.3)
+    await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url, max_concurrency=1)
+    wide = s.destinations[DEST].model_copy(update={"max_concurrency": 8})
+    s = s.model_copy(update={"destinations": {**s.destinations, "other": wide}})
+    async with running(s):
+        await enqueue(db_url, [{"payload": {"n": i}} for i in range(8)])
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE NOT enabled"),
+            what="disabled",
+        )
+        await asyncio.sleep(1.0)
+    assert len(receiver.requests) == 1
+    assert receiver.max_in_flight == 1
+
+
+async def test_a_disabled_endpoints_pending_deliveries_are_not_claimed(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    ep = await add_endpoint(aengine, receiver.url)
+    [a] = await enqueue(db_url, [{"payload": {}}])
+    await fetch(db_url, "UPDATE outbox SET status = 'delivered', delivered_at = now()")
+    await fetch(
+        db_url,
+        "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination) VALUES ($1, $2, $3)",
+        a,
+        ep.id,
+        DEST,
+    )
+    async with aengine.begin() as conn:
+        await outbox.endpoints.disable(conn, ep.id)
+    async with running(endpoints_settings(db_url)):
+        await asyncio.sleep(1.0)
+        assert receiver.requests == []
+        async with aengine.begin() as conn:
+            await outbox.endpoints.enable(conn, ep.id)
+        await wait_until(lambda: delivered_to(receiver) == [a], what="sent once enabled")
+
+
+async def test_a_request_longer_than_the_lease_is_kept_alive_and_sent_once(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(200, delay=3.5)
+    await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url, timeout=10)
+    s = s.model_copy(update={"relay": s.relay.model_copy(update={"lease": 1.5})})
+    async with running(s):
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: deliveries_done(db_url, 1), timeout=15, what="delivered")
+    assert len(receiver.requests) == 1
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries")
+    assert d["status"] == "delivered" and d["attempts"] == 1 and d["event_id"] == a
+
+
+async def test_a_stop_waits_for_requests_in_flight_and_counts_those_cut_short(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    quick, stuck = make_receiver(), make_receiver()
+    quick.respond(200, delay=0.8)
+    stuck.respond(200, delay=10)
+    await add_endpoint(aengine, quick.url)
+    await add_endpoint(aengine, stuck.url)
+    s = endpoints_settings(db_url, timeout=30)
+    s = s.model_copy(update={"relay": s.relay.model_copy(update={"shutdown_timeout": 2})})
+    async with running(s):
+        await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: len(quick.requests) == 1 and len(stuck.requests) == 1)
+    rows = {
+        r["url"]: r
+        for r in await fetch(
+            db_url,
+            "SELECT d.*, e.url FROM outbox_deliveries d JOIN outbox_endpoints e "
+            "ON e.id = d.endpoint_id",
+        )
+    }
+    assert rows[quick.url]["status"] == "delivered"  # waited for, not released
+    cut = rows[stuck.url]
+    assert cut["status"] == "pending" and cut["attempts"] == 1
+    assert "stopped during the request" in cut["last_error"]
+
+
+async def test_the_claim_walks_past_its_scan_limit_to_every_endpoint(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    receivers = [make_receiver() for _ in range(5)]
+    for r in receivers:
+        await add_endpoint(aengine, r.url)
+    async with running(endpoints_settings(db_url)) as relay:
+        relay.sinks[DEST].dispatcher.scan = 2  # type: ignore[attr-defined]
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: all(delivered_to(r) == [a] for r in receivers), what="all")
+
+
+async def test_an_open_circuit_keeps_its_endpoint_out_of_the_claim(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    dead = f"http://127.0.0.1:{closed_port()}/dead"
+    await add_endpoint(aengine, dead)
+    s = endpoints_settings(
+        db_url, circuit={"threshold": 2, "cooldown": 30}, backoff={"schedule": [0.05]}
+    )
+    async with running(s) as relay:
+        await enqueue(db_url, [{"payload": {"n": i}} for i in range(20)])
+        await asyncio.sleep(2.0)
+        claims = relay.store.statements["delivery_claim"]
+    log = await fetch(db_url, "SELECT * FROM outbox_attempts")
+    # Two failures open it; the rest wait (unattempted), rather than being claimed and
+    # deferred over and over.
+    assert len(log) <= 2 + 4, len(log)  # the requests of the claim that opened it, at most
+    assert claims > 0
+
+
+def test_a_stale_outcome_does_not_release_a_newer_claim() -> None:
+    from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+    from relay.sinks.endpoints.store import DeliveryRecord
+    from relay.sinks.webhook.config import WebhookClientSettings
+
+    dest = endpoints_settings("postgresql://x/y").destinations[DEST]
+    d = Dispatcher(Sender(WebhookClientSettings(), {}), {DEST: dest})  # type: ignore[dict-item]
+    newer = claimed_row(token=2)
+    d.held[7] = newer
+    stale = DeliveryRecord(7, 1, "delivered", 1, 0.0, None, 200, 1, 1, 1.0, "", False)
+    d._release_hold(stale)
+    assert d.held[7] is newer
+    d._release_hold(DeliveryRecord(7, 2, "delivered", 1, 0.0, None, 200, 1, 1, 1.0, "", False))
+    assert 7 not in d.held
+
+
+def test_a_delivery_that_keeps_crashing_fails_at_its_attempt_limit() -> None:
+    from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+    from relay.sinks.webhook.config import WebhookClientSettings
+
+    dest = endpoints_settings("postgresql://x/y").destinations[DEST]  # max_attempts 4
+    d = Dispatcher(Sender(WebhookClientSettings(), {}), {DEST: dest})  # type: ignore[dict-item]
+    c = claimed_row(token=2, attempts=3)
+    assert d._crashed(c, RuntimeError("bug")).status == "failed"
+    c.attempts = 1
+    assert d._crashed(c, RuntimeError("bug")).status == "pending"
+
+
+async def test_an_event_with_an_unrepresentable_time_is_still_delivered(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    await add_endpoint(aengine, receiver.url)
+    [a] = await enqueue(db_url, [{"payload": {}}])
+    await fetch(db_url, "UPDATE outbox SET created_at = 'infinity' WHERE id = $1", a)
+    async with running(endpoints_settings(db_url)):
+        await wait_until(lambda: delivered_to(receiver) == [a], what="delivered")
+
+
+async def test_enqueue_notifications_do_not_each_cost_a_delivery_claim(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    await add_endpoint(aengine, receiver.url)
+    hook = {
+        "kind": "webhook",
+        "url": receiver.url,
+        "secrets": [SECRET_W],
+        "allow_private_networks": True,
+    }
+    s = endpoints_settings(db_url)
+    s = s.model_copy(
+        update={
+            "relay": s.relay.model_copy(update={"poll_interval": 5}),
+            "destinations": {**s.destinations, "hooks": load_destination(hook)},
+        }
+    )
+    async with running(s) as relay:
+        await asyncio.sleep(0.5)
+        before = relay.store.statements["delivery_claim"]
+        conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+        try:
+            for i in range(20):
+                async with conn.transaction():
+                    await outbox.enqueue(conn, destination="hooks", payload={"n": i})
+        finally:
+            await conn.close()
+        await wait_until(lambda: len(receiver.requests) == 20, what="webhooks sent")
+        assert relay.store.statements["delivery_claim"] - before <= 2

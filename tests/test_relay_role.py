@@ -163,7 +163,7 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
         await owner.close()
     deliveries = DeliveryStore(store)
     assert await deliveries.fan_out(events) == dict.fromkeys(events, 1)
-    first, second = (await deliveries.claim(["customers"], 10, 10, [], 100, None))[0]
+    first, second = (await deliveries.claim(["customers"], [10], 10, [], 100, None, {}))[0]
     assert await deliveries.heartbeat([first, second]) == {first.id, second.id}
     rec = DeliveryRecord(
         first.id,

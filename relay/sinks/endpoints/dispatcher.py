@@ -18,7 +18,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 
 import structlog
 
@@ -33,7 +32,7 @@ from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
 from relay.sinks.webhook.answers import class_of
 from relay.sinks.webhook.signing import decode_secret
 from relay.sinks.webhook.sink import Endpoint, WebhookSink
-from relay.store import DB_ERRORS, UNAVAILABLE
+from relay.store import DB_ERRORS, UNAVAILABLE, _timestamp
 
 log = structlog.get_logger("relay.sink.endpoints")
 
@@ -42,6 +41,7 @@ NOT_SENDABLE_RETRY = 60.0  # a delivery whose endpoint cannot be used now (its s
 CRASH_RETRY = 5.0
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
+STATE_IDLE = 600.0  # an endpoint not claimed from for this long is forgotten
 
 
 class Sender(WebhookSink):
@@ -60,6 +60,7 @@ class EndpointState:
     """What this relay keeps about one registered endpoint between deliveries."""
 
     id: int
+    destination: str
     config: EndpointsDestination
     version: tuple[str, str, str | None] = ("", "", None)
     endpoint: Endpoint | None = None
@@ -69,10 +70,12 @@ class EndpointState:
     next_send: float = 0.0  # rate limit: the earliest time of the next request
     failing: bool | None = None  # as last written to the table (None: not written yet)
     health_written: float = 0.0
-
-    @property
-    def busy(self) -> bool:
-        return self.in_hand >= self.config.max_concurrency
+    # When this relay disabled it (410 Gone, disable_after): rows claimed before are not
+    # sent. Rows claimed later mean it was enabled again.
+    disabled_at: float | None = None
+    # Answered 410, not yet disabled in the table: this relay claims nothing more for it.
+    gone: bool = False
+    last_claimed: float = 0.0
 
     @property
     def circuit_open(self) -> bool:
@@ -112,8 +115,8 @@ class Dispatcher:
         self._health: dict[int, bool] = {}
         self._gone: set[int] = set()  # endpoints that answered 410 since the last write
         self._cursor: int | None = None
+        self.scan = SCAN
         self._draining = False
-        self._per_endpoint = max(d.max_concurrency for d in self.destinations.values())
         self._limits = {name: d.max_attempts for name, d in self.destinations.items()}
         self._default_max = max(self._limits.values())
 
@@ -156,7 +159,8 @@ class Dispatcher:
                 self._wake.clear()
                 await _wait(self._wake, self.poll_interval)
                 continue
-            skip = [s.id for s in self.states.values() if s.busy or s.circuit_open]
+            skip = [s.id for s in self.states.values() if s.circuit_open or s.gone]
+            in_hand = {s.id: s.in_hand for s in self.states.values() if s.in_hand}
             self._wake.clear()
             # Held until the claimed rows have their tasks: a drain waits for it, so that no
             # row claimed while stopping is left unreleased.
@@ -164,20 +168,27 @@ class Dispatcher:
                 if self._draining:
                     return
                 try:
-                    claimed, self._cursor = await self.store.claim(
-                        serving, self._per_endpoint, room, skip, SCAN, self._cursor
+                    claimed, self._cursor, orphans = await self.store.claim(
+                        serving,
+                        [self.destinations[d].max_concurrency for d in serving],
+                        room,
+                        skip,
+                        self.scan,
+                        self._cursor,
+                        in_hand,
                     )
                 except DB_ERRORS as exc:
                     log.warning("relay.endpoints.claim_failed", error=describe(exc))
-                    claimed = []
+                    claimed, orphans = [], 0
                     self._cursor = None
+                if orphans:
+                    log.warning(
+                        "relay.endpoints.orphans_cancelled",
+                        deliveries=orphans,
+                        reason="their endpoint was deleted or moved to another destination",
+                    )
                 for c in claimed:
-                    self.held[c.id] = c
-                    state = self._state(c)
-                    state.in_hand += 1
-                    task = asyncio.create_task(self._deliver(c, state))
-                    self.tasks.add(task)
-                    task.add_done_callback(self.tasks.discard)
+                    self._start(c)
             if claimed:
                 self.stats["claimed"] += len(claimed)
                 await asyncio.sleep(0)
@@ -218,15 +229,23 @@ class Dispatcher:
                 continue
             delay = 0.2
             for r in batch:
-                c = self.held.pop(r.id, None)
-                if c is not None and r.id not in written:
+                self._release_hold(r)
+                if r.id not in written:
                     self.stats["lost"] += 1
             self.stats["recorded"] += len(written)
             self._capacity.set()
             await self._write_health()
 
+    def _release_hold(self, r: DeliveryRecord) -> None:
+        """This outcome's claim is no longer held; a newer claim of the row (the relay claimed
+        it again after its lease ran out) stays."""
+        c = self.held.get(r.id)
+        if c is not None and c.token == r.token:
+            del self.held[r.id]
+
     async def _heartbeat(self) -> None:
         assert self.store is not None
+        self._prune()
         held = [c for c in self.held.values() if c.lease.held(c.event_id)]
         if not held:
             return
@@ -238,12 +257,37 @@ class Dispatcher:
             else:
                 c.lease.lost.add(c.event_id)
 
+    def _prune(self) -> None:
+        """Forget endpoints not claimed from for a while (deleted, disabled, idle): their
+        circuits and keys are not kept for ever."""
+        now = time.monotonic()
+        for eid, state in list(self.states.items()):
+            if not state.in_hand and now - state.last_claimed > STATE_IDLE:
+                del self.states[eid]
+
     async def _reap(self) -> None:
         assert self.store is not None
         n = await self.store.reap(self._default_max, self._limits)
         if n:
             log.warning("relay.endpoints.reaped", deliveries=n)
             self.wake()
+
+    def _start(self, c: Claimed) -> None:
+        """Hold a claimed delivery and start its task; a row this code cannot even start
+        (a bug) is recorded for a retry, never left running."""
+        self.held[c.id] = c  # a newer claim of the same row replaces an older, stale one
+        try:
+            state = self._state(c)
+        except Exception as exc:
+            log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
+            self._outcomes.append(self._crashed(c, exc))
+            self._written.set()
+            return
+        state.in_hand += 1
+        state.last_claimed = time.monotonic()
+        task = asyncio.create_task(self._deliver(c, state))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     # --- one delivery -------------------------------------------------------------------
 
@@ -252,7 +296,10 @@ class Dispatcher:
         state = self.states.get(c.endpoint_id)
         if state is None or state.config is not config:
             state = self.states[c.endpoint_id] = EndpointState(
-                c.endpoint_id, config, semaphore=asyncio.Semaphore(config.max_concurrency)
+                c.endpoint_id,
+                c.destination,
+                config,
+                semaphore=asyncio.Semaphore(config.max_concurrency),
             )
         version = (c.url, c.secret, c.previous_secret)
         if version != state.version:
@@ -283,15 +330,24 @@ class Dispatcher:
             record = await self._attempt(c, state)
         except Exception as exc:
             log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
-            record = self._record(
-                c, "pending", 1, CRASH_RETRY, f"relay error during delivery: {describe(exc)}"
-            )
+            record = self._crashed(c, exc)
         finally:
             state.in_hand -= 1
         self._outcomes.append(record)
         self._written.set()
-        if not state.busy:
-            self.wake()  # its endpoint has room again
+        self.wake()  # its endpoint has room again
+
+    def _crashed(self, c: Claimed, exc: BaseException) -> DeliveryRecord:
+        """A delivery whose handling raised: retried, an attempt counted, and failed once
+        its attempts are spent (a bug that always raises must not retry it for ever)."""
+        config = self.destinations.get(c.destination)
+        limit = config.max_attempts if config is not None else self._default_max
+        error = f"relay error during delivery: {describe(exc)}"
+        if c.attempts + 1 >= limit:
+            return self._record(
+                c, "failed", 1, 0.0, f"gave up after {c.attempts + 1} attempts: {error}"
+            )
+        return self._record(c, "pending", 1, CRASH_RETRY, error)
 
     async def _attempt(self, c: Claimed, state: EndpointState) -> DeliveryRecord:
         config = self.destinations[c.destination]
@@ -306,6 +362,7 @@ class Dispatcher:
             )
         if state.endpoint is None:
             return self._record(c, "pending", 0, NOT_SENDABLE_RETRY, state.problem)
+
         if (problem := header_problem(c.headers)) is not None:
             return self._record(c, "failed", 1, 0.0, problem)
         env = Envelope(
@@ -316,12 +373,21 @@ class Dispatcher:
             content_type=c.content_type,
             headers=c.headers,  # type: ignore[arg-type]
             attempts=c.attempts,
-            created_at=datetime.fromtimestamp(c.created_at, UTC),
+            created_at=_timestamp(c.created_at),
             token=c.token,
             lease=c.lease,
         )
         async with state.semaphore:
+            if state.disabled_at is not None and c.lease_started <= state.disabled_at:
+                # Claimed before this relay disabled the endpoint (checked once a request
+                # slot is free: it may have waited behind the request that got the 410).
+                # Not sent; it waits, as the endpoint's other deliveries do, until the
+                # endpoint is enabled again.
+                return self._record(
+                    c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
+                )
             await self._pace(state, c.rate_limit)
+            c.sending = True
             started = time.monotonic()
             outcome = await self.sender.attempt(state.endpoint, env)
             took = (time.monotonic() - started) * 1000
@@ -336,6 +402,8 @@ class Dispatcher:
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False) or ok
         if status == 410:
             self._gone.add(c.endpoint_id)
+            state.disabled_at = time.monotonic()  # its queued deliveries are not sent
+            state.gone = True
         if self.metrics is not None:
             self.metrics.endpoint_attempts.labels(
                 c.destination, outcome.result.value, outcome.status_class or "none"
@@ -408,13 +476,14 @@ class Dispatcher:
                 or now - state.health_written > self.health_refresh
             ):
                 changes[eid] = ok
-        self._health = {}
-        gone, self._gone = self._gone, set()
+        health, self._health = self._health, {}
         if changes:
             try:
                 failing_for = await self.store.health(changes)
             except DB_ERRORS as exc:
                 log.warning("relay.endpoints.health_failed", error=describe(exc))
+                for eid, ok in health.items():  # kept for the next write
+                    self._health[eid] = self._health.get(eid, False) or ok
                 return
             for eid, ok in changes.items():
                 state = self.states[eid]
@@ -427,6 +496,7 @@ class Dispatcher:
                         f"(disable_after {state.config.disable_after:g} s)",
                         state.config.disable_after,
                     )
+        gone, self._gone = self._gone, set()
         for eid in gone:
             await self._disable(eid, "the endpoint answered 410 Gone", None)
 
@@ -436,15 +506,19 @@ class Dispatcher:
             done = await self.store.disable(endpoint_id, reason, failing_for)
         except DB_ERRORS as exc:
             log.warning("relay.endpoints.disable_failed", endpoint=endpoint_id, error=describe(exc))
+            if failing_for is None:
+                self._gone.add(endpoint_id)  # tried again after the next outcomes
             return
+        state = self.states.get(endpoint_id)
+        if state is not None and failing_for is None:
+            state.gone = False  # disabled in the table now: its claims stop there
         if done:
             self.stats["disabled"] += 1
+            if state is not None:
+                state.disabled_at = time.monotonic()
             if self.metrics is not None:
-                dest = next(
-                    (c.destination for c in self.held.values() if c.endpoint_id == endpoint_id),
-                    "",
-                )
-                self.metrics.endpoints_disabled.labels(dest or "unknown").inc()
+                dest = state.destination if state is not None else "unknown"
+                self.metrics.endpoints_disabled.labels(dest).inc()
             log.warning(
                 "relay.endpoints.disabled",
                 endpoint=endpoint_id,
@@ -467,6 +541,20 @@ class Dispatcher:
             for t in late:
                 t.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+        # Requests cut short by the stop may have reached their endpoint: counted as attempts
+        # (retried later), not released as if never sent.
+        done = {r.id for r in self._outcomes}
+        for c in list(self.held.values()):
+            if c.sending and c.id not in done:
+                self._outcomes.append(
+                    self._record(
+                        c,
+                        "pending",
+                        1,
+                        CRASH_RETRY,
+                        "the relay stopped during the request; the endpoint may have received it",
+                    )
+                )
         if self.store is None:
             return
         async with self._record_lock:  # a write in progress ends first
@@ -481,7 +569,7 @@ class Dispatcher:
                         "relay.endpoints.record_failed", count=len(batch), error=describe(exc)
                     )
             for r in batch:
-                self.held.pop(r.id, None)
+                self._release_hold(r)
         leftover = list(self.held.values())
         if leftover:
             try:

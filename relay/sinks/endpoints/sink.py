@@ -54,6 +54,13 @@ class EndpointsSink:
         """Called by the relay once the database is reached, before any claim."""
         self._store = DeliveryStore(store)
         self.dispatcher.paused = paused
+        # Each endpoint's requests are bounded by its max_concurrency and all of them by the
+        # deliveries held (max_in_flight): a pool smaller than that would make healthy
+        # endpoints wait for connections slow ones hold, and time out against their own
+        # budget. Opened by start(), after this.
+        http = self.sender.http
+        if http.max_connections < max_in_flight:
+            self.sender.http = http.model_copy(update={"max_connections": max_in_flight})
         self.dispatcher.max_in_flight = max_in_flight
         self.dispatcher.poll_interval = poll_interval
         self.dispatcher.metrics = metrics

@@ -32,6 +32,8 @@ class Claimed:
     previous_secret: str | None
     rate_limit: int | None
     lease: Lease
+    lease_started: float = 0.0  # monotonic time just before the claim statement
+    sending: bool = False  # its request started (a stop cuts it short: counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,26 +71,32 @@ class DeliveryStore:
     async def claim(
         self,
         destinations: Sequence[str],
-        per_endpoint: int,
+        max_concurrency: Sequence[int],
         limit: int,
         skip: Sequence[int],
         scan: int,
         cursor: int | None,
-    ) -> tuple[list[Claimed], int | None]:
+        in_hand: Mapping[int, int],
+    ) -> tuple[list[Claimed], int | None, int]:
+        """Due deliveries (see DELIVERY_CLAIM); the cursor for the next claim; and how many
+        deliveries of deleted or moved endpoints were cancelled on the way."""
         self.store.statements["delivery_claim"] += 1
         lease = self.store.lease
-        until = time.monotonic() + lease  # before the statement: never later than its now()
+        started = time.monotonic()
+        until = started + lease  # before the statement: never later than its now()
         rows = await self.store.call(
             "fetch",
             queries.DELIVERY_CLAIM,
             list(destinations),
-            per_endpoint,
+            list(max_concurrency),
             limit,
             self.relay_id,
             list(skip),
             scan,
             cursor,
             lease,
+            list(in_hand),
+            list(in_hand.values()),
         )
         claimed = [
             Claimed(
@@ -109,10 +117,11 @@ class DeliveryStore:
                 previous_secret=r[14],
                 rate_limit=r[15],
                 lease=Lease(until),
+                lease_started=started,
             )
             for r in rows[:-1]
         ]
-        return claimed, rows[-1][2]
+        return claimed, rows[-1][2], rows[-1][1]
 
     async def record(self, records: Sequence[DeliveryRecord]) -> set[int]:
         """Write outcomes and log attempts; the ids recorded (the others were no longer this
