@@ -7,6 +7,7 @@ import base64
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -449,6 +450,30 @@ def test_the_schema_option_is_honoured(db_url: str) -> None:
     assert cli_json(db_url, "list")["endpoints"] == []
     shown = cli_json(db_url, "show", str(ep["id"]), "--schema", "Billing")
     assert shown["deliveries"]["pending"] == 0
+
+
+def test_the_relay_config_names_the_database_and_schema(db_url: str, tmp_path: Path) -> None:
+    migrated = CliRunner().invoke(
+        main, ["migrate", "--database-url", db_url, "--schema", "Billing"]
+    )
+    assert migrated.exit_code == 0, migrated.output
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f"database_url = '{db_url}'\n[relay]\nschema = 'Billing'\n")
+    env = {"OUTBOX_DATABASE_URL": None, "OUTBOX_SCHEMA": None, "OUTBOX_RELAY_SCHEMA": None}
+
+    def endpoints(*args: str) -> Any:
+        res = CliRunner().invoke(main, ["endpoints", *args, "--config", str(cfg)], env=env)
+        assert res.exit_code == 0, res.output
+        return json.loads(res.stdout)
+
+    ep = endpoints("add", "orders", LOCAL, "--allow-private-networks", "--json")
+    assert sql(db_url, 'SELECT id FROM "Billing".outbox_endpoints') == [(ep["id"],)]
+    assert [e["id"] for e in endpoints("list", "--json")["endpoints"]] == [ep["id"]]
+    assert endpoints("delete", str(ep["id"]), "--yes", "--json")["deleted"] is True
+    # An invalid one: the error of `run --check`, exit 2.
+    cfg.write_text(f"database_url = '{db_url}'\n[relay]\nbatchsize = 3\n")
+    res = CliRunner().invoke(main, ["endpoints", "list", "--config", str(cfg)], env=env)
+    assert res.exit_code == 2 and "relay.batchsize" in res.stderr, res.output
 
 
 # --- the real entry point -------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""The operations commands against a real database: status, show, retry, purge, pause, resume."""
+"""The operations commands against a real database: status, show, retry, purge, pause, resume,
+skip; their confirmations, --config, and the schema variable."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -12,11 +14,12 @@ import pytest
 from click.testing import CliRunner, Result
 
 from relay.cli import main
+from relay.cli import ops as ops_cli
 from relay.cli.options import EXIT_CONDITION
 
 
-def cli(db_url: str, *args: str) -> Result:
-    return CliRunner().invoke(main, [args[0], "--database-url", db_url, *args[1:]])
+def cli(db_url: str, *args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(main, [args[0], "--database-url", db_url, *args[1:]], input=input)
 
 
 def cli_json(db_url: str, *args: str) -> Any:
@@ -262,7 +265,7 @@ def test_retry_dry_run_then_filters(db_url: str) -> None:
     assert human_dry.exit_code == 0 and "would retry 3 failed row(s)" in human_dry.output
     assert statuses(db_url) == before
 
-    res = cli(db_url, "retry", "--error-like", "timedout")
+    res = cli(db_url, "retry", "--error-like", "timedout", "--yes")
     assert res.exit_code == 0 and "retried 3 failed row(s)" in res.output
     after = statuses(db_url)
     assert all(after[i] == ("pending", 0) for i in timeouts)
@@ -272,7 +275,9 @@ def test_retry_dry_run_then_filters(db_url: str) -> None:
     )
     assert due == [(True,)]
 
-    assert cli_json(db_url, "retry", "--destination", "emails", "--since", "1d")["rows"] == 1
+    assert (
+        cli_json(db_url, "retry", "--destination", "emails", "--since", "1d", "--yes")["rows"] == 1
+    )
     assert statuses(db_url)[new_email] == ("pending", 0)
     assert statuses(db_url)[old] == ("failed", 9)
 
@@ -329,7 +334,15 @@ def test_purge_deletes_old_delivered_rows_in_batches(db_url: str) -> None:
     assert len(statuses(db_url)) == 40
 
     done = cli_json(
-        db_url, "purge", "--older-than", "7d", "--destination", "orders", "--batch-size", "10"
+        db_url,
+        "purge",
+        "--older-than",
+        "7d",
+        "--destination",
+        "orders",
+        "--batch-size",
+        "10",
+        "--yes",
     )
     assert done["deleted"] == {"delivered": 25, "skipped": 1, "failed": 0}
     assert done["batches"] == 4  # 10 + 10 + 5 delivered, 1 skipped
@@ -338,7 +351,7 @@ def test_purge_deletes_old_delivered_rows_in_batches(db_url: str) -> None:
     kept = {*recent, *just_failed, *just_skipped, *old_pending, *old_running, *other}
     assert left == kept | set(old_failed)
 
-    res = cli(db_url, "purge", "--older-than", "7d", "--failed")
+    res = cli(db_url, "purge", "--older-than", "7d", "--failed", "--yes")
     assert res.exit_code == 0
     assert "deleted 4 delivered, 0 skipped and 2 failed row(s) older than 7d" in res.output
     assert set(statuses(db_url)) == kept - set(other)
@@ -382,3 +395,282 @@ def test_unreachable_database_is_one_clear_error(command: list[str]) -> None:
     res = cli("postgresql://root:secret@127.0.0.1:1/nope", *command)
     assert res.exit_code == 1
     assert "PostgreSQL is running" in res.output and "secret" not in res.output
+
+
+# --- confirmations: what a command will change, asked first -------------------------------
+
+
+def test_purge_shows_what_it_deletes_and_asks(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    insert(db_url, "orders", "delivered", n=3, delivered_ago="8 days")
+    insert(db_url, "emails", "delivered", n=2, delivered_ago="8 days")
+    insert(db_url, "emails", "failed", error="x", finished_ago="8 days")
+    insert(db_url, "emails", "delivered", delivered_ago="1 day")
+
+    # Off a terminal: refused (exit 2) with what it would delete, and how to go on.
+    refused = cli(db_url, "purge", "--older-than", "7d", "--failed")
+    assert refused.exit_code == 2, refused.output
+    assert "would delete 6 row(s) older than 7d" in refused.output
+    assert "emails: 2 delivered, 1 failed; orders: 3 delivered" in refused.output
+    assert "no terminal to confirm on: pass --yes" in refused.output
+    assert len(statuses(db_url)) == 7
+    assert cli(db_url, "purge", "--older-than", "7d", "--dry-run").exit_code == 0
+
+    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    no = cli(db_url, "purge", "--older-than", "7d", input="n\n")
+    assert no.exit_code == 1, no.output
+    assert "would delete 5 row(s) older than 7d:\n  emails: 2 delivered\n" in no.output
+    assert "  orders: 3 delivered\ndelete them? [y/N]" in no.output
+    assert len(statuses(db_url)) == 7
+
+    yes = cli(db_url, "purge", "--older-than", "7d", "--json", input="y\n")
+    assert yes.exit_code == 0, yes.output
+    assert json.loads(yes.stdout)["deleted"] == {"delivered": 5, "skipped": 0, "failed": 0}
+    assert len(statuses(db_url)) == 2
+    # Nothing left to delete: nothing to ask.
+    again = cli(db_url, "purge", "--older-than", "7d")
+    assert again.exit_code == 0 and "?" not in again.output, again.output
+    assert "deleted 0 delivered, 0 skipped row(s)" in again.output
+
+
+def test_retry_by_filter_asks_and_by_id_does_not(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    orders = insert(db_url, "orders", "failed", n=2, error="boom")
+    [email] = insert(db_url, "emails", "failed", error="boom")
+    before = statuses(db_url)
+
+    for args in (["--all"], ["--destination", "orders"], ["--error-like", "boom"]):
+        refused = cli(db_url, "retry", *args)
+        assert refused.exit_code == 2 and "pass --yes" in refused.output, (args, refused.output)
+    refused = cli(db_url, "retry", "--since", "1h")
+    assert f"would retry 3 failed row(s) (emails: 1 (ids {email}…{email}); orders: 2" in (
+        refused.output
+    )
+    assert statuses(db_url) == before
+    # Many destinations: the refusal's one line names the first ten.
+    for n in range(12):
+        insert(db_url, f"d{n:02}", "failed", error="boom")
+    refused = cli(db_url, "retry", "--error-like", "boom")
+    assert "would retry 15 failed row(s) (d00: 1" in refused.output
+    assert "d09: 1" in refused.output and "d10" not in refused.output
+    assert "; … 4 more destination(s)) and there is no terminal" in refused.output
+    sql(db_url, "DELETE FROM outbox WHERE destination LIKE 'd%'")
+    # Rows named one by one are what the operator chose: retried at once.
+    by_id = cli(db_url, "retry", "--id", str(email))
+    assert by_id.exit_code == 0 and "retried 1 failed row(s)" in by_id.output
+
+    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    no = cli(db_url, "retry", "--destination", "orders", input="n\n")
+    assert no.exit_code == 1
+    assert f"would retry 2 failed row(s):\n  orders: 2 (ids {orders[0]}…{orders[1]})" in no.output
+    assert "retry them? [y/N]" in no.output
+    assert statuses(db_url)[orders[0]] == ("failed", 0)
+    yes = cli(db_url, "retry", "--destination", "orders", input="y\n")
+    assert yes.exit_code == 0 and "retried 2 failed row(s)" in yes.output
+    assert all(statuses(db_url)[i] == ("pending", 0) for i in orders)
+
+
+def test_skip_shows_the_rows_per_destination_and_asks(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = insert(db_url, "orders", "failed", n=2, error="poison")
+    [c] = insert(db_url, "emails", "failed", error="poison")
+    before = statuses(db_url)
+
+    refused = cli(db_url, "skip", str(a))
+    assert refused.exit_code == 2 and "no terminal to confirm on: pass --yes" in refused.output
+    # The rows are checked before anything is asked.
+    bad = cli(db_url, "skip", str(a), "99999")
+    assert bad.exit_code == 1 and "no outbox row with id 99999" in bad.output
+    assert statuses(db_url) == before
+    dry = cli_json(db_url, "skip", str(a), str(c), "--dry-run")
+    assert dry["destinations"] == {
+        "emails": {"rows": 1, "ids": [c]},
+        "orders": {"rows": 1, "ids": [a]},
+    }
+
+    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    no = cli(db_url, "skip", str(a), str(b), str(c), input="n\n")
+    assert no.exit_code == 1
+    assert (
+        "would skip 3 failed row(s), never to be delivered:\n"
+        f"  emails: 1 (ids {c})\n  orders: 2 (ids {a}, {b})\nskip them? [y/N]"
+    ) in no.output
+    assert statuses(db_url) == before
+    yes = cli(db_url, "skip", str(a), str(b), input="y\n")
+    assert yes.exit_code == 0 and f"skipped 2 row(s): {a}, {b}" in yes.output
+    # --yes off a terminal.
+    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: False)
+    assert cli(db_url, "skip", str(c), "--yes").exit_code == 0
+    assert {s for s, _ in statuses(db_url).values()} == {"skipped"}
+
+
+# --- --config: the relay's relay.toml names the database and schema -----------------------
+
+# None unsets the variable for the command (the test's own environment must not leak in).
+NO_VARIABLES: dict[str, str | None] = dict.fromkeys(
+    ("OUTBOX_DATABASE_URL", "OUTBOX_SCHEMA", "OUTBOX_RELAY_SCHEMA", "OUTBOX_CONFIG")
+)
+
+
+def command(*args: str, **env: str) -> Result:
+    return CliRunner().invoke(main, list(args), env={**NO_VARIABLES, **env})
+
+
+def billing(db_url: str) -> tuple[int, int]:
+    """The schema "Billing" migrated next to public, one failed row in each."""
+    migrated = command("migrate", "--database-url", db_url, "--schema", "Billing")
+    assert migrated.exit_code == 0, migrated.output
+    [public] = insert(db_url, "orders", "failed", error="x")
+    [(row,)] = sql(
+        db_url,
+        """INSERT INTO "Billing".outbox (destination, payload, status)
+        VALUES ('invoices', '\\x00', 'failed') RETURNING id""",
+    )
+    return public, row
+
+
+def config(tmp_path: Path, text: str) -> str:
+    """A relay.toml of its own (each call a new file)."""
+    path = tmp_path / f"relay-{len(list(tmp_path.iterdir()))}.toml"
+    path.write_text(text)
+    return str(path)
+
+
+UNREACHABLE = "postgresql://root:hunter2secret@127.0.0.1:1/nope"
+
+
+def listed(res: Result) -> list[str]:
+    assert res.exit_code == 0, res.output
+    return [r["destination"] for r in json.loads(res.stdout)["rows"]]
+
+
+def test_commands_read_the_database_and_schema_from_the_relay_config(
+    db_url: str, tmp_path: Path
+) -> None:
+    billing(db_url)
+    cfg = config(tmp_path, f"database_url = '{db_url}'\n[relay]\nschema = 'Billing'\n")
+    status = command("status", "--config", cfg, "--json")
+    assert status.exit_code == 0, status.output
+    data = json.loads(status.stdout)
+    assert data["schema"] == "Billing" and data["totals"]["failed"] == 1
+    assert listed(command("list", "--config", cfg, "--json")) == ["invoices"]
+    assert listed(command("list", "--json", OUTBOX_CONFIG=cfg)) == ["invoices"]
+    for args in (["pause", "invoices"], ["resume", "invoices"], ["show", "1"]):
+        res = command(*args, "--config", cfg)
+        assert res.exit_code == 0, (args, res.output)
+    res = command("retry", "--all", "--yes", "--config", cfg)
+    assert res.exit_code == 0 and "retried 1 failed row(s)" in res.output
+    res = command("purge", "--older-than", "1d", "--yes", "--config", cfg)
+    assert res.exit_code == 0, res.output
+
+
+def test_an_option_beats_its_variable_which_beats_the_config(db_url: str, tmp_path: Path) -> None:
+    billing(db_url)
+    cfg = config(tmp_path, f"database_url = '{UNREACHABLE}'\n[relay]\nschema = 'Billing'\n")
+    # Each value on its own: the URL from the option or variable, the schema from the file.
+    assert listed(command("list", "--json", "--config", cfg, "--database-url", db_url)) == [
+        "invoices"
+    ]
+    res = command("list", "--json", "--config", cfg, OUTBOX_DATABASE_URL=db_url)
+    assert listed(res) == ["invoices"]
+    res = command(
+        "list", "--json", "--config", cfg, "--schema", "public", OUTBOX_DATABASE_URL=db_url
+    )
+    assert listed(res) == ["orders"]
+    # A file without a schema: the variable's, else public.
+    plain = config(tmp_path, f"database_url = '{db_url}'\n")
+    assert listed(command("list", "--json", "--config", plain, OUTBOX_SCHEMA="Billing")) == [
+        "invoices"
+    ]
+    assert listed(command("list", "--json", "--config", plain)) == ["orders"]
+    # A file without a URL (kept in the environment, as in deploy/): the variable's.
+    no_url = config(tmp_path, "[relay]\nschema = 'Billing'\n")
+    res = command("list", "--json", "--config", no_url, OUTBOX_DATABASE_URL=db_url)
+    assert listed(res) == ["invoices"]
+    # A variable and the file naming different schemas: refused, as `run` refuses it.
+    res = command("list", "--config", cfg, OUTBOX_SCHEMA="public", OUTBOX_DATABASE_URL=db_url)
+    assert res.exit_code == 2 and "OUTBOX_SCHEMA" in res.stderr, res.output
+    # And the unreachable URL of the file, when nothing else names one, never its password.
+    res = command("status", "--config", cfg)
+    assert res.exit_code == 1 and "hunter2secret" not in res.output
+    assert "PostgreSQL is running" in res.output
+
+
+def test_an_invalid_config_is_the_error_of_run_check(tmp_path: Path) -> None:
+    for text in (
+        f"database_url = '{UNREACHABLE}'\n[relay]\nbatchsize = 3\n",  # a misspelt key
+        "[relay]\nschema = 'Billing'\n",  # no database_url anywhere
+        "database_url = [",  # not TOML
+    ):
+        cfg = config(tmp_path, text)
+        checked = command("run", "--check", "--config", cfg)
+        assert checked.exit_code == 2 and checked.stderr.startswith("outbox-relay: ")
+        for args in (["status"], ["list"], ["purge", "--older-than", "1d"], ["skip", "1"]):
+            res = command(*args, "--config", cfg)
+            assert res.exit_code == 2, (text, args, res.output)
+            assert res.stderr == checked.stderr, (text, args)
+            assert "hunter2secret" not in res.output
+    res = command("status", "--config", str(tmp_path / "missing.toml"))
+    assert res.exit_code == 2 and "does not exist" in res.stderr
+
+
+def test_no_database_named_anywhere_is_a_usage_error() -> None:
+    res = command("status")
+    assert res.exit_code == 2
+    assert "--database-url, OUTBOX_DATABASE_URL, or --config" in res.output
+
+
+# --- one schema variable: OUTBOX_SCHEMA ---------------------------------------------------
+
+
+DEPRECATED = "OUTBOX_RELAY_SCHEMA is deprecated"
+
+
+def test_the_old_schema_variable_still_works_with_a_warning(db_url: str, tmp_path: Path) -> None:
+    billing(db_url)
+    res = command("list", "--json", "--database-url", db_url, OUTBOX_RELAY_SCHEMA="Billing")
+    assert listed(res) == ["invoices"]  # stdout is the JSON alone
+    assert res.stderr.count(DEPRECATED) == 1 and "set OUTBOX_SCHEMA instead" in res.stderr
+    res = command("list", "--json", "--database-url", db_url, OUTBOX_SCHEMA="Billing")
+    assert listed(res) == ["invoices"] and res.stderr == ""
+    # With --config too: said once, on stderr, and not as the relay's log event.
+    cfg = config(tmp_path, f"database_url = '{db_url}'\n")
+    res = command("list", "--json", "--config", cfg, OUTBOX_RELAY_SCHEMA="Billing")
+    assert listed(res) == ["invoices"]
+    assert res.stderr.count(DEPRECATED) == 1 and "relay.config" not in res.output
+    # Every command that takes --schema, migrate and endpoints too.
+    for args in (["migrate"], ["endpoints", "list"], ["status"]):
+        res = command(*args, "--database-url", db_url, OUTBOX_RELAY_SCHEMA="Billing")
+        assert res.exit_code == 0 and res.stderr.count(DEPRECATED) == 1, (args, res.output)
+    # The two naming different schemas stays an error.
+    res = command(
+        "list", "--database-url", db_url, OUTBOX_SCHEMA="Billing", OUTBOX_RELAY_SCHEMA="other"
+    )
+    assert res.exit_code == 2 and "set only OUTBOX_SCHEMA" in res.output
+
+
+def test_the_relay_logs_the_old_schema_variable(tmp_path: Path) -> None:
+    cfg = config(tmp_path, f"database_url = '{UNREACHABLE}'\n")
+    env = {"PATH": "/usr/bin:/bin", "OUTBOX_RELAY_SCHEMA": "events"}
+    run = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "run", "--check", "--config", cfg],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    # Its answer on stdout as ever; the warning event before logging is set up, on stderr.
+    assert run.stdout == "configuration OK: 0 destination(s), schema 'events'\n"
+    assert "relay.config.deprecated_variable" in run.stderr
+    assert "variable=OUTBOX_RELAY_SCHEMA" in run.stderr and "use=OUTBOX_SCHEMA" in run.stderr
+    env = {"PATH": "/usr/bin:/bin", "OUTBOX_SCHEMA": "events"}
+    run = subprocess.run(
+        [sys.executable, "-m", "relay.cli", "run", "--check", "--config", cfg],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert run.returncode == 0 and "deprecated" not in run.stderr

@@ -414,7 +414,9 @@ async def test_poison_head(db_url: str, policy: str) -> None:
     assert "keys with a failed row ahead of pending rows" in human
     assert "key 'a' held by failed row" in human
     # The operator gives up on the poison row: the key continues, in order.
-    assert f"skipped 1 row(s): {bad}" in run_cli("skip", str(bad), "--database-url", db_url)
+    assert f"skipped 1 row(s): {bad}" in run_cli(
+        "skip", str(bad), "--database-url", db_url, "--yes"
+    )
     async with running(s, sinks={"o": sink}):
         await wait_until(lambda: a4 in sink.delivered, what="key a continues after skip")
     assert [i for i in sink.delivered if i in (a1, a3, a4)] == [a1, a3, a4]

@@ -95,7 +95,7 @@ async def test_every_command_works_in_a_schema_of_any_name(empty_db_url: str, sc
         (["pause", "orders"], lambda d: d["paused"]),
         (["resume", "orders"], lambda d: d["was_paused"]),
         (["retry", "--id", str(ids[0])], lambda d: d["rows"] == 1),
-        (["purge", "--older-than", "0s"], lambda d: d["deleted"]["delivered"] == 4),
+        (["purge", "--older-than", "0s", "--yes"], lambda d: d["deleted"]["delivered"] == 4),
     ):
         res = await cli(args[0], *base, *args[1:])
         assert res.exit_code == 0, (args, res.output)

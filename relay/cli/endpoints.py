@@ -23,7 +23,7 @@ from outbox.dburl import redact, to_sqlalchemy_async_url
 from outbox.errors import OutboxError, describe
 from outbox.queries import render_endpoints
 from relay import secrets
-from relay.cli.options import age, database_url_option, echo_json, json_option, schema_option
+from relay.cli.options import age, database_options, echo_json, json_option
 from relay.ops import queries
 
 if TYPE_CHECKING:
@@ -253,8 +253,7 @@ def endpoints() -> None:
 
 
 @endpoints.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("destination")
 @click.argument("url")
@@ -326,8 +325,7 @@ def add(
 
 
 @endpoints.command("list")
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.option("--destination", help="Only this destination's endpoints.")
 @click.option("--tenant", help="Only endpoints of this tenant (not those taking every tenant).")
@@ -359,8 +357,7 @@ def list_(
 
 
 @endpoints.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
 @click.option("--show-secret", is_flag=True, help="Print its signing secret too.")
@@ -423,8 +420,7 @@ def _changes(
 
 
 @endpoints.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
 @click.option("--url", help="Send to this URL from now on.")
@@ -490,8 +486,7 @@ def update(
 
 
 @endpoints.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
 @click.option("--reason", help="Why; shown by `endpoints list` and `endpoints show`.")
@@ -511,8 +506,7 @@ def disable(
 
 
 @endpoints.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
 def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> None:
@@ -527,8 +521,7 @@ def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> N
 
 
 @endpoints.command("rotate-secret")
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
 @click.option(
@@ -587,8 +580,7 @@ def _confirm_delete(database_url: str, schema: str, endpoint_id: int) -> None:
 
 
 @endpoints.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")

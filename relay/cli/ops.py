@@ -1,5 +1,7 @@
-"""The operations commands: status, show, retry, replay, purge, pause, resume, skip. Each runs
-functions of relay/ops/admin.py and prints their result, as text or ``--json``."""
+"""The operations commands: status, show, list, retry, replay, purge, pause, resume, skip. Each
+runs functions of relay/ops/admin.py and prints their result, as text or ``--json``. Those that
+change many rows or lose them (retry by filter, purge, skip) show what they will touch and ask
+first, on a terminal; elsewhere they need --yes."""
 
 from __future__ import annotations
 
@@ -13,16 +15,16 @@ from typing import Any
 import asyncpg
 import click
 
+from outbox.status import Status
 from relay.cli.options import (
     EXIT_CONDITION,
     Duration,
     Since,
     age,
-    database_url_option,
+    database_options,
     default_by,
     echo_json,
     json_option,
-    schema_option,
     with_db,
 )
 from relay.durations import FORMS, format_duration
@@ -30,8 +32,7 @@ from relay.ops import admin
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.option("--fail-if-failed", is_flag=True, help=f"Exit {EXIT_CONDITION} if any row is failed.")
 @click.option(
@@ -270,8 +271,7 @@ def _print_details(dests: list[dict[str, Any]]) -> None:
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("ids", nargs=-1, type=int, required=True)
 @click.option(
@@ -370,9 +370,115 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
     _print_rows(rows, "  ")
 
 
+# Ids are bigint: a larger number is a usage error, not a database error.
+ROW_ID = click.IntRange(1, 2**63 - 1)
+
+
+@click.command("list")
+@database_options
+@json_option
+@click.option(
+    "--status", type=click.Choice([s.value for s in Status]), help="Only rows in this state."
+)
+@click.option("--destination", help="Only this destination's rows.")
+@click.option("--key", help="Only rows with this key.")
+@click.option("--tenant", help="Only this tenant's rows.")
+@click.option("--event-type", help="Only rows of this event type.")
+@click.option(
+    "--error-like",
+    metavar="PATTERN",
+    help="Only rows whose last error matches (case-insensitive; a plain word matches "
+    "anywhere, or use SQL LIKE wildcards % and _).",
+)
+@click.option("--min-id", type=ROW_ID, metavar="N", help="Only rows with id >= N.")
+@click.option("--max-id", type=ROW_ID, metavar="N", help="Only rows with id <= N.")
+@click.option(
+    "--before-id",
+    type=ROW_ID,
+    metavar="N",
+    help="Only rows with id < N: the next page starts where the last one ended.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, admin.LIST_MAX_LIMIT),
+    default=admin.LIST_DEFAULT_LIMIT,
+    show_default=True,
+    help="Rows per page.",
+)
+def list_(
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    status: str | None,
+    destination: str | None,
+    key: str | None,
+    tenant: str | None,
+    event_type: str | None,
+    error_like: str | None,
+    min_id: int | None,
+    max_id: int | None,
+    before_id: int | None,
+    limit: int,
+) -> None:
+    """List outbox rows, newest first, a page at a time.
+
+    Every filter given must match. The next page: the same command with --before-id the id
+    printed at the end (in JSON, next_before_id); pages never skip or repeat a row, however
+    far down. A filter no index serves (--error-like, --key or --destination alone) reads
+    back until it finds a page: for a rare match add --status, --min-id or --before-id."""
+    page = with_db(
+        database_url,
+        lambda c: admin.list_rows(
+            c,
+            schema,
+            status=status,
+            destination=destination,
+            key=key,
+            tenant=tenant,
+            event_type=event_type,
+            error_like=error_like,
+            min_id=min_id,
+            max_id=max_id,
+            before_id=before_id,
+            limit=limit,
+        ),
+    )
+    if as_json:
+        echo_json(page)
+        return
+    rows = page["rows"]
+    if not rows:
+        click.echo("no rows match" + (f" below id {before_id}" if before_id else ""))
+        return
+    table: list[tuple[str, ...]] = [
+        ("ID", "DESTINATION", "KEY", "STATUS", "ATTEMPTS", "CREATED", "RUN AFTER", "LAST ERROR")
+    ]
+    for r in rows:
+        table.append(
+            (
+                str(r["id"]),
+                r["destination"],
+                _line(r["key"], 40),
+                r["status"],
+                str(r["attempts"]),
+                r["created_at"][:19],
+                r["run_after"][:19],
+                _line(r["last_error"], LIST_ERROR_CHARS),
+            )
+        )
+    _print_rows(table)
+    if page["next_before_id"] is not None:
+        click.echo(
+            f"… more: the next page is this command with --before-id {page['next_before_id']}"
+        )
+
+
+# `list` in text: a row's last error cut to this (--json has it whole).
+LIST_ERROR_CHARS = 80
+
+
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.option(
     "--destination", "destinations", multiple=True, help="Only this destination (repeatable)."
@@ -394,6 +500,11 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
     "--all", "all_failed", is_flag=True, help="Every failed row (when no filter is given)."
 )
 @click.option("--dry-run", is_flag=True, help="Show what would be retried; change nothing.")
+@click.option(
+    "--yes",
+    is_flag=True,
+    help="Do not ask for confirmation (needed off a terminal, but with --id only).",
+)
 def retry(
     database_url: str,
     schema: str,
@@ -404,8 +515,13 @@ def retry(
     error_like: str | None,
     all_failed: bool,
     dry_run: bool,
+    yes: bool,
 ) -> None:
-    """Move failed rows back to pending, with attempts reset and due now."""
+    """Move failed rows back to pending, with attempts reset and due now.
+
+    Rows chosen by a filter (--all, --destination, --since, --error-like) are counted per
+    destination first and retried once confirmed on the terminal; off a terminal, with --yes.
+    Rows named by --id alone are retried at once."""
     if not (destinations or ids or since or error_like or all_failed):
         raise click.UsageError(
             "say which failed rows to retry: --destination, --id, --since, --error-like, "
@@ -417,18 +533,55 @@ def retry(
         since=since,
         error_like=error_like,
     )
+    by_filter = bool(destinations or since or error_like or all_failed)
+    if by_filter and not (dry_run or yes):
+        preview = with_db(database_url, lambda c: admin.retry(c, schema, flt, dry_run=True))
+        _confirm(
+            f"would retry {preview['rows']} failed row(s)",
+            _retry_lines(preview),
+            "retry them",
+            empty=not preview["rows"],
+        )
     result = with_db(database_url, lambda c: admin.retry(c, schema, flt, dry_run=dry_run))
     if as_json:
         echo_json(result)
         return
     verb = "would retry" if dry_run else "retried"
     click.echo(f"{verb} {result['rows']} failed row(s)")
-    for name, d in sorted(result["destinations"].items()):
-        click.echo(f"  {name}: {d['rows']} (ids {d['first_id']}…{d['last_id']})")
+    for line in _retry_lines(result):
+        click.echo(line)
 
 
-# Ids are bigint: a larger number is a usage error, not a database error.
-ROW_ID = click.IntRange(1, 2**63 - 1)
+def _retry_lines(result: dict[str, Any]) -> list[str]:
+    return [
+        f"  {name}: {d['rows']} (ids {d['first_id']}…{d['last_id']})"
+        for name, d in sorted(result["destinations"].items())
+    ]
+
+
+# The destinations a refusal names on its one line; the question on a terminal lists them all.
+REFUSAL_DESTINATIONS = 10
+
+
+def _confirm(summary: str, lines: list[str], action: str, *, empty: bool) -> None:
+    """Show what a command is about to change (``summary``: what it would do, from its dry
+    run; ``lines``: per destination) and ask ``action?`` on the terminal. Off a terminal it
+    refuses (exit 2): --yes is the answer there. With nothing to change there is no question."""
+    if not _on_terminal():
+        named = [x.strip() for x in lines[:REFUSAL_DESTINATIONS]]
+        if len(lines) > REFUSAL_DESTINATIONS:
+            named.append(f"… {len(lines) - REFUSAL_DESTINATIONS} more destination(s)")
+        detail = f" ({'; '.join(named)})" if named else ""
+        raise click.UsageError(
+            f"{summary}{detail} and there is no terminal to confirm on: pass --yes to "
+            f"{action} (--dry-run shows them and changes nothing)"
+        )
+    if empty:
+        return  # nothing to do: the command says so
+    click.echo(f"{summary}:", err=True)
+    for line in lines:
+        click.echo(line, err=True)
+    click.confirm(f"{action}?", abort=True, err=True)
 
 
 def _on_terminal() -> bool:
@@ -437,8 +590,7 @@ def _on_terminal() -> bool:
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("event_id", metavar="[ID]", type=ROW_ID, required=False)
 @click.option(
@@ -596,8 +748,7 @@ def _print_replayed_endpoint(r: dict[str, Any]) -> None:
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.option(
     "--older-than",
@@ -617,6 +768,7 @@ def _print_replayed_endpoint(r: dict[str, Any]) -> None:
     help="Rows per DELETE (each its own transaction).",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed off a terminal).")
 def purge(
     database_url: str,
     schema: str,
@@ -626,46 +778,67 @@ def purge(
     destinations: tuple[str, ...],
     batch_size: int,
     dry_run: bool,
+    yes: bool,
 ) -> None:
-    """Delete delivered rows (and with --failed, failed rows) older than --older-than."""
+    """Delete delivered and skipped rows (and with --failed, failed rows) older than
+    --older-than.
+
+    Counts them per destination first and deletes them once confirmed on the terminal; off a
+    terminal, with --yes."""
     if older_than is None:
         raise click.UsageError(
             "purge needs --older-than, e.g. --older-than 7d: delivered rows older than that are "
             "deleted (add --failed for failed rows, --dry-run to count first)"
         )
-    result = with_db(
-        database_url,
-        lambda c: admin.purge(
-            c,
-            schema,
-            older_than=older_than,
-            failed=failed,
-            destinations=list(destinations) or None,
-            batch_size=batch_size,
-            dry_run=dry_run,
-        ),
-    )
+
+    def run(dry: bool) -> dict[str, Any]:
+        return with_db(
+            database_url,
+            lambda c: admin.purge(
+                c,
+                schema,
+                older_than=older_than,
+                failed=failed,
+                destinations=list(destinations) or None,
+                batch_size=batch_size,
+                dry_run=dry,
+            ),
+        )
+
+    older = format_duration(older_than)
+    if not (dry_run or yes):
+        preview = run(True)
+        _confirm(
+            f"would delete {preview['rows']} row(s) older than {older}",
+            _purge_lines(preview),
+            "delete them",
+            empty=not preview["rows"],
+        )
+    result = run(dry_run)
     if as_json:
         echo_json(result)
         return
     if dry_run:
-        click.echo(f"would delete {result['rows']} row(s) older than {format_duration(older_than)}")
-        for name, per in sorted(result["destinations"].items()):
-            click.echo(f"  {name}: " + ", ".join(f"{n} {s}" for s, n in sorted(per.items())))
+        click.echo(f"would delete {result['rows']} row(s) older than {older}")
+        for line in _purge_lines(result):
+            click.echo(line)
         return
     d = result["deleted"]
     what = f"{d['delivered']} delivered, {d['skipped']} skipped" + (
         f" and {d['failed']} failed" if failed else ""
     )
-    click.echo(
-        f"deleted {what} row(s) older than {format_duration(older_than)} "
-        f"in {result['batches']} batch(es)"
-    )
+    click.echo(f"deleted {what} row(s) older than {older} in {result['batches']} batch(es)")
+
+
+def _purge_lines(result: dict[str, Any]) -> list[str]:
+    return [
+        f"  {name}: " + ", ".join(f"{n} {s}" for s, n in sorted(per.items()))
+        for name, per in sorted(result["destinations"].items())
+    ]
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("destination")
 @click.option("--reason", help="Why; shown by `status`.")
@@ -696,8 +869,7 @@ def pause(
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("destination")
 def resume(database_url: str, schema: str, as_json: bool, destination: str) -> None:
@@ -712,12 +884,12 @@ def resume(database_url: str, schema: str, as_json: bool, destination: str) -> N
 
 
 @click.command()
-@database_url_option
-@schema_option
+@database_options
 @json_option
 @click.argument("ids", nargs=-1, type=int, required=True)
 @click.option("--by", help="Who skips (recorded in last_error); default user@host.")
 @click.option("--dry-run", is_flag=True, help="Check the rows; change nothing.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation (needed off a terminal).")
 def skip(
     database_url: str,
     schema: str,
@@ -725,12 +897,29 @@ def skip(
     ids: tuple[int, ...],
     by: str | None,
     dry_run: bool,
+    yes: bool,
 ) -> None:
-    """Give up on failed rows: mark them skipped (never delivered); a key they block moves on."""
-    result = with_db(
-        database_url,
-        lambda c: admin.skip(c, schema, list(ids), by or default_by(), dry_run=dry_run),
-    )
+    """Give up on failed rows: mark them skipped (never delivered); a key they block moves on.
+
+    Checks the rows and shows them per destination first, and skips them once confirmed on
+    the terminal; off a terminal, with --yes."""
+    who = by or default_by()
+
+    def run(dry: bool) -> dict[str, Any]:
+        return with_db(database_url, lambda c: admin.skip(c, schema, list(ids), who, dry_run=dry))
+
+    if not (dry_run or yes):
+        preview = run(True)
+        _confirm(
+            f"would skip {preview['rows']} failed row(s), never to be delivered",
+            [
+                f"  {name}: {d['rows']} (ids {', '.join(map(str, d['ids']))})"
+                for name, d in sorted(preview["destinations"].items())
+            ],
+            "skip them",
+            empty=not preview["rows"],
+        )
+    result = run(dry_run)
     if as_json:
         echo_json(result)
         return

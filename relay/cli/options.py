@@ -4,23 +4,31 @@ arguments, JSON output, and one clear error for any database problem."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import getpass
 import json
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 import click
+from click.core import ParameterSource
 
 from outbox import queries
 from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
 from outbox.errors import describe
 from relay import secrets
 from relay.config import ConfigError, schema_from_environment
+from relay.config.environment import log_schema_deprecation, schema_deprecation
 from relay.durations import format_duration, parse_duration, parse_since
 from relay.ops import admin
+
+if TYPE_CHECKING:
+    from relay.config import Settings
 
 T = TypeVar("T")
 
@@ -45,9 +53,27 @@ def database_url_option(func: Any) -> Any:
     )(func)
 
 
+def warn_schema_deprecation() -> None:
+    """Say on stderr that OUTBOX_RELAY_SCHEMA is deprecated, if it is set."""
+    message = schema_deprecation()
+    if message:
+        click.echo(f"outbox-relay: warning: {message}", err=True)
+
+
+def _schema_from_environment() -> str | None:
+    """OUTBOX_SCHEMA or (deprecated, said on stderr) OUTBOX_RELAY_SCHEMA; ConfigError if they
+    name different schemas."""
+    warn_schema_deprecation()
+    token = log_schema_deprecation.set(False)  # said here, on stderr: not as a log event
+    try:
+        return schema_from_environment()
+    finally:
+        log_schema_deprecation.reset(token)
+
+
 def _schema(ctx: click.Context, param: click.Parameter, value: str) -> str:
     try:
-        schema_from_environment()  # the two spellings must agree
+        _schema_from_environment()  # the two spellings must agree
         return queries.check_schema(value)
     except (ValueError, ConfigError) as exc:
         raise click.BadParameter(str(exc), ctx, param) from None
@@ -64,6 +90,100 @@ def schema_option(func: Any) -> Any:
         help="Schema that holds the outbox table (any name PostgreSQL takes, up to "
         f"{queries.MAX_SCHEMA_BYTES} bytes).",
     )(func)
+
+
+# --- --config: the database and schema of the relay's own configuration ---------------------
+
+
+def _load_config(path: Path, database_url: str | None) -> Settings:
+    """The relay's configuration, validated as `run --check` validates it: an invalid one is
+    the same message, and exit 2."""
+    from relay.config import load_settings
+
+    # An explicit URL stands in for one the file leaves to the environment.
+    overrides = {"database_url": database_url} if database_url else {}
+    token = log_schema_deprecation.set(False)  # the command says it on stderr
+    try:
+        settings = load_settings(path, **overrides)
+    except ConfigError as exc:
+        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        sys.exit(2)
+    finally:
+        log_schema_deprecation.reset(token)
+    secrets.register(url_secrets(settings.database_url.get_secret_value()))
+    return settings
+
+
+def resolve_database(
+    ctx: click.Context, config: Path | None, database_url: str | None, schema: str | None
+) -> tuple[str, str]:
+    """The database URL and schema of a command: each from its option, else its environment
+    variable (OUTBOX_DATABASE_URL; OUTBOX_SCHEMA, or the deprecated OUTBOX_RELAY_SCHEMA), else
+    the --config file (database_url, relay.schema), else the default (schema ``public``; the
+    URL has none)."""
+    try:
+        from_env = _schema_from_environment()
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx, param_hint="'--schema'") from None
+    settings = _load_config(config, database_url) if config is not None else None
+    if database_url is None and settings is not None:
+        database_url = settings.database_url.get_secret_value()
+    if database_url is None:
+        raise click.UsageError(
+            "say which database: --database-url, OUTBOX_DATABASE_URL, or --config relay.toml "
+            "(its database_url)",
+            ctx,
+        )
+    if ctx.get_parameter_source("schema") is not ParameterSource.COMMANDLINE:
+        schema = from_env
+    if schema is None:
+        schema = settings.relay.db_schema if settings is not None else "public"
+    try:
+        return database_url, queries.check_schema(schema)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx, param_hint="'--schema'") from None
+
+
+def database_options(func: Callable[..., T]) -> Callable[..., T]:
+    """--database-url, --schema and --config for a command that takes ``database_url`` and
+    ``schema``: resolved by :func:`resolve_database` before it runs."""
+
+    @functools.wraps(func)
+    def command(
+        *args: Any, config: Path | None, database_url: str | None, schema: str | None, **kw: Any
+    ) -> T:
+        ctx = click.get_current_context()
+        url, name = resolve_database(ctx, config, database_url, schema)
+        return func(*args, database_url=url, schema=name, **kw)
+
+    options = [
+        click.option(
+            "--database-url",
+            envvar="OUTBOX_DATABASE_URL",
+            show_envvar=True,
+            help=DATABASE_URL_HELP + " Default: database_url of --config.",
+            callback=register_url,
+        ),
+        click.option(
+            "--schema",
+            envvar="OUTBOX_SCHEMA",
+            show_envvar=True,
+            help="Schema that holds the outbox table (any name PostgreSQL takes, up to "
+            f"{queries.MAX_SCHEMA_BYTES} bytes). Default: relay.schema of --config, else "
+            "public.",
+        ),
+        click.option(
+            "--config",
+            type=click.Path(dir_okay=False, path_type=Path),
+            envvar="OUTBOX_CONFIG",
+            show_envvar=True,
+            help="The relay's relay.toml: the database and schema to use when neither the "
+            "option nor its variable gives them (validated as `run --check` does).",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 # `status --fail-if-…` exits with this when its condition holds (1 is an error, 2 bad usage).

@@ -6,7 +6,9 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import sys
 from collections.abc import Iterable, Mapping
+from contextvars import ContextVar
 
 from pydantic_settings import EnvSettingsSource
 
@@ -39,18 +41,61 @@ class OurEnvironment(EnvSettingsSource):
 COMMAND_VARIABLES = frozenset({"OUTBOX_CONFIG", "OUTBOX_SCHEMA", "OUTBOX_FAULT_REPORT"})
 
 
+SCHEMA_VARIABLE = "OUTBOX_SCHEMA"
+DEPRECATED_SCHEMA_VARIABLE = "OUTBOX_RELAY_SCHEMA"
+
+# Whether reading the schema logs the deprecation of OUTBOX_RELAY_SCHEMA as a structlog event,
+# the relay's way. The commands print it on stderr instead (relay.cli.options) and set this to
+# False while they read the schema or load a configuration.
+log_schema_deprecation: ContextVar[bool] = ContextVar("log_schema_deprecation", default=True)
+
+
+def schema_deprecation(environ: Mapping[str, str] | None = None) -> str | None:
+    """What to tell someone who set OUTBOX_RELAY_SCHEMA (still read, for now), or None."""
+    env = os.environ if environ is None else environ
+    if env.get(DEPRECATED_SCHEMA_VARIABLE) is None:
+        return None
+    return (
+        f"{DEPRECATED_SCHEMA_VARIABLE} is deprecated and will stop working in a future "
+        f"release: set {SCHEMA_VARIABLE} instead (the one schema variable of `run` and every "
+        "command)"
+    )
+
+
 def schema_from_environment(environ: Mapping[str, str] | None = None) -> str | None:
     """The schema the environment names: OUTBOX_SCHEMA, which every command reads (the ops
-    commands' --schema, `run`'s relay.schema), or its `run`-only spelling
-    OUTBOX_RELAY_SCHEMA. Both set to different schemas is an error, not a silent choice."""
+    commands' --schema, `run`'s relay.schema), or its deprecated spelling OUTBOX_RELAY_SCHEMA
+    (logged as the warning event ``relay.config.deprecated_variable``, see
+    ``log_schema_deprecation``). Both set to different schemas is an error, not a silent
+    choice."""
     env = os.environ if environ is None else environ
-    plain, nested = env.get("OUTBOX_SCHEMA"), env.get("OUTBOX_RELAY_SCHEMA")
+    plain, nested = env.get(SCHEMA_VARIABLE), env.get(DEPRECATED_SCHEMA_VARIABLE)
     if plain is not None and nested is not None and plain != nested:
         raise ConfigError(
             f"OUTBOX_SCHEMA ({plain!r}) and OUTBOX_RELAY_SCHEMA ({nested!r}) name different "
             "schemas; set only OUTBOX_SCHEMA"
         )
+    if nested is not None and log_schema_deprecation.get():
+        _log_deprecation(DEPRECATED_SCHEMA_VARIABLE, SCHEMA_VARIABLE)
     return plain if plain is not None else nested
+
+
+def _log_deprecation(variable: str, use: str) -> None:
+    import structlog
+
+    # The relay reads its configuration before it sets up its logs: until then the event goes
+    # to stderr, so that stdout stays the relay's log stream (or `run --check`'s answer).
+    log = (
+        structlog.get_logger("relay")
+        if structlog.is_configured()
+        else structlog.wrap_logger(structlog.PrintLogger(sys.stderr))
+    )
+    log.warning(
+        "relay.config.deprecated_variable",
+        variable=variable,
+        use=use,
+        action=f"rename {variable} to {use}; it will stop working in a future release",
+    )
 
 
 def unknown_environment(

@@ -311,6 +311,115 @@ async def event_deliveries(
     }
 
 
+# --- list -----------------------------------------------------------------------------------
+
+LIST_DEFAULT_LIMIT = 50
+LIST_MAX_LIMIT = 1000
+_MAX_ID = 2**63 - 1
+
+
+def like_pattern(text: str | None) -> str | None:
+    """An --error-like value as an ILIKE pattern: a plain word matches anywhere in the error;
+    with SQL LIKE wildcards (``%``, ``_``) it is the pattern itself."""
+    if text is not None and "%" not in text and "_" not in text:
+        return f"%{text}%"
+    return text
+
+
+def _check_list_args(status: str | None, limit: int, ids: dict[str, int | None]) -> None:
+    valid = [s.value for s in Status]
+    if status is not None and status not in valid:
+        raise AdminError(f"unknown status {status!r}: use one of {', '.join(valid)}")
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= LIST_MAX_LIMIT:
+        raise AdminError(f"limit must be a whole number from 1 to {LIST_MAX_LIMIT}, not {limit!r}")
+    for name, value in ids.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_ID:
+            raise AdminError(f"{name} must be a row id (0 to {_MAX_ID}), not {value!r}")
+
+
+async def list_rows(
+    conn: asyncpg.Connection,
+    schema: str,
+    *,
+    status: str | None = None,
+    destination: str | None = None,
+    key: str | None = None,
+    tenant: str | None = None,
+    event_type: str | None = None,
+    error_like: str | None = None,
+    min_id: int | None = None,
+    max_id: int | None = None,
+    before_id: int | None = None,
+    limit: int = LIST_DEFAULT_LIMIT,
+) -> dict[str, Any]:
+    """One page of outbox rows matching every filter given, newest first (id descending).
+
+    ``error_like`` matches ``last_error`` case-insensitively (a plain word anywhere, or a
+    LIKE pattern with ``%`` and ``_``). Pages are read by keyset, never OFFSET: pass the
+    result's ``next_before_id`` as ``before_id`` for the next page; it is None on the last.
+    Returns ``{"rows": [...], "next_before_id": int | None}``, each row with id, destination,
+    key, tenant, event_type, status, attempts, created_at, run_after, delivered_at (ISO
+    timestamps) and last_error (whole). Raises AdminError for a bad argument."""
+    ids = {"min_id": min_id, "max_id": max_id, "before_id": before_id}
+    _check_list_args(status, limit, ids)
+    await _check_tables(conn, schema)
+    has_tenant = await conn.fetchval(
+        queries.COLUMN_EXISTS, queries.qualified_table(schema), "tenant"
+    )
+    values: dict[str, Any] = {
+        "destination": destination,
+        "key": key,
+        "tenant": tenant,
+        "event_type": event_type,
+        "error_like": like_pattern(error_like),
+        **ids,
+    }
+    if not has_tenant and (tenant is not None or event_type is not None):
+        raise AdminError(
+            f"the outbox in schema {schema!r} has no tenant or event_type column (migration "
+            "0006): run `outbox-relay migrate` (with the same --database-url and --schema)"
+        )
+    # The status is a literal (checked above) so that partial indexes match it; see LIST.
+    where = [f"status = '{status}'"] if status is not None else []
+    args: list[Any] = []
+    for name, condition in queries.LIST_FILTERS.items():
+        if values[name] is not None:
+            args.append(values[name])
+            where.append(condition.format(f"${len(args)}"))
+    gather = status in queries.LIST_GATHERED_STATUSES
+    sql = (
+        _sql(queries.LIST_GATHERED if gather else queries.LIST, schema)
+        .replace("{tenant}", "tenant" if has_tenant else "NULL::text")
+        .replace("{event_type}", "event_type" if has_tenant else "NULL::text")
+        .replace("{where}", " AND ".join(where) or "true")
+        .replace("{limit}", str(limit + 1))  # one more: is there a next page?
+    )
+    rows = await conn.fetch(sql, *args)
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return {
+        "rows": [
+            {
+                "id": r["id"],
+                "destination": r["destination"],
+                "key": r["key"],
+                "tenant": r["tenant"],
+                "event_type": r["event_type"],
+                "status": r["status"],
+                "attempts": r["attempts"],
+                "created_at": _iso(r["created_at"]),
+                "run_after": _iso(r["run_after"]),
+                "delivered_at": _iso(r["delivered_at"]),
+                "last_error": r["last_error"],
+            }
+            for r in rows
+        ],
+        "next_before_id": rows[-1]["id"] if more else None,
+    }
+
+
 # --- retry ----------------------------------------------------------------------------------
 
 
@@ -322,10 +431,7 @@ class RetryFilter:
     error_like: str | None = None
 
     def args(self) -> tuple[Any, ...]:
-        pattern = self.error_like
-        if pattern is not None and "%" not in pattern and "_" not in pattern:
-            pattern = f"%{pattern}%"  # a plain word matches anywhere in the error
-        return (self.destinations, self.ids, self.since, pattern)
+        return (self.destinations, self.ids, self.since, like_pattern(self.error_like))
 
 
 async def retry(
@@ -383,7 +489,8 @@ MAX_REPLAY_WINDOW = 100 * 365 * 86400.0
 
 async def _check_replay_tables(conn: asyncpg.Connection, schema: str) -> None:
     await _check_tables(conn, schema)
-    if not await conn.fetchval(queries.COLUMN_EXISTS, schema, "outbox_deliveries", "replay"):
+    deliveries = queries.qualified_table(schema, "outbox_deliveries")
+    if not await conn.fetchval(queries.COLUMN_EXISTS, deliveries, "replay"):
         raise AdminError(
             f"no outbox_deliveries.replay column in schema {schema!r} (migrations 0006 and "
             "0007): run `outbox-relay migrate` (with the same --database-url and --schema)"
@@ -476,7 +583,8 @@ async def replay_event(
             )
         replayed = [d for d in deliveries if d["replayed"]]
         if replayed:
-            await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+            # At commit; the payload wakes the relays' endpoint deliveries, not only claims.
+            await conn.execute(queries.NOTIFY_ENDPOINTS, f"{schema}.outbox")
     return {
         "event_id": event_id,
         "destination": destination,
@@ -518,7 +626,7 @@ async def replay_endpoint(
                 gone += r["n"]
         replayed = sum(by_status.values())
         if replayed and not dry_run:
-            await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
+            await conn.execute(queries.NOTIFY_ENDPOINTS, f"{schema}.outbox")  # as above
     return {
         "endpoint_id": endpoint_id,
         "destination": endpoint["destination"],
@@ -604,7 +712,8 @@ async def resume(conn: asyncpg.Connection, schema: str, destination: str) -> dic
     async with conn.transaction():
         r = await conn.fetchrow(_sql(queries.RESUME, schema), destination)
         if r is not None:
-            await conn.execute(queries.NOTIFY, f"{schema}.outbox")
+            # Both the claims and the endpoint deliveries of the destination start again.
+            await conn.execute(queries.NOTIFY_ENDPOINTS, f"{schema}.outbox")
     return {
         "destination": destination,
         "paused": False,
@@ -622,9 +731,8 @@ async def skip(
     """Mark failed rows ``skipped`` (never delivered) and let their keys move on."""
     await _check_tables(conn, schema)
     async with conn.transaction():
-        found = {
-            r["id"]: r["status"] for r in await conn.fetch(_sql(queries.ID_STATUSES, schema), ids)
-        }
+        rows = await conn.fetch(_sql(queries.ID_STATUSES, schema), ids)
+        found = {r["id"]: r["status"] for r in rows}
         missing = [i for i in ids if i not in found]
         if missing:
             raise AdminError(
@@ -635,7 +743,15 @@ async def skip(
             listed = ", ".join(f"{i} is {s}" for i, s in sorted(not_failed.items()))
             raise AdminError(f"only failed rows can be skipped: {listed}. Nothing changed.")
         if dry_run:
-            return {"dry_run": True, "rows": len(ids), "ids": sorted(ids)}
+            per: dict[str, list[int]] = {}
+            for r in rows:
+                per.setdefault(r["destination"], []).append(r["id"])
+            return {
+                "dry_run": True,
+                "rows": len(found),
+                "ids": sorted(found),
+                "destinations": {d: {"rows": len(i), "ids": sorted(i)} for d, i in per.items()},
+            }
         done = await conn.fetch(_sql(queries.SKIP, schema), ids, by)
         # The key's next row is its head now; wake the relays at commit to claim it.
         await conn.execute(queries.NOTIFY, f"{schema}.outbox")

@@ -118,7 +118,7 @@ RETURNING o.id, o.destination
 """
 )
 
-ID_STATUSES = "SELECT id, status FROM {table} WHERE id = ANY($1::bigint[])"
+ID_STATUSES = "SELECT id, destination, status FROM {table} WHERE id = ANY($1::bigint[])"
 
 # purge: delivered rows age from delivered_at (found through outbox_delivered_idx), skipped
 # and failed rows from finished_at, when they got that status (outbox_finished_idx; rows that
@@ -354,3 +354,61 @@ UNION ALL
 SELECT NULL, n, false FROM gone
 """
 )
+
+
+# --- list -----------------------------------------------------------------------------------
+# `list`: rows newest first, a page at a time by keyset (id < the previous page's last id),
+# never OFFSET. admin.list_rows joins the filters given with AND (LIST_FILTERS). A status is
+# written in as a literal (one of outbox.status.Status, checked first), never bound, so that
+# the planner matches the partial indexes whose predicate is a status whatever plan it caches;
+# the other values are bound. {tenant} and {event_type} are the columns, or NULL before
+# migration 0006.
+#
+# LIST walks the primary key backwards and stops after LIMIT matching rows: instant without a
+# filter, for delivered rows and for a backlog of pending ones (the newest rows), and the
+# planner takes outbox_claim_idx or outbox_key_idx instead where they hold fewer rows. A filter
+# no index serves (--error-like, a key or a destination alone) is checked on the rows of that
+# walk, which reads far back for a rare match: add a status, --min-id or --before-id.
+LIST = """
+SELECT id, destination, key, {tenant} AS tenant, {event_type} AS event_type, status,
+       attempts, created_at, run_after, delivered_at, last_error
+FROM {table}
+WHERE {where}
+ORDER BY id DESC
+LIMIT {limit}
+"""
+
+# Running, failed and skipped rows are few next to the table, each kind in a partial index
+# (outbox_lease_idx, outbox_finished_idx), and failed ones are often old (an incident last
+# week): walking the primary key back to them would read every newer row. They are gathered
+# through their index first (MATERIALIZED: the LIMIT cannot turn it into that walk), then
+# sorted: a page costs the rows of that status (and filters) below the keyset.
+LIST_GATHERED_STATUSES = ("running", "failed", "skipped")
+
+LIST_GATHERED = """
+WITH matching AS MATERIALIZED (
+    SELECT id, destination, key, {tenant} AS tenant, {event_type} AS event_type, status,
+           attempts, created_at, run_after, delivered_at, last_error
+    FROM {table}
+    WHERE {where}
+)
+SELECT * FROM matching
+ORDER BY id DESC
+LIMIT {limit}
+"""
+
+# A filter of `list` and its condition; {} is the bound value's placeholder ($n).
+LIST_FILTERS = {
+    "destination": "destination = {}",
+    "key": "key = {}",
+    "tenant": "tenant = {}",
+    "event_type": "event_type = {}",
+    "error_like": "last_error ILIKE {}",
+    "min_id": "id >= {}",
+    "max_id": "id <= {}",
+    "before_id": "id < {}",
+}
+
+# A NOTIFY whose payload wakes the relays' endpoint deliveries as well as their claims (see
+# relay.relay.Relay._notified): after a replay or a resume.
+NOTIFY_ENDPOINTS = "SELECT pg_notify($1, 'endpoints')"
