@@ -74,6 +74,7 @@ class Relay:
         self.completer: Completer | None = None
         self.pauses: Pauses | None = None
         self._listener: Listener | None = None
+        self.console: Any = None  # the console's ASGI app, when [ui] enabled = true
 
     # --- public -------------------------------------------------------------------------
 
@@ -87,10 +88,16 @@ class Relay:
         """Claim now (a NOTIFY arrived, rows became claimable)."""
         if self.claimer is not None:
             self.claimer.wake()
-        for sink in _distinct(self.sinks):
-            wake = getattr(sink, "wake", None)
-            if wake is not None:
-                wake()  # sinks with work of their own (endpoint deliveries)
+
+    def _notified(self, payload: str) -> None:
+        """A NOTIFY's payload: "endpoints" (an endpoint was added, changed, enabled) wakes the
+        sinks with work of their own. Events' notifications do not: fanning them out wakes
+        the endpoint deliveries anyway, and a claim walk per enqueue would cost for nothing."""
+        if payload == "endpoints":
+            for sink in _distinct(self.sinks):
+                wake = getattr(sink, "wake", None)
+                if wake is not None:
+                    wake()
 
     @property
     def in_flight(self) -> int:
@@ -163,7 +170,8 @@ class Relay:
         self._store = await open_store(self.settings, self.id, self._prepare)
         if self.settings.http.enabled:
             self.http = HttpServer(
-                self.settings.http, build_app(self.metrics.registry, self.health, self.readiness)
+                self.settings.http,
+                build_app(self.metrics.registry, self.health, self.readiness, self._console_app()),
             )
             try:
                 await self.http.start()
@@ -171,7 +179,11 @@ class Relay:
                 await self.store.pool.close()
                 raise RelayStartupError(str(exc)) from exc
         self._listener = Listener(
-            self.settings.dsn, self.store.channel, self.wake, f"outbox-relay-listen:{self.id}"
+            self.settings.dsn,
+            self.store.channel,
+            self.wake,
+            f"outbox-relay-listen:{self.id}",
+            on_payload=self._notified,
         )
         for sink in _distinct(self.sinks):
             await sink.start()
@@ -242,6 +254,21 @@ class Relay:
         for name, job, interval, first in jobs:
             tasks.add(asyncio.create_task(every(interval, job, name, first), name=name))
         return tasks
+
+    def _console_app(self) -> Any:
+        """The operator console, when [ui] enabled = true: served at /ui by the listener."""
+        ui = self.settings.ui
+        if not ui.enabled:
+            return None
+        from relay.ui.app import build_console  # Starlette and Jinja2 only where used
+
+        self.console = build_console(
+            self.settings.database_url.get_secret_value(),
+            ui.the_token(),
+            schema=self.settings.relay.db_schema,
+            read_only=ui.read_only,
+        )
+        return self.console
 
     def _log_started(self) -> None:
         rs = self.settings.relay

@@ -34,7 +34,13 @@ class HttpStartupError(Exception):
     """The listener cannot start (usually: the port is taken)."""
 
 
-def build_app(registry: CollectorRegistry, healthz: Probe, readyz: Probe) -> ASGIApp:
+# The operator console's place in the listener, with [ui] enabled = true.
+CONSOLE_PREFIX = "/ui"
+
+
+def build_app(
+    registry: CollectorRegistry, healthz: Probe, readyz: Probe, console: ASGIApp | None = None
+) -> ASGIApp:
     metrics_app: ASGIApp = make_asgi_app(registry=registry)
     probes = {"/healthz": healthz, "/readyz": readyz}
 
@@ -44,6 +50,14 @@ def build_app(registry: CollectorRegistry, healthz: Probe, readyz: Probe) -> ASG
         path = scope["path"]
         if path == "/metrics":
             await metrics_app(scope, receive, send)
+            return
+        if console is not None and (path + "/").startswith(CONSOLE_PREFIX + "/"):
+            if path == CONSOLE_PREFIX:
+                await _redirect(send, CONSOLE_PREFIX + "/")
+                return
+            # Mounted: the console sees its prefix as root_path (Starlette's routing strips it).
+            root = scope.get("root_path", "") + CONSOLE_PREFIX
+            await console({**scope, "root_path": root}, receive, send)
             return
         probe = probes.get(path)
         if probe is None:
@@ -67,6 +81,17 @@ def build_app(registry: CollectorRegistry, healthz: Probe, readyz: Probe) -> ASG
         await send({"type": "http.response.body", "body": data})
 
     return app
+
+
+async def _redirect(send: Send, location: str) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 308,
+            "headers": [(b"location", location.encode()), (b"content-length", b"0")],
+        }
+    )
+    await send({"type": "http.response.body", "body": b""})
 
 
 class _Server(uvicorn.Server):

@@ -131,6 +131,13 @@ async def _close(
     relay.metrics.up.set(0)
     if relay.http is not None:
         await relay.http.stop()
+    console = getattr(relay, "console", None)
+    if console is not None:
+        try:
+            async with asyncio.timeout(left(2.0)):
+                await console.state.console.close()
+        except Exception as exc:
+            log.warning("relay.console.close_failed", error=describe(exc))
     try:
         await asyncio.wait_for(store.pool.close(), 0 if stuck else left(2.0))
     except TimeoutError:

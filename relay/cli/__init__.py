@@ -21,6 +21,7 @@ COMMANDS = {
     "run": "relay.cli.run:run",
     "status": "relay.cli.ops:status",
     "show": "relay.cli.ops:show",
+    "list": "relay.cli.ops:list_",
     "retry": "relay.cli.ops:retry",
     "replay": "relay.cli.ops:replay",
     "purge": "relay.cli.ops:purge",
@@ -28,6 +29,7 @@ COMMANDS = {
     "resume": "relay.cli.ops:resume",
     "skip": "relay.cli.ops:skip",
     "endpoints": "relay.cli.endpoints:endpoints",
+    "ui": "relay.cli.ui:ui",
     "demo": "relay.cli.tools:demo",
     "bench": "relay.tools.bench.cli:bench",
 }

@@ -154,6 +154,42 @@ class HttpSettings(Section):
     port: int = Field(9090, ge=0, le=65535, description="0 picks a free port (tests)")
 
 
+class UiSettings(Section):
+    """The operator console, served by the relay's listener at /ui (see docs/console.md)."""
+
+    enabled: bool = Field(
+        False, description="serve the console at `/ui` on the `[http]` listener (needs a token)"
+    )
+    read_only: bool = Field(False, description="show everything, refuse every action")
+    token: SecretStr | None = Field(
+        None,
+        description="the token every request needs (at least 16 characters); usually set "
+        "through OUTBOX_UI_TOKEN, never in a file others read",
+    )
+    token_file: str | None = Field(None, description="a file holding the token instead")
+
+    @model_validator(mode="after")
+    def _token_when_enabled(self) -> UiSettings:
+        if self.enabled:
+            from relay.ui.security import TokenError, load_token
+
+            if self.token is None:
+                try:
+                    load_token(self.token_file)
+                except TokenError as exc:
+                    raise ValueError(str(exc)) from None
+            elif len(self.token.get_secret_value().strip()) < 16:
+                raise ValueError("the console's token must have at least 16 characters")
+        return self
+
+    def the_token(self) -> str:
+        from relay.ui.security import load_token
+
+        if self.token is not None:
+            return self.token.get_secret_value().strip()
+        return load_token(self.token_file)
+
+
 class Settings(BaseSettings):
     """What the relay takes. The model :func:`load_settings` validates also has a section
     per kind of sink that has one (``kafka``, ``webhooks``: see :meth:`section`), and knows
@@ -179,6 +215,7 @@ class Settings(BaseSettings):
     )
     relay: RelaySettings = RelaySettings()
     http: HttpSettings = HttpSettings()
+    ui: UiSettings = UiSettings()
     destinations: dict[str, Delivery] = Field(default_factory=dict)
 
     @classmethod
@@ -337,6 +374,8 @@ def settings_secrets(s: Settings) -> set[str]:
     from relay.sinks.registry import KINDS
 
     found = set(url_secrets(s.database_url.get_secret_value()))
+    if s.ui.token is not None:
+        found.add(s.ui.token.get_secret_value())
     for kind in KINDS.values():
         mine = {n: d for n, d in s.destinations.items() if d.kind == kind.name}
         section = s.section(kind.section) if kind.section else None

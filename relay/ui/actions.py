@@ -1,0 +1,322 @@
+"""The console's actions: sign-in, and what operators do to rows, destinations and endpoints.
+
+Each action is the operations command's function (relay/ops/admin.py, outbox.endpoints),
+with its checks and refusals. Those that change or delete many rows (retry, skip, purge, a
+replay of an endpoint's window) first show a preview with the counts of a dry run, and act
+only when that form is confirmed. Every action is refused in read-only mode, and without the
+CSRF value and a same-origin request (see security.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs, quote
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from outbox.errors import OutboxError, describe
+from relay.durations import parse_duration
+from relay.ops import admin
+from relay.ops.admin import AdminError, RetryFilter
+from relay.ui.pages import console_of
+from relay.ui.security import COOKIE, CSRF_FIELD
+
+MAX_FORM_BYTES = 64 * 1024
+PURGE_BATCH = 5000
+
+Form = dict[str, str]
+
+
+async def _form(request: Request) -> Form:
+    """An urlencoded form (the console sends no other), one value per field."""
+    body = await request.body()
+    if len(body) > MAX_FORM_BYTES:
+        return {}
+    fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+    return {k: v[-1] for k, v in fields.items()}
+
+
+def _local(base: str, target: str | None) -> str:
+    """Where to go after an action: a path of this console only (never another site)."""
+    if target and target.startswith(base + "/") and not target.startswith("//"):
+        return target
+    return base + "/"
+
+
+def _done(request: Request, form: Form, message: str) -> Response:
+    base = request.scope.get("root_path", "")
+    target = _local(base, form.get("next"))
+    sep = "&" if "?" in target else "?"
+    return RedirectResponse(f"{target}{sep}msg={quote(message)}", status_code=303)
+
+
+# --- sign-in ---------------------------------------------------------------------------------
+
+
+async def login(request: Request) -> Response:
+    console = console_of(request)
+    form = await _form(request)
+    base = request.scope.get("root_path", "")
+    if not console.guard.token_ok(form.get("token", "")):
+        return console.render(
+            request,
+            "login.html",
+            status_code=401,
+            error="wrong token",
+            next=form.get("next", ""),
+        )
+    response = RedirectResponse(_local(base, form.get("next")), status_code=303)
+    response.set_cookie(
+        COOKIE,
+        console.guard.session,
+        httponly=True,
+        secure=True,  # browsers keep it on http://127.0.0.1 and localhost too
+        samesite="strict",
+        path=base + "/",
+    )
+    return response
+
+
+async def logout(request: Request) -> Response:
+    base = request.scope.get("root_path", "")
+    response = RedirectResponse(base + "/login", status_code=303)
+    response.delete_cookie(COOKIE, path=base + "/")
+    return response
+
+
+# --- actions ---------------------------------------------------------------------------------
+
+
+async def act(request: Request) -> Response:
+    console = console_of(request)
+    form = await _form(request)
+    name = request.path_params["name"]
+    if console.read_only:
+        return _refused(request, "the console is read-only: actions are off", 403)
+    why = console.guard.action_allowed(request, form.get(CSRF_FIELD))
+    if why is not None:
+        return _refused(request, why, 403)
+    handler = ACTIONS.get(name)
+    if handler is None:
+        return _refused(request, f"no action {name!r}", 404)
+    try:
+        return await handler(request, form)
+    except (AdminError, OutboxError, ValueError) as exc:
+        return _refused(request, describe(exc) if not isinstance(exc, AdminError) else str(exc))
+
+
+def _refused(request: Request, why: str, status: int = 400) -> Response:
+    return console_of(request).render(
+        request, "message.html", status_code=status, title="Refused", text=why
+    )
+
+
+def _ids(form: Form) -> list[int]:
+    raw = form.get("ids", "").replace(",", " ").split()
+    if not raw or not all(x.isdigit() for x in raw):
+        raise AdminError("give the row ids, separated by spaces or commas")
+    return sorted({int(x) for x in raw})
+
+
+def _confirmed(form: Form) -> bool:
+    return form.get("confirm") == "yes"
+
+
+def _preview(request: Request, form: Form, title: str, lines: list[str], rows: int) -> Response:
+    """The dry run's counts and a form to confirm with the same fields."""
+    return console_of(request).render(
+        request,
+        "confirm.html",
+        title=title,
+        lines=lines,
+        rows=rows,
+        action=request.path_params["name"],
+        fields={k: v for k, v in form.items() if k not in (CSRF_FIELD, "confirm")},
+    )
+
+
+def _per_destination(result: dict[str, Any]) -> list[str]:
+    lines = []
+    for dest, counts in sorted(result.get("destinations", {}).items()):
+        if isinstance(counts, dict):
+            listed = ", ".join(f"{k} {v}" for k, v in counts.items())
+        else:
+            listed = str(counts)
+        lines.append(f"{dest}: {listed}")
+    return lines
+
+
+async def _retry(request: Request, form: Form) -> Response:
+    console = console_of(request)
+    if form.get("ids"):
+        flt = RetryFilter(ids=_ids(form))
+    else:
+        dest = form.get("destination") or None
+        flt = RetryFilter(
+            destinations=[dest] if dest else None, error_like=form.get("error_like") or None
+        )
+    async with console.connection() as conn:
+        if not _confirmed(form):
+            preview = await admin.retry(conn, console.schema, flt, dry_run=True)
+            return _preview(
+                request, form, "Retry failed rows", _per_destination(preview), preview["rows"]
+            )
+        done = await admin.retry(conn, console.schema, flt, dry_run=False)
+    return _done(request, form, f"{done['rows']} row(s) back to pending")
+
+
+async def _skip(request: Request, form: Form) -> Response:
+    console = console_of(request)
+    ids = _ids(form)
+    async with console.connection() as conn:
+        if not _confirmed(form):
+            preview = await admin.skip(conn, console.schema, ids, "console", dry_run=True)
+            lines = [f"rows {', '.join(map(str, preview['ids']))}: failed → skipped (never sent)"]
+            return _preview(request, form, "Skip failed rows", lines, preview["rows"])
+        done = await admin.skip(conn, console.schema, ids, "console", dry_run=False)
+    return _done(request, form, f"{done['rows']} row(s) skipped")
+
+
+async def _purge(request: Request, form: Form) -> Response:
+    console = console_of(request)
+    older_than = parse_duration(form.get("older_than") or "7d")
+    dest = form.get("destination") or None
+    args: dict[str, Any] = {
+        "older_than": older_than,
+        "failed": form.get("failed") == "on",
+        "destinations": [dest] if dest else None,
+        "batch_size": PURGE_BATCH,
+    }
+    async with console.connection() as conn:
+        if not _confirmed(form):
+            preview = await admin.purge(conn, console.schema, dry_run=True, **args)
+            return _preview(
+                request, form, "Purge finished rows", _per_destination(preview), preview["rows"]
+            )
+        done = await admin.purge(conn, console.schema, dry_run=False, **args)
+    return _done(request, form, f"{done['rows']} row(s) deleted")
+
+
+async def _pause(request: Request, form: Form) -> Response:
+    console = console_of(request)
+    dest = form.get("destination", "")
+    if not dest:
+        raise AdminError("which destination?")
+    async with console.connection() as conn:
+        await admin.pause(conn, console.schema, dest, "console", form.get("reason") or None)
+    return _done(request, form, f"{dest} paused")
+
+
+async def _resume(request: Request, form: Form) -> Response:
+    console = console_of(request)
+    dest = form.get("destination", "")
+    async with console.connection() as conn:
+        done = await admin.resume(conn, console.schema, dest)
+    return _done(
+        request, form, f"{dest} resumed" if done["was_paused"] else f"{dest} was not paused"
+    )
+
+
+async def _replay(request: Request, form: Form) -> Response:
+    console = console_of(request)
+    endpoint = int(form["endpoint"]) if form.get("endpoint", "").isdigit() else None
+    async with console.connection() as conn:
+        if form.get("event"):
+            if not form["event"].isdigit():
+                raise AdminError("the event id must be a whole number")
+            done = await admin.replay_event(conn, console.schema, int(form["event"]), endpoint)
+            return _done(request, form, f"event {form['event']} replayed ({_count(done)})")
+        if endpoint is None:
+            raise AdminError("give an event id, or an endpoint and a window")
+        since = parse_duration(form.get("since") or "1h")
+        failed_only = form.get("failed_only") == "on"
+        if not _confirmed(form):
+            preview = await admin.replay_endpoint(
+                conn, console.schema, endpoint, since=since, failed_only=failed_only, dry_run=True
+            )
+            lines = [f"{k}: {v}" for k, v in preview.items() if isinstance(v, int | str)]
+            return _preview(request, form, f"Replay to endpoint {endpoint}", lines, _count(preview))
+        done = await admin.replay_endpoint(
+            conn, console.schema, endpoint, since=since, failed_only=failed_only
+        )
+    return _done(request, form, f"replayed to endpoint {endpoint} ({_count(done)})")
+
+
+def _count(result: dict[str, Any]) -> int:
+    for key in ("replayed", "rows", "deliveries"):
+        value = result.get(key)
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list):
+            return len(value)
+    return 0
+
+
+async def _endpoint_state(request: Request, form: Form) -> Response:
+    """Disable, enable or rotate an endpoint's secret, through outbox.endpoints. A new secret
+    is never shown here: the command line shows it to whoever may see it."""
+    import outbox.endpoints as api
+
+    console = console_of(request)
+    what = request.path_params["name"]
+    raw = form.get("endpoint", "")
+    if not raw.isdigit():
+        raise AdminError("which endpoint?")
+    eid = int(raw)
+    endpoints = api.Endpoints(schema=console.schema)
+    async with console.sqlalchemy().begin() as conn:
+        if what == "endpoint-disable":
+            await endpoints.disable(conn, eid, reason=form.get("reason") or "disabled in console")
+            return _done(request, form, f"endpoint {eid} disabled")
+        if what == "endpoint-enable":
+            await endpoints.enable(conn, eid)
+            return _done(request, form, f"endpoint {eid} enabled")
+        await endpoints.rotate_secret(conn, eid)
+    return _done(
+        request,
+        form,
+        f"endpoint {eid} has a new secret (the previous one signs for 24 h); read it with "
+        f"`outbox-relay endpoints show {eid} --show-secret`",
+    )
+
+
+async def _endpoint_add(request: Request, form: Form) -> Response:
+    """Register an endpoint through outbox.endpoints (its checks: URL, DNS, addresses)."""
+    import outbox.endpoints as api
+
+    console = console_of(request)
+    rate = form.get("rate_limit", "").strip()
+    if rate and not rate.isdigit():
+        raise AdminError("the rate limit is a whole number of requests per second")
+    async with console.sqlalchemy().begin() as conn:
+        ep = await api.Endpoints(schema=console.schema).create(
+            conn,
+            destination=form.get("destination", "").strip(),
+            url=form.get("url", "").strip(),
+            tenant=form.get("tenant", "").strip() or None,
+            event_types=[t.strip() for t in form.get("event_types", "").split(",") if t.strip()],
+            rate_limit=int(rate) if rate else None,
+            allow_private_networks=form.get("allow_private_networks") == "on",
+        )
+    return _done(
+        request,
+        form,
+        f"added endpoint {ep.id} to {ep.destination}; read its secret with "
+        f"`outbox-relay endpoints show {ep.id} --show-secret`",
+    )
+
+
+ACTIONS: dict[str, Callable[[Request, Form], Awaitable[Response]]] = {
+    "retry": _retry,
+    "skip": _skip,
+    "purge": _purge,
+    "pause": _pause,
+    "resume": _resume,
+    "replay": _replay,
+    "endpoint-add": _endpoint_add,
+    "endpoint-disable": _endpoint_state,
+    "endpoint-enable": _endpoint_state,
+    "endpoint-rotate": _endpoint_state,
+}

@@ -1,0 +1,212 @@
+"""The operator console: server-rendered pages on Starlette and Jinja2, a little htmx for the
+live parts, uPlot for the charts (both vendored: it works offline, with no build step).
+
+Every number comes from the functions the operations commands use (relay/ops/admin.py), and
+every action goes through them too, with the same checks and the same dry-run preview, so
+the console and the command line can never disagree. :func:`build_console` makes the ASGI
+app; ``outbox-relay ui`` serves it on its own, ``[ui] enabled = true`` mounts it at ``/ui``
+in the relay's listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from outbox.dburl import to_asyncpg_dsn
+from relay.ui import actions, pages
+from relay.ui.security import COOKIE, CSRF_FIELD, HEADERS, Guard
+
+STATIC = Path(__file__).parent / "static"
+# Statements of the console are cut short rather than left to load the database.
+STATEMENT_TIMEOUT_MS = 10_000
+
+
+@dataclass
+class Console:
+    """What the handlers share."""
+
+    database_url: str
+    schema: str
+    guard: Guard
+    read_only: bool
+    templates: Environment
+    pool: asyncpg.Pool | None = None
+    engine: Any = None  # SQLAlchemy AsyncEngine, for outbox.endpoints (made on first use)
+    _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[asyncpg.Connection]:
+        if self.pool is None:
+            # Opened on first use: mounted in the relay's listener, no lifespan runs.
+            async with self._opening:
+                if self.pool is None:
+                    self.pool = await asyncpg.create_pool(
+                        to_asyncpg_dsn(self.database_url),
+                        min_size=1,
+                        max_size=4,
+                        server_settings={
+                            "application_name": "outbox-relay console",
+                            "statement_timeout": str(STATEMENT_TIMEOUT_MS),
+                        },
+                    )
+        async with self.pool.acquire() as conn:
+            yield conn
+
+    async def close(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.close()
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            await engine.dispose()
+
+    def sqlalchemy(self) -> Any:
+        if self.engine is None:
+            from sqlalchemy.ext.asyncio import create_async_engine
+
+            from outbox.dburl import to_sqlalchemy_async_url
+
+            self.engine = create_async_engine(
+                to_sqlalchemy_async_url(self.database_url), hide_parameters=True
+            )
+        return self.engine
+
+    def render(
+        self, request: Request, name: str, status_code: int = 200, **context: Any
+    ) -> HTMLResponse:
+        template = self.templates.get_template(name)
+        html = template.render(
+            base=request.scope.get("root_path", ""),
+            read_only=self.read_only,
+            csrf_field=CSRF_FIELD,
+            csrf=self.guard.csrf,
+            schema=self.schema,
+            message=request.query_params.get("msg"),
+            **context,
+        )
+        return HTMLResponse(html, status_code=status_code)
+
+
+def build_console(
+    database_url: str,
+    token: str,
+    *,
+    schema: str = "public",
+    read_only: bool = False,
+) -> Starlette:
+    """The console as an ASGI app. It opens a small pool of its own on first use (its
+    statements never take the relay's connections) and closes it with its lifespan or
+    ``app.state.console.close()``."""
+    templates = Environment(
+        loader=PackageLoader("relay.ui", "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    templates.filters["age"] = pages.age
+    templates.filters["short"] = pages.short
+    console = Console(database_url, schema, Guard(token), read_only, templates)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await console.close()
+
+    routes = [
+        Route("/login", pages.login_form, methods=["GET"]),
+        Route("/login", actions.login, methods=["POST"]),
+        Route("/logout", actions.logout, methods=["POST"]),
+        Route("/", pages.overview),
+        Route("/fragments/overview", pages.overview_fragment),
+        Route("/api/series", pages.series),
+        Route("/api/status", pages.status_json),
+        Route("/destinations/{name}", pages.destination),
+        Route("/rows", pages.rows),
+        Route("/rows/{id:int}", pages.row),
+        Route("/endpoints", pages.endpoints),
+        Route("/blocked", pages.blocked),
+        Route("/actions/{name}", actions.act, methods=["POST"]),
+        Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(_Gate, console=console)],
+        exception_handlers={404: _not_found},
+    )
+    app.state.console = console
+    return app
+
+
+class _Gate:
+    """Authentication and the security headers, for every request but sign-in and static
+    files (which hold nothing of the outbox)."""
+
+    def __init__(self, app: ASGIApp, console: Console) -> None:
+        self.app = app
+        self.console = console
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        path = scope["path"][len(scope.get("root_path", "")) :] or "/"
+        open_path = path in ("/login",) or path.startswith("/static/")
+
+        async def send_with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {k.lower() for k, _ in headers}
+                for name, value in HEADERS.items():
+                    if name.encode() not in present:
+                        headers.append((name.encode(), value.encode()))
+                message["headers"] = headers
+            await send(message)
+
+        if not open_path and not self.console.guard.signed_in(request):
+            response = _unauthenticated(self.console, request)
+            await response(scope, receive, send_with_headers)
+            return
+        await self.app(scope, receive, send_with_headers)
+
+
+def _unauthenticated(console: Console, request: Request) -> Response:
+    """401: the sign-in form for a browser, a line of text for a script."""
+    headers = {"www-authenticate": 'Bearer realm="outbox-relay console"'}
+    if "text/html" in request.headers.get("accept", ""):
+        response = console.render(request, "login.html", status_code=401, next=request.url.path)
+        response.headers.update(headers)
+        return response
+    return PlainTextResponse(
+        "401 unauthenticated: send Authorization: Bearer <OUTBOX_UI_TOKEN>, or sign in with a "
+        "browser\n",
+        status_code=401,
+        headers=headers,
+    )
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    if request.url.path.rstrip("/").endswith("/api/status"):
+        return JSONResponse({"error": "not found"}, status_code=404)
+    return PlainTextResponse("404 not found\n", status_code=404)
+
+
+__all__ = ["COOKIE", "Console", "build_console"]

@@ -1,0 +1,38 @@
+"""The console's own statements (what it shows beyond the operations commands' functions).
+
+Placeholders as in relay/queries.py (``{table}``, ``{endpoints}``, …), filled by
+``relay.queries.render_ops``.
+"""
+
+from __future__ import annotations
+
+# Delivered rows per minute of the last hour, and their commit-to-delivery lag (average and
+# worst), per destination ($1: one destination, or NULL for all). Read from the delivered
+# rows still kept (relay.retention), through the partial index on delivered_at.
+SERIES = """
+SELECT extract(epoch FROM date_trunc('minute', delivered_at))::bigint AS minute,
+       count(*) AS delivered,
+       avg(extract(epoch FROM delivered_at - created_at))::float8 AS lag_avg,
+       max(extract(epoch FROM delivered_at - created_at))::float8 AS lag_max
+FROM {table}
+WHERE status = 'delivered' AND delivered_at > now() - interval '1 hour'
+  AND ($1::text IS NULL OR destination = $1::text)
+GROUP BY 1
+ORDER BY 1
+"""
+
+# Endpoints with their health, never their secrets; the URL is shown by origin only.
+ENDPOINTS = """
+SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.description,
+       e.enabled, e.disabled_reason, e.failing_since, e.last_success_at,
+       (SELECT count(*) FROM {deliveries} AS d
+        WHERE d.endpoint_id = e.id AND d.status = 'pending') AS pending
+FROM {endpoints} AS e
+WHERE ($1::text IS NULL OR e.destination = $1::text)
+ORDER BY e.id
+LIMIT $2
+"""
+
+ENDPOINT_DESTINATION = "SELECT destination FROM {endpoints} WHERE id = $1"
+
+SERVER_NOW = "SELECT now()"

@@ -1,0 +1,358 @@
+"""The operator console, in a real browser (Chromium via Playwright) against a real database
+and a real relay; and its security from scripts (httpx)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+import uvicorn
+from playwright.async_api import Browser, Page, async_playwright
+
+from outbox.dburl import to_asyncpg_dsn
+from relay.ops import admin
+from relay.ui.app import build_console
+from tests.support.browser import chromium
+from tests.support.receiver import Receiver
+from tests.support.relays import running, settings, wait_until
+from tests.webhook_helpers import SECRET
+
+TOKEN = "console-test-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+@pytest.fixture
+async def console_url(db_url: str) -> AsyncIterator[str]:
+    async with serve(build_console(db_url, TOKEN)) as url:
+        yield url
+
+
+@pytest.fixture
+async def read_only_url(db_url: str) -> AsyncIterator[str]:
+    async with serve(build_console(db_url, TOKEN, read_only=True)) as url:
+        yield url
+
+
+class serve:
+    """Serve an ASGI app with uvicorn on a free loopback port, on the test's event loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> str:
+        self.task = asyncio.create_task(self.server.serve())
+        await wait_until(lambda: self.server.started, timeout=10, what="console started")
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 10)
+
+
+@pytest.fixture(scope="module")
+def chromium_path() -> str:
+    return chromium()
+
+
+@pytest.fixture
+async def browser(chromium_path: str) -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+async def signed_in(browser: Browser, url: str) -> tuple[Page, list[str]]:
+    """A page signed in through the form; and the browser console's errors (CSP ones too)."""
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    response = await page.goto(url + "/")
+    assert response is not None and response.status == 401  # the sign-in form, with 401
+    await page.fill("input[name=token]", TOKEN)
+    await page.click("button:text-is('Sign in')")
+    await page.wait_for_selector("h1:has-text('Overview')")
+    return page, errors
+
+
+async def sql(db_url: str, query: str, *args: Any) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        return list(await conn.fetch(query, *args))
+    finally:
+        await conn.close()
+
+
+async def seed(db_url: str) -> None:
+    """Rows of two destinations in every state the overview counts."""
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, payload, content_type, status, attempts, last_error,
+                            delivered_at, finished_at, created_at)
+        SELECT d, convert_to('{"n":' || n || '}', 'UTF8'), 'application/json', s,
+               CASE WHEN s = 'failed' THEN 3 ELSE 0 END,
+               CASE WHEN s = 'failed' THEN 'HTTP 500 from receiver: boom-' || n END,
+               CASE WHEN s = 'delivered' THEN now() - interval '2 min' END,
+               CASE WHEN s IN ('delivered', 'failed') THEN now() END,
+               now() - interval '3 min'
+        FROM (VALUES ('orders', 'pending', 1), ('orders', 'pending', 2),
+                     ('orders', 'delivered', 3), ('orders', 'failed', 4),
+                     ('hooks', 'failed', 5), ('hooks', 'delivered', 6),
+                     ('hooks', 'delivered', 7)) AS v(d, s, n)
+        """,
+    )
+
+
+async def test_unauthenticated_requests_get_401(console_url: str) -> None:
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        for path in ("/", "/rows", "/rows/1", "/api/status", "/endpoints", "/fragments/overview"):
+            r = await client.get(path)
+            assert r.status_code == 401, path
+            assert "outbox" not in r.text.lower() or "sign in" in r.text.lower()
+        r = await client.get("/", headers={"accept": "text/html"})
+        assert r.status_code == 401 and 'name="token"' in r.text  # the sign-in form
+        wrong = await client.get("/api/status", headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        r = await client.post("/actions/pause", data={"destination": "orders"})
+        assert r.status_code == 401
+        ok = await client.get("/api/status", headers={"authorization": f"Bearer {TOKEN}"})
+        assert ok.status_code == 200 and ok.json()["schema"] == "public"
+        for name in ("content-security-policy", "x-frame-options", "x-content-type-options"):
+            assert name in r.headers and name in ok.headers
+        assert "script-src 'self'" in ok.headers["content-security-policy"]
+
+
+async def test_a_forged_cross_site_action_is_refused(db_url: str, console_url: str) -> None:
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        login = await client.post("/login", data={"token": TOKEN, "next": "/"})
+        assert login.status_code == 303 and "httponly" in login.headers["set-cookie"].lower()
+        assert "samesite=strict" in login.headers["set-cookie"].lower()
+        assert TOKEN not in login.headers["set-cookie"]
+        client.cookies.set("outbox_console", login.cookies["outbox_console"])
+        # Signed in, but no CSRF value, or another site's origin: refused, nothing changed.
+        for headers, data in (
+            ({}, {"destination": "orders"}),
+            ({"origin": "http://evil.example"}, {"destination": "orders"}),
+            ({"sec-fetch-site": "cross-site"}, {"destination": "orders"}),
+        ):
+            r = await client.post("/actions/pause", data=data, headers=headers)
+            assert r.status_code == 403, (headers, r.text)
+    assert await sql(db_url, "SELECT * FROM outbox_paused") == []
+
+
+async def test_the_overview_shows_what_status_reports_and_refreshes_itself(
+    db_url: str, console_url: str, browser: Browser
+) -> None:
+    await seed(db_url)
+    page, errors = await signed_in(browser, console_url)
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        expected = await admin.status(conn, "public")
+    finally:
+        await conn.close()
+    for d in expected["destinations"]:
+        row = page.locator(f"tr[data-destination='{d['destination']}']")
+        for field, key in (
+            ("pending", "pending"),
+            ("failed", "failed"),
+            ("delivered", "delivered"),
+        ):
+            assert await row.locator(f"[data-field={field}]").inner_text() == str(d[key])
+    assert await page.locator("[data-total=pending]").inner_text() == str(
+        expected["totals"]["pending"]
+    )
+    # Live: rows added now show up without a reload.
+    await page.evaluate("window.__sameDocument = true")
+    await sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload) "
+        "SELECT 'orders', '\\x00' FROM generate_series(1, 3)",
+    )
+    pending = page.locator("tr[data-destination='orders'] [data-field=pending]")
+    await pending.filter(has_text="5").wait_for(timeout=12_000)
+    assert await page.evaluate("window.__sameDocument") is True
+    # The charts drew the last hour's deliveries with the vendored library.
+    await page.wait_for_selector(".chart[data-points] canvas", timeout=10_000)
+    assert await page.locator(".chart").first.get_attribute("data-points") != "0"
+    assert not [e for e in errors if "Content Security Policy" in e or "Refused" in e], errors
+
+
+async def test_a_failed_row_found_by_its_error_is_retried_and_then_delivered(
+    db_url: str, console_url: str, browser: Browser, receiver: Receiver
+) -> None:
+    await seed(db_url)
+    [target] = await sql(db_url, "SELECT id FROM outbox WHERE last_error LIKE '%boom-5'")
+    page, errors = await signed_in(browser, console_url)
+    await page.click("nav >> text=Rows")
+    await page.fill("input[name=error_like]", "boom-5")
+    await page.click("text=Filter")
+    rows = page.locator("#rows tbody tr")
+    await rows.first.wait_for()
+    assert await rows.count() == 1
+    await page.click(f"#rows a:text-is('{target['id']}')")
+    await page.wait_for_selector(f"h1:has-text('Row {target['id']}')")
+    await page.click("button:text-is('Retry…')")
+    # The dry run's preview, then the confirmation.
+    assert "1" in await page.locator("#preview-count").inner_text()
+    await page.click("button:has-text('Yes')")
+    await page.wait_for_selector(".flash")
+    assert "1 row(s) back to pending" in await page.locator(".flash").inner_text()
+    hook = {
+        "kind": "webhook",
+        "url": receiver.url,
+        "secrets": [SECRET],
+        "allow_private_networks": True,
+    }
+    relay_settings = settings(db_url, "127.0.0.1:9", destinations={"hooks": hook})
+    async with running(relay_settings):
+        await wait_until(
+            lambda: sql(
+                db_url, "SELECT 1 FROM outbox WHERE id = $1 AND status = 'delivered'", target["id"]
+            ),
+            what="delivered by the relay",
+        )
+    await page.reload()
+    assert await page.locator("#row-status").inner_text() == "delivered"
+    assert [r.headers["webhook-id"] for r in receiver.requests] == [str(target["id"])]
+    assert not [e for e in errors if "Content Security Policy" in e], errors
+
+
+async def test_read_only_mode_hides_and_refuses_every_action(
+    db_url: str, read_only_url: str, browser: Browser
+) -> None:
+    await seed(db_url)
+    page, _ = await signed_in(browser, read_only_url)
+    assert await page.locator(".badge:text-is('read-only')").count() == 1
+    await page.goto(read_only_url + "/destinations/orders")
+    assert await page.locator("form[action$='/actions/pause']").count() == 0
+    [failed] = await sql(
+        db_url, "SELECT id FROM outbox WHERE destination = 'orders' AND status = 'failed'"
+    )
+    await page.goto(f"{read_only_url}/rows/{failed['id']}")
+    assert await page.locator("form[action*='/actions/']").count() == 0
+    async with httpx.AsyncClient(base_url=read_only_url) as client:
+        auth = {"authorization": f"Bearer {TOKEN}"}
+        for name, data in (
+            ("pause", {"destination": "orders"}),
+            ("retry", {"ids": str(failed["id"]), "confirm": "yes"}),
+            ("purge", {"older_than": "0s", "confirm": "yes"}),
+        ):
+            r = await client.post(f"/actions/{name}", data=data, headers=auth)
+            assert r.status_code == 403, name
+    [row] = await sql(db_url, "SELECT status FROM outbox WHERE id = $1", failed["id"])
+    assert row["status"] == "failed"
+    assert await sql(db_url, "SELECT * FROM outbox_paused") == []
+
+
+async def test_a_cross_site_page_cannot_act_through_the_signed_in_browser(
+    db_url: str, console_url: str, browser: Browser
+) -> None:
+    """The browser holds the console's cookie; a page of another site posts a form to it."""
+    await seed(db_url)
+    page, _ = await signed_in(browser, console_url)
+    attack = (
+        f'<form id="f" method="post" action="{console_url}/actions/pause">'
+        '<input name="destination" value="orders"></form>'
+    )
+
+    async def evil(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/html")],
+            }
+        )
+        await send({"type": "http.response.body", "body": attack.encode()})
+
+    async with serve(evil) as evil_url:
+        # localhost is another site than 127.0.0.1 for the browser.
+        await page.goto(evil_url.replace("127.0.0.1", "localhost") + "/")
+        async with page.expect_navigation():
+            await page.evaluate("document.getElementById('f').submit()")
+        assert await page.locator("body").inner_text() != ""
+    assert await sql(db_url, "SELECT * FROM outbox_paused") == []
+
+
+async def test_the_relay_serves_the_console_at_ui_when_enabled(
+    db_url: str, browser: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await seed(db_url)
+    monkeypatch.setenv("OUTBOX_UI_TOKEN", TOKEN)
+    hook = {"kind": "webhook", "url": "http://127.0.0.1:9/", "secrets": [SECRET]}
+    s = settings(db_url, "127.0.0.1:9", destinations={"hooks": hook}, ui={"enabled": True})
+    async with running(s) as relay:
+        assert relay.http is not None
+        base = f"http://127.0.0.1:{relay.http.port}"
+        async with httpx.AsyncClient(base_url=base) as client:
+            assert (await client.get("/ui/")).status_code == 401
+            assert (await client.get("/metrics")).status_code == 200  # unchanged, no token
+            moved = await client.get("/ui")
+            assert moved.status_code == 308 and moved.headers["location"] == "/ui/"
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            page = await client.get("/ui/", headers=auth)
+            assert page.status_code == 200 and 'href="/ui/rows"' in page.text
+            assert (await client.get("/ui/api/status", headers=auth)).json()["totals"][
+                "failed"
+            ] == 2
+        page_, _ = await signed_in(browser, base + "/ui")
+        await page_.click("nav >> text=Rows")
+        await page_.wait_for_selector("#rows tbody tr")
+        assert page_.url.startswith(base + "/ui/rows")
+
+
+def test_the_relay_refuses_an_enabled_console_without_a_token(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.config import ConfigError
+
+    monkeypatch.delenv("OUTBOX_UI_TOKEN", raising=False)
+    with pytest.raises((ConfigError, ValueError), match="OUTBOX_UI_TOKEN"):
+        settings(db_url, "127.0.0.1:9", destinations={}, ui={"enabled": True})
+
+
+async def test_endpoints_are_added_and_disabled_without_a_secret_on_the_page(
+    db_url: str, console_url: str, browser: Browser
+) -> None:
+    page, errors = await signed_in(browser, console_url)
+    await page.click("nav >> text=Endpoints")
+    await page.fill("#add-endpoint input[name=destination]", "customer-events")
+    await page.fill("#add-endpoint input[name=url]", "http://127.0.0.1:9/hook?token=sekret123")
+    await page.fill("#add-endpoint input[name=tenant]", "acme")
+    await page.check("#add-endpoint input[name=allow_private_networks]")
+    await page.click("#add-endpoint button")
+    await page.wait_for_selector(".flash")
+    [ep] = await sql(db_url, "SELECT * FROM outbox_endpoints")
+    assert ep["tenant"] == "acme" and ep["enabled"]
+    html = await page.content()
+    assert ep["secret"] not in html and "sekret123" not in html and "/hook" not in html
+    await page.click(f"tr[data-endpoint='{ep['id']}'] button:text-is('Disable')")
+    await page.wait_for_selector(".flash")
+    [ep] = await sql(db_url, "SELECT * FROM outbox_endpoints")
+    assert not ep["enabled"] and ep["disabled_reason"] == "disabled in console"
+    assert not [e for e in errors if "Content Security Policy" in e], errors
