@@ -41,6 +41,12 @@ from relay.sinks.registry import KINDS  # noqa: E402
 
 # The meaning of the settings whose model field has no description: used in its place. Once a
 # field has a description its entry here must go (the script says so).
+# Keys whose documented variable is not the one derived from their place: the schema has one
+# name everywhere (the commands' too); the derived one still works, deprecated.
+PREFERRED_VARIABLES = {
+    "relay.schema": "`OUTBOX_SCHEMA` (`OUTBOX_RELAY_SCHEMA`, deprecated)",
+}
+
 EXTRA_NOTES: dict[str, str] = {}
 
 # What the reference says about some keys beyond their description, printed below the table
@@ -349,6 +355,7 @@ def section(
         else:
             variable = code(f"{walk.env_prefix}{lead}{key}".upper().replace(".", "_"))
             variable = variable.replace("_", walk.env_delimiter)
+            variable = PREFERRED_VARIABLES.get(f"{lead}{key}", variable)
         duration = is_duration(f)
         name_of_type = (types_ or {}).get(name) or (
             "duration" if duration else type_name(f.annotation, walk)

@@ -57,8 +57,9 @@ class RelaySettings(Section):
         alias="schema",
         min_length=1,
         description=(
-            "schema of the outbox table; `OUTBOX_SCHEMA` sets it too (the one schema variable of "
-            "every command), and the two must not name different schemas"
+            "schema of the outbox table; `OUTBOX_SCHEMA` is the one schema variable of every "
+            "command and of the relay (`OUTBOX_RELAY_SCHEMA` still works, with a warning; the "
+            "two must not name different schemas)"
         ),
     )
     relay_id: str | None = Field(None, description="defaults to host-pid-random")
