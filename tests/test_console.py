@@ -128,7 +128,18 @@ async def seed(db_url: str) -> None:
 
 async def test_unauthenticated_requests_get_401(console_url: str) -> None:
     async with httpx.AsyncClient(base_url=console_url) as client:
-        for path in ("/", "/rows", "/rows/1", "/api/status", "/endpoints", "/fragments/overview"):
+        paths = (
+            "/",
+            "/rows",
+            "/rows/1",
+            "/api/status",
+            "/api/series",
+            "/endpoints",
+            "/blocked",
+            "/destinations/orders",
+            "/fragments/overview",
+        )
+        for path in paths:
             r = await client.get(path)
             assert r.status_code == 401, path
             assert "outbox" not in r.text.lower() or "sign in" in r.text.lower()
@@ -151,7 +162,9 @@ async def test_a_forged_cross_site_action_is_refused(db_url: str, console_url: s
         assert login.status_code == 303 and "httponly" in login.headers["set-cookie"].lower()
         assert "samesite=strict" in login.headers["set-cookie"].lower()
         assert TOKEN not in login.headers["set-cookie"]
-        client.cookies.set("outbox_console", login.cookies["outbox_console"])
+        assert login.headers["set-cookie"].startswith("__Host-outbox_console=")
+        assert "secure" in login.headers["set-cookie"].lower()
+        client.cookies.set("__Host-outbox_console", login.cookies["__Host-outbox_console"])
         # Signed in, but no CSRF value, or another site's origin: refused, nothing changed.
         for headers, data in (
             ({}, {"destination": "orders"}),
@@ -195,8 +208,9 @@ async def test_the_overview_shows_what_status_reports_and_refreshes_itself(
     await pending.filter(has_text="5").wait_for(timeout=12_000)
     assert await page.evaluate("window.__sameDocument") is True
     # The charts drew the last hour's deliveries with the vendored library.
-    await page.wait_for_selector(".chart[data-points] canvas", timeout=10_000)
-    assert await page.locator(".chart").first.get_attribute("data-points") != "0"
+    await page.wait_for_selector(".chart[data-delivered] canvas", timeout=10_000)
+    # The seeded rows were delivered two minutes ago: 3 of them in the last hour's series.
+    assert await page.locator(".chart").first.get_attribute("data-delivered") == "3"
     assert not [e for e in errors if "Content Security Policy" in e or "Refused" in e], errors
 
 
@@ -356,3 +370,184 @@ async def test_endpoints_are_added_and_disabled_without_a_secret_on_the_page(
     [ep] = await sql(db_url, "SELECT * FROM outbox_endpoints")
     assert not ep["enabled"] and ep["disabled_reason"] == "disabled in console"
     assert not [e for e in errors if "Content Security Policy" in e], errors
+
+
+# --- from the hostile review: each failed before its fix -------------------------------
+
+
+def bearer() -> dict[str, str]:
+    return {"authorization": f"Bearer {TOKEN}"}
+
+
+def csrf_of(html: str) -> str:
+    return html.split('<meta name="csrf" content="')[1].split('"')[0]
+
+
+async def sign_in(client: httpx.AsyncClient) -> None:
+    login = await client.post("/login", data={"token": TOKEN, "next": "https://evil.example/"})
+    assert login.status_code == 303 and login.headers["location"] == "/"  # no open redirect
+    client.cookies.set("__Host-outbox_console", login.cookies["__Host-outbox_console"])
+
+
+async def test_a_huge_body_is_refused_before_it_is_read(console_url: str) -> None:
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        r = await client.post("/login", content=b"token=" + b"x" * 2_000_000)
+        assert r.status_code == 413
+        assert "content-security-policy" in r.headers
+
+        async def chunks() -> Any:  # no content-length: cut off while reading
+            for _ in range(40):
+                yield b"y" * 65536
+
+        r = await client.post(
+            "/actions/pause",
+            content=chunks(),
+            headers={**bearer(), "content-type": "application/x-www-form-urlencoded"},
+        )
+        assert r.status_code == 413
+
+
+async def test_forged_and_expired_sessions_are_not_signed_in(console_url: str) -> None:
+    from relay.ui.security import Guard
+
+    guard = Guard(TOKEN)
+    expired = guard.new_session(now=0)
+    assert not guard.session_ok(expired) and guard.session_ok(guard.new_session())
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        for value in (
+            "1",
+            "9999999999.abc",
+            expired,
+            "caf\u00e9",
+            Guard("another-token-0123456789").new_session(),
+        ):
+            cookie = f"__Host-outbox_console={value}".encode()  # raw bytes: any text at all
+            r = await client.get("/api/status", headers={"cookie": cookie})  # type: ignore[dict-item]
+            assert r.status_code == 401, value
+
+
+async def test_bad_input_gets_a_clear_answer_not_a_500(db_url: str, console_url: str) -> None:
+    await seed(db_url)
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        await sign_in(client)
+        for path in (
+            "/rows?min_id=%C2%B2",
+            "/rows?destination=a%00b",
+            "/rows/99999999999999999999",
+            "/api/series?destination=a%00b",
+            "/rows?status=nonsense",
+        ):
+            r = await client.get(path)
+            assert r.status_code in (400, 404) or "error" in r.text, (path, r.status_code)
+            assert r.status_code != 500 and "content-security-policy" in r.headers, path
+        csrf = csrf_of((await client.get("/rows")).text)
+        for name, data in (
+            ("skip", {"ids": "99999999999999999999"}),
+            ("replay", {"event": "99999999999999999999"}),
+            ("purge", {"older_than": "1e20", "destination": "orders"}),
+            ("purge", {"destination": "orders"}),  # no older_than: as the command, refused
+            ("retry", {}),  # no filter: refused (the command needs --all)
+            ("pause", {"destination": "a\x00b"}),
+        ):
+            r = await client.post(f"/actions/{name}", data={**data, "csrf": csrf})
+            assert r.status_code in (400, 404), (name, data, r.status_code, r.text[:300])
+    assert await sql(db_url, "SELECT * FROM outbox_paused") == []
+    assert len(await sql(db_url, "SELECT * FROM outbox WHERE status = 'failed'")) == 2
+
+
+async def test_a_database_that_is_down_gets_503_with_the_reason() -> None:
+    from tests.webhook_helpers import closed_port
+
+    app = build_console(f"postgresql://root@127.0.0.1:{closed_port()}/nowhere", TOKEN)
+    async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+        r = await client.get("/", headers=bearer())
+        assert r.status_code == 503 and "cannot answer" in r.text
+        assert "content-security-policy" in r.headers
+    assert "root@" not in repr(app.state.console) and "nowhere" not in repr(app.state.console)
+
+
+async def test_a_destination_with_a_slash_in_its_name_has_its_page(
+    db_url: str, console_url: str
+) -> None:
+    await sql(db_url, "INSERT INTO outbox (destination, payload) VALUES ('pg/1', '\\x00')")
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        r = await client.get("/destinations/pg/1", headers=bearer())
+        assert r.status_code == 200 and "Destination pg/1" in r.text
+
+
+async def test_same_origin_forms_work_behind_a_proxy_and_others_are_refused(
+    db_url: str, console_url: str
+) -> None:
+    await seed(db_url)
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        await sign_in(client)
+        csrf = csrf_of((await client.get("/rows")).text)
+        form = {"destination": "orders", "csrf": csrf}
+        refused = (
+            {"origin": "http://evil.example"},  # no Sec-Fetch-Site: the Origin decides
+            {"sec-fetch-site": "same-site", "origin": "https://console.example"},
+        )
+        for headers in refused:
+            assert (
+                await client.post("/actions/pause", data=form, headers=headers)
+            ).status_code == 403
+        assert await sql(db_url, "SELECT * FROM outbox_paused") == []
+        # Behind a TLS proxy the Origin is not what the console sees; the browser's own
+        # Sec-Fetch-Site says it is this site.
+        proxied = {"sec-fetch-site": "same-origin", "origin": "https://console.example"}
+        r = await client.post("/actions/pause", data=form, headers=proxied)
+        assert r.status_code == 303
+    assert len(await sql(db_url, "SELECT * FROM outbox_paused")) == 1
+
+
+async def test_only_the_consoles_own_messages_are_shown(console_url: str) -> None:
+    from relay.ui.security import Guard
+
+    async with httpx.AsyncClient(base_url=console_url) as client:
+        await sign_in(client)
+        forged = await client.get("/?msg=Token%20rotated:%20sign%20in%20at%20evil.example")
+        assert "evil.example" not in forged.text
+        sig = Guard(TOKEN).sign("orders paused")
+        real = await client.get(f"/?msg=orders%20paused&sig={sig}")
+        assert "orders paused" in real.text
+    async with httpx.AsyncClient(base_url=console_url) as anonymous:
+        login = await anonymous.get("/login?msg=x", headers={"accept": "text/html"})
+        assert "schema public" not in login.text and "Overview" not in login.text
+
+
+async def test_hostile_content_is_shown_as_text(
+    db_url: str, console_url: str, browser: Browser
+) -> None:
+    [r] = await sql(
+        db_url,
+        "INSERT INTO outbox (destination, key, payload, content_type, status, last_error, "
+        "finished_at) VALUES ('orders', '<b>k</b>', convert_to('<img src=x onerror=alert(1)>', "
+        "'UTF8'), 'text/html', 'failed', '<script>alert(2)</script>', now()) RETURNING id",
+    )
+    page, _ = await signed_in(browser, console_url)
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: dialogs.append(d.message))
+    await page.goto(f"{console_url}/rows/{r['id']}")
+    assert "<script>alert(2)</script>" in await page.locator("dd.err").first.inner_text()
+    assert "<img src=x onerror=alert(1)>" in await page.locator("pre.payload").inner_text()
+    await page.goto(f"{console_url}/rows?status=failed")
+    assert "<b>k</b>" in await page.locator("#rows").inner_text()
+    assert dialogs == [] and await page.locator("img").count() == 0
+
+
+def test_an_enabled_console_needs_the_listener(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.config import ConfigError
+
+    monkeypatch.setenv("OUTBOX_UI_TOKEN", TOKEN)
+    with pytest.raises((ConfigError, ValueError), match=r"http\.enabled"):
+        settings(
+            db_url, "127.0.0.1:9", destinations={}, ui={"enabled": True}, http={"enabled": False}
+        )
+
+
+def test_the_consoles_sqlalchemy_engine_is_bounded(db_url: str) -> None:
+    app = build_console(db_url, TOKEN)
+    engine = app.state.console.sqlalchemy()
+    assert engine.pool.size() == 2 and engine.pool._max_overflow == 0

@@ -245,6 +245,15 @@ class Settings(BaseSettings):
                 raise ValueError("destination names must be non-empty")
         return v
 
+    @model_validator(mode="after")
+    def _console_needs_listener(self) -> Settings:
+        if self.ui.enabled and not self.http.enabled:
+            raise ValueError(
+                "ui.enabled = true serves the console on the [http] listener, which "
+                "http.enabled = false turns off: enable both, or run `outbox-relay ui` apart"
+            )
+        return self
+
     @property
     def dsn(self) -> str:
         return to_asyncpg_dsn(self.database_url.get_secret_value())

@@ -21,21 +21,23 @@ from relay.durations import parse_duration
 from relay.ops import admin
 from relay.ops.admin import AdminError, RetryFilter
 from relay.ui.pages import console_of
-from relay.ui.security import COOKIE, CSRF_FIELD
+from relay.ui.security import CSRF_FIELD, SESSION_SECONDS, cookie_name
 
-MAX_FORM_BYTES = 64 * 1024
 PURGE_BATCH = 5000
 
 Form = dict[str, str]
 
 
 async def _form(request: Request) -> Form:
-    """An urlencoded form (the console sends no other), one value per field."""
-    body = await request.body()
-    if len(body) > MAX_FORM_BYTES:
-        return {}
+    """An urlencoded form (the console sends no other), one value per field; text with NUL
+    characters (which PostgreSQL text cannot hold) is refused here, with the field named."""
+    body = await request.body()  # the gate caps its size
     fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
-    return {k: v[-1] for k, v in fields.items()}
+    form = {k: v[-1] for k, v in fields.items()}
+    for name, value in form.items():
+        if "\x00" in value:
+            raise AdminError(f"{name} holds a NUL character")
+    return form
 
 
 def _local(base: str, target: str | None) -> str:
@@ -49,7 +51,8 @@ def _done(request: Request, form: Form, message: str) -> Response:
     base = request.scope.get("root_path", "")
     target = _local(base, form.get("next"))
     sep = "&" if "?" in target else "?"
-    return RedirectResponse(f"{target}{sep}msg={quote(message)}", status_code=303)
+    sig = console_of(request).guard.sign(message)
+    return RedirectResponse(f"{target}{sep}msg={quote(message)}&sig={sig}", status_code=303)
 
 
 # --- sign-in ---------------------------------------------------------------------------------
@@ -66,11 +69,13 @@ async def login(request: Request) -> Response:
             status_code=401,
             error="wrong token",
             next=form.get("next", ""),
+            signed_in=False,
         )
     response = RedirectResponse(_local(base, form.get("next")), status_code=303)
     response.set_cookie(
-        COOKIE,
-        console.guard.session,
+        cookie_name(base),
+        console.guard.new_session(),
+        max_age=SESSION_SECONDS,
         httponly=True,
         secure=True,  # browsers keep it on http://127.0.0.1 and localhost too
         samesite="strict",
@@ -82,7 +87,7 @@ async def login(request: Request) -> Response:
 async def logout(request: Request) -> Response:
     base = request.scope.get("root_path", "")
     response = RedirectResponse(base + "/login", status_code=303)
-    response.delete_cookie(COOKIE, path=base + "/")
+    response.delete_cookie(cookie_name(base), path=base + "/", secure=True, httponly=True)
     return response
 
 
@@ -91,10 +96,13 @@ async def logout(request: Request) -> Response:
 
 async def act(request: Request) -> Response:
     console = console_of(request)
-    form = await _form(request)
     name = request.path_params["name"]
     if console.read_only:
         return _refused(request, "the console is read-only: actions are off", 403)
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/x-www-form-urlencoded":
+        return _refused(request, "actions take an urlencoded form", 415)
+    form = await _form(request)
     why = console.guard.action_allowed(request, form.get(CSRF_FIELD))
     if why is not None:
         return _refused(request, why, 403)
@@ -103,7 +111,7 @@ async def act(request: Request) -> Response:
         return _refused(request, f"no action {name!r}", 404)
     try:
         return await handler(request, form)
-    except (AdminError, OutboxError, ValueError) as exc:
+    except (AdminError, OutboxError, ValueError, OverflowError) as exc:
         return _refused(request, describe(exc) if not isinstance(exc, AdminError) else str(exc))
 
 
@@ -115,9 +123,20 @@ def _refused(request: Request, why: str, status: int = 400) -> Response:
 
 def _ids(form: Form) -> list[int]:
     raw = form.get("ids", "").replace(",", " ").split()
-    if not raw or not all(x.isdigit() for x in raw):
+    if not raw or not all(_whole(x) is not None for x in raw):
         raise AdminError("give the row ids, separated by spaces or commas")
     return sorted({int(x) for x in raw})
+
+
+MAX_ID = 2**63 - 1
+
+
+def _whole(text: str | None) -> int | None:
+    """A positive id as PostgreSQL's bigint holds it, or None."""
+    if not text or not (text.isascii() and text.isdigit()):
+        return None
+    value = int(text)
+    return value if 0 < value <= MAX_ID else None
 
 
 def _confirmed(form: Form) -> bool:
@@ -154,9 +173,11 @@ async def _retry(request: Request, form: Form) -> Response:
         flt = RetryFilter(ids=_ids(form))
     else:
         dest = form.get("destination") or None
-        flt = RetryFilter(
-            destinations=[dest] if dest else None, error_like=form.get("error_like") or None
-        )
+        error_like = form.get("error_like") or None
+        if dest is None and error_like is None and form.get("all") != "on":
+            # As `outbox-relay retry`, which needs --all for every failed row everywhere.
+            raise AdminError("say which failed rows: a destination, an error text, or all")
+        flt = RetryFilter(destinations=[dest] if dest else None, error_like=error_like)
     async with console.connection() as conn:
         if not _confirmed(form):
             preview = await admin.retry(conn, console.schema, flt, dry_run=True)
@@ -181,7 +202,9 @@ async def _skip(request: Request, form: Form) -> Response:
 
 async def _purge(request: Request, form: Form) -> Response:
     console = console_of(request)
-    older_than = parse_duration(form.get("older_than") or "7d")
+    if not form.get("older_than"):
+        raise AdminError("say how old: older_than, e.g. 7d (as `outbox-relay purge --older-than`)")
+    older_than = parse_duration(form["older_than"])
     dest = form.get("destination") or None
     args: dict[str, Any] = {
         "older_than": older_than,
@@ -221,12 +244,13 @@ async def _resume(request: Request, form: Form) -> Response:
 
 async def _replay(request: Request, form: Form) -> Response:
     console = console_of(request)
-    endpoint = int(form["endpoint"]) if form.get("endpoint", "").isdigit() else None
+    endpoint = _whole(form.get("endpoint"))
     async with console.connection() as conn:
         if form.get("event"):
-            if not form["event"].isdigit():
+            event = _whole(form["event"])
+            if event is None:
                 raise AdminError("the event id must be a whole number")
-            done = await admin.replay_event(conn, console.schema, int(form["event"]), endpoint)
+            done = await admin.replay_event(conn, console.schema, event, endpoint)
             return _done(request, form, f"event {form['event']} replayed ({_count(done)})")
         if endpoint is None:
             raise AdminError("give an event id, or an endpoint and a window")
@@ -261,10 +285,9 @@ async def _endpoint_state(request: Request, form: Form) -> Response:
 
     console = console_of(request)
     what = request.path_params["name"]
-    raw = form.get("endpoint", "")
-    if not raw.isdigit():
+    eid = _whole(form.get("endpoint"))
+    if eid is None:
         raise AdminError("which endpoint?")
-    eid = int(raw)
     endpoints = api.Endpoints(schema=console.schema)
     async with console.sqlalchemy().begin() as conn:
         if what == "endpoint-disable":
@@ -288,7 +311,7 @@ async def _endpoint_add(request: Request, form: Form) -> Response:
 
     console = console_of(request)
     rate = form.get("rate_limit", "").strip()
-    if rate and not rate.isdigit():
+    if rate and _whole(rate) is None:
         raise AdminError("the rate limit is a whole number of requests per second")
     async with console.sqlalchemy().begin() as conn:
         ep = await api.Endpoints(schema=console.schema).create(

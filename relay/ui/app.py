@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+import structlog
 from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -28,8 +29,13 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outbox.dburl import to_asyncpg_dsn
+from outbox.errors import describe
+from relay.ops.admin import AdminError
+from relay.store import UNAVAILABLE
 from relay.ui import actions, pages
-from relay.ui.security import COOKIE, CSRF_FIELD, HEADERS, Guard
+from relay.ui.security import COOKIE, CSRF_FIELD, HEADERS, MAX_FORM_BYTES, Guard
+
+log = structlog.get_logger("relay.console")
 
 STATIC = Path(__file__).parent / "static"
 # Statements of the console are cut short rather than left to load the database.
@@ -40,7 +46,7 @@ STATEMENT_TIMEOUT_MS = 10_000
 class Console:
     """What the handlers share."""
 
-    database_url: str
+    database_url: str = field(repr=False)  # holds the password
     schema: str
     guard: Guard
     read_only: bool
@@ -81,8 +87,19 @@ class Console:
 
             from outbox.dburl import to_sqlalchemy_async_url
 
+            # As bounded as the asyncpg pool: two connections, the same statement timeout.
             self.engine = create_async_engine(
-                to_sqlalchemy_async_url(self.database_url), hide_parameters=True
+                to_sqlalchemy_async_url(self.database_url),
+                hide_parameters=True,
+                pool_size=2,
+                max_overflow=0,
+                pool_timeout=STATEMENT_TIMEOUT_MS / 1000,
+                connect_args={
+                    "server_settings": {
+                        "application_name": "outbox-relay console",
+                        "statement_timeout": str(STATEMENT_TIMEOUT_MS),
+                    }
+                },
             )
         return self.engine
 
@@ -90,13 +107,20 @@ class Console:
         self, request: Request, name: str, status_code: int = 200, **context: Any
     ) -> HTMLResponse:
         template = self.templates.get_template(name)
+        message = request.query_params.get("msg")
+        if not self.guard.signed(message, request.query_params.get("sig")):
+            # Only what an action of this console said (signed): a link from elsewhere
+            # cannot put its own words on these pages.
+            message = None
+        signed_in = context.pop("signed_in", True)
         html = template.render(
             base=request.scope.get("root_path", ""),
             read_only=self.read_only,
             csrf_field=CSRF_FIELD,
-            csrf=self.guard.csrf,
-            schema=self.schema,
-            message=request.query_params.get("msg"),
+            csrf=self.guard.csrf if signed_in else "",
+            schema=self.schema if signed_in else "",
+            signed_in=signed_in,
+            message=message,
             **context,
         )
         return HTMLResponse(html, status_code=status_code)
@@ -137,7 +161,7 @@ def build_console(
         Route("/fragments/overview", pages.overview_fragment),
         Route("/api/series", pages.series),
         Route("/api/status", pages.status_json),
-        Route("/destinations/{name}", pages.destination),
+        Route("/destinations/{name:path}", pages.destination),
         Route("/rows", pages.rows),
         Route("/rows/{id:int}", pages.row),
         Route("/endpoints", pages.endpoints),
@@ -181,18 +205,98 @@ class _Gate:
                 message["headers"] = headers
             await send(message)
 
-        if not open_path and not self.console.guard.signed_in(request):
+        if scope["method"] == "POST" and not _small_enough(request):
+            response: Response = PlainTextResponse(
+                f"413 request too large: forms here are at most {MAX_FORM_BYTES} bytes\n",
+                status_code=413,
+            )
+            await response(scope, receive, send_with_headers)
+            return
+        try:
+            signed_in = open_path or self.console.guard.signed_in(request)
+        except ValueError:  # a cookie or header that cannot even be compared
+            signed_in = False
+        if not signed_in:
             response = _unauthenticated(self.console, request)
             await response(scope, receive, send_with_headers)
             return
-        await self.app(scope, receive, send_with_headers)
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send_with_headers(message)
+
+        try:
+            await self.app(scope, _capped(receive), tracked)
+        except Exception as exc:
+            # A page that cannot be shown says why, with the same headers, never a bare 500
+            # or a traceback.
+            if started:
+                raise
+            response = _failed(self.console, request, exc)
+            await response(scope, receive, send_with_headers)
+
+
+def _small_enough(request: Request) -> bool:
+    length = request.headers.get("content-length")
+    if length is None:
+        return True  # chunked: _capped stops reading at the limit
+    return length.isascii() and length.isdigit() and int(length) <= MAX_FORM_BYTES
+
+
+def _capped(receive: Receive) -> Receive:
+    """The request body, cut off past MAX_FORM_BYTES (a body without a length)."""
+    seen = 0
+
+    async def wrapped() -> Any:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > MAX_FORM_BYTES:
+                raise BodyTooLarge(f"forms here are at most {MAX_FORM_BYTES} bytes")
+        return message
+
+    return wrapped
+
+
+class BodyTooLarge(ValueError):
+    """A request body past the console's limit."""
+
+
+def _failed(console: Console, request: Request, exc: Exception) -> Response:
+    """What a request that raised gets: 503 when the database cannot answer, 400 for input
+    the database or a parser refused, 413 for a body too large; logged, never shown raw."""
+    if isinstance(exc, BodyTooLarge):
+        status, title, text = 413, "Too large", str(exc)
+    elif isinstance(exc, AdminError):
+        status, title, text = 400, "Refused", str(exc)
+    elif isinstance(exc, UNAVAILABLE):
+        status, title = 503, "Database unavailable"
+        text = f"the database cannot answer now: {describe(exc)}; try again shortly"
+    elif isinstance(exc, asyncpg.QueryCanceledError):
+        status, title = 503, "Too slow"
+        text = "the query took longer than the console allows (10 s): narrow the filters"
+    elif isinstance(exc, asyncpg.PostgresError | ValueError | OverflowError):
+        status, title, text = 400, "Refused", f"the request cannot be carried out: {describe(exc)}"
+    else:
+        status, title = 500, "Error"
+        text = "the console failed on this request; its log has the details"
+        log.exception("relay.console.error", path=request.url.path)
+    if status != 500:
+        log.warning("relay.console.refused", path=request.url.path, status=status, error=text)
+    return console.render(request, "message.html", status_code=status, title=title, text=text)
 
 
 def _unauthenticated(console: Console, request: Request) -> Response:
     """401: the sign-in form for a browser, a line of text for a script."""
     headers = {"www-authenticate": 'Bearer realm="outbox-relay console"'}
     if "text/html" in request.headers.get("accept", ""):
-        response = console.render(request, "login.html", status_code=401, next=request.url.path)
+        response = console.render(
+            request, "login.html", status_code=401, next=request.url.path, signed_in=False
+        )
         response.headers.update(headers)
         return response
     return PlainTextResponse(

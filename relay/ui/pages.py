@@ -47,7 +47,7 @@ def short(text: str | None, limit: int = 120) -> str:
 
 async def login_form(request: Request) -> Response:
     return console_of(request).render(
-        request, "login.html", next=request.query_params.get("next", "")
+        request, "login.html", next=request.query_params.get("next", ""), signed_in=False
     )
 
 
@@ -80,6 +80,8 @@ async def series(request: Request) -> Response:
     """Delivered rows per minute and their lag over the last hour, for the charts."""
     console = console_of(request)
     dest = request.query_params.get("destination") or None
+    if dest is not None and "\x00" in dest:
+        raise AdminError("destination holds a NUL character")
     async with console.connection() as conn:
         rows = await conn.fetch(render_ops(queries.SERIES, console.schema), dest)
     return JSONResponse(
@@ -87,10 +89,14 @@ async def series(request: Request) -> Response:
             "destination": dest,
             "minutes": [r["minute"] for r in rows],
             "delivered": [r["delivered"] for r in rows],
-            "lag_avg_s": [round(r["lag_avg"], 3) for r in rows],
-            "lag_max_s": [round(r["lag_max"], 3) for r in rows],
+            "lag_avg_s": [_rounded(r["lag_avg"]) for r in rows],
+            "lag_max_s": [_rounded(r["lag_max"]) for r in rows],
         }
     )
+
+
+def _rounded(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
 
 
 async def destination(request: Request) -> Response:
@@ -131,8 +137,10 @@ def _filters(request: Request) -> dict[str, Any]:
         value = (q.get(name) or "").strip()
         if not value:
             continue
+        if "\x00" in value:
+            raise AdminError(f"{name} holds a NUL character")
         if name in ("min_id", "max_id", "before_id"):
-            if not value.isdigit():
+            if not (value.isascii() and value.isdigit()) or int(value) > 2**63 - 1:
                 raise AdminError(f"{name} must be a whole number, not {value!r}")
             found[name] = int(value)
         else:
@@ -163,6 +171,8 @@ async def rows(request: Request) -> Response:
 async def row(request: Request) -> Response:
     console = console_of(request)
     row_id = request.path_params["id"]
+    if row_id > 2**63 - 1:
+        raise AdminError(f"no outbox row with id {row_id}")
     async with console.connection() as conn:
         found, _ = await admin.show(conn, console.schema, [row_id], preview_bytes=16384)
         log = await admin.event_deliveries(conn, console.schema, [row_id])
@@ -202,6 +212,8 @@ def _pretty(text: str, content_type: str) -> str:
 async def endpoints(request: Request) -> Response:
     console = console_of(request)
     dest = request.query_params.get("destination") or None
+    if dest is not None and "\x00" in dest:
+        raise AdminError("destination holds a NUL character")
     async with console.connection() as conn:
         tables = await conn.fetchval(
             "SELECT to_regclass($1) IS NOT NULL", f"{_quoted(console.schema)}.outbox_endpoints"

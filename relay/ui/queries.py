@@ -10,14 +10,22 @@ from __future__ import annotations
 # worst), per destination ($1: one destination, or NULL for all). Read from the delivered
 # rows still kept (relay.retention), through the partial index on delivered_at.
 SERIES = """
-SELECT extract(epoch FROM date_trunc('minute', delivered_at))::bigint AS minute,
-       count(*) AS delivered,
-       avg(extract(epoch FROM delivered_at - created_at))::float8 AS lag_avg,
-       max(extract(epoch FROM delivered_at - created_at))::float8 AS lag_max
-FROM {table}
-WHERE status = 'delivered' AND delivered_at > now() - interval '1 hour'
-  AND ($1::text IS NULL OR destination = $1::text)
-GROUP BY 1
+WITH per_minute AS (
+    SELECT date_trunc('minute', delivered_at) AS minute,
+           count(*) AS delivered,
+           avg(extract(epoch FROM delivered_at - created_at))::float8 AS lag_avg,
+           max(extract(epoch FROM delivered_at - created_at))::float8 AS lag_max
+    FROM {table}
+    WHERE status = 'delivered' AND delivered_at > now() - interval '1 hour'
+      AND ($1::text IS NULL OR destination = $1::text)
+    GROUP BY 1
+)
+-- Every minute of the hour, a quiet one as 0 delivered (no lag): the chart shows the gap.
+SELECT extract(epoch FROM m.minute)::bigint AS minute,
+       coalesce(p.delivered, 0) AS delivered, p.lag_avg, p.lag_max
+FROM generate_series(date_trunc('minute', now() - interval '59 minutes'),
+                     date_trunc('minute', now()), interval '1 minute') AS m(minute)
+LEFT JOIN per_minute AS p USING (minute)
 ORDER BY 1
 """
 

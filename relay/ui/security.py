@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import time
 from pathlib import Path
 
 from starlette.requests import Request
@@ -69,43 +70,86 @@ def load_token(token_file: str | Path | None = None, environ: dict[str, str] | N
     return token
 
 
+SESSION_SECONDS = 12 * 3600  # a sign-in lasts this long
+MAX_FORM_BYTES = 64 * 1024
+
+
 class Guard:
     """Checks requests against the token; never keeps or renders the token itself."""
 
     def __init__(self, token: str) -> None:
         self._digest = hashlib.sha256(token.encode()).digest()
-        key = hashlib.sha256(b"outbox-relay console\x00" + token.encode()).digest()
-        self.session = hmac.new(key, b"session", hashlib.sha256).hexdigest()
-        self.csrf = hmac.new(key, b"csrf", hashlib.sha256).hexdigest()
+        self._key = hashlib.sha256(b"outbox-relay console\x00" + token.encode()).digest()
+        self.csrf = self._mac("csrf")
 
     def __repr__(self) -> str:
         return "Guard(<token>)"
 
+    def _mac(self, what: str) -> str:
+        return hmac.new(self._key, what.encode(), hashlib.sha256).hexdigest()
+
     def token_ok(self, offered: str) -> bool:
         return hmac.compare_digest(hashlib.sha256(offered.encode()).digest(), self._digest)
+
+    def new_session(self, now: float | None = None) -> str:
+        """A cookie value: when it expires, signed (nothing to look up, and a new token
+        ends every session)."""
+        expires = int((now if now is not None else time.time()) + SESSION_SECONDS)
+        return f"{expires}.{self._mac(f'session:{expires}')}"
+
+    def session_ok(self, value: str, now: float | None = None) -> bool:
+        expires, _, mac = value.partition(".")
+        if not (expires.isascii() and expires.isdigit()) or not mac.isascii():
+            return False
+        if int(expires) < (now if now is not None else time.time()):
+            return False
+        return hmac.compare_digest(mac.encode(), self._mac(f"session:{expires}").encode())
+
+    def sign(self, message: str) -> str:
+        """A signature for a message the console shows after an action (``msg`` in the URL),
+        so that a link from elsewhere cannot put its own words on the console's pages."""
+        return self._mac(f"msg:{message}")[:32]
+
+    def signed(self, message: str | None, signature: str | None) -> bool:
+        if not message or not signature or not signature.isascii():
+            return False
+        return hmac.compare_digest(signature.encode(), self.sign(message).encode())
 
     def bearer(self, request: Request) -> bool:
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and self.token_ok(value.strip())
 
     def signed_in(self, request: Request) -> bool:
-        return hmac.compare_digest(request.cookies.get(COOKIE, ""), self.session) or self.bearer(
-            request
-        )
+        cookie = request.cookies.get(cookie_name(request.scope.get("root_path", "")), "")
+        return self.session_ok(cookie) or self.bearer(request)
 
     def action_allowed(self, request: Request, form_csrf: str | None) -> str | None:
         """Why an action (a POST) must be refused, or None. Scripts authenticated by the
         header need no CSRF value: a cross-site page cannot set that header."""
         if self.bearer(request):
             return None
-        if request.headers.get("sec-fetch-site") == "cross-site":
-            return "cross-site request refused"
-        origin = request.headers.get("origin")
-        if origin is not None and origin != _own_origin(request):
-            return f"request from another origin ({origin}) refused"
-        if not form_csrf or not hmac.compare_digest(form_csrf, self.csrf):
+        fetch_site = request.headers.get("sec-fetch-site")
+        if fetch_site is not None:
+            # Set by the browser itself: reliable behind a proxy that rewrites Host or
+            # terminates TLS, where the Origin no longer matches what the console sees.
+            if fetch_site != "same-origin":
+                return f"{fetch_site} request refused"
+        else:
+            origin = request.headers.get("origin")
+            if origin is not None and origin != _own_origin(request):
+                return f"request from another origin ({origin}) refused"
+        if not form_csrf or not form_csrf.isascii():
+            return "missing or wrong CSRF value: reload the page and try again"
+        if not hmac.compare_digest(form_csrf.encode(), self.csrf.encode()):
             return "missing or wrong CSRF value: reload the page and try again"
         return None
+
+
+def cookie_name(root_path: str) -> str:
+    """``__Host-`` when served at the root: the browser then keeps the cookie to this exact
+    host and port's scheme, path ``/``, and no subdomain can set it. Mounted under a path
+    (``/ui`` in the relay's listener), that prefix is not allowed; the path scopes it."""
+    return f"__Host-{COOKIE}" if not root_path else COOKIE
 
 
 def _own_origin(request: Request) -> str:

@@ -34,7 +34,7 @@
       .then((r) => (r.ok ? r.json() : Promise.reject(new Error("HTTP " + r.status))))
       .then((data) => {
         const cols = columns(kind, data);
-        el.dataset.points = String(data.minutes.length);
+        el.dataset.delivered = String(data.delivered.reduce((a, b) => a + b, 0));
         if (el._plot) {
           el._plot.setData(cols);
           return;
