@@ -39,6 +39,7 @@ class Envelope:
     with plain SQL can hold anything (see header_problem). ``token`` is the fencing token the
     claim returned (the row's ``claims``): every write the relay makes about the row
     (heartbeat, outcome, release) applies only while the row still carries it.
+    ``event_type`` is the row's (migration 0006), None when it has none.
     """
 
     id: int
@@ -51,6 +52,7 @@ class Envelope:
     created_at: datetime
     token: int
     lease: Lease
+    event_type: str | None = None
 
     def held(self) -> bool:
         """Whether this relay still holds the row (so may send it)."""

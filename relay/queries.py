@@ -44,7 +44,7 @@ SET status = 'running', locked_by = $3, locked_until = now() + make_interval(sec
     claims = o.claims + 1
 WHERE o.id = ANY(ARRAY(SELECT id FROM picked))
 RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
-          o.attempts, extract(epoch FROM o.created_at)::float8, o.claims
+          o.attempts, extract(epoch FROM o.created_at)::float8, o.claims, o.event_type
 """
 
 # All outcomes of a batch in one statement. Only rows this relay still holds under the claim
@@ -420,7 +420,8 @@ claimed AS (
         claims = o.claims + 1
     WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
     RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
-              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims
+              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
+              o.event_type
 )
 SELECT * FROM claimed
 UNION ALL
@@ -428,7 +429,7 @@ SELECT -1, NULL, CASE
            WHEN (SELECT count(*) FROM heads) >= $2 THEN (SELECT max(key) FROM heads)
            WHEN (SELECT count(*) FROM k) >= $5 THEN (SELECT key FROM k ORDER BY n DESC LIMIT 1)
        END,
-       NULL, NULL, NULL, 0, NULL, 0
+       NULL, NULL, NULL, 0, NULL, 0, NULL
 """
 
 # Keys held up by a failed row: a key's first failed row with later rows of the key pending
@@ -580,7 +581,7 @@ SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.r
        o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
        extract(epoch FROM o.created_at)::float8 AS created_at,
        e.url, e.secret, CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END
-           AS previous_secret, e.rate_limit
+           AS previous_secret, e.rate_limit, o.event_type
 FROM claimed AS c
 JOIN {endpoints} AS e ON e.id = c.endpoint_id
 LEFT JOIN {table} AS o ON o.id = c.event_id
@@ -590,7 +591,7 @@ SELECT -1, (SELECT count(*) FROM orphaned), CASE
            WHEN (SELECT count(*) FROM eps) >= $6
                THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
        END,
-       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 """
 
 # The outcomes of deliveries, in one statement: each delivery still held under its claim's

@@ -246,6 +246,7 @@ class Store:
                 created_at=_timestamp(r[7]),
                 token=r[8],
                 lease=lease,
+                event_type=r[9],
             )
             for r in rows
         ]

@@ -59,6 +59,21 @@ def hook(url: str) -> str:
         # An int32 in the produce request: 3e9 could not be sent at all.
         ("[kafka]\nrequest_timeout_ms = 3000000000\n", "kafka.request_timeout_ms"),
         ("[kafka]\nmax_request_size = 3000000000\n", "kafka.max_request_size"),
+        # CloudEvents: a source is required, must be a URI-reference, and needs the envelope.
+        (
+            "[destinations.o]\nkind = 'kafka'\ntopic = 'o'\nenvelope = 'cloudevents'\n",
+            "destinations.o.kafka.source",
+        ),
+        (
+            hook("https://example.com/in") + "envelope = 'cloudevents'\nsource = 'a b'\n",
+            "destinations.h.webhook.source",
+        ),
+        (hook("https://example.com/in") + "source = '/orders'\n", "destinations.h.webhook.source"),
+        (
+            "[destinations.c]\nkind = 'endpoints'\nenvelope = 'cloudevents'\nsource = '/c'\n"
+            "cloudevents_mode = 'batch'\n",
+            "destinations.c.endpoints.cloudevents_mode",
+        ),
     ],
 )
 def test_values_the_relay_cannot_run_with_are_refused(tmp_path: Path, toml: str, key: str) -> None:
@@ -80,6 +95,16 @@ def test_values_the_relay_cannot_run_with_are_refused(tmp_path: Path, toml: str,
 )
 def test_valid_webhook_urls_pass(tmp_path: Path, url: str) -> None:
     res = check(BASE + hook(url), tmp_path)
+    assert res.returncode == 0, res.stderr
+
+
+def test_a_cloudevents_destination_passes_the_check(tmp_path: Path) -> None:
+    toml = (
+        "[destinations.o]\nkind = 'kafka'\ntopic = 'o'\nenvelope = 'cloudevents'\n"
+        "source = 'https://shop.example/orders'\ncloudevents_mode = 'structured'\n"
+        "default_type = 'order.changed'\n"
+    )
+    res = check(BASE + toml, tmp_path)
     assert res.returncode == 0, res.stderr
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
+from relay.cloudevents import source_problem, type_problem
 from relay.durations import parse_duration
 
 
@@ -52,7 +53,10 @@ class Backoff(Section):
 
 class Delivery(Section):
     """What a destination of every kind has: its kind, how its rows are ordered, what blocks
-    a key, and its retry policy (where unset, the relay's)."""
+    a key, its retry policy (where unset, the relay's), and the envelope its rows are sent in."""
+
+    # The envelope (envelope, source, cloudevents_mode, default_type) is applied by each sink
+    # in its protocol's binding, from what relay/cloudevents.py builds once per destination.
 
     kind: str = Field(
         description=(
@@ -73,6 +77,71 @@ class Delivery(Section):
         None, ge=1, le=10_000, description="attempts before a row is failed; overrides relay's"
     )
     backoff: Backoff | None = Field(None, description="overrides relay.backoff")
+    envelope: Literal["none", "cloudevents"] = Field(
+        "none",
+        description="none: the payload is sent as it is; cloudevents: each row is sent as a "
+        "CloudEvent 1.0 (id, source, type, specversion, time), see [CloudEvents](cloudevents.md)",
+    )
+    # Validated after envelope (declared before them), which each reads.
+    source: str | None = Field(
+        None,
+        validate_default=True,
+        description='required with envelope = "cloudevents": the events\' `source` attribute, '
+        "a URI-reference such as `/orders-service` or `https://shop.example/orders`",
+    )
+    cloudevents_mode: Literal["binary", "structured"] = Field(
+        "binary",
+        description='with envelope = "cloudevents": binary (attributes in `ce-`/`ce_` headers, '
+        "the payload sent as it is) or structured (one `application/cloudevents+json` document "
+        "holding the attributes and the data)",
+    )
+    default_type: str | None = Field(
+        None,
+        description='with envelope = "cloudevents": the `type` of rows enqueued without an '
+        "`event_type`; unset, such a row fails with the reason (no type is made up)",
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None, info: ValidationInfo) -> str | None:
+        envelope = info.data.get("envelope")
+        if envelope is None:  # itself invalid, and reported
+            return v
+        if envelope != "cloudevents":
+            if v is not None:
+                raise ValueError(
+                    'is only used with envelope = "cloudevents": add envelope = "cloudevents" '
+                    "to send CloudEvents, or remove source"
+                )
+            return v
+        if v is None:
+            raise ValueError(
+                'required with envelope = "cloudevents": the URI-reference that names where '
+                'the events come from, e.g. source = "/orders-service"'
+            )
+        problem = source_problem(v)
+        if problem:
+            raise ValueError(
+                f'must be a URI-reference (RFC 3986) such as "/orders-service" or '
+                f'"https://shop.example/orders"; this one {problem}'
+            )
+        return v
+
+    # Without validate_default: these run only for keys the configuration sets.
+    @field_validator("cloudevents_mode", "default_type")
+    @classmethod
+    def _with_cloudevents(cls, v: str | None, info: ValidationInfo) -> str | None:
+        envelope = info.data.get("envelope")
+        if envelope is not None and envelope != "cloudevents":
+            raise ValueError(
+                f'is only used with envelope = "cloudevents": add envelope = "cloudevents" '
+                f"and source, or remove {info.field_name}"
+            )
+        if info.field_name == "default_type" and v is not None:
+            problem = type_problem(v)
+            if problem:
+                raise ValueError(f"must be a non-empty event type; this one {problem}")
+        return v
 
 
 def package_version() -> str:

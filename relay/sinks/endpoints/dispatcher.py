@@ -376,6 +376,7 @@ class Dispatcher:
             created_at=_timestamp(c.created_at),
             token=c.token,
             lease=c.lease,
+            event_type=c.event_type,
         )
         async with state.semaphore:
             if state.disabled_at is not None and c.lease_started <= state.disabled_at:

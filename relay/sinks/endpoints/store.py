@@ -34,6 +34,7 @@ class Claimed:
     lease: Lease
     lease_started: float = 0.0  # monotonic time just before the claim statement
     sending: bool = False  # its request started (a stop cuts it short: counted)
+    event_type: str | None = None  # the event's (None: it has none, or was deleted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +119,7 @@ class DeliveryStore:
                 rate_limit=r[15],
                 lease=Lease(until),
                 lease_started=started,
+                event_type=r[16],
             )
             for r in rows[:-1]
         ]

@@ -26,6 +26,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from outbox.errors import describe
+from relay import cloudevents
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result, truncate_error
 from relay.sinks import misrouted
@@ -52,7 +53,8 @@ TOPIC_ERRORS: tuple[type[BaseException], ...] = (
     TopicAuthorizationFailedError,
 )
 
-_Item = tuple[Envelope, bytes | None, list[tuple[str, bytes]]]
+# A message ready to send: its row, key, value and headers.
+_Item = tuple[Envelope, bytes | None, bytes, list[tuple[str, bytes]]]
 REFUSED_TOPIC_TTL = 30.0
 
 OUTBOX_ID = "outbox-id"
@@ -103,6 +105,8 @@ class KafkaSink:
     ) -> None:
         self.settings = settings
         self.topics = {name: d.topic for name, d in destinations.items()}
+        # envelope = "cloudevents": built once per destination (None: payloads as they are).
+        self.cloudevents = {name: cloudevents.from_config(d) for name, d in destinations.items()}
         self.breaker = breaker or Breaker(threshold=1, cooldown=2.0, max_cooldown=60.0)
         self._producer: AIOKafkaProducer | None = None
         # Topics the cluster answered it does not have or refuses: their rows are not held
@@ -173,6 +177,31 @@ class KafkaSink:
         hs.append((CONTENT_TYPE, env.content_type.encode()))
         return hs
 
+    @staticmethod
+    def _message(
+        env: Envelope, ce: cloudevents.CloudEvents | None
+    ) -> tuple[bytes, list[tuple[str, bytes]]]:
+        """The value and headers of ``env``'s message; raises cloudevents.NotSendable."""
+        if ce is None:
+            return env.payload, KafkaSink._headers(env)
+        # The row's own headers stay, but for those the relay sets: the attributes (binary),
+        # or in structured mode every ce_ header (it would make readers take it as binary).
+        hs: list[tuple[str, bytes]] = []
+        for k, v in env.headers.items():
+            if k in (OUTBOX_ID, CONTENT_TYPE):
+                continue
+            lower = k.lower()
+            if lower.startswith("ce_") and (
+                ce.structured or lower in cloudevents.KAFKA_ATTRIBUTE_HEADERS
+            ):
+                continue
+            hs.append((k, v.encode()))
+        value = ce.kafka(env, hs)
+        hs.append((OUTBOX_ID, str(env.id).encode()))
+        ctype = cloudevents.STRUCTURED_CONTENT_TYPE if ce.structured else env.content_type
+        hs.append((CONTENT_TYPE, ctype.encode()))
+        return value, hs
+
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         if not batch:
             return []
@@ -190,35 +219,36 @@ class KafkaSink:
         topic = self.topics[dest]  # one destination per batch: one topic
         outcomes: list[Outcome] = []
         groups, broken = await self._partition(producer, topic, batch, outcomes)
-        sends: list[tuple[asyncio.Future[Any], list[Envelope]]] = []
-        singles: list[Envelope] = []
+        sends: list[tuple[asyncio.Future[Any], list[_Item]]] = []
+        singles: list[_Item] = []
         for partition, items in groups.items():
             if broken is not None:
-                outcomes.extend(self._not_sent(env, broken) for env, _, _ in items)
+                outcomes.extend(self._not_sent(item[0], broken) for item in items)
                 continue
             try:
                 await self._send_batches(producer, topic, partition, items, sends, singles)
             except (KafkaError, OSError) as exc:
                 broken = exc
-                sent = {e.id for _, envs in sends for e in envs} | {e.id for e in singles}
+                sent = {i[0].id for _, sent_items in sends for i in sent_items}
+                sent |= {i[0].id for i in singles}
                 outcomes.extend(
-                    self._not_sent(env, exc) for env, _, _ in items if env.id not in sent
+                    self._not_sent(item[0], exc) for item in items if item[0].id not in sent
                 )
 
         results = await asyncio.gather(*(f for f, _ in sends), return_exceptions=True)
         failures: list[BaseException] = []
-        for (_, envs), res in zip(sends, results, strict=True):
+        for (_, sent_items), res in zip(sends, results, strict=True):
             if not isinstance(res, BaseException):
-                outcomes.extend(Outcome.delivered(e.id) for e in envs)
+                outcomes.extend(Outcome.delivered(i[0].id) for i in sent_items)
             elif isinstance(res, asyncio.CancelledError):
                 raise res
-            elif isinstance(res, PERMANENT) and len(envs) > 1:
+            elif isinstance(res, PERMANENT) and len(sent_items) > 1:
                 # The broker refused the batch as a whole (e.g. its size): find the message at
                 # fault by sending them one by one, so the others are not failed with it.
-                singles.extend(envs)
+                singles.extend(sent_items)
             else:
                 failures.append(res)
-                outcomes.extend(self._outcome_for(e.id, res) for e in envs)
+                outcomes.extend(self._outcome_for(i[0].id, res) for i in sent_items)
         if singles:
             single_outcomes = await self._send_singly(producer, topic, singles)
             failures.extend(o_exc for _, o_exc in single_outcomes if o_exc is not None)
@@ -305,34 +335,44 @@ class KafkaSink:
             outcomes.extend(self._topic_refused(env, topic, exc) for env in batch)
             return {}, None
         groups: dict[int, list[_Item]] = {}
+        ce = self.cloudevents.get(batch[0].destination)  # one destination per batch
         for env in batch:
             if not env.held():
                 # Metadata can take a while: the relay's lease on the row may have run out.
                 outcomes.append(Outcome.not_held(env.id))
                 continue
             key = env.key.encode() if env.key is not None else None
-            headers = self._headers(env)
-            too_large = self._too_large(env, key, headers)
+            if ce is None:
+                value, headers = env.payload, self._headers(env)
+            else:
+                try:
+                    value, headers = self._message(env, ce)
+                except cloudevents.NotSendable as exc:
+                    outcomes.append(Outcome.failed(env.id, truncate_error(str(exc))))
+                    continue
+            too_large = self._too_large(env, key, value, headers)
             if too_large is not None:
                 outcomes.append(too_large)
                 continue
             partition = self._partitioner(key, parts, parts)
-            groups.setdefault(partition, []).append((env, key, headers))
+            groups.setdefault(partition, []).append((env, key, value, headers))
         return groups, None
 
     def _too_large(
-        self, env: Envelope, key: bytes | None, headers: list[tuple[str, bytes]]
+        self, env: Envelope, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]
     ) -> Outcome | None:
         """The producer's own measure (it refuses a message above it in send()): a row is
         refused here exactly when the producer would refuse it."""
         limit = self.settings.max_request_size
-        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, env.payload, headers)
+        size = DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers)
         if size <= limit:
             return None
+        envelope = ", CloudEvent envelope" if value is not env.payload else ""
         return Outcome.failed(
             env.id,
-            f"MessageSizeTooLargeError: the message is {size} bytes with its key, headers and "
-            f"framing, above kafka.max_request_size ({limit}); it cannot be sent as it is",
+            f"MessageSizeTooLargeError: the message is {size} bytes with its key, headers"
+            f"{envelope} and framing, above kafka.max_request_size ({limit}); it cannot be sent "
+            "as it is",
         )
 
     async def _send_batches(
@@ -341,37 +381,35 @@ class KafkaSink:
         topic: str,
         partition: int,
         items: list[_Item],
-        sends: list[tuple[asyncio.Future[Any], list[Envelope]]],
-        singles: list[Envelope],
+        sends: list[tuple[asyncio.Future[Any], list[_Item]]],
+        singles: list[_Item],
     ) -> None:
         builder = producer.create_batch()
-        envs: list[Envelope] = []
-        for env, key, headers in items:
-            if builder.append(key=key, value=env.payload, timestamp=None, headers=headers):
-                envs.append(env)
+        batched: list[_Item] = []
+        for item in items:
+            _, key, value, headers = item
+            if builder.append(key=key, value=value, timestamp=None, headers=headers):
+                batched.append(item)
                 continue
-            if envs:  # the batch is full: ship it and start the next
-                sends.append((await producer.send_batch(builder, topic, partition=partition), envs))
-                builder, envs = producer.create_batch(), []
-                if builder.append(key=key, value=env.payload, timestamp=None, headers=headers):
-                    envs.append(env)
+            if batched:  # the batch is full: ship it and start the next
+                sends.append(
+                    (await producer.send_batch(builder, topic, partition=partition), batched)
+                )
+                builder, batched = producer.create_batch(), []
+                if builder.append(key=key, value=value, timestamp=None, headers=headers):
+                    batched.append(item)
                     continue
-            singles.append(env)  # larger than a whole batch: the producer sizes one for it
-        if envs:
-            sends.append((await producer.send_batch(builder, topic, partition=partition), envs))
+            singles.append(item)  # larger than a whole batch: the producer sizes one for it
+        if batched:
+            sends.append((await producer.send_batch(builder, topic, partition=partition), batched))
 
     async def _send_singly(
-        self, producer: AIOKafkaProducer, topic: str, envs: list[Envelope]
+        self, producer: AIOKafkaProducer, topic: str, items: list[_Item]
     ) -> list[tuple[Outcome, BaseException | None]]:
         futures: list[tuple[Envelope, asyncio.Future[Any] | BaseException]] = []
-        for env in envs:
+        for env, key, value, headers in items:
             try:
-                fut = await producer.send(
-                    topic,
-                    value=env.payload,
-                    key=env.key.encode() if env.key is not None else None,
-                    headers=self._headers(env),
-                )
+                fut = await producer.send(topic, value=value, key=key, headers=headers)
             except (KafkaError, OSError) as exc:
                 futures.append((env, exc))
             else:

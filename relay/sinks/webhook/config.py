@@ -8,9 +8,10 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from yarl import URL
 
+from relay.cloudevents import HTTP_ATTRIBUTE_HEADERS
 from relay.config.base import MAX_SECONDS, Backoff, Delivery, Section, package_version
 from relay.sinks.webhook.signing import decode_secret
 
@@ -178,7 +179,8 @@ class WebhookDelivery(Delivery):
         repr=False,
         description=(
             "extra request headers (values never printed); headers the relay sets itself "
-            "(`webhook-*`, `content-type`, framing headers) are refused"
+            '(`webhook-*`, `content-type`, framing headers; with envelope = "cloudevents" '
+            "the `ce-` attributes it sets, and in structured mode every `ce-` header) are refused"
         ),
     )
     retry_client_errors: bool = Field(
@@ -226,10 +228,25 @@ class WebhookDelivery(Delivery):
 
     @field_validator("headers")
     @classmethod
-    def _headers(cls, v: dict[str, str]) -> dict[str, str]:
+    def _headers(cls, v: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        cloudevents = info.data.get("envelope") == "cloudevents"
+        structured = cloudevents and info.data.get("cloudevents_mode") == "structured"
         for name, value in v.items():
-            if name.lower() in RESERVED_HEADERS:
+            lower = name.lower()
+            if lower in RESERVED_HEADERS:
                 raise ValueError(f"header {name!r} is set by the relay and cannot be configured")
+            if cloudevents and lower in HTTP_ATTRIBUTE_HEADERS:
+                raise ValueError(
+                    f"header {name!r} is the CloudEvents attribute the relay sets "
+                    '(envelope = "cloudevents"); remove it from headers'
+                )
+            if structured and lower.startswith("ce-"):
+                # A ce- header makes receivers read the request in binary mode.
+                raise ValueError(
+                    f"header {name!r}: a structured CloudEvent carries its attributes in the "
+                    "body, and a ce- header would make receivers read it as binary; remove "
+                    'it, or use cloudevents_mode = "binary"'
+                )
             problem = header_problem(name, value)
             if problem:
                 raise ValueError(problem)

@@ -4,7 +4,8 @@ Each destination is an *endpoint* with its own concurrency limit and circuit bre
 batch is split per endpoint with the groups running concurrently: a slow or dead endpoint
 holds only its own rows. Every request goes through one shared, SSRF-guarded client
 (client.py). What is the same for every request of an endpoint (its URL, configured headers,
-timeouts) is built once, so a request costs its signature and little else.
+timeouts, its CloudEvents envelope) is built once, so a request costs its signature and little
+else.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import structlog
 from yarl import URL
 
 from outbox.errors import describe
+from relay import cloudevents
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
 from relay.sinks import misrouted
@@ -54,6 +56,8 @@ class Endpoint:
     # The URL's host is an IP literal the policy refuses (aiohttp never resolves literals).
     refused: AddressRefused | None
     semaphore: asyncio.Semaphore
+    # envelope = "cloudevents": the destination's, built once (None: payloads as they are).
+    cloudevents: cloudevents.CloudEvents | None = None
     probe: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_hand: int = 0  # rows handed to deliver() for this endpoint and not yet returned
 
@@ -132,6 +136,7 @@ class WebhookSink:
             semaphore=semaphore or asyncio.Semaphore(d.max_concurrency),
             headers={k.lower(): v for k, v in d.headers.items()},
             refused=literal_refusal(url.raw_host or "", policy),
+            cloudevents=cloudevents.from_config(d),
         )
 
     def circuits(self) -> dict[str, Breaker]:
@@ -314,9 +319,11 @@ class WebhookSink:
         """The request headers, or why the row's headers cannot be sent."""
         headers: dict[str, str] = {}
         if env.headers:
+            # A structured CloudEvent carries no ce- header: one makes receivers read binary.
+            no_ce = ep.cloudevents is not None and ep.cloudevents.structured
             for name, value in env.headers.items():
                 lower = name.lower()
-                if lower in RESERVED_HEADERS:
+                if lower in RESERVED_HEADERS or (no_ce and lower.startswith("ce-")):
                     continue  # would clash with what the relay sets
                 problem = header_problem(name, value)
                 if problem:
@@ -335,9 +342,16 @@ class WebhookSink:
         headers = self._headers(ep, env)
         if isinstance(headers, str):
             return Outcome.failed(env.id, truncate_error(headers))
+        body = env.payload
+        if ep.cloudevents is not None:
+            try:
+                body = ep.cloudevents.http(env, headers)
+            except cloudevents.NotSendable as exc:
+                return Outcome.failed(env.id, truncate_error(str(exc)))
         timestamp = int(time.time())
         headers["webhook-timestamp"] = str(timestamp)
-        headers["webhook-signature"] = ep.signer.sign(headers["webhook-id"], timestamp, env.payload)
+        # Signed over exactly the bytes sent: the CloudEvent document in structured mode.
+        headers["webhook-signature"] = ep.signer.sign(headers["webhook-id"], timestamp, body)
 
         started = time.monotonic()
         try:
@@ -347,7 +361,7 @@ class WebhookSink:
             async with asyncio.timeout(ep.config.timeout):
                 async with client.post(
                     ep.url,
-                    data=env.payload,
+                    data=body,
                     headers=headers,
                     timeout=ep.timeout,
                     allow_redirects=False,
