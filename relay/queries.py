@@ -550,23 +550,37 @@ picked AS (
     ) AS d
     LIMIT $3
 ),
+stale AS (
+    -- Endpoints met on the walk that are gone, or whose oldest pending delivery is of
+    -- another destination than theirs (moved with SQL): one probe each.
+    SELECT eps.endpoint_id, x.destination
+    FROM eps LEFT JOIN {endpoints} AS x ON x.id = eps.endpoint_id
+    WHERE x.id IS NULL
+       OR x.destination <> (SELECT d.destination FROM {deliveries} AS d
+                            WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
+                            ORDER BY d.run_after, d.id LIMIT 1)
+),
 orphaned AS (
     UPDATE {deliveries} AS d
     SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
-        last_error = CASE WHEN o.id IS NULL
+        last_error = CASE WHEN s.destination IS NULL
                           THEN 'endpoint ' || d.endpoint_id || ' was deleted'
                           ELSE 'endpoint ' || d.endpoint_id || ' moved to destination '
-                               || quote_literal(o.destination) END
-    FROM eps LEFT JOIN {endpoints} AS o ON o.id = eps.endpoint_id
-    WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
-      AND (o.id IS NULL OR o.destination <> d.destination)
+                               || quote_literal(s.destination) END
+    FROM stale AS s
+    -- Uncorrelated, so evaluated once: without a stale endpoint nothing below is read.
+    WHERE EXISTS (SELECT 1 FROM stale)
+      AND d.endpoint_id = s.endpoint_id AND d.status = 'pending'
+      AND (s.destination IS NULL OR s.destination <> d.destination)
     RETURNING d.id
 ),
 locked AS (
     -- Another relay may have claimed a row since this statement's snapshot: the lock
-    -- re-reads it and the status check drops it.
+    -- re-reads it and the status check drops it. Written so that the planner finds the rows
+    -- by id (the primary key) rather than through the partial claim index, which it would
+    -- otherwise read whole for the ids.
     SELECT d.id FROM {deliveries} AS d
-    WHERE d.id = ANY(ARRAY(SELECT id FROM picked)) AND d.status = 'pending'
+    WHERE d.id = ANY(ARRAY(SELECT id FROM picked)) AND (d.status = 'pending') IS TRUE
     ORDER BY d.id
     FOR UPDATE SKIP LOCKED
 ),

@@ -120,3 +120,54 @@ def test_steady_prints_no_latency_for_a_rate_it_did_not_offer() -> None:
     assert load_shape(3000, None, None) == (6, 2)
     assert load_shape(10_000, None, None) == (20, 2)
     assert load_shape(10_000, 5, 3) == (5, 3)  # what the user says wins
+
+
+STATUSES = ("delivered", "pending", "running", "failed", "cancelled")
+
+
+def test_fanout_accounts_for_every_delivery(pg_admin_url: str) -> None:
+    """Tiny bounded runs of `bench fanout`: the report's counts match the database's rows."""
+    out = bench(
+        "fanout",
+        "--compare",
+        "--endpoints",
+        "2",
+        "--rate",
+        "100",
+        "--seconds",
+        "1",
+        "--slow-delay",
+        "0.2",
+        "--dead-backlog",
+        "50",
+        admin=pg_admin_url,
+    )
+    for name, matching, backlog in (("steady", 2, 0), ("steady slow+dead", 4, 50)):
+        s = out[name]
+        assert s["complete"] is True and s["accounted"] is True, s
+        assert s["events"] == 100 and s["endpoints_matching"] == matching
+        assert s["deliveries"] == s["deliveries_expected"] == 100 * matching + backlog
+        assert sum(s[f"deliveries_{st}"] for st in STATUSES) == s["deliveries"]
+        assert s["healthy_delivered"] == s["healthy_received"] == s["healthy_expected"] == 200
+        assert s["attempts_logged"] >= s["deliveries_delivered"] >= 200
+        assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
+    assert out["steady slow+dead"]["deliveries_pending"] >= 50  # the dead one's backlog
+    assert out["ratios"]["p99_ms slow_dead_vs_without"] > 0
+    out = bench(
+        "fanout",
+        "--scenario",
+        "scale",
+        "--registered",
+        "40",
+        "--fan-out",
+        "2",
+        "--events",
+        "100",
+        admin=pg_admin_url,
+    )
+    for name, registered in (("scale 2", 2), ("scale 40", 40)):
+        s = out[name]
+        assert s["endpoints_registered"] == registered and s["accounted"] is True, s
+        assert s["deliveries"] == s["deliveries_delivered"] == s["healthy_received"] == 200
+        assert s["probe_deliveries"] == s["probe_claimed"] == 200
+    assert "relay_cpu_us_per_delivery registered_vs_matching_only" in out["ratios"]

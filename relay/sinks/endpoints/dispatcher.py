@@ -42,6 +42,7 @@ CRASH_RETRY = 5.0
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
 STATE_IDLE = 600.0  # an endpoint not claimed from for this long is forgotten
+WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for together
 
 
 class Sender(WebhookSink):
@@ -107,6 +108,7 @@ class Dispatcher:
         self._written = asyncio.Event()
         self._outcomes: list[DeliveryRecord] = []
         self._record_lock = asyncio.Lock()
+        self._wake_pending: asyncio.TimerHandle | None = None
         self._claim_lock = asyncio.Lock()
         self.metrics: Metrics | None = None
         # Destinations an operator paused (outbox-relay pause): their deliveries wait too.
@@ -121,6 +123,18 @@ class Dispatcher:
         self._default_max = max(self._limits.values())
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def _wake_soon(self) -> None:
+        """Wake the claim loop shortly: requests finishing one by one are claimed for in one
+        statement, not one claim each (a claim costs 1-3 ms of the server's time)."""
+        if self._wake_pending is None:
+            self._wake_pending = asyncio.get_running_loop().call_later(
+                WAKE_COALESCE, self._woken_soon
+            )
+
+    def _woken_soon(self) -> None:
+        self._wake_pending = None
         self._wake.set()
 
     # --- the loops ----------------------------------------------------------------------
@@ -335,7 +349,7 @@ class Dispatcher:
             state.in_hand -= 1
         self._outcomes.append(record)
         self._written.set()
-        self.wake()  # its endpoint has room again
+        self._wake_soon()  # its endpoint has room again
 
     def _crashed(self, c: Claimed, exc: BaseException) -> DeliveryRecord:
         """A delivery whose handling raised: retried, an attempt counted, and failed once

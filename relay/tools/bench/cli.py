@@ -290,3 +290,124 @@ def history_cmd(**opts: Any) -> None:
             )
         },
     )
+
+
+@bench.command("fanout")
+@click.option(
+    "--database-url",
+    envvar="OUTBOX_DATABASE_URL",
+    default="postgresql://root@127.0.0.1:5432/postgres",
+    show_default=True,
+    help="Server for the scratch databases (created and dropped by the run).",
+)
+@click.option(
+    "--scenario",
+    type=click.Choice(["steady", "drain", "scale"]),
+    default="steady",
+    show_default=True,
+    help="steady: events at --rate, commit-to-delivery latency; drain: --events committed "
+    "first, deliveries/s; scale: --registered endpoints, --fan-out of them matching, against "
+    "only those registered.",
+)
+@click.option(
+    "--endpoints",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="Healthy endpoints (steady, drain), each a loopback port of the receiver process.",
+)
+@click.option(
+    "--slow-dead/--no-slow-dead",
+    default=True,
+    show_default=True,
+    help="Add an endpoint answering after --slow-delay and one that refuses connections.",
+)
+@click.option("--compare", is_flag=True, help="Run without and with the slow+dead pair; ratios.")
+@click.option(
+    "--dead-backlog",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 1_000_000),
+    help="Deliveries already queued for the dead endpoint (waiting out their backoff).",
+)
+@click.option("--slow-delay", default=2.0, show_default=True, type=click.FloatRange(0, 30))
+@click.option(
+    "--rate", default=500.0, show_default=True, type=click.FloatRange(1, 5000), help="Events/s."
+)
+@click.option("--seconds", default=10.0, show_default=True, type=click.FloatRange(0.1, 120))
+@click.option(
+    "--writers", default=8, show_default=True, type=click.IntRange(1, 32), help="Connections."
+)
+@click.option(
+    "--events",
+    type=click.IntRange(1, 200_000),
+    help="Events committed first: default 20,000 (drain), 5,000 (scale).",
+)
+@click.option(
+    "--registered",
+    default=10_000,
+    show_default=True,
+    type=click.IntRange(2, 100_000),
+    help="scale: endpoints registered for the destination in all.",
+)
+@click.option(
+    "--fan-out",
+    default=10,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="scale: endpoints each event's tenant matches.",
+)
+@click.option(
+    "--probe/--no-probe",
+    default=True,
+    show_default=True,
+    help="scale: also replay FAN_OUT and DELIVERY_CLAIM alone on one connection, timed.",
+)
+@click.option(
+    "--max-concurrency",
+    default=4,
+    show_default=True,
+    type=click.IntRange(1, 64),
+    help="The destination's max_concurrency (requests in flight per endpoint).",
+)
+@click.option("--batch-size", default=500, show_default=True, type=click.IntRange(1, 10_000))
+@click.option(
+    "--rounds",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 5),
+    help="Repeat the runs alternately; ratios are medians over rounds.",
+)
+@click.option(
+    "--max-seconds",
+    default=120.0,
+    show_default=True,
+    type=click.FloatRange(1, 600),
+    help="Stop waiting for deliveries after this, per run.",
+)
+@click.option(
+    "--loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def fanout_cmd(**opts: Any) -> None:
+    """An endpoints destination fanning events out to many endpoints: isolation of the
+    healthy ones from a slow and a dead one, and the cost of many registered endpoints."""
+    from relay.logs import configure
+    from relay.tools.bench.fanout import MAX_DELIVERIES, MAX_EVENTS, run
+
+    scenario = opts["scenario"]
+    if opts["events"] is None:
+        opts["events"] = 20_000 if scenario == "drain" else 5_000
+    if scenario == "scale" and opts["registered"] <= opts["fan_out"]:
+        raise click.UsageError("--registered must be more than --fan-out")
+    if scenario == "steady" and opts["rate"] * opts["seconds"] > MAX_EVENTS:
+        raise click.UsageError(f"--rate x --seconds is at most {MAX_EVENTS:,} events")
+    per_event = opts["fan_out"] if scenario == "scale" else opts["endpoints"] + 2
+    events = opts["rate"] * opts["seconds"] if scenario == "steady" else opts["events"]
+    if events * per_event > MAX_DELIVERIES:
+        raise click.UsageError(f"at most {MAX_DELIVERIES:,} deliveries per run")
+    configure("warning", "console")
+    emit(run(opts), opts["as_json"])

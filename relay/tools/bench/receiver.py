@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
+import signal
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from relay.tools.localbroker import free_port, wait_for_port
 
@@ -100,3 +105,150 @@ def local_receiver() -> Iterator[LocalReceiver]:
     finally:
         proc.terminate()
         proc.join(5)
+
+
+# --- Several endpoints in one process (``bench fanout``) -----------------------------------
+#
+# One port per endpoint, so each endpoint has connections of its own as distinct receivers
+# would; a port may answer after a delay (a slow endpoint). Each port counts its requests in
+# shared memory (read by the benchmark while it runs) and, when the process is told to stop
+# (SIGTERM), writes when each request arrived and which event it carried (its webhook-id) to
+# a file: the benchmark's commit-to-delivery latency is that time less the event's commit.
+
+
+class _CountingHttp(_Http):
+    """As _Http, and notes each request (arrival time, webhook-id); answers after ``delay``."""
+
+    def __init__(self, index: int, delay: float, counts: Any, seen: list[tuple[int, int, float]]):
+        super().__init__()
+        self.index, self.delay, self.counts, self.seen = index, delay, counts, seen
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > MAX_HEAD and self.transport is not None:
+                    self.transport.close()
+                return
+            head = bytes(self.buffer[:end])
+            total = end + 4 + _content_length(head)
+            if len(self.buffer) < total:
+                return
+            del self.buffer[:total]
+            self.seen.append((self.index, _webhook_id(head), time.time()))
+            self.counts[self.index] += 1
+            assert self.transport is not None
+            if self.delay > 0:
+                asyncio.get_running_loop().call_later(self.delay, self._answer)
+            else:
+                self.transport.write(RESPONSE)
+
+    def _answer(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(RESPONSE)
+
+
+def _webhook_id(head: bytes) -> int:
+    """The request's ``webhook-id`` (the event id), -1 if it has none."""
+    at = head.find(b"\r\nwebhook-id:")
+    if at < 0:
+        at = head.lower().find(b"\r\nwebhook-id:")
+    if at < 0:
+        return -1
+    end = head.find(b"\r\n", at + 2)
+    try:
+        return int(head[at + 13 : end if end > 0 else len(head)].strip())
+    except ValueError:
+        return -1
+
+
+async def _serve_ports(
+    ports: list[int], delays: list[float], counts: Any
+) -> list[tuple[int, int, float]]:
+    loop = asyncio.get_running_loop()
+    seen: list[tuple[int, int, float]] = []
+    servers = []
+    for index, (port, delay) in enumerate(zip(ports, delays, strict=True)):
+        servers.append(
+            await loop.create_server(
+                lambda i=index, d=delay: _CountingHttp(i, d, counts, seen),  # type: ignore[misc]
+                "127.0.0.1",
+                port,
+                backlog=1024,
+            )
+        )
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    for server in servers:
+        server.close()
+    return seen
+
+
+def _serve_many(ports: list[int], delays: list[float], counts: Any, out: str) -> None:
+    try:
+        import uvloop
+
+        seen = uvloop.run(_serve_ports(ports, delays, counts))
+    except ImportError:
+        seen = asyncio.run(_serve_ports(ports, delays, counts))
+    Path(out + ".part").write_text(json.dumps(seen))
+    os.replace(out + ".part", out)
+
+
+@dataclass
+class LocalReceivers:
+    """Endpoints on loopback ports served by one process; see :func:`local_receivers`."""
+
+    urls: list[str]
+    pid: int
+    counts: Any  # shared array: requests received per port, so far
+    out: Path
+    proc: Any
+
+    def cpu_seconds(self) -> float:
+        return LocalReceiver("", self.pid).cpu_seconds()
+
+    def received(self) -> int:
+        return sum(self.counts[i] for i in range(len(self.urls)))
+
+    def stop(self) -> list[tuple[int, int, float]]:
+        """Stop the process; every request it received: (port index, webhook-id, time)."""
+        if self.proc.is_alive():
+            self.proc.terminate()  # SIGTERM: it writes what it saw, then exits
+        self.proc.join(20)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        if not self.out.exists():
+            return []
+        return [(int(i), int(e), float(t)) for i, e, t in json.loads(self.out.read_text())]
+
+
+@contextlib.contextmanager
+def local_receivers(delays: list[float], tmp: Path) -> Iterator[LocalReceivers]:
+    """One receiver process serving ``len(delays)`` ports (URL ``/hooks/<n>``), port n
+    answering after ``delays[n]`` seconds; always stopped on exit."""
+    ports = [free_port() for _ in delays]
+    ctx = multiprocessing.get_context("spawn")
+    counts = ctx.Array("q", len(delays), lock=False)
+    out = tmp / f"received-{ports[0]}.json"
+    proc = ctx.Process(
+        target=_serve_many, args=(ports, list(delays), counts, str(out)), daemon=True
+    )
+    proc.start()
+    receivers = None
+    try:
+        for port in ports:
+            wait_for_port(port, timeout=20)
+        assert proc.pid is not None
+        urls = [f"http://127.0.0.1:{port}/hooks/{n}" for n, port in enumerate(ports)]
+        receivers = LocalReceivers(urls, proc.pid, counts, out, proc)
+        yield receivers
+    finally:
+        if receivers is not None:
+            receivers.stop()
+        else:
+            proc.terminate()
+            proc.join(5)
