@@ -19,7 +19,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox import django as django
     from outbox import endpoints as endpoints
+    from outbox import inbox as inbox
     from outbox.errors import OutboxError, OutboxValidationError
     from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES
     from outbox.schema import (
@@ -83,8 +85,12 @@ __all__ = [
 ]
 assert sorted(__all__) == sorted(_HOMES)
 
-# Modules reached as attributes: outbox.endpoints.create(...).
-_SUBMODULES = frozenset({"endpoints"})
+# Modules reached as attributes: outbox.endpoints.create(...), outbox.inbox.mark(...).
+_SUBMODULES = frozenset({"endpoints", "inbox", "django"})
+
+# Those that need an optional extra (outbox.django: Django). Without it they are no attribute,
+# so dir() and inspect, which try every name, keep working; the message names the extra.
+_EXTRAS = {"django": "django"}
 
 
 if not TYPE_CHECKING:
@@ -93,7 +99,14 @@ if not TYPE_CHECKING:
 
     def __getattr__(name: str) -> Any:
         if name in _SUBMODULES:
-            return importlib.import_module(f"outbox.{name}")
+            try:
+                return importlib.import_module(f"outbox.{name}")
+            except ModuleNotFoundError as exc:
+                if name not in _EXTRAS or exc.name != _EXTRAS[name]:
+                    raise
+                raise AttributeError(
+                    f"outbox.{name} needs {exc.name}: pip install 'outbox-relay[{name}]'"
+                ) from exc
         home = _HOMES.get(name)
         if home is None:
             raise AttributeError(f"module 'outbox' has no attribute {name!r}")

@@ -9,6 +9,8 @@ never formatted in.
 
 from __future__ import annotations
 
+import re
+
 
 def quote_ident(name: str) -> str:
     """Quote an SQL identifier the way PostgreSQL's quote_ident() does, always."""
@@ -147,6 +149,29 @@ FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::tim
      AS u(d, k, p, c, h, r, e, t)
 RETURNING id
 """
+
+
+# psycopg 3 (and Django's cursor, whichever driver it runs on) takes %s placeholders: the
+# asyncpg statements above, with each $n written %s. Derived here, once, so the two forms
+# cannot drift apart; the arguments are the same tuple, in the same order.
+_PLACEHOLDER = re.compile(r"\$(\d+)")
+
+
+def to_psycopg(sql: str) -> str:
+    """``sql`` (asyncpg's ``$1 … $n``, each once and in order) with ``%s`` placeholders."""
+    numbers = [int(n) for n in _PLACEHOLDER.findall(sql)]
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise ValueError(f"placeholders must be $1 … $n, each once and in order: {numbers}")
+    return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
+
+
+ENQUEUE_PSYCOPG = to_psycopg(ENQUEUE_PG)
+
+ENQUEUE_LABELLED_PSYCOPG = to_psycopg(ENQUEUE_LABELLED_PG)
+
+ENQUEUE_MANY_PSYCOPG = to_psycopg(ENQUEUE_MANY_PG)
+
+ENQUEUE_MANY_LABELLED_PSYCOPG = to_psycopg(ENQUEUE_MANY_LABELLED_PG)
 
 
 # --- migrations -----------------------------------------------------------------------------
@@ -324,3 +349,45 @@ def render_endpoints(sql: str, schema: str) -> str:
     for name in ("endpoints", "deliveries", "attempts"):
         sql = sql.replace("{" + name + "}", qualified_table(schema, f"outbox_{name}"))
     return sql
+
+
+# --- the consumer's inbox (outbox.inbox) ----------------------------------------------------
+# {table} is the schema's outbox_inbox.
+
+# A row back: the event is new to this consumer. None: it was marked before (or is being
+# marked by a transaction still open, which this insert waits for, then sees committed).
+INBOX_MARK_SA = """
+INSERT INTO {table} (consumer, event_id) VALUES (:consumer, :event_id)
+ON CONFLICT (consumer, event_id) DO NOTHING
+RETURNING true
+"""
+
+INBOX_MARK_PG = """
+INSERT INTO {table} (consumer, event_id) VALUES ($1, $2)
+ON CONFLICT (consumer, event_id) DO NOTHING
+RETURNING true
+"""
+
+# One bounded batch of the oldest marks, read from outbox_inbox_received_idx; rows another
+# purge is deleting are skipped rather than waited for.
+INBOX_PURGE_SA = """
+DELETE FROM {table}
+WHERE (consumer, event_id) IN (
+    SELECT consumer, event_id FROM {table}
+    WHERE received_at < now() - make_interval(secs => CAST(:older_than AS double precision))
+    ORDER BY received_at
+    LIMIT CAST(:batch_size AS integer)
+    FOR UPDATE SKIP LOCKED
+)
+"""
+
+INBOX_PURGE_PG = """
+DELETE FROM {table}
+WHERE (consumer, event_id) IN (
+    SELECT consumer, event_id FROM {table}
+    WHERE received_at < now() - make_interval(secs => $1::double precision)
+    ORDER BY received_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+"""

@@ -38,6 +38,7 @@ RELAYS_TABLE_NAME = "outbox_relays"
 ENDPOINTS_TABLE_NAME = "outbox_endpoints"
 DELIVERIES_TABLE_NAME = "outbox_deliveries"
 ATTEMPTS_TABLE_NAME = "outbox_attempts"
+INBOX_TABLE_NAME = "outbox_inbox"
 
 
 # The functions and triggers of migrations 0001 and 0003, created with the table by
@@ -353,6 +354,22 @@ def define_attempts_table(metadata: MetaData, schema: str | None = None) -> Tabl
     )
 
 
+def define_inbox_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_inbox`` (the events each consumer has applied, see ``outbox.inbox``) to
+    ``metadata``."""
+    return Table(
+        INBOX_TABLE_NAME,
+        metadata,
+        Column("consumer", Text, primary_key=True),
+        Column("event_id", Text, primary_key=True),
+        _timestamp("received_at", now=True),
+        CheckConstraint("consumer <> ''", name="outbox_inbox_consumer_check"),
+        CheckConstraint("event_id <> ''", name="outbox_inbox_event_id_check"),
+        Index("outbox_inbox_received_idx", "received_at"),
+        schema=schema,
+    )
+
+
 metadata = MetaData()
 outbox_table = define_outbox_table(metadata)
 paused_table = define_paused_table(metadata)
@@ -360,3 +377,4 @@ relays_table = define_relays_table(metadata)
 endpoints_table = define_endpoints_table(metadata)
 deliveries_table = define_deliveries_table(metadata)
 attempts_table = define_attempts_table(metadata)
+inbox_table = define_inbox_table(metadata)

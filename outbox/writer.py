@@ -6,10 +6,12 @@ so it exists exactly when their business change does.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypedDict
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
@@ -25,8 +27,18 @@ try:  # asyncpg is a dependency, but keep the import failure readable if it is s
 except ImportError:  # pragma: no cover
     asyncpg = None
 
-AsyncTarget = AsyncSession | AsyncConnection | Any  # Any: an asyncpg Connection
-SyncTarget = Session | Connection
+if TYPE_CHECKING:
+    import psycopg
+
+    # psycopg is optional: it is imported here for type checkers only, and at run time
+    # never (a psycopg connection passed in means psycopg is loaded already).
+    AsyncTarget: TypeAlias = (
+        AsyncSession | AsyncConnection | psycopg.AsyncConnection[Any] | Any  # Any: asyncpg's
+    )
+    SyncTarget: TypeAlias = Session | Connection | psycopg.Connection[Any]
+else:
+    AsyncTarget = AsyncSession | AsyncConnection | Any
+    SyncTarget = Session | Connection
 
 
 class EventSpec(TypedDict, total=False):
@@ -74,6 +86,14 @@ class Outbox:
         self._many_pg = (
             queries.render(queries.ENQUEUE_MANY_PG, table),
             queries.render(queries.ENQUEUE_MANY_LABELLED_PG, table),
+        )
+        self._one_psycopg = (
+            queries.render(queries.ENQUEUE_PSYCOPG, table),
+            queries.render(queries.ENQUEUE_LABELLED_PSYCOPG, table),
+        )
+        self._many_psycopg = (
+            queries.render(queries.ENQUEUE_MANY_PSYCOPG, table),
+            queries.render(queries.ENQUEUE_MANY_LABELLED_PSYCOPG, table),
         )
 
     # --- building rows -------------------------------------------------------------------
@@ -152,6 +172,7 @@ class Outbox:
             dict(zip(_ONE_BINDS, args, strict=False)),
             self._one_pg[labelled],
             args,
+            self._one_psycopg[labelled],
         )
 
     def _many(self, events: Iterable[EventSpec]) -> _Statement | None:
@@ -170,7 +191,13 @@ class Outbox:
         if labelled:
             columns += ([m.event_type for m in ms], [m.tenant for m in ms])
         binds = dict(zip(_MANY_BINDS, columns, strict=False))
-        return _Statement(self._many_sa[labelled], binds, self._many_pg[labelled], columns)
+        return _Statement(
+            self._many_sa[labelled],
+            binds,
+            self._many_pg[labelled],
+            columns,
+            self._many_psycopg[labelled],
+        )
 
     # The public methods spell their keywords out (and twice, async and sync) so that type
     # checkers and editors show each one; the work is done once, by _one/_many and _run.
@@ -191,6 +218,9 @@ class Outbox:
         tenant: str | None = None,
     ) -> int:
         """Add one event to ``conn``'s open transaction and return its id.
+
+        ``conn``: a SQLAlchemy ``AsyncSession`` or ``AsyncConnection``, an asyncpg
+        ``Connection`` or a psycopg ``AsyncConnection``.
 
         ``event_type`` and ``tenant`` choose the endpoints of an ``endpoints`` destination."""
         statement = self._one(
@@ -219,7 +249,8 @@ class Outbox:
         event_type: str | None = None,
         tenant: str | None = None,
     ) -> int:
-        """``enqueue`` for a SQLAlchemy ``Session`` or ``Connection``."""
+        """``enqueue`` for a SQLAlchemy ``Session`` or ``Connection``, or a psycopg
+        ``Connection``."""
         statement = self._one(
             destination, payload, key, headers, run_after, content_type, event_type, tenant
         )
@@ -227,7 +258,8 @@ class Outbox:
         return row_id
 
     def enqueue_many_sync(self, conn: SyncTarget, events: Iterable[EventSpec]) -> list[int]:
-        """``enqueue_many`` for a SQLAlchemy ``Session`` or ``Connection``."""
+        """``enqueue_many`` for a SQLAlchemy ``Session`` or ``Connection``, or a psycopg
+        ``Connection``."""
         statement = self._many(events)
         return _run_sync(conn, statement) if statement is not None else []
 
@@ -257,13 +289,15 @@ _MANY_BINDS = (
 
 @dataclass(frozen=True, slots=True)
 class _Statement:
-    """An insert of one or many events, in both forms: SQLAlchemy's (named binds) and
-    asyncpg's (positional)."""
+    """An insert of one or many events, in each form: SQLAlchemy's (named binds), asyncpg's
+    (``$n``) and psycopg's (``%s``, also what Django's cursor takes); the last two bind
+    ``args``."""
 
     sa: TextClause
     binds: dict[str, Any]
     pg: str
     args: tuple[Any, ...]
+    psycopg: str
 
 
 async def _run(conn: AsyncTarget, statement: _Statement) -> list[int]:
@@ -272,15 +306,50 @@ async def _run(conn: AsyncTarget, statement: _Statement) -> list[int]:
         await _refuse_async_autocommit(conn)
         result = await conn.execute(statement.sa, statement.binds)
         return sorted(int(i) for i in result.scalars())
-    _require_asyncpg_transaction(conn)
-    rows = await conn.fetch(statement.pg, *statement.args)
-    return sorted(int(r[0]) for r in rows)
+    psycopg = _psycopg()
+    if psycopg is not None and isinstance(conn, psycopg.AsyncConnection):
+        if _pipeline_hides_status(conn, psycopg):
+            async with conn.pipeline() as pipeline:
+                await pipeline.sync()
+        _require_psycopg_transaction(conn, psycopg)
+        async with psycopg.AsyncCursor(conn, row_factory=psycopg.rows.tuple_row) as cur:
+            await cur.execute(statement.psycopg, statement.args)
+            return sorted(int(r[0]) for r in await cur.fetchall())
+    if asyncpg is not None and isinstance(conn, asyncpg.Connection):
+        _require_asyncpg_transaction(conn)
+        rows = await conn.fetch(statement.pg, *statement.args)
+        return sorted(int(r[0]) for r in rows)
+    raise TypeError(
+        "enqueue takes a SQLAlchemy AsyncSession or AsyncConnection, an asyncpg Connection or "
+        f"a psycopg AsyncConnection; got {type(conn).__name__} (use enqueue_sync for a sync "
+        "Session or psycopg Connection)"
+    )
 
 
 def _run_sync(conn: SyncTarget, statement: _Statement) -> list[int]:
-    _require_sync(conn)
-    result = conn.execute(statement.sa, statement.binds)
-    return sorted(int(i) for i in result.scalars())
+    if isinstance(conn, Session | Connection):
+        _refuse_autocommit(conn.connection() if isinstance(conn, Session) else conn)
+        result = conn.execute(statement.sa, statement.binds)
+        return sorted(int(i) for i in result.scalars())
+    psycopg = _psycopg()
+    if psycopg is not None and isinstance(conn, psycopg.Connection):
+        if _pipeline_hides_status(conn, psycopg):
+            with conn.pipeline() as pipeline:
+                pipeline.sync()
+        _require_psycopg_transaction(conn, psycopg)
+        with psycopg.Cursor(conn, row_factory=psycopg.rows.tuple_row) as cur:
+            cur.execute(statement.psycopg, statement.args)
+            return sorted(int(r[0]) for r in cur.fetchall())
+    raise TypeError(
+        "enqueue_sync takes a SQLAlchemy Session or Connection, or a psycopg Connection; "
+        f"got {type(conn).__name__} (use `await enqueue(...)` for async connections)"
+    )
+
+
+def _psycopg() -> ModuleType | None:
+    """psycopg 3 if the application loaded it (it made the connection it passes), else None:
+    the outbox does not depend on psycopg, and never imports it itself."""
+    return sys.modules.get("psycopg")
 
 
 _SPEC_KEYS = frozenset(EventSpec.__annotations__)
@@ -302,11 +371,6 @@ def _spec_kwargs(ev: EventSpec) -> dict[str, Any]:
 
 
 def _require_asyncpg_transaction(conn: Any) -> None:
-    if asyncpg is None or not isinstance(conn, asyncpg.Connection):
-        raise TypeError(
-            "enqueue takes a SQLAlchemy AsyncSession or AsyncConnection, or an asyncpg "
-            f"Connection; got {type(conn).__name__} (use enqueue_sync for a sync Session)"
-        )
     if not conn.is_in_transaction():
         raise OutboxError(
             "enqueue must run inside the transaction of the business change: wrap it in "
@@ -314,13 +378,29 @@ def _require_asyncpg_transaction(conn: Any) -> None:
         )
 
 
-def _require_sync(conn: Any) -> None:
-    if not isinstance(conn, Session | Connection):
-        raise TypeError(
-            "enqueue_sync takes a SQLAlchemy Session or Connection; "
-            f"got {type(conn).__name__} (use `await enqueue(...)` for async connections)"
+def _pipeline_hides_status(conn: Any, psycopg: Any) -> bool:
+    """In pipeline mode, statements still queued leave the status ACTIVE, inside a transaction
+    block or not; a sync of the pipeline tells (enqueue's own fetch would sync it anyway)."""
+    return bool(
+        conn.autocommit
+        and conn.info.pipeline_status
+        and conn.info.transaction_status == psycopg.pq.TransactionStatus.ACTIVE
+    )
+
+
+def _require_psycopg_transaction(conn: Any, psycopg: Any) -> None:
+    """A psycopg connection not in autocommit is always in a transaction: its first statement
+    opens one, which lasts until ``commit()``. One in autocommit is in a transaction only
+    inside ``with conn.transaction():`` (INTRANS; INERROR is left to the driver to refuse);
+    outside (IDLE, or ACTIVE: another thread's statement), each statement commits at once."""
+    status = psycopg.pq.TransactionStatus
+    if conn.autocommit and conn.info.transaction_status in (status.IDLE, status.ACTIVE):
+        raise OutboxError(
+            "enqueue must run inside the transaction of the business change, but this "
+            "psycopg connection is in autocommit mode outside a transaction: the event would "
+            "commit alone. Wrap it in `with conn.transaction():` (`async with` for an "
+            "AsyncConnection) so the event commits or rolls back with it"
         )
-    _refuse_autocommit(conn.connection() if isinstance(conn, Session) else conn)
 
 
 async def _refuse_async_autocommit(conn: AsyncSession | AsyncConnection) -> None:

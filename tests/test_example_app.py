@@ -181,3 +181,50 @@ async def test_an_order_reaches_kafka_through_the_relay(
         stop(relay)
         if relay.stderr:
             relay.stderr.close()
+
+
+async def test_the_order_stats_consumer_counts_each_order_once(
+    db_url: str, kafka_bootstrap: str
+) -> None:
+    """The example's consumer gets one order.created event three times (redeliveries) and
+    counts it once."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+    from example_app import consumer as order_stats
+    from sqlalchemy import select
+    from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
+
+    from outbox.dburl import to_sqlalchemy_async_url
+
+    topic = f"example-stats-{os.getpid()}-{time.monotonic_ns()}"
+    event = {"type": "order.created", "id": 1, "customer": "ada", "total": "12.50"}
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, enable_idempotence=False)
+    await producer.start()
+    try:
+        for _ in range(3):
+            await producer.send_and_wait(
+                topic, json.dumps(event).encode(), headers=[("outbox-id", b"1")], partition=0
+            )
+    finally:
+        await producer.stop()
+    engine = create_async_engine(to_sqlalchemy_async_url(db_url))
+    kafka = AIOKafkaConsumer(
+        bootstrap_servers=kafka_bootstrap,
+        group_id=order_stats.NAME,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+    )
+    await kafka.start()
+    try:
+        await order_stats.create_tables(engine)
+        kafka.assign([TopicPartition(topic, 0)])  # no group join: reads at once
+        inbox = order_stats.order_stats(kafka, async_sessionmaker(engine))
+        deadline = time.monotonic() + 20
+        while inbox.counts.applied + inbox.counts.duplicates < 3 and time.monotonic() < deadline:
+            await inbox.poll()
+        async with engine.connect() as c:
+            rows = (await c.execute(select(order_stats.CustomerStats.__table__))).all()
+    finally:
+        await kafka.stop()
+        await engine.dispose()
+    assert [tuple(r) for r in rows] == [("ada", 1, Decimal("12.50"))]
+    assert (inbox.counts.applied, inbox.counts.duplicates) == (1, 2)

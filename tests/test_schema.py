@@ -105,6 +105,7 @@ TABLES = (
     "outbox_endpoints",
     "outbox_deliveries",
     "outbox_attempts",
+    "outbox_inbox",
 )
 
 CATALOG = {
@@ -155,6 +156,8 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
     assert len(by_table["outbox"]) == 18 and len(by_table["outbox_paused"]) == 4
     assert len(by_table["outbox_relays"]) == 8 and len(by_table["outbox_endpoints"]) == 17
     assert len(by_table["outbox_deliveries"]) == 15 and len(by_table["outbox_attempts"]) == 10
+    assert len(by_table["outbox_inbox"]) == 3
+    assert {i[1] for i in migrated["indexes"]} >= {"outbox_inbox_pkey", "outbox_inbox_received_idx"}
     assert {i[1] for i in migrated["indexes"]} >= {"outbox_delivered_idx", "outbox_paused_pkey"}
     assert migrated == modelled
 

@@ -1,0 +1,135 @@
+"""``python manage.py outbox_migrate``: the outbox's migrations, applied to a Django database.
+
+A command, not a Django migration: the outbox's migrations are forward-only SQL files shared
+with services that do not use Django and with the relay (``outbox-relay migrate`` runs the
+same files). Their runner records them in ``outbox_migrations``, takes an advisory lock so
+that concurrent runs queue up, waits a bounded time for table locks, and runs some files
+outside a transaction (``CREATE INDEX CONCURRENTLY``). A Django migration wrapping the SQL
+would keep a second record of what is applied (``django_migrations``), could not follow new
+versions without a new Django migration for each, and would apply them in Django's order
+rather than under that lock. So this command calls the one runner, ``outbox.migrate``, with
+the connection settings of ``DATABASES[--database]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import asyncpg
+from django.conf import settings  # type: ignore[import-untyped]
+from django.core.management.base import BaseCommand, CommandError  # type: ignore[import-untyped]
+from django.db import DEFAULT_DB_ALIAS, connections  # type: ignore[import-untyped]
+
+from outbox.dburl import redact
+from outbox.errors import describe
+from outbox.migrate import MigrationError, migrate
+
+# The libpq connection options of DATABASES[...]["OPTIONS"] that the runner's driver
+# (asyncpg) takes in a URL; the others do not concern a migration.
+_URL_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslcrl", "passfile")
+
+
+class Command(BaseCommand):  # type: ignore[misc]  # Django has no type information here
+    help = (
+        "Apply outbox-relay's pending migrations (the outbox table and what goes with it) "
+        "to a database: the SQL files and the runner of `outbox-relay migrate`. Safe to run "
+        "repeatedly and concurrently."
+    )
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument(
+            "--database",
+            default=DEFAULT_DB_ALIAS,
+            help='The DATABASES alias to migrate (default: "default").',
+        )
+        parser.add_argument(
+            "--schema",
+            default=None,
+            help='The schema of the outbox (default: settings.OUTBOX_SCHEMA, else "public").',
+        )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="Print the SQL that would run (psql can run it as it is); change nothing.",
+        )
+        parser.add_argument(
+            "--wait",
+            type=float,
+            default=600.0,
+            metavar="SECONDS",
+            help="How long to wait, in all, for another migrate and for the table's locks.",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        alias = options["database"]
+        if alias not in connections:
+            raise CommandError(f"no database {alias!r} in DATABASES")
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            raise CommandError(
+                f"the outbox lives in PostgreSQL, but DATABASES[{alias!r}] is {connection.vendor}"
+            )
+        schema = options["schema"] or getattr(settings, "OUTBOX_SCHEMA", "public")
+        url = database_url(connection.settings_dict)
+        dry_run = bool(options["dry_run"])
+
+        def notify(message: str) -> None:
+            self.stderr.write(f"outbox_migrate: {message}")
+
+        try:
+            result = asyncio.run(
+                migrate(url, schema=schema, dry_run=dry_run, wait=options["wait"], notify=notify)
+            )
+        except MigrationError as exc:
+            raise CommandError(str(exc)) from exc
+        except (
+            OSError,
+            ValueError,
+            TimeoutError,
+            asyncpg.PostgresError,
+            asyncpg.InterfaceError,
+        ) as exc:
+            raise CommandError(
+                f"cannot migrate database {alias!r} ({redact(url)}): {describe(exc)}"
+            ) from exc
+        if not result.applied:
+            self.stdout.write(
+                f"schema {schema!r} is up to date (versions {result.already or 'none'})"
+            )
+            return
+        for m in result.applied:
+            if dry_run:
+                self.stdout.write(
+                    f"-- {m.version:04d}_{m.name}.sql (would apply to schema {schema!r})"
+                )
+                self.stdout.write(m.script(schema))
+            else:
+                self.stdout.write(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
+
+
+def database_url(db: Mapping[str, Any]) -> str:
+    """The ``postgresql://`` URL of a ``DATABASES`` entry (NAME, USER, PASSWORD, HOST, PORT,
+    and the SSL and passfile OPTIONS). An empty HOST means libpq's default, as for Django; a
+    HOST starting with / is a Unix socket directory."""
+    name = db.get("NAME") or ""
+    if not name:
+        raise CommandError(
+            "DATABASES needs a NAME for outbox_migrate (a connection service file alone is "
+            "not read by its driver)"
+        )
+    user, password = db.get("USER") or "", db.get("PASSWORD") or ""
+    host, port = db.get("HOST") or "", str(db.get("PORT") or "")
+    options = db.get("OPTIONS") or {}
+    query = {k: str(options[k]) for k in _URL_OPTIONS if options.get(k)}
+    if host.startswith("/"):
+        query.update({"host": host, **({"port": port} if port else {})})
+        host = port = ""
+    elif ":" in host:
+        host = f"[{host}]"  # an IPv6 address
+    userinfo = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
+    netloc = (f"{userinfo}@" if userinfo else "") + host + (f":{port}" if port else "")
+    url = f"postgresql://{netloc}/{quote(name, safe='')}"
+    return f"{url}?{urlencode(query)}" if query else url

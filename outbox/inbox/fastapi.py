@@ -1,0 +1,78 @@
+"""A FastAPI dependency that receives a webhook once: verified, marked, and committed before
+the response leaves.
+
+    from outbox.inbox.fastapi import verified_webhook
+    from outbox.inbox.webhooks import ReceivedWebhook
+
+    OrderHook = Annotated[
+        ReceivedWebhook,
+        verified_webhook(sessions, consumer="billing", secrets=[os.environ["ORDERS_SECRET"]]),
+    ]
+
+    @app.post("/hooks/orders")
+    async def on_order(hook: OrderHook) -> dict[str, bool]:
+        if hook.new:
+            hook.db.add(Invoice(order_id=hook.json()["id"]))  # the same transaction
+        return {"duplicate": hook.duplicate}
+
+The dependency opens the transaction, marks ``webhook-id`` in it, and hands the request to the
+endpoint with ``hook.db`` (an ``AsyncSession``, ``AsyncConnection`` or asyncpg
+``Connection``, after ``db``). The transaction commits after the endpoint returns and before
+FastAPI sends the response (``scope="function"``): a 2xx is only ever sent for a committed
+effect, and an endpoint that raises rolls the mark back, so the sender's retry applies it.
+A request that fails verification is answered 400 or 401 before any database work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import Depends, HTTPException, Request
+
+from outbox.errors import OutboxError
+from outbox.inbox._db import Database, check_database, is_one_connection, transaction
+from outbox.inbox._store import Inbox
+from outbox.inbox.webhooks import (
+    DEFAULT_TOLERANCE,
+    ReceivedWebhook,
+    WebhookReceiver,
+    WebhookRejected,
+)
+
+
+def verified_webhook(
+    db: Database,
+    *,
+    consumer: str,
+    secrets: str | Sequence[str],
+    tolerance: float = DEFAULT_TOLERANCE,
+    inbox: Inbox | None = None,
+) -> Any:
+    """A ``Depends(...)`` giving the endpoint a :class:`ReceivedWebhook` in an open
+    transaction of ``db`` (an ``AsyncEngine``, ``async_sessionmaker``, asyncpg ``Pool``)."""
+    receiver = WebhookReceiver(consumer=consumer, secrets=secrets, tolerance=tolerance, inbox=inbox)
+    check_database(db)
+    if is_one_connection(db):
+        raise TypeError(
+            "verified_webhook serves concurrent requests, and one asyncpg Connection runs one "
+            "transaction at a time: pass an asyncpg Pool (or an AsyncEngine, async_sessionmaker)"
+        )
+
+    async def received_webhook(request: Request) -> AsyncIterator[ReceivedWebhook]:
+        body = await request.body()
+        try:
+            verified = receiver.verify(request.headers, body)
+        except WebhookRejected as exc:
+            raise HTTPException(exc.status_code, exc.answer) from None
+        async with transaction(db) as tx:
+            yield await receiver.mark(tx, verified)
+
+    try:
+        # Ended before the response is sent: the commit happens first.
+        return Depends(received_webhook, scope="function")
+    except TypeError:  # pragma: no cover - FastAPI before 0.121 has no scope
+        raise OutboxError(
+            "verified_webhook needs FastAPI 0.121 or later (Depends(scope='function')), "
+            "so that the mark commits before the response is sent"
+        ) from None
