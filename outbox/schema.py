@@ -250,6 +250,7 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
         _timestamp("last_success_at"),
         _timestamp("created_at", now=True),
         _timestamp("updated_at", now=True),
+        _timestamp("circuit_open_until"),
         CheckConstraint("destination <> ''", name="outbox_endpoints_destination_check"),
         CheckConstraint("url <> ''", name="outbox_endpoints_url_check"),
         CheckConstraint(

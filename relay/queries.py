@@ -717,6 +717,16 @@ WHERE id = $1 AND enabled
 RETURNING id
 """
 
+# An endpoint's circuit as this relay's breaker sees it ($2: open; $3 seconds until its
+# probe), for `status`: written when it opens and when it closes again.
+ENDPOINT_CIRCUIT = """
+UPDATE {endpoints} AS e
+SET circuit_open_until = CASE WHEN c.open THEN now() + make_interval(secs => c.secs) END
+FROM (SELECT * FROM unnest($1::bigint[], $2::bool[], $3::float8[]) AS c(id, open, secs)
+      ORDER BY id) AS c
+WHERE e.id = c.id
+"""
+
 # Retention of the message log and of ended deliveries, a batch at a time.
 PURGE_DELIVERIES = """
 WITH doomed AS (

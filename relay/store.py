@@ -151,6 +151,10 @@ class Store:
             "fetchval", queries.COLUMN_EXISTS, self._endpoint_tables[1], "replay"
         ):
             missing.append(f"{self._endpoint_tables[1]}.replay (migration 0007)")
+        elif not missing and not await self._call(
+            "fetchval", queries.COLUMN_EXISTS, self._endpoint_tables[0], "circuit_open_until"
+        ):
+            missing.append(f"{self._endpoint_tables[0]}.circuit_open_until (migration 0009)")
         return missing
 
     async def missing_privileges(self) -> list[str]:

@@ -832,3 +832,44 @@ async def test_enqueue_notifications_do_not_each_cost_a_delivery_claim(
             await conn.close()
         await wait_until(lambda: len(receiver.requests) == 20, what="webhooks sent")
         assert relay.store.statements["delivery_claim"] - before <= 2
+
+
+async def test_a_circuit_that_opens_and_closes_is_shown_to_status(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    from relay.ops import admin
+
+    receiver.respond(503, times=2)
+    ep = await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(
+        db_url, circuit={"threshold": 2, "cooldown": 1.0}, backoff={"schedule": [0.1]}
+    )
+    async with running(s):
+        await enqueue(db_url, [{"payload": {}}])
+        opened = await wait_until(
+            lambda: fetch(
+                db_url,
+                "SELECT circuit_open_until FROM outbox_endpoints "
+                "WHERE id = $1 AND circuit_open_until IS NOT NULL",
+                ep.id,
+            ),
+            what="circuit open in the table",
+        )
+        assert opened
+        conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+        try:
+            seen = (await admin.status(conn, "public"))["endpoints"]
+        finally:
+            await conn.close()
+        [e] = [x for x in seen if x["id"] == ep.id]
+        assert e["circuit"] == "open" or len(receiver.requests) > 2  # may have closed already
+        # The probe after the cool-down succeeds: closed again, and said so.
+        await wait_until(lambda: deliveries_done(db_url, 1), what="delivered by the probe")
+        await wait_until(
+            lambda: fetch(
+                db_url,
+                "SELECT 1 FROM outbox_endpoints WHERE id = $1 AND circuit_open_until IS NULL",
+                ep.id,
+            ),
+            what="circuit closed in the table",
+        )

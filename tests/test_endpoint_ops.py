@@ -674,7 +674,10 @@ def test_status_lists_the_endpoints_that_need_a_look_first(db_url: str) -> None:
         "last_http_status",
         "last_attempt_at",
         "last_success_at",
+        "circuit",
+        "circuit_open_until",
     }
+    assert h["circuit"] == "closed" and h["circuit_open_until"] is None
 
     text = cli(db_url, "status")
     assert text.exit_code == 0, text.output
@@ -685,7 +688,7 @@ def test_status_lists_the_endpoints_that_need_a_look_first(db_url: str) -> None:
     rows = [line.split() for line in lines[header + 1 : header + 4]]
     assert [r[0] for r in rows] == [str(failing), str(off), str(healthy)]
     assert rows[0][2:4] == ["https://down.example", "3"] and rows[0][4].startswith("10m")
-    assert rows[0][6:] == ["none", "-", "enabled"]  # last attempt: no HTTP answer
+    assert rows[0][6:] == ["none", "-", "closed", "enabled"]  # last attempt: no HTTP answer
     assert rows[2][6] == "200"
     assert "DISABLED: moved to v2" in out and ORIGIN in out
     assert "not listed" not in out

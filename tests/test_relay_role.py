@@ -181,6 +181,7 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
     )
     assert await deliveries.record([rec]) == {first.id}
     assert await deliveries.health({endpoint: False}) == {endpoint: 0.0}
+    await deliveries.circuits({endpoint: 30.0})
     assert await deliveries.disable(endpoint, "gone", None)
     await deliveries.release([second])
     assert await deliveries.reap(5, {"customers": 5}) == 0

@@ -29,7 +29,8 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox TO :"role";
 GRANT SELECT ON TABLE :"schema".outbox_paused TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_relays TO :"role";
 GRANT SELECT ON TABLE :"schema".outbox_endpoints TO :"role";
-GRANT UPDATE (failing_since, last_success_at, enabled, disabled_at, disabled_reason, updated_at)
+GRANT UPDATE (failing_since, last_success_at, enabled, disabled_at, disabled_reason, updated_at,
+              circuit_open_until)
     ON TABLE :"schema".outbox_endpoints TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_deliveries TO :"role";
 GRANT SELECT, INSERT, DELETE ON TABLE :"schema".outbox_attempts TO :"role";

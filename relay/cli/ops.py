@@ -207,6 +207,7 @@ def _print_endpoints(data: dict[str, Any]) -> None:
             "FAILING SINCE",
             "LAST HTTP",
             "LAST SUCCESS",
+            "CIRCUIT",
             "STATE",
         )
     ]
@@ -222,6 +223,9 @@ def _print_endpoints(data: dict[str, Any]) -> None:
                 (e["failing_since"] or "-")[:19],
                 str(last_http) if last_http else "none" if e["last_attempt_at"] else "-",
                 (e["last_success_at"] or "-")[:19],
+                f"open until {e['circuit_open_until'][11:19]}"
+                if e["circuit_open_until"]
+                else "closed",
                 _endpoint_state(e),
             )
         )

@@ -212,6 +212,9 @@ def _endpoint_status(r: asyncpg.Record) -> dict[str, Any]:
         "last_http_status": r["last_http_status"],
         "last_attempt_at": _iso(r["last_attempt_at"]),
         "last_success_at": _iso(r["last_success_at"]),
+        # Open in at least one relay until then (each relay has its own breaker).
+        "circuit": "open" if r["circuit_open_until"] is not None else "closed",
+        "circuit_open_until": _iso(r["circuit_open_until"]),
     }
 
 

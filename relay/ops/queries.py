@@ -246,7 +246,11 @@ SELECT l.id, l.destination, l.url, l.enabled, l.disabled_reason, l.disabled_at,
        l.failing_since, l.last_success_at, l.pending, l.total, l.needing_attention,
        extract(epoch FROM now() - (SELECT d.created_at FROM {deliveries} AS d
                                    WHERE d.id = l.oldest_id))::float8 AS oldest_pending_age,
-       a.http_status AS last_http_status, a.at AS last_attempt_at
+       a.http_status AS last_http_status, a.at AS last_attempt_at,
+       -- Read through to_jsonb: a schema before migration 0009 has no such column.
+       (SELECT CASE WHEN (to_jsonb(x) ->> 'circuit_open_until')::timestamptz > now()
+                    THEN (to_jsonb(x) ->> 'circuit_open_until')::timestamptz END
+        FROM {endpoints} AS x WHERE x.id = l.id) AS circuit_open_until
 FROM listed AS l
 LEFT JOIN LATERAL (
     SELECT http_status, at FROM {attempts}

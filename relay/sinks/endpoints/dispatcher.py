@@ -116,6 +116,9 @@ class Dispatcher:
         self.health_refresh = HEALTH_REFRESH
         self._health: dict[int, bool] = {}
         self._gone: set[int] = set()  # endpoints that answered 410 since the last write
+        # Circuits that opened (seconds until their probe) or closed (None) since the last
+        # write: the table shows them to `status`.
+        self._circuits: dict[int, float | None] = {}
         self._cursor: int | None = None
         self.scan = SCAN
         self._draining = False
@@ -403,9 +406,16 @@ class Dispatcher:
                 )
             await self._pace(state, c.rate_limit)
             c.sending = True
+            breaker = state.endpoint.breaker
+            was = breaker.state
             started = time.monotonic()
             outcome = await self.sender.attempt(state.endpoint, env)
             took = (time.monotonic() - started) * 1000
+            now_state = breaker.state
+            if now_state is State.OPEN and was is not State.OPEN:
+                self._circuits[c.endpoint_id] = breaker.retry_in()  # for `status`
+            elif now_state is State.CLOSED and was is not State.CLOSED:
+                self._circuits[c.endpoint_id] = None
         answer = self.sender.answers.pop(env, None)
         if outcome.result is Result.DEFER:
             return self._record(
@@ -511,6 +521,12 @@ class Dispatcher:
                         f"(disable_after {state.config.disable_after:g} s)",
                         state.config.disable_after,
                     )
+        circuits, self._circuits = self._circuits, {}
+        if circuits:
+            try:
+                await self.store.circuits(circuits)
+            except DB_ERRORS as exc:
+                log.warning("relay.endpoints.circuit_write_failed", error=describe(exc))
         gone, self._gone = self._gone, set()
         for eid in gone:
             await self._disable(eid, "the endpoint answered 410 Gone", None)

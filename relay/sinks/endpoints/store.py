@@ -186,6 +186,16 @@ class DeliveryStore:
         )
         return {r[0]: r[1] for r in rows}
 
+    async def circuits(self, changes: Mapping[int, float | None]) -> None:
+        """Write circuits that opened (seconds until their probe) or closed (None)."""
+        await self.store.call(
+            "execute",
+            queries.ENDPOINT_CIRCUIT,
+            list(changes),
+            [v is not None for v in changes.values()],
+            [v or 0.0 for v in changes.values()],
+        )
+
     async def disable(self, endpoint_id: int, reason: str, failing_for: float | None) -> bool:
         row = await self.store.call(
             "fetchval", queries.ENDPOINT_DISABLE, endpoint_id, reason, failing_for
