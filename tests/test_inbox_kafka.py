@@ -391,3 +391,62 @@ async def test_a_consumer_that_could_lose_events_is_refused(
     finally:
         for c in (auto, groupless, ok):
             await c.stop()
+
+
+# --- from the hostile review: each failed before its fix -------------------------------
+
+
+async def test_an_unusable_id_is_skipped_like_a_missing_one(
+    kafka_bootstrap: str, engine: AsyncEngine
+) -> None:
+    topic, group = f"inbox-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}"
+    await produce(
+        kafka_bootstrap,
+        topic,
+        [
+            (0, [("ce_id", b"x" * 2000)], b"too long an id"),
+            (0, [("outbox-id", b"   ")], b"blank id"),
+            (0, [("outbox-id", b"9")], b"fine"),
+        ],
+    )
+    tp = TopicPartition(topic, 0)
+    seen: list[bytes] = []
+
+    async def handle(record: Any, session: AsyncSession) -> None:
+        seen.append(record.value)
+
+    c = consumer(kafka_bootstrap, group)
+    await c.start()
+    try:
+        c.assign([tp])
+        inbox = KafkaInbox(c, async_sessionmaker(engine), handle, name="n", on_missing_id="skip")
+        deadline = time.monotonic() + 10
+        while await c.position(tp) < 3 and time.monotonic() < deadline:
+            await inbox.poll()
+        assert await c.committed(tp) == 3
+    finally:
+        await c.stop()
+    assert seen == [b"fine"] and inbox.counts.skipped == 2
+
+
+async def test_offsets_of_partitions_a_rebalance_took_away_are_not_committed(
+    kafka_bootstrap: str, engine: AsyncEngine
+) -> None:
+    """After a rebalance, aiokafka refuses to commit a partition no longer assigned
+    (IllegalStateError): the inbox commits what it still owns and carries on."""
+    topic, group = f"inbox-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}"
+    await produce(kafka_bootstrap, topic, [(0, [("outbox-id", b"1")], b"a")])
+    mine, gone = TopicPartition(topic, 0), TopicPartition(topic, 1)
+
+    async def handle(record: Any, session: AsyncSession) -> None:
+        return None
+
+    c = consumer(kafka_bootstrap, group)
+    await c.start()
+    try:
+        c.assign([mine])
+        inbox = KafkaInbox(c, async_sessionmaker(engine), handle, name="n")
+        await inbox._commit({mine: 1, gone: 5})
+        assert await c.committed(mine) == 1
+    finally:
+        await c.stop()

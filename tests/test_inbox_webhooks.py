@@ -428,3 +428,40 @@ async def test_the_answer_leaves_only_after_the_commit(db_url: str, pool: asyncp
     marks = await pool.fetch("SELECT event_id FROM outbox_inbox ORDER BY 1")
     assert [r[0] for r in marks] == ["1"]  # the failed commit took its mark with it
     assert answered == [("1", False), ("2", False)]  # the endpoint ran; its commit failed
+
+
+# --- from the hostile review: each failed before its fix -------------------------------
+
+
+async def test_retry_later_rolls_the_mark_back_and_big_or_headerless_bodies_are_refused(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    engine = create_async_engine(to_sqlalchemy_async_url(db_url))
+    sessions = async_sessionmaker(engine)
+    hook_dep = verified_webhook(sessions, consumer="c", secrets=[SECRET], max_body_bytes=1000)
+    app = FastAPI()
+    busy = {"yes": True}
+
+    @app.post("/hook")
+    async def on_hook(hook: ReceivedWebhook = hook_dep) -> dict[str, bool]:
+        if hook.new:
+            await hook.db.execute(text("INSERT INTO effects VALUES (:e, 1)"), {"e": hook.id})
+            if busy.pop("yes", False):
+                hook.retry_later("downstream is down")  # raises: the mark is not kept
+        return {"duplicate": hook.duplicate}
+
+    body = b'{"n": 1}'
+    try:
+        async with serve(app) as url, httpx.AsyncClient(base_url=url) as client:
+            first = await client.post("/hook", content=body, headers=signed(SECRET, body, "7"))
+            assert first.status_code == 503 and first.headers["retry-after"]
+            again = await client.post("/hook", content=body, headers=signed(SECRET, body, "7"))
+            assert again.status_code == 200 and again.json() == {"duplicate": False}
+            big = b"x" * 5000
+            r = await client.post("/hook", content=big, headers=signed(SECRET, big, "8"))
+            assert r.status_code == 413
+            r = await client.post("/hook", content=b"y" * 5000)  # not even a webhook
+            assert r.status_code == 400 and "webhook-id" in r.text
+    finally:
+        await engine.dispose()
+    assert await effects(db_url) == [("7", 1)]

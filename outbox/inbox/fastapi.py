@@ -36,9 +36,25 @@ from outbox.inbox._store import Inbox
 from outbox.inbox.webhooks import (
     DEFAULT_TOLERANCE,
     ReceivedWebhook,
+    RetryLater,
     WebhookReceiver,
     WebhookRejected,
 )
+
+WEBHOOK_HEADERS = ("webhook-id", "webhook-timestamp", "webhook-signature")
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HTTPException(413, f"body over {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPException(413, f"body over {limit} bytes")
+    return bytes(body)
 
 
 def verified_webhook(
@@ -48,9 +64,15 @@ def verified_webhook(
     secrets: str | Sequence[str],
     tolerance: float = DEFAULT_TOLERANCE,
     inbox: Inbox | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> Any:
     """A ``Depends(...)`` giving the endpoint a :class:`ReceivedWebhook` in an open
-    transaction of ``db`` (an ``AsyncEngine``, ``async_sessionmaker``, asyncpg ``Pool``)."""
+    transaction of ``db`` (an ``AsyncEngine``, ``async_sessionmaker``, asyncpg ``Pool``).
+
+    The mark commits unless the endpoint **raises**: an endpoint that cannot apply the event
+    now must raise (``hook.retry_later()`` raises a 503), never return an error response,
+    which would commit the mark without the effect and turn the sender's retry into a
+    duplicate."""
     receiver = WebhookReceiver(consumer=consumer, secrets=secrets, tolerance=tolerance, inbox=inbox)
     check_database(db)
     if is_one_connection(db):
@@ -60,13 +82,21 @@ def verified_webhook(
         )
 
     async def received_webhook(request: Request) -> AsyncIterator[ReceivedWebhook]:
-        body = await request.body()
+        # Nothing is read from a request that cannot be a webhook, and never more than
+        # max_body_bytes: an unauthenticated client must not make the receiver buffer more.
+        missing = [h for h in WEBHOOK_HEADERS if h not in request.headers]
+        if missing:
+            raise HTTPException(400, f"not a webhook: no {', '.join(missing)} header")
+        body = await _bounded_body(request, max_body_bytes)
         try:
             verified = receiver.verify(request.headers, body)
         except WebhookRejected as exc:
             raise HTTPException(exc.status_code, exc.answer) from None
-        async with transaction(db) as tx:
-            yield await receiver.mark(tx, verified)
+        try:
+            async with transaction(db) as tx:
+                yield await receiver.mark(tx, verified)
+        except RetryLater as exc:  # rolled back by the transaction; the sender retries
+            raise HTTPException(503, str(exc), headers={"retry-after": "5"}) from None
 
     try:
         # Ended before the response is sent: the commit happens first.

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import CommitFailedError
+from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from outbox.errors import OutboxError, OutboxValidationError
@@ -165,18 +165,28 @@ class KafkaInbox:
 
     async def _apply(self, record: Record) -> None:
         raw = self._event_id(record)
-        if raw is None:
+        problem = None
+        if raw is not None:
+            try:
+                eid = check_event_id(raw)
+            except OutboxValidationError as exc:
+                # An id the inbox cannot hold is no more usable than none: the same policy,
+                # or the record would stop the consumer on every poll, "skip" or not.
+                problem = f"an unusable event id ({exc})"
+        if raw is None or problem is not None:
             where = f"{record.topic}[{record.partition}] offset {record.offset}"
+            what = problem or (
+                f"no event id (no non-empty UTF-8 {OUTBOX_ID!r} or {CE_ID!r} header)"
+            )
             if self.on_missing_id == "skip":
                 self.counts.skipped += 1
-                log.warning("inbox %s: %s has no event id; skipped", self.name, where)
+                log.warning("inbox %s: %s has %s; skipped", self.name, where, what)
                 return
             raise MissingEventId(
-                f"{where} has no event id (no non-empty UTF-8 {OUTBOX_ID!r} or {CE_ID!r} header), "
-                'so it cannot be deduplicated; use on_missing_id="skip" to pass over such '
-                "records, or event_id= to say where the id is"
+                f"{where} has {what}, so it cannot be deduplicated; use "
+                'on_missing_id="skip" to pass over such records, or event_id= to say where '
+                "the id is"
             )
-        eid = check_event_id(raw)
         async with transaction(self.db) as tx:
             if not await self.inbox.mark(tx, consumer=self.name, event_id=eid):
                 self.counts.duplicates += 1
@@ -185,11 +195,19 @@ class KafkaInbox:
         self.counts.applied += 1
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:
+        # Partitions a rebalance took away meanwhile are not this consumer's to commit: their
+        # new owner reads those records again and finds them marked.
+        owned = self.consumer.assignment()
+        mine = {tp: OffsetAndMetadata(o, "") for tp, o in offsets.items() if tp in owned}
+        lost = len(offsets) - len(mine)
+        if lost:
+            log.warning("inbox %s: %d partition(s) reassigned; redelivered", self.name, lost)
+        if not mine:
+            return
         try:
-            await self.consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in offsets.items()})
-        except CommitFailedError as exc:
-            # The group rebalanced: the partitions' new owner reads these records again, and
-            # finds them marked.
+            await self.consumer.commit(mine)
+        except (CommitFailedError, IllegalStateError) as exc:
+            # The group rebalanced (now, or between the check and the commit): as above.
             log.warning("inbox %s: offsets not committed (%s); redelivered", self.name, exc)
 
 

@@ -28,7 +28,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from outbox.errors import OutboxError, OutboxValidationError
 from outbox.inbox._store import AsyncTarget, Inbox, SyncTarget, _default, check_consumer
@@ -110,6 +110,18 @@ class ReceivedWebhook(VerifiedWebhook):
     @property
     def duplicate(self) -> bool:
         return not self.new
+
+    def retry_later(self, reason: str = "not applied now; send it again later") -> NoReturn:
+        """Refuse the event for now: raises, so the transaction (and the mark) rolls back and
+        the sender's retry applies it. Answering an error without raising would commit the
+        mark alone."""
+        raise RetryLater(reason)
+
+
+class RetryLater(OutboxError):
+    """Raised by :meth:`ReceivedWebhook.retry_later`; frameworks answer it 503."""
+
+    status_code = 503
 
 
 def _key(secret: object) -> bytes:
