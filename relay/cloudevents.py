@@ -6,6 +6,10 @@ A row becomes a CloudEvent whose ``id`` is the row's id, ``source`` the destinat
 travel as headers and the payload is sent as it is; in *structured* mode one JSON document
 (``application/cloudevents+json``) holds the attributes and the data. See docs/cloudevents.md.
 
+A row's own ``ce-`` (HTTP) / ``ce_`` (Kafka) headers become extension attributes in binary
+mode, but only those whose name is a valid attribute name that the relay does not set: any
+other would make readers refuse the whole event (:meth:`CloudEvents.row_attribute`).
+
 Everything that is the same for every row of a destination is built once (:class:`CloudEvents`
 per destination); a row costs its id, time and type, and, structured, one JSON document
 spliced from bytes: a JSON payload is embedded as it is (checked to be JSON, not re-encoded),
@@ -21,6 +25,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import quote
 
+import structlog
+
 if TYPE_CHECKING:
     from relay.config.base import Delivery
     from relay.model import Envelope
@@ -31,6 +37,12 @@ STRUCTURED_CONTENT_TYPE = "application/cloudevents+json"
 ATTRIBUTES = ("id", "source", "type", "specversion", "time")
 HTTP_ATTRIBUTE_HEADERS = frozenset(f"ce-{a}" for a in ATTRIBUTES)
 KAFKA_ATTRIBUTE_HEADERS = frozenset(f"ce_{a}" for a in ATTRIBUTES)
+# A context attribute's name (spec 1.0, "Attribute Naming Convention").
+ATTRIBUTE_NAME = re.compile(r"[a-z0-9]{1,20}")
+# Optional attributes that, when present, must not be empty (the SDKs refuse the event).
+_NOT_EMPTY = frozenset(("subject", "dataschema"))
+
+log = structlog.get_logger("relay.cloudevents")
 
 MAX_TYPE_BYTES = 255  # as enqueue's event_type
 MAX_SOURCE_CHARS = 2048
@@ -137,6 +149,7 @@ class CloudEvents:
         "_head",
         "_http_types",
         "_type_json",
+        "_warned",
         "default_type",
         "http_fixed",
         "kafka_fixed",
@@ -165,6 +178,7 @@ class CloudEvents:
         self._http_types: dict[str, str] = {}
         self._type_json: dict[str, bytes] = {}
         self._ct_json: dict[str, tuple[bytes, bool]] = {}
+        self._warned = False  # a row header was dropped (logged once per destination)
 
     def __repr__(self) -> str:
         mode = "structured" if self.structured else "binary"
@@ -181,6 +195,41 @@ class CloudEvents:
                 f"the destination, then run outbox-relay retry --id {env.id}"
             )
         return kind
+
+    # --- a row's own ce- / ce_ headers ----------------------------------------------------
+
+    def row_attribute(self, env: Envelope, header: str, value: str) -> str | None:
+        """The attribute a row's ``ce-`` (HTTP) or ``ce_`` (Kafka) header sets: its name
+        without the prefix, lower-cased (header names are case-insensitive to the bindings),
+        or None when the header is dropped. In structured mode every one is dropped (a ce
+        header makes readers take the message as binary). In binary mode a header is
+        dropped, with a warning logged once per destination, when it names an attribute
+        the relay sets (``id``, ``source``, ``type``, ``specversion``, ``time``), or
+        ``datacontenttype`` (the content type says it), or ``data``, or is not a valid
+        attribute name (``[a-z0-9]{1,20}``): readers refuse the whole event for such a name.
+        """
+        if self.structured:
+            return None
+        attr = header[3:].lower()
+        problem = attribute_problem(attr, value)
+        if problem is None:
+            return attr
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "relay.cloudevents.header_dropped",
+                destination=env.destination,
+                row=env.id,
+                header=header[:100],
+                reason=problem,
+                hint=(
+                    "a row's ce- (HTTP) / ce_ (Kafka) header becomes an extension attribute "
+                    "only when the rest of its name is 1 to 20 lower-case letters or digits "
+                    "and not an attribute the relay sets; such headers are not sent (logged "
+                    "once per destination)"
+                ),
+            )
+        return None
 
     # --- HTTP -----------------------------------------------------------------------------
 
@@ -269,6 +318,25 @@ def _check_json(env: Envelope) -> None:
             f"({type(exc).__name__}: {exc}); fix the row's payload or content_type, then run "
             f"outbox-relay retry --id {env.id}"
         ) from None
+
+
+def attribute_problem(attr: str, value: str) -> str | None:
+    """Why a row's header cannot carry the attribute ``attr`` (lower-case, its prefix
+    removed) with ``value`` in binary mode, or None."""
+    if attr in ATTRIBUTES:
+        return f"{attr!r} is an attribute the relay sets"
+    if attr == "datacontenttype":
+        return "datacontenttype is the row's content type (the content-type header)"
+    if attr == "data":
+        return "'data' is reserved by the specification"
+    if not ATTRIBUTE_NAME.fullmatch(attr):
+        return (
+            f"{attr[:40]!r} is not a CloudEvents attribute name (1 to 20 lower-case letters "
+            "or digits)"
+        )
+    if attr in _NOT_EMPTY and not value:
+        return f"{attr} must not be empty"
+    return None
 
 
 def from_config(d: Delivery) -> CloudEvents | None:

@@ -240,3 +240,131 @@ def test_the_type_comes_from_the_row_then_the_default_and_is_never_made_up() -> 
         text = str(err.value)
         assert "row 99 has no event_type" in text
         assert "default_type" in text and "retry --id 99" in text
+
+
+# --- a row's own ce- / ce_ headers: extension attributes, only valid ones ------------------
+
+# Row headers a reader of binary mode would take as attributes: the valid extensions survive
+# (lower-cased names), the rest would make the SDK refuse the whole event and are dropped.
+ROW_CE = {
+    "Trace-ID": None,  # not [a-z0-9]
+    "my_ext": None,
+    "Channel": "web",  # names are case-insensitive: the extension "channel"
+    "tenant": '100% done é "q"  ',  # %-encoded on HTTP, and read back exactly
+    "a" * 20: "longest",
+    "a" * 21: None,  # longer than 20
+    "type": None,  # attributes the relay sets
+    "ID": None,
+    "datacontenttype": None,  # would contradict content-type
+    "data": None,  # reserved
+    "": None,
+    "subject": "",  # must not be empty when present
+    "dataschema": "https://shop.example/schemas/order",
+}
+KEPT = {name.lower(): v for name, v in ROW_CE.items() if v}
+
+
+def ce_row_headers(prefix: str) -> dict[str, str]:
+    return {prefix + name: v if v is not None else "x" for name, v in ROW_CE.items()} | {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    }
+
+
+def check_extensions(core: Any) -> None:
+    attributes = core.get_attributes()
+    for name, value in KEPT.items():
+        got = core.get_dataschema() if name == "dataschema" else core.get_extension(name)
+        assert got == value, name
+    assert core.get_type() == "order.created" and core.get_datacontenttype() == "application/json"
+    assert core.get_subject() is None
+    core_names = {"id", "source", "type", "specversion", "time", "datacontenttype"}
+    assert set(attributes) - core_names == set(KEPT)
+
+
+def test_kafka_binary_sends_only_valid_row_extensions() -> None:
+    from cloudevents.core.bindings import kafka as core_kafka
+    from cloudevents.core.formats.json import JSONFormat
+    from structlog.testing import capture_logs
+
+    from relay.sinks.kafka.sink import KafkaSink
+
+    ce = CloudEvents("/orders-service")
+    env = row(id=5, headers=ce_row_headers("ce_") | {"ce_channel": "app"})
+    with capture_logs() as logs:
+        value, headers = KafkaSink._message(env, ce)
+        KafkaSink._message(row(headers={"ce_Bad-Name": "x"}), ce)  # logged once only
+    names = [k for k, _ in headers]
+    assert len(names) == len(set(names))  # ce_Channel and ce_channel: the first
+    sent = dict(headers)
+    assert sent["ce_channel"] == b"web" and sent["traceparent"]
+    assert not [k for k in names if k.startswith("ce_") and k != k.lower()]
+    core = core_kafka.from_binary(core_kafka.KafkaMessage(sent, None, value), JSONFormat())
+    check_extensions(core)
+    assert core.get_id() == "5"
+    [warning] = [e for e in logs if e["event"] == "relay.cloudevents.header_dropped"]
+    assert warning["log_level"] == "warning" and warning["row"] == 5
+    assert warning["destination"] == env.destination and "reason" in warning
+
+    structured = CloudEvents("/s", "structured")
+    _, plain = KafkaSink._message(row(headers=ce_row_headers("ce_")), structured)
+    assert not [k for k, _ in plain if k.lower().startswith("ce_")]
+
+
+def test_http_binary_sends_only_valid_row_extensions_percent_encoded() -> None:
+    from cloudevents.core.bindings import http as core_http
+    from cloudevents.core.formats.json import JSONFormat
+
+    from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
+    from relay.sinks.webhook.sink import WebhookSink
+
+    for mode in ("binary", "structured"):
+        d = WebhookDestination(
+            kind="webhook",
+            url="https://example.com/in",
+            secrets=[new_secret()],
+            envelope="cloudevents",
+            source="/orders-service",
+            cloudevents_mode=mode,  # type: ignore[arg-type]
+        )
+        sink = WebhookSink(WebhookClientSettings(), {"hook": d})
+        ep = sink.endpoints["hook"]
+        assert ep.cloudevents is not None
+        env = row(id=6, headers=ce_row_headers("ce-"))
+        headers = sink._headers(ep, env)
+        assert isinstance(headers, dict), headers
+        body = ep.cloudevents.http(env, headers)
+        if mode == "structured":
+            assert not [k for k in headers if k.startswith("ce-")]
+            continue
+        assert headers["ce-tenant"] == "100%25%20done%20%C3%A9%20%22q%22%20%20"
+        assert "ce-trace-id" not in headers and "ce-my_ext" not in headers
+        core = core_http.from_http(core_http.HTTPMessage(headers, body), JSONFormat())
+        check_extensions(core)
+        assert core.get_id() == "6"
+
+
+@pytest.mark.parametrize(
+    ("header", "value", "kept"),
+    [
+        ("ce-tenant", "acme", "tenant"),
+        ("CE-Tenant", "acme", "tenant"),
+        ("ce_x1", "", "x1"),  # an extension may be empty
+        ("ce-" + "z" * 20, "v", "z" * 20),
+        ("ce-" + "z" * 21, "v", None),
+        ("ce-trace_id", "v", None),
+        ("ce-trace-id", "v", None),
+        ("ce-tenänt", "v", None),
+        ("ce-", "v", None),
+        ("ce_time", "2020-01-01T00:00:00Z", None),
+        ("ce-specversion", "1.0", None),
+        ("ce-source", "/x", None),
+        ("ce-datacontenttype", "text/plain", None),
+        ("ce-data", "v", None),
+        ("ce-subject", "", None),
+        ("ce-subject", "order 1", "subject"),
+    ],
+)
+def test_which_row_headers_are_attributes(header: str, value: str, kept: str | None) -> None:
+    env = row()
+    assert CloudEvents("/s").row_attribute(env, header, value) == kept
+    assert CloudEvents("/s", "structured").row_attribute(env, header, value) is None

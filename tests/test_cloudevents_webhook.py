@@ -287,3 +287,50 @@ async def test_endpoints_destination_sends_cloudevents_to_each_endpoint(
     for d in failed:
         assert d["status"] == "failed" and d["attempts"] == 1
         assert f"row {ids[2]} has no event_type" in d["last_error"]
+
+
+async def test_binary_mode_sends_only_the_row_ce_headers_readers_accept(
+    db_url: str, receiver: Receiver
+) -> None:
+    # A ce- header whose name is no attribute name (or one the relay sets, or
+    # datacontenttype) would make the SDK refuse the whole event: it is not sent. Valid
+    # extensions are, %-encoded as the relay's own attributes: read back, the row's value.
+    value = '100% done é "q" '
+    ids, got, requests = await relay_to_hook(
+        db_url,
+        receiver,
+        [
+            {
+                "payload": {"order": 1},
+                "event_type": "com.shop.order.created",
+                "headers": {
+                    "ce-my_ext": "x",
+                    "CE-Trace-ID.v2": "abc",
+                    "ce-datacontenttype": "text/plain",
+                    "ce-Tenant": value,
+                    "ce-region": "eu",
+                    "traceparent": TRACEPARENT,
+                },
+            }
+        ],
+    )
+    [i] = ids
+    assert got[i]["status"] == "delivered"
+    r = requests[i]
+    verify_bytes(SECRET, r.body, r.headers)
+    assert r.headers["ce-tenant"] == quote(value, safe=HEADER_SAFE)
+    assert {k for k in r.headers if k.startswith("ce-")} == {
+        "ce-id",
+        "ce-source",
+        "ce-type",
+        "ce-specversion",
+        "ce-time",
+        "ce-tenant",
+        "ce-region",
+    }
+    core = core_http.from_http(core_http.HTTPMessage(r.headers, r.body), JSONFormat())
+    assert core.get_extension("tenant") == value
+    assert core.get_extension("region") == "eu"
+    assert core.get_datacontenttype() == "application/json"
+    assert core.get_data() == {"order": 1}
+    assert r.headers["traceparent"] == TRACEPARENT

@@ -184,16 +184,19 @@ class KafkaSink:
         """The value and headers of ``env``'s message; raises cloudevents.NotSendable."""
         if ce is None:
             return env.payload, KafkaSink._headers(env)
-        # The row's own headers stay, but for those the relay sets: the attributes (binary),
-        # or in structured mode every ce_ header (it would make readers take it as binary).
+        # The row's own headers stay, but its ce_ headers only as valid extension attributes
+        # the relay does not set (binary mode), under their lower-case name: readers refuse
+        # the whole event for any other. Structured: none (readers would take it as binary).
         hs: list[tuple[str, bytes]] = []
+        attrs: set[str] = set()
         for k, v in env.headers.items():
             if k in (OUTBOX_ID, CONTENT_TYPE):
                 continue
-            lower = k.lower()
-            if lower.startswith("ce_") and (
-                ce.structured or lower in cloudevents.KAFKA_ATTRIBUTE_HEADERS
-            ):
+            if k[:3].lower() == "ce_":
+                attr = ce.row_attribute(env, k, v)
+                if attr is not None and attr not in attrs:  # ce_X and ce_x: the first
+                    attrs.add(attr)
+                    hs.append(("ce_" + attr, v.encode()))
                 continue
             hs.append((k, v.encode()))
         value = ce.kafka(env, hs)

@@ -319,12 +319,20 @@ class WebhookSink:
         """The request headers, or why the row's headers cannot be sent."""
         headers: dict[str, str] = {}
         if env.headers:
-            # A structured CloudEvent carries no ce- header: one makes receivers read binary.
-            no_ce = ep.cloudevents is not None and ep.cloudevents.structured
+            ce = ep.cloudevents
             for name, value in env.headers.items():
                 lower = name.lower()
-                if lower in RESERVED_HEADERS or (no_ce and lower.startswith("ce-")):
+                if lower in RESERVED_HEADERS:
                     continue  # would clash with what the relay sets
+                if ce is not None and lower.startswith("ce-"):
+                    # An extension attribute (binary mode), if a valid one the relay does not
+                    # set; its value %-encoded as the relay's own attributes (exactly the
+                    # row's value once decoded). Structured: none (receivers would read the
+                    # request as binary).
+                    attr = ce.row_attribute(env, name, value)
+                    if attr is not None:
+                        headers["ce-" + attr] = cloudevents.http_header_value(value)
+                    continue
                 problem = header_problem(name, value)
                 if problem:
                     return f"row header cannot be sent: {problem}"

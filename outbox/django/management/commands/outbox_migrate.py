@@ -8,15 +8,13 @@ outside a transaction (``CREATE INDEX CONCURRENTLY``). A Django migration wrappi
 would keep a second record of what is applied (``django_migrations``), could not follow new
 versions without a new Django migration for each, and would apply them in Django's order
 rather than under that lock. So this command calls the one runner, ``outbox.migrate``, with
-the connection settings of ``DATABASES[--database]``.
+the connection settings of ``DATABASES[--database]`` (as a URL: outbox.django.dburl).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote, urlencode
 
 import asyncpg
 from django.conf import settings  # type: ignore[import-untyped]
@@ -24,12 +22,11 @@ from django.core.management.base import BaseCommand, CommandError  # type: ignor
 from django.db import DEFAULT_DB_ALIAS, connections  # type: ignore[import-untyped]
 
 from outbox.dburl import redact
+from outbox.django.dburl import UnusableDatabaseSettings, database_url
 from outbox.errors import describe
 from outbox.migrate import MigrationError, migrate
 
-# The libpq connection options of DATABASES[...]["OPTIONS"] that the runner's driver
-# (asyncpg) takes in a URL; the others do not concern a migration.
-_URL_OPTIONS = ("sslmode", "sslrootcert", "sslcert", "sslkey", "sslcrl", "passfile")
+__all__ = ["Command", "database_url"]
 
 
 class Command(BaseCommand):  # type: ignore[misc]  # Django has no type information here
@@ -73,7 +70,11 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django has no type informat
                 f"the outbox lives in PostgreSQL, but DATABASES[{alias!r}] is {connection.vendor}"
             )
         schema = options["schema"] or getattr(settings, "OUTBOX_SCHEMA", "public")
-        url = database_url(connection.settings_dict)
+        try:
+            # What the driver cannot carry is refused, not left out (see outbox.django.dburl).
+            url = database_url(connection.settings_dict, alias)
+        except UnusableDatabaseSettings as exc:
+            raise CommandError(str(exc)) from None
         dry_run = bool(options["dry_run"])
 
         def notify(message: str) -> None:
@@ -108,28 +109,3 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django has no type informat
                 self.stdout.write(m.script(schema))
             else:
                 self.stdout.write(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
-
-
-def database_url(db: Mapping[str, Any]) -> str:
-    """The ``postgresql://`` URL of a ``DATABASES`` entry (NAME, USER, PASSWORD, HOST, PORT,
-    and the SSL and passfile OPTIONS). An empty HOST means libpq's default, as for Django; a
-    HOST starting with / is a Unix socket directory."""
-    name = db.get("NAME") or ""
-    if not name:
-        raise CommandError(
-            "DATABASES needs a NAME for outbox_migrate (a connection service file alone is "
-            "not read by its driver)"
-        )
-    user, password = db.get("USER") or "", db.get("PASSWORD") or ""
-    host, port = db.get("HOST") or "", str(db.get("PORT") or "")
-    options = db.get("OPTIONS") or {}
-    query = {k: str(options[k]) for k in _URL_OPTIONS if options.get(k)}
-    if host.startswith("/"):
-        query.update({"host": host, **({"port": port} if port else {})})
-        host = port = ""
-    elif ":" in host:
-        host = f"[{host}]"  # an IPv6 address
-    userinfo = quote(user, safe="") + (":" + quote(password, safe="") if password else "")
-    netloc = (f"{userinfo}@" if userinfo else "") + host + (f":{port}" if port else "")
-    url = f"postgresql://{netloc}/{quote(name, safe='')}"
-    return f"{url}?{urlencode(query)}" if query else url
