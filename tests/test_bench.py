@@ -171,3 +171,20 @@ def test_fanout_accounts_for_every_delivery(pg_admin_url: str) -> None:
         assert s["deliveries"] == s["deliveries_delivered"] == s["healthy_received"] == 200
         assert s["probe_deliveries"] == s["probe_claimed"] == 200
     assert "relay_cpu_us_per_delivery registered_vs_matching_only" in out["ratios"]
+
+
+def test_console_pages_over_a_small_and_an_estimated_outbox(pg_admin_url: str) -> None:
+    """`bench console`, bounded: every page answers 200 (the run fails otherwise); 20,000 rows
+    are counted exactly, 150,000 (more than 100,000 delivered) estimated, within a few %."""
+    out = bench("console", "--rows", "20000", "--requests", "3", admin=pg_admin_url)
+    c = out["console"]
+    assert c["rows"] == 20000 and sum(v for k, v in c.items() if k.startswith("rows ")) == 20000
+    assert c["delivered_estimated"] is False and c["delivered_shown"] == c["rows delivered"]
+    assert c["failed_shown"] == c["rows failed"] > 0
+    for page in ("GET /", "GET /api/series", "GET /rows?status=failed", "admin.status"):
+        assert 0 < c[f"{page} p50_ms"] <= c[f"{page} p95_ms"], page
+    assert c["GET / n"] == 3
+    out = bench("console", "--rows", "150000", "--requests", "3", admin=pg_admin_url)
+    c = out["console"]
+    assert c["delivered_estimated"] is True and abs(c["delivered_error_pct"]) < 5
+    assert c["failed_shown"] == c["rows failed"]

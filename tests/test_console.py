@@ -4,8 +4,10 @@ and a real relay; and its security from scripts (httpx)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -365,6 +367,15 @@ async def test_endpoints_are_added_and_disabled_without_a_secret_on_the_page(
     assert ep["tenant"] == "acme" and ep["enabled"]
     html = await page.content()
     assert ep["secret"] not in html and "sekret123" not in html and "/hook" not in html
+    row = page.locator(f"tr[data-endpoint='{ep['id']}']")
+    assert "closed" in await row.inner_text()
+    # A relay wrote that its circuit for the endpoint is open (status shows the same).
+    await sql(
+        db_url,
+        "UPDATE outbox_endpoints SET circuit_open_until = now() + interval '1 minute'",
+    )
+    await page.reload()
+    assert "open until" in await page.locator(f"tr[data-endpoint='{ep['id']}']").inner_text()
     await page.click(f"tr[data-endpoint='{ep['id']}'] button:text-is('Disable')")
     await page.wait_for_selector(".flash")
     [ep] = await sql(db_url, "SELECT * FROM outbox_endpoints")
@@ -551,3 +562,137 @@ def test_the_consoles_sqlalchemy_engine_is_bounded(db_url: str) -> None:
     app = build_console(db_url, TOKEN)
     engine = app.state.console.sqlalchemy()
     assert engine.pool.size() == 2 and engine.pool._max_overflow == 0
+
+
+# --- screenshots for the documentation ----------------------------------------------------
+
+IMAGES = Path(__file__).parent.parent / "docs" / "images"
+
+
+async def seed_realistic(db_url: str) -> int:
+    """An outbox as an operator meets it: an hour of deliveries to three destinations with a
+    lag spike, a backlog, failures grouped by error, a key blocked by a failed row, a paused
+    destination, two relays. Returns the id of a failed row with a JSON payload."""
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, key, tenant, event_type, payload, content_type,
+                            status, attempts, created_at, delivered_at, finished_at)
+        SELECT d, 'order-' || (i % 700), 'acme', 'order.paid',
+               convert_to('{"order_id":"A-' || i || '"}', 'UTF8'), 'application/json',
+               'delivered', 1, at - lag, at, at
+        FROM generate_series(1, 5400) AS i,
+             LATERAL (SELECT (ARRAY['orders', 'orders', 'invoices', 'audit'])[1 + i % 4] AS d,
+                             now() - make_interval(secs => 3500.0 * (i / 5400.0
+                                                   + 0.03 * sin(i / 270.0))) AS at,
+                             make_interval(secs => 0.04 + (i % 17) / 60.0
+                                           + CASE WHEN i BETWEEN 2300 AND 2500
+                                                  THEN 4 + (i % 5) ELSE 0 END) AS lag) AS x
+        """,
+    )
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, key, tenant, event_type, payload, content_type,
+                            status, attempts, run_after, created_at)
+        SELECT d, 'order-' || i, 'acme', 'order.created',
+               convert_to('{"order_id":"B-' || i || '"}', 'UTF8'), 'application/json',
+               'pending', i % 3,
+               now() + make_interval(secs => CASE WHEN i % 9 = 0 THEN 40 ELSE -20 END),
+               now() - make_interval(secs => 200 - i)
+        FROM generate_series(1, 140) AS i,
+             LATERAL (SELECT (ARRAY['orders', 'orders', 'emails', 'invoices'])[1 + i % 4] AS d) AS x
+        """,
+    )
+    [failed] = await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, key, tenant, event_type, payload, content_type,
+                            headers, status, attempts, last_error, created_at, finished_at)
+        VALUES ('orders', 'order-1042', 'acme', 'order.paid',
+                convert_to('{"order_id":"A-1042","customer":{"id":"C-77","country":"DE"},'
+                           '"total":{"amount":"129.90","currency":"EUR"},'
+                           '"items":[{"sku":"BK-204","qty":1},{"sku":"PN-11","qty":3}]}',
+                           'UTF8'),
+                'application/json',
+                '{"traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
+                ' "ce_type":"com.acme.order.paid"}',
+                'failed', 25,
+                'HTTP 503 from https://hooks.partner.example: upstream unavailable',
+                now() - interval '42 min', now() - interval '12 min')
+        RETURNING id
+        """,
+    )
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, key, payload, status, attempts, last_error, created_at,
+                            finished_at)
+        SELECT d, k, '\\x00', 'failed', a, e, now() - interval '30 min', now() - interval '5 min'
+        FROM (VALUES
+    ('orders', NULL, 25, 'HTTP 503 from https://hooks.partner.example: upstream unavailable'),
+    ('orders', NULL, 25, 'HTTP 503 from https://hooks.partner.example: upstream unavailable'),
+    ('orders', NULL, 1, 'MessageSizeTooLargeError: the message is 1048712 bytes'),
+    ('invoices', 'invoice-7731', 12, 'HTTP 422 from https://erp.internal: unknown customer')
+        ) AS v(d, k, a, e)
+        """,
+    )
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, key, payload, created_at)
+        SELECT 'invoices', 'invoice-7731', '\\x00', now() - interval '20 min'
+        FROM generate_series(1, 4)
+        """,
+    )
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox (destination, key, payload, status, attempts, locked_by, locked_until,
+                            created_at)
+        SELECT 'orders', 'order-' || (900 + i), '\\x00', 'running', 1, 'relay-7f9c-1-a3b2c1',
+               now() + interval '25 s', now() - interval '2 s'
+        FROM generate_series(1, 6) AS i
+        """,
+    )
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox_paused (destination, paused_by, reason, paused_at)
+        VALUES ('emails', 'ana@ops', 'mail vendor outage', now() - interval '25 min')
+        """,
+    )
+    await sql(
+        db_url,
+        """
+        INSERT INTO outbox_relays (relay_id, host, pid, version, destinations, seen_at)
+        VALUES ('relay-7f9c-1-a3b2c1', 'orders-7f9c', 1, '1.0', '{orders,invoices,audit}', now()),
+               ('relay-2d81-1-99e0aa', 'orders-2d81', 1, '1.0', '{orders,emails}', now())
+        """,
+    )
+    return int(failed["id"])
+
+
+async def test_screenshots_of_the_overview_and_a_row(
+    db_url: str, console_url: str, browser: Browser, tmp_path: Path
+) -> None:
+    """The overview and a row page over realistic data, as PNGs: in a temporary directory, or
+    with OUTBOX_UPDATE_SCREENSHOTS=1 in docs/images/ (the documentation's images)."""
+    failed_id = await seed_realistic(db_url)
+    target = IMAGES if os.environ.get("OUTBOX_UPDATE_SCREENSHOTS") == "1" else tmp_path
+    page, errors = await signed_in(browser, console_url)
+    await page.set_viewport_size({"width": 1280, "height": 680})
+    await page.reload()
+    await page.wait_for_selector(".chart[data-delivered] canvas", timeout=10_000)
+    await page.wait_for_function(
+        "document.querySelectorAll('.chart[data-delivered] canvas').length >= 2"
+    )
+    assert await page.locator("[data-total=failed]").inner_text() == "5"
+    await page.screenshot(path=str(target / "console-overview.png"), full_page=True)
+    await page.goto(f"{console_url}/rows/{failed_id}")
+    await page.wait_for_selector(f"h1:has-text('Row {failed_id}')")
+    await page.screenshot(path=str(target / "console-row.png"), full_page=True)
+    for name in ("console-overview.png", "console-row.png"):
+        image = (target / name).read_bytes()
+        assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 10_000, name
+    assert not [e for e in errors if "Content Security Policy" in e], errors

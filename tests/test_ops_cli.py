@@ -674,3 +674,18 @@ def test_the_relay_logs_the_old_schema_variable(tmp_path: Path) -> None:
         timeout=60,
     )
     assert run.returncode == 0 and "deprecated" not in run.stderr
+
+
+def test_an_estimated_delivered_count_is_marked_in_text_and_json(db_url: str) -> None:
+    sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, delivered_at, finished_at) "
+        "SELECT 'orders', '\\x00', 'delivered', now(), now() FROM generate_series(1, 120000)",
+    )
+    sql(db_url, "INSERT INTO outbox (destination, payload) VALUES ('orders', '\\x00')")
+    sql(db_url, "ANALYZE outbox")
+    data = cli_json(db_url, "status")
+    [orders] = [d for d in data["destinations"] if d["destination"] == "orders"]
+    assert orders["delivered_estimated"] is True and orders["pending"] == 1
+    text = cli(db_url, "status")
+    assert text.exit_code == 0 and f"~{orders['delivered']}" in text.output

@@ -74,7 +74,24 @@ class Commands(click.Group):
             secrets.reset()
 
 
+def _colour(ctx: click.Context, param: click.Parameter, value: bool | None) -> None:
+    # The command's context inherits it; relay.cli.options.colour_wanted reads it.
+    if value is not None:
+        ctx.color = value
+
+
 @click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="outbox-relay")
+@click.option(
+    "--color/--no-color",
+    default=None,
+    expose_value=False,
+    callback=_colour,
+    help="Colour states in text output, even off a terminal; or never. Default: on a "
+    "terminal, unless NO_COLOR is set.",
+)
 def main() -> None:
-    """outbox-relay: a transactional outbox for PostgreSQL, relayed to Kafka and webhooks."""
+    """outbox-relay: a transactional outbox for PostgreSQL, relayed to Kafka and webhooks.
+
+    Shell completion: eval "$(_OUTBOX_RELAY_COMPLETE=bash_source outbox-relay)" in
+    ~/.bashrc (zsh_source in ~/.zshrc; fish_source for fish). See docs/operations.md."""

@@ -23,7 +23,16 @@ from outbox.dburl import redact, to_sqlalchemy_async_url
 from outbox.errors import OutboxError, describe
 from outbox.queries import render_endpoints
 from relay import secrets
-from relay.cli.options import age, database_options, echo_json, json_option
+from relay.cli.options import (
+    BAD,
+    GOOD,
+    Tint,
+    age,
+    database_options,
+    echo_json,
+    json_option,
+    painted,
+)
 from relay.ops import queries
 
 if TYPE_CHECKING:
@@ -167,22 +176,24 @@ def _audience(ep: Endpoint) -> tuple[str, str]:
 
 def _state(ep: Endpoint) -> str:
     if ep.enabled:
-        return "enabled"
-    return "disabled" + (f": {ep.disabled_reason}" if ep.disabled_reason else "")
+        return Tint("enabled", GOOD)
+    return Tint("disabled" + (f": {ep.disabled_reason}" if ep.disabled_reason else ""), BAD)
 
 
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     """Columns aligned to the left, the last as it is (free text)."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
-        click.echo("  ".join([*(c.ljust(w) for c, w in zip(r, widths, strict=False)), r[-1]]))
+        cells = [painted(c, c.ljust(w)) for c, w in zip(r, widths, strict=False)]
+        click.echo("  ".join([*cells, painted(r[-1], r[-1])]))
 
 
 def _print_fields(fields: dict[str, Any]) -> None:
     for k, v in fields.items():
         if isinstance(v, datetime):
             v = v.isoformat()
-        click.echo(f"{k + ':':<22} {'-' if v is None or v == '' else v}")
+        text = "-" if v is None or v == "" else str(v)
+        click.echo(f"{k + ':':<22} {painted(v, text)}")
 
 
 def _print_endpoint(ep: Endpoint) -> None:
@@ -244,7 +255,7 @@ def _print_activity(activity: dict[str, Any]) -> None:
 # --- commands ---------------------------------------------------------------------------------
 
 
-@click.group()
+@click.group(short_help="Manage webhook endpoints registered at runtime.")
 def endpoints() -> None:
     """Webhook endpoints registered at runtime.
 
@@ -252,7 +263,7 @@ def endpoints() -> None:
     enable, rotate-secret, delete. Relays see each change at their next claim."""
 
 
-@endpoints.command()
+@endpoints.command(short_help="Register an endpoint; prints its secret.")
 @database_options
 @json_option
 @click.argument("destination")
@@ -324,7 +335,7 @@ def add(
         )
 
 
-@endpoints.command("list")
+@endpoints.command("list", short_help="List the endpoints (never their secrets).")
 @database_options
 @json_option
 @click.option("--destination", help="Only this destination's endpoints.")
@@ -356,7 +367,7 @@ def list_(
     _print_table(rows)
 
 
-@endpoints.command()
+@endpoints.command(short_help="Show an endpoint, its deliveries, its attempts.")
 @database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
@@ -419,7 +430,7 @@ def _changes(
     return changes
 
 
-@endpoints.command()
+@endpoints.command(short_help="Change an endpoint's settings.")
 @database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
@@ -485,7 +496,7 @@ def update(
     _print_endpoint(ep)
 
 
-@endpoints.command()
+@endpoints.command(short_help="Stop sending to an endpoint.")
 @database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
@@ -505,7 +516,7 @@ def disable(
     )
 
 
-@endpoints.command()
+@endpoints.command(short_help="Send to a disabled endpoint again.")
 @database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
@@ -520,7 +531,7 @@ def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> N
     click.echo(f"enabled endpoint {ep.id} ({ep.url})")
 
 
-@endpoints.command("rotate-secret")
+@endpoints.command("rotate-secret", short_help="Give an endpoint a new secret; prints it.")
 @database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)
@@ -579,7 +590,7 @@ def _confirm_delete(database_url: str, schema: str, endpoint_id: int) -> None:
     )
 
 
-@endpoints.command()
+@endpoints.command(short_help="Delete an endpoint, cancelling its deliveries.")
 @database_options
 @json_option
 @click.argument("endpoint_id", metavar="ID", type=ENDPOINT_ID)

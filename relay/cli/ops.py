@@ -5,35 +5,61 @@ first, on a terminal; elsewhere they need --yes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import time
 from collections import Counter
-from collections.abc import Sequence
-from datetime import datetime
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TypeVar
 
 import asyncpg
 import click
 
 from outbox.status import Status
 from relay.cli.options import (
+    BAD,
     EXIT_CONDITION,
+    GOOD,
+    STATUS_COLOURS,
+    WAITING,
     Duration,
     Since,
+    Tint,
     age,
     database_options,
     default_by,
     echo_json,
     json_option,
+    paint,
+    painted,
     with_db,
 )
 from relay.durations import FORMS, format_duration
 from relay.ops import admin
 
+T = TypeVar("T")
 
-@click.command()
+
+# `status --watch`: the interval between snapshots, in seconds.
+WATCH_DEFAULT = 2.0
+WATCH_MIN = 0.5
+WATCH_MAX = 3600.0
+
+
+@click.command(short_help="Pending, due, failed and in flight, per destination.")
 @database_options
 @json_option
+@click.option(
+    "--watch",
+    type=click.FloatRange(WATCH_MIN, WATCH_MAX),
+    is_flag=False,
+    flag_value=WATCH_DEFAULT,
+    metavar="[SECONDS]",
+    help=f"Show it again every SECONDS (default {WATCH_DEFAULT:g}) until Ctrl-C; with --json, "
+    "one document per line.",
+)
 @click.option("--fail-if-failed", is_flag=True, help=f"Exit {EXIT_CONDITION} if any row is failed.")
 @click.option(
     "--fail-if-pending-older-than",
@@ -46,10 +72,18 @@ def status(
     database_url: str,
     schema: str,
     as_json: bool,
+    watch: float | None,
     fail_if_failed: bool,
     fail_if_pending_older_than: float | None,
 ) -> None:
-    """Per destination: pending, due now, oldest pending age, in flight, delivered, failed."""
+    """Per destination: pending, due now, oldest pending age, in flight, delivered, failed.
+
+    With --watch, again and again until Ctrl-C."""
+    if watch is not None:
+        if fail_if_failed or fail_if_pending_older_than is not None:
+            raise click.UsageError("--fail-if-… judge one snapshot: not with --watch")
+        _watch(database_url, schema, as_json, watch)
+        return
     data = with_db(database_url, lambda c: admin.status(c, schema))
     dests = data["destinations"]
     problems = []
@@ -85,8 +119,47 @@ def status(
         _print_status(data)
     if problems:
         if not as_json:
-            click.echo(f"problem: {'; '.join(problems)}", err=True)
+            click.echo(paint(f"problem: {'; '.join(problems)}", BAD), err=True)
         sys.exit(EXIT_CONDITION)
+
+
+def _watch(database_url: str, schema: str, as_json: bool, interval: float) -> None:
+    """Status snapshots every ``interval`` seconds (from the end of one to the start of the
+    next) until Ctrl-C. On a terminal each replaces the last on a cleared screen; elsewhere
+    they follow one another, each after a line with its time. With ``as_json``: one compact
+    JSON document per line, as `status --json` gives it."""
+    terminal = _stdout_on_terminal()
+    shown = 0
+    try:
+        while True:
+            data = with_db(database_url, lambda c: admin.status(c, schema))
+            data["problems"] = []
+            if as_json:
+                click.echo(json.dumps(data, default=str))
+            else:
+                at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                if terminal:
+                    click.echo(CLEAR_SCREEN, nl=False, color=True)
+                    click.echo(f"every {interval:g}s, {at} (Ctrl-C to stop)\n")
+                else:
+                    click.echo(("\n" if shown else "") + f"--- {at} ---")
+                _print_status(data)
+            shown += 1
+            _sleep(interval)
+    except KeyboardInterrupt:
+        if terminal and not as_json:
+            click.echo()  # the prompt on a line of its own, after ^C
+
+
+# Clear the screen, cursor to the top left (as click.clear, which a test cannot see).
+CLEAR_SCREEN = "\033[2J\033[1;1H"
+
+# Module attributes, so that a test can stand in for a terminal and for the passing time.
+_sleep = time.sleep
+
+
+def _stdout_on_terminal() -> bool:
+    return sys.stdout.isatty()
 
 
 def _print_relays(relays: list[dict[str, Any]]) -> None:
@@ -101,7 +174,11 @@ def _print_relays(relays: list[dict[str, Any]]) -> None:
         }[r["state"]]
         where = f"{r['host']} pid {r['pid']}" if r["host"] else "?"
         serves = ", ".join(r["destinations"]) or "-"
-        click.echo(f"  {r['relay_id']}: {r['state']} on {where}, {when}; serves {serves}")
+        state = paint(r["state"], RELAY_COLOURS.get(r["state"]))
+        click.echo(f"  {r['relay_id']}: {state} on {where}, {when}; serves {serves}")
+
+
+RELAY_COLOURS = {"running": GOOD, "silent": BAD}
 
 
 STATUS_COLUMNS = (
@@ -131,40 +208,48 @@ def _print_status(data: dict[str, Any]) -> None:
 
 
 def _status_row(d: dict[str, Any]) -> tuple[str, ...]:
-    state = "active"
+    state = Tint("active", GOOD)
     if d["paused"]:
         p = d["paused"]
-        state = f"PAUSED since {p['since'][:19]}" + (f" by {p['by']}" if p["by"] else "")
+        paused = f"PAUSED since {p['since'][:19]}" + (f" by {p['by']}" if p["by"] else "")
         if p["reason"]:
-            state += f": {p['reason']}"
+            paused += f": {p['reason']}"
+        state = Tint(paused, WAITING)
     counts = (d["pending"], d["due_now"])
-    more = (d["running"], d["delivered"], d["failed"], d["skipped"])
+    # "~": estimated from the planner's statistics on a large table (see `status` in
+    # docs/operations.md); every other count is exact.
+    delivered = ("~" if d.get("delivered_estimated") else "") + str(d["delivered"])
     return (
         d["destination"],
         *map(str, counts),
         age(d["oldest_pending_age_s"]),
-        *map(str, more),
+        str(d["running"]),
+        delivered,
+        Tint(str(d["failed"]), BAD if d["failed"] else None),
+        str(d["skipped"]),
         state,
     )
 
 
 def _print_table(rows: list[tuple[str, ...]]) -> None:
-    """Columns aligned: the first to the left, the numbers to the right, the last as it is."""
+    """Columns aligned: the first to the left, the numbers to the right, the last as it is.
+    A cell that is a Tint is printed in its colour."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         cells = [
-            c.ljust(w) if i == 0 else c.rjust(w)
+            painted(c, c.ljust(w) if i == 0 else c.rjust(w))
             for i, (c, w) in enumerate(zip(r, widths, strict=False))
         ]
-        click.echo("  ".join([*cells, r[-1]]))
+        click.echo("  ".join([*cells, painted(r[-1], r[-1])]))
 
 
 def _print_rows(rows: Sequence[tuple[str, ...]], indent: str = "") -> None:
-    """Columns aligned to the left, the last as it is (free text)."""
+    """Columns aligned to the left, the last as it is (free text). A cell that is a Tint is
+    printed in its colour."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
-        cells = [c.ljust(w) for c, w in zip(r, widths, strict=False)]
-        click.echo(indent + "  ".join([*cells, r[-1]]))
+        cells = [painted(c, c.ljust(w)) for c, w in zip(r, widths, strict=False)]
+        click.echo(indent + "  ".join([*cells, painted(r[-1], r[-1])]))
 
 
 def _line(text: str | None, limit: int) -> str:
@@ -181,9 +266,9 @@ def _needs_a_look(e: dict[str, Any]) -> bool:
 
 def _endpoint_state(e: dict[str, Any]) -> str:
     if e["enabled"]:
-        return "enabled"
+        return Tint("enabled", GOOD)
     reason = e["disabled_reason"]
-    return "DISABLED" + (f": {_line(reason, 80)}" if reason else "")
+    return Tint("DISABLED" + (f": {_line(reason, 80)}" if reason else ""), BAD)
 
 
 def _print_endpoints(data: dict[str, Any]) -> None:
@@ -223,7 +308,7 @@ def _print_endpoints(data: dict[str, Any]) -> None:
                 (e["failing_since"] or "-")[:19],
                 str(last_http) if last_http else "none" if e["last_attempt_at"] else "-",
                 (e["last_success_at"] or "-")[:19],
-                f"open until {e['circuit_open_until'][11:19]}"
+                Tint(f"open until {e['circuit_open_until'][11:19]}", BAD)
                 if e["circuit_open_until"]
                 else "closed",
                 _endpoint_state(e),
@@ -251,7 +336,9 @@ def _print_details(dests: list[dict[str, Any]]) -> None:
         click.echo("\nin flight:")
         for name, x in leases:
             left = x["lease_left_s"]
-            lease = f"lease {format_duration(left)} left" if left >= 0 else "LEASE EXPIRED"
+            lease = (
+                f"lease {format_duration(left)} left" if left >= 0 else paint("LEASE EXPIRED", BAD)
+            )
             click.echo(f"  {name}: {x['rows']} row(s) held by {x['relay']} ({lease})")
     errors = [(d["destination"], e) for d in dests for e in d["failed_errors"]]
     if errors:
@@ -274,7 +361,7 @@ def _print_details(dests: list[dict[str, Any]]) -> None:
             )
 
 
-@click.command()
+@click.command(short_help="Show outbox rows in full, with their deliveries.")
 @database_options
 @json_option
 @click.argument("ids", nargs=-1, type=int, required=True)
@@ -308,6 +395,8 @@ def show(
             for k, v in row.items():
                 if k == "headers":
                     v = json.dumps(v, ensure_ascii=False)
+                elif k == "status":
+                    v = paint(v, STATUS_COLOURS.get(v))
                 click.echo(f"{k + ':':<16} {'-' if v is None else v}")
             _print_event_deliveries(row["id"], activity)
     if missing:
@@ -338,7 +427,7 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
                 (
                     str(d["endpoint_id"]),
                     d["origin"] or "(deleted)",
-                    d["status"],
+                    Tint(d["status"], STATUS_COLOURS.get(d["status"])),
                     str(d["attempts"]),
                     str(d["last_status"] or "-"),
                     (d["finished_at"] or "-")[:19],
@@ -378,7 +467,7 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
 ROW_ID = click.IntRange(1, 2**63 - 1)
 
 
-@click.command("list")
+@click.command("list", short_help="List outbox rows, newest first, a page at a time.")
 @database_options
 @json_option
 @click.option(
@@ -463,7 +552,7 @@ def list_(
                 str(r["id"]),
                 r["destination"],
                 _line(r["key"], 40),
-                r["status"],
+                Tint(r["status"], STATUS_COLOURS.get(r["status"])),
                 str(r["attempts"]),
                 r["created_at"][:19],
                 r["run_after"][:19],
@@ -481,7 +570,7 @@ def list_(
 LIST_ERROR_CHARS = 80
 
 
-@click.command()
+@click.command(short_help="Move failed rows back to pending, due now.")
 @database_options
 @json_option
 @click.option(
@@ -546,7 +635,12 @@ def retry(
             "retry them",
             empty=not preview["rows"],
         )
-    result = with_db(database_url, lambda c: admin.retry(c, schema, flt, dry_run=dry_run))
+    action = _timed(
+        "counting" if dry_run else "retrying",
+        lambda c: admin.retry(c, schema, flt, dry_run=dry_run),
+        shown=not as_json,
+    )
+    result = with_db(database_url, action)
     if as_json:
         echo_json(result)
         return
@@ -554,6 +648,77 @@ def retry(
     click.echo(f"{verb} {result['rows']} failed row(s)")
     for line in _retry_lines(result):
         click.echo(line)
+
+
+# --- progress on the terminal -------------------------------------------------------------
+
+# A line of progress is redrawn at most this often (seconds); an action says how long it has
+# run once it has run this long.
+REDRAW = 0.1
+ELAPSED_AFTER = 1.0
+
+
+class ProgressLine:
+    """One line on stderr, redrawn in place while a command works (a purge's rows so far, a
+    retry's time), and wiped when it is done. Only when stderr is a terminal and `shown`:
+    elsewhere, and with --json, it writes nothing."""
+
+    def __init__(self, shown: bool = True) -> None:
+        self.shown = shown and _stderr_on_terminal()
+        self._drawn = 0  # characters on the line
+        self._text = ""
+        self._at = 0.0
+
+    def draw(self, text: str, *, now: bool = False) -> None:
+        """Show ``text`` instead of the line before, unless one was drawn in the last REDRAW
+        seconds (``now``: all the same)."""
+        if not self.shown or text == self._text:
+            return
+        if not (now or time.monotonic() - self._at >= REDRAW):
+            return
+        self._at = time.monotonic()
+        self._text = text
+        click.echo("\r" + text.ljust(self._drawn), err=True, nl=False)
+        self._drawn = len(text)
+
+    def wipe(self) -> None:
+        if self._drawn:
+            click.echo("\r" + " " * self._drawn + "\r", err=True, nl=False)
+            self._drawn = 0
+            self._text = ""
+
+
+def _stderr_on_terminal() -> bool:
+    # A function of its own, so that a test can stand in for a terminal.
+    return sys.stderr.isatty()
+
+
+def _timed(
+    label: str, action: Callable[[asyncpg.Connection], Awaitable[T]], *, shown: bool
+) -> Callable[[asyncpg.Connection], Awaitable[T]]:
+    """``action``, which is one statement with no progress to tell, saying on the terminal
+    ``label… 3s`` once it has run ELAPSED_AFTER seconds: so a long one does not look hung."""
+
+    async def run(conn: asyncpg.Connection) -> T:
+        line = ProgressLine(shown)
+        if not line.shown:
+            return await action(conn)
+
+        async def tick() -> None:
+            start = time.monotonic()
+            await asyncio.sleep(ELAPSED_AFTER)
+            while True:
+                line.draw(f"{label}… {time.monotonic() - start:.0f}s", now=True)
+                await asyncio.sleep(1)
+
+        ticking = asyncio.create_task(tick())
+        try:
+            return await action(conn)
+        finally:
+            ticking.cancel()
+            line.wipe()
+
+    return run
 
 
 def _retry_lines(result: dict[str, Any]) -> list[str]:
@@ -593,7 +758,7 @@ def _on_terminal() -> bool:
     return sys.stdin.isatty()
 
 
-@click.command()
+@click.command(short_help="Send events to their endpoints again.")
 @database_options
 @json_option
 @click.argument("event_id", metavar="[ID]", type=ROW_ID, required=False)
@@ -751,7 +916,7 @@ def _print_replayed_endpoint(r: dict[str, Any]) -> None:
         )
 
 
-@click.command()
+@click.command(short_help="Delete old delivered, skipped (and failed) rows.")
 @database_options
 @json_option
 @click.option(
@@ -795,7 +960,7 @@ def purge(
             "deleted (add --failed for failed rows, --dry-run to count first)"
         )
 
-    def run(dry: bool) -> dict[str, Any]:
+    def run(dry: bool, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         return with_db(
             database_url,
             lambda c: admin.purge(
@@ -806,6 +971,7 @@ def purge(
                 destinations=list(destinations) or None,
                 batch_size=batch_size,
                 dry_run=dry,
+                progress=progress,
             ),
         )
 
@@ -818,7 +984,17 @@ def purge(
             "delete them",
             empty=not preview["rows"],
         )
-    result = run(dry_run)
+    bar = ProgressLine(shown=not (as_json or dry_run))
+
+    def progress(deleted: int, total: int) -> None:
+        if total:  # else there is nothing to wait for
+            share = min(100, deleted * 100 // total)
+            bar.draw(f"purging: {deleted} of {total} row(s) deleted ({share}%)")
+
+    try:
+        result = run(dry_run, progress if bar.shown else None)
+    finally:
+        bar.wipe()
     if as_json:
         echo_json(result)
         return
@@ -841,7 +1017,7 @@ def _purge_lines(result: dict[str, Any]) -> list[str]:
     ]
 
 
-@click.command()
+@click.command(short_help="Stop every relay from claiming DESTINATION.")
 @database_options
 @json_option
 @click.argument("destination")
@@ -872,7 +1048,7 @@ def pause(
         )
 
 
-@click.command()
+@click.command(short_help="Let relays claim DESTINATION again.")
 @database_options
 @json_option
 @click.argument("destination")
@@ -887,7 +1063,7 @@ def resume(database_url: str, schema: str, as_json: bool, destination: str) -> N
         click.echo(f"{destination} was not paused; nothing to do")
 
 
-@click.command()
+@click.command(short_help="Give up on failed rows: mark them skipped.")
 @database_options
 @json_option
 @click.argument("ids", nargs=-1, type=int, required=True)

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import getpass
 import json
+import os
 import socket
 import sys
 from collections.abc import Awaitable, Callable
@@ -247,6 +248,54 @@ def with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[
 
 def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
+
+
+# --- colour ---------------------------------------------------------------------------------
+
+# States in text output, the same colour in every command: green is fine (delivered, enabled,
+# active, running), yellow waits on someone (paused), red needs a look (failed, disabled, an
+# open circuit, a silent relay).
+GOOD, WAITING, BAD = "green", "yellow", "red"
+# A row's or a delivery's status.
+STATUS_COLOURS = {"delivered": GOOD, "failed": BAD}
+
+
+def colour_wanted() -> bool:
+    """Whether text output may be coloured: as ``--color``/``--no-color`` of ``outbox-relay``
+    say, else unless NO_COLOR is set to anything but "" (https://no-color.org). click.echo
+    strips the colour again where the output is not a terminal (unless ``--color``), and
+    JSON is never coloured."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.color is not None:
+        return ctx.color
+    return not os.environ.get("NO_COLOR")
+
+
+def paint(text: str, colour: str | None) -> str:
+    """``text`` in ``colour`` (GOOD, WAITING, BAD), when colour is wanted."""
+    return click.style(text, fg=colour) if colour and colour_wanted() else text
+
+
+class Tint(str):
+    """A table cell to print in a colour: aligned by the plain text it is (escape codes take
+    no room on the screen), then painted, its padding left plain (see painted)."""
+
+    colour: str | None
+
+    def __new__(cls, text: str, colour: str | None) -> Tint:
+        cell = super().__new__(cls, text)
+        cell.colour = colour
+        return cell
+
+
+def painted(cell: str, padded: str) -> str:
+    """``padded`` (``cell`` aligned with spaces) with ``cell`` in its colour, if it is a
+    Tint."""
+    if not isinstance(cell, Tint):
+        return padded
+    if padded.startswith(cell):
+        return paint(cell, cell.colour) + padded[len(cell) :]
+    return padded[: len(padded) - len(cell)] + paint(cell, cell.colour)
 
 
 def age(seconds: float | None) -> str:

@@ -27,7 +27,7 @@ from relay.config import (
 )
 
 
-@click.command()
+@click.command(short_help="Apply pending schema migrations.")
 @database_url_option
 @schema_option
 @click.option(
@@ -88,7 +88,7 @@ def _load(config: Path | None) -> Settings:
     return settings
 
 
-@click.command()
+@click.command(short_help="Run the relay until SIGTERM/SIGINT.")
 @click.option(
     "--config",
     "config",

@@ -10,7 +10,7 @@ import click
 from relay.cli.options import register_url
 
 
-@click.command()
+@click.command(short_help="Relay real events end to end on this machine.")
 @click.option(
     "--database-url",
     envvar="OUTBOX_DATABASE_URL",

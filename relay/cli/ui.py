@@ -7,7 +7,7 @@ import click
 from relay.cli.options import database_options
 
 
-@click.command()
+@click.command(short_help="Serve the operator console (a web page).")
 @database_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8089, show_default=True, type=click.IntRange(0, 65535))

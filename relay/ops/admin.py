@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -76,18 +77,36 @@ def _seconds(value: float | None) -> float | None:
 
 COUNTS = ("pending", "due_now", "running", "delivered", "failed", "skipped")
 
+# Delivered rows are counted exactly up to this many (an index-only probe, then one pass
+# over them); past it `delivered` is estimated from the table's statistics, and
+# "delivered_estimated" says so. Pending, running, failed and skipped rows are always counted.
+DELIVERED_EXACT_UP_TO = 100_000
+# With estimated counts, each destination's last delivery is looked for among this many of
+# the newest deliveries (None when it is older).
+LATEST_DELIVERIES_READ = 10_000
+
 
 async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
     """Per destination: row counts, leases held, failures by error, blocked keys, whether it
-    is paused; and the relays. One snapshot (repeatable read), so the parts agree."""
+    is paused; and the relays. One snapshot (repeatable read), so the parts agree.
+
+    Every count is exact but ``delivered`` when the table keeps more than
+    DELIVERED_EXACT_UP_TO delivered rows: it is then estimated (three significant digits,
+    ``"delivered_estimated": true``), as counting them would read the whole table."""
     await _check_tables(conn, schema)
     has_endpoints = await _has_endpoint_tables(conn, schema)
     async with conn.transaction(isolation="repeatable_read", readonly=True):
+        # Aggregates over the partial indexes: compiling them (JIT) costs more than it saves.
+        await conn.execute("SET LOCAL jit = off")
         counts = await conn.fetch(_sql(queries.STATUS_COUNTS, schema))
+        ended = await conn.fetch(_sql(queries.STATUS_ENDED, schema))
+        counted = {r["destination"]: r["pending"] + r["running"] for r in counts}
+        for r in ended:
+            counted[r["destination"]] = counted.get(r["destination"], 0) + r["rows"]
+        delivered, estimated = await _delivered(conn, schema, counted)
         leases = await conn.fetch(_sql(queries.STATUS_LEASES, schema))
-        errors = await conn.fetch(_sql(queries.STATUS_ERRORS, schema))
         paused = await conn.fetch(_sql(queries.PAUSED_DETAIL, schema))
-        blocked = await conn.fetch(_sql(queries.BLOCKED_KEYS, schema), None)
+        blocked = await conn.fetch(_sql(queries.STATUS_BLOCKED_KEYS, schema))
         relays = await conn.fetch(_sql(queries.RELAYS, schema))
         endpoints = (
             await conn.fetch(_sql(queries.STATUS_ENDPOINTS, schema), STATUS_ENDPOINTS_LISTED)
@@ -101,6 +120,8 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
 
     for r in counts:
         dest(r["destination"]).update(_counts(r))
+    for name, (n, last) in delivered.items():
+        dest(name).update(delivered=n, last_delivered_at=_iso(last))
     for r in leases:
         left = r["lease_left"]
         dest(r["destination"])["in_flight"].append(
@@ -110,10 +131,13 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
                 "lease_left_s": round(left, 3) if left is not None else None,
             }
         )
-    for r in errors:
-        dest(r["destination"])["failed_errors"].append(
-            {"error": r["last_error"], "rows": r["rows"]}
-        )
+    for r in ended:
+        d = dest(r["destination"])
+        if r["status"] == Status.FAILED:
+            d["failed"] += r["rows"]
+            d["failed_errors"].append({"error": r["last_error"], "rows": r["rows"]})
+        else:
+            d["skipped"] += r["rows"]
     for r in blocked:
         dest(r["destination"])["blocked_keys"].append(
             {
@@ -130,10 +154,13 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
             "reason": r["reason"],
         }
     rows = [dests[k] for k in sorted(dests)]
+    for d in rows:
+        d["delivered_estimated"] = estimated
     return {
         "schema": schema,
         "destinations": rows,
         "totals": {k: sum(d[k] for d in rows) for k in COUNTS},
+        "delivered_estimated": estimated,
         "relays": [_relay(r) for r in relays],
         "endpoints": [_endpoint_status(r) for r in endpoints],
         "endpoints_total": endpoints[0]["total"] if endpoints else 0,
@@ -147,6 +174,7 @@ def _empty_destination(name: str) -> dict[str, Any]:
         "destination": name,
         "paused": None,
         **dict.fromkeys(COUNTS, 0),
+        "delivered_estimated": False,
         "oldest_pending_age_s": None,
         "last_delivered_at": None,
         "in_flight": [],
@@ -161,12 +189,67 @@ def _counts(r: asyncpg.Record) -> dict[str, Any]:
         "pending": r["pending"],
         "due_now": r["due"],
         "running": r["running"],
-        "delivered": r["delivered"],
-        "failed": r["failed"],
-        "skipped": r["skipped"],
         "oldest_pending_age_s": round(oldest, 3) if oldest is not None else None,
-        "last_delivered_at": _iso(r["last_delivered_at"]),
     }
+
+
+Delivered = dict[str, tuple[int, datetime | None]]
+
+
+async def _delivered(
+    conn: asyncpg.Connection, schema: str, counted: dict[str, int]
+) -> tuple[Delivered, bool]:
+    """Delivered rows and the last delivery per destination, and whether they are estimates;
+    ``counted``: the rows of each destination counted otherwise (pending, running, failed,
+    skipped)."""
+    few = await conn.fetchval(
+        _sql(queries.STATUS_DELIVERED_PROBE, schema), DELIVERED_EXACT_UP_TO + 1
+    )
+    stats = None
+    if few > DELIVERED_EXACT_UP_TO:
+        stats = await conn.fetchrow(
+            queries.STATUS_ESTIMATE, queries.qualified_table(schema), schema
+        )
+    if stats is None or not stats["analyzed"] or stats["reltuples"] < 0:
+        # Few enough, or never analyzed (autovacuum will): counted.
+        exact = await conn.fetch(_sql(queries.STATUS_DELIVERED, schema))
+        return {r["destination"]: (r["delivered"], r["last_delivered_at"]) for r in exact}, False
+    latest = await conn.fetch(_sql(queries.STATUS_DELIVERED_LATEST, schema), LATEST_DELIVERIES_READ)
+    last = {r["destination"]: r["last_delivered_at"] for r in latest}
+    shares, rest = _destination_shares(stats)
+    # The table's rows now, as the planner reckons them: rows per page at the last VACUUM or
+    # ANALYZE times the pages it has now.
+    rows = stats["reltuples"]
+    if stats["relpages"] > 0:
+        rows = rows / stats["relpages"] * stats["pages"]
+    names = set(counted) | set(last) | set(shares)
+    return {
+        name: (
+            _approximately(max(0.0, rows * shares.get(name, rest) - counted.get(name, 0))),
+            last.get(name),
+        )
+        for name in names
+    }, True
+
+
+def _destination_shares(stats: asyncpg.Record) -> tuple[dict[str, float], float]:
+    """Each common destination's share of the rows (pg_stats), and that of any other one."""
+    common = list(stats["common"] or [])
+    freqs = list(stats["freqs"] or [])
+    shares = dict(zip(common, freqs, strict=True))
+    distinct = stats["n_distinct"]
+    if distinct < 0:  # a fraction of the rows
+        distinct = -distinct * max(stats["reltuples"], 0.0)
+    others = max(1.0, distinct - len(common))
+    rest = max(0.0, 1.0 - sum(freqs) - (stats["null_frac"] or 0.0)) / others
+    return shares, rest
+
+
+def _approximately(n: float) -> int:
+    """``n`` to three significant digits: an estimate with the precision it has."""
+    whole = round(n)
+    digits = len(str(whole)) - 3
+    return round(whole, -digits) if digits > 0 else whole
 
 
 # A running relay refreshes its registration at least every 10 s.
@@ -655,9 +738,14 @@ async def purge(
     destinations: list[str] | None,
     batch_size: int,
     dry_run: bool,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Delete delivered and skipped (and with ``failed``, failed) rows that reached that
-    status more than ``older_than`` seconds ago, one small transaction per batch."""
+    status more than ``older_than`` seconds ago, one small transaction per batch.
+
+    ``progress(deleted, total)`` is called before the first batch and after each: the rows
+    deleted so far, of the ``total`` counted first (rows that age meanwhile may be deleted
+    too, rows another session has locked are passed over)."""
     await _check_tables(conn, schema)
     preview_rows = await conn.fetch(
         _sql(queries.PURGE_PREVIEW, schema), older_than, destinations, failed
@@ -669,6 +757,9 @@ async def purge(
         total = sum(r["rows"] for r in preview_rows)
         return {"dry_run": True, "rows": total, "destinations": per}
     deleted = {"delivered": 0, "skipped": 0, "failed": 0}
+    total = sum(r["rows"] for r in preview_rows)
+    if progress is not None:
+        progress(0, total)
     statements: list[tuple[str, str, tuple[Any, ...]]] = [
         ("delivered", queries.PURGE_DELIVERED, ()),
         ("skipped", queries.PURGE_FINISHED, ([Status.SKIPPED],)),
@@ -683,6 +774,8 @@ async def purge(
             n = int(result.split()[-1])
             deleted[status_name] += n
             batches += 1
+            if progress is not None:
+                progress(sum(deleted.values()), total)
             if n < batch_size:
                 break
     return {

@@ -37,20 +37,83 @@ FROM {relays}
 ORDER BY relay_id
 """
 
+# `status` counts what the partial indexes hold exactly: pending rows (outbox_claim_idx) and
+# running ones (outbox_lease_idx) here, failed and skipped ones (outbox_finished_idx) in
+# STATUS_ENDED. Those are few next to the delivered history, which STATUS_DELIVERED counts
+# only while it is small (see admin.status); past that it is estimated from the table's
+# statistics (STATUS_ESTIMATE): an exact count of millions of delivered rows reads them all.
 STATUS_COUNTS = """
-SELECT destination,
-       count(*) FILTER (WHERE status = 'pending') AS pending,
-       count(*) FILTER (WHERE status = 'pending' AND run_after <= now()) AS due,
-       count(*) FILTER (WHERE status = 'running') AS running,
-       count(*) FILTER (WHERE status = 'delivered') AS delivered,
-       count(*) FILTER (WHERE status = 'failed') AS failed,
-       count(*) FILTER (WHERE status = 'skipped') AS skipped,
-       extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))::float8
-           AS oldest_pending_age,
-       max(delivered_at) AS last_delivered_at
-FROM {table}
-GROUP BY destination
+WITH pending AS (
+    SELECT destination, count(*) AS pending, count(*) FILTER (WHERE run_after <= now()) AS due,
+           min(created_at) AS oldest
+    FROM {table}
+    WHERE status = 'pending'
+    GROUP BY destination
+),
+running AS (
+    SELECT destination, count(*) AS running
+    FROM {table}
+    WHERE status = 'running'
+    GROUP BY destination
+)
+SELECT destination, coalesce(pending, 0) AS pending, coalesce(due, 0) AS due,
+       coalesce(running, 0) AS running,
+       extract(epoch FROM now() - oldest)::float8 AS oldest_pending_age
+FROM pending
+FULL JOIN running USING (destination)
 ORDER BY destination
+"""
+
+# Failed rows by destination and error, and skipped rows by destination (their errors carry
+# who skipped them and when): one pass over outbox_finished_idx.
+STATUS_ENDED = """
+SELECT destination, status, CASE WHEN status = 'failed' THEN last_error END AS last_error,
+       count(*) AS rows
+FROM {table}
+WHERE status IN ('failed', 'skipped')
+GROUP BY 1, 2, 3
+ORDER BY destination, rows DESC
+"""
+
+# Delivered rows, up to $1 of them (an index-only scan of outbox_delivered_idx): whether
+# there are few enough to count exactly.
+STATUS_DELIVERED_PROBE = """
+SELECT count(*) FROM (SELECT 1 FROM {table} WHERE status = 'delivered' LIMIT $1) AS few
+"""
+
+STATUS_DELIVERED = """
+SELECT destination, count(*) AS delivered, max(delivered_at) AS last_delivered_at
+FROM {table}
+WHERE status = 'delivered'
+GROUP BY destination
+"""
+
+# The newest $1 deliveries, walked back through outbox_delivered_idx: each destination among
+# them and its last delivery (when there are too many delivered rows to read them all).
+STATUS_DELIVERED_LATEST = """
+SELECT destination, max(delivered_at) AS last_delivered_at
+FROM (SELECT destination, delivered_at
+      FROM {table}
+      WHERE status = 'delivered'
+      ORDER BY delivered_at DESC
+      LIMIT $1) AS latest
+GROUP BY destination
+"""
+
+# What the planner knows of the outbox ($1, the qualified table; $2 its schema): its rows at
+# the last VACUUM or ANALYZE and the pages they filled then, the pages it has now, and the
+# destinations' shares (the most common values and the rest). No row of pg_stats: not yet
+# analyzed.
+STATUS_ESTIMATE = """
+SELECT c.reltuples::float8 AS reltuples, c.relpages::float8 AS relpages,
+       (pg_relation_size(c.oid) / current_setting('block_size')::int)::float8 AS pages,
+       s.most_common_vals::text::text[] AS common, s.most_common_freqs::float8[] AS freqs,
+       s.null_frac::float8 AS null_frac, s.n_distinct::float8 AS n_distinct,
+       s.attname IS NOT NULL AS analyzed
+FROM pg_class AS c
+LEFT JOIN pg_stats AS s
+  ON s.schemaname = $2 AND s.tablename = 'outbox' AND s.attname = 'destination'
+WHERE c.oid = $1::regclass
 """
 
 STATUS_LEASES = """
@@ -62,12 +125,22 @@ GROUP BY destination, locked_by
 ORDER BY destination, locked_by
 """
 
-STATUS_ERRORS = """
-SELECT destination, last_error, count(*) AS rows
-FROM {table}
-WHERE status = 'failed'
-GROUP BY destination, last_error
-ORDER BY destination, rows DESC
+# BLOCKED_KEYS for `status` (the relay's reporter runs relay.queries.BLOCKED_KEYS): the same
+# rows, planned per failed row with a key: one probe of outbox_key_idx (which holds the
+# pending, running and failed rows of each key) counts the pending rows behind it and sees
+# whether an older failed row blocks the key first. No sort of every pending keyed row.
+STATUS_BLOCKED_KEYS = """
+SELECT f.destination, f.key, f.id AS failed_id, f.last_error, k.waiting
+FROM {table} AS f
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE n.status = 'pending' AND n.id > f.id) AS waiting,
+           count(*) FILTER (WHERE n.status = 'failed' AND n.id < f.id) AS failed_before
+    FROM {table} AS n
+    WHERE n.destination = f.destination AND n.key = f.key AND n.key IS NOT NULL
+      AND n.status IN ('pending', 'running', 'failed')
+) AS k
+WHERE f.status = 'failed' AND f.key IS NOT NULL AND k.waiting > 0 AND k.failed_before = 0
+ORDER BY f.destination, f.key
 """
 
 SHOW = """

@@ -237,6 +237,7 @@ async def endpoints(request: Request) -> Response:
             "failing_since": e["failing_since"],
             "last_success_at": e["last_success_at"],
             "pending": e["pending"],
+            "circuit_open_until": e["circuit_open_until"],
         }
         for e in found
     ]

@@ -33,6 +33,8 @@ ORDER BY 1
 ENDPOINTS = """
 SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.description,
        e.enabled, e.disabled_reason, e.failing_since, e.last_success_at,
+       CASE WHEN (to_jsonb(e) ->> 'circuit_open_until')::timestamptz > now()
+            THEN (to_jsonb(e) ->> 'circuit_open_until')::timestamptz END AS circuit_open_until,
        (SELECT count(*) FROM {deliveries} AS d
         WHERE d.endpoint_id = e.id AND d.status = 'pending') AS pending
 FROM {endpoints} AS e

@@ -121,7 +121,7 @@ def execute(
     return results
 
 
-@click.group()
+@click.group(short_help="Measure throughput, latency and database cost.")
 def bench() -> None:
     """Measure throughput, latency and database cost on this machine.
 
@@ -180,7 +180,7 @@ def _ratios(results: dict[str, Any]) -> None:
         results["ratios"] = ratios
 
 
-@bench.command("drain")
+@bench.command("drain", short_help="Time the relay emptying a prefilled table.")
 @common
 @click.option("--events", default=200_000, show_default=True, type=click.IntRange(1))
 @click.option("--payload", default=200, show_default=True, help="Payload bytes.")
@@ -203,7 +203,7 @@ def drain_cmd(**opts: Any) -> None:
     execute(opts, _drain_scenarios(opts), derive=_ratios)
 
 
-@bench.command("steady")
+@bench.command("steady", short_help="Commit-to-ack latency at a fixed rate.")
 @common
 @click.option("--rate", default=1000.0, show_default=True, help="Events offered per second.")
 @click.option("--seconds", default=10.0, show_default=True)
@@ -247,7 +247,7 @@ def steady_cmd(**opts: Any) -> None:
         )
 
 
-@bench.command("enqueue")
+@bench.command("enqueue", short_help="What enqueueing costs the application.")
 @common
 @click.option("--transactions", default=3000, show_default=True)
 @click.option("--bulk-rows", default=200_000, show_default=True)
@@ -272,7 +272,7 @@ def enqueue_cmd(**opts: Any) -> None:
     )
 
 
-@bench.command("history")
+@bench.command("history", short_help="Claim latency beside many delivered rows.")
 @common
 @click.option("--rows", default=2_000_000, show_default=True, help="Delivered rows to add.")
 @click.option("--rounds", default=200, show_default=True)
@@ -292,7 +292,7 @@ def history_cmd(**opts: Any) -> None:
     )
 
 
-@bench.command("fanout")
+@bench.command("fanout", short_help="Fan-out to many endpoints: isolation, scale.")
 @click.option(
     "--database-url",
     envvar="OUTBOX_DATABASE_URL",
@@ -411,3 +411,82 @@ def fanout_cmd(**opts: Any) -> None:
         raise click.UsageError(f"at most {MAX_DELIVERIES:,} deliveries per run")
     configure("warning", "console")
     emit(run(opts), opts["as_json"])
+
+
+@bench.command("console", short_help="The console's pages over a large outbox.")
+@click.option(
+    "--database-url",
+    envvar="OUTBOX_DATABASE_URL",
+    default="postgresql://root@127.0.0.1:5432/postgres",
+    show_default=True,
+    help="Server for the scratch database (created and dropped by the run).",
+)
+@click.option(
+    "--rows",
+    default=10_000_000,
+    show_default=True,
+    type=click.IntRange(1000, 20_000_000),
+    help="Rows in the outbox (at most 20 million: about 8 GB and 3 minutes to fill).",
+)
+@click.option(
+    "--pending-fraction",
+    default=0.01,
+    show_default=True,
+    type=click.FloatRange(0, 0.5),
+    help="The newest rows, pending (a few hundred of them running).",
+)
+@click.option(
+    "--hours",
+    default=24.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 24 * 30),
+    help="The delivered rows' history spans this many hours (relay.retention).",
+)
+@click.option("--payload", default=200, show_default=True, type=click.IntRange(20, 10_000))
+@click.option(
+    "--requests",
+    default=20,
+    show_default=True,
+    type=click.IntRange(3, 1000),
+    help="Measured requests per page (after two unmeasured ones).",
+)
+@click.option(
+    "--max-seconds",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(1, 600),
+    help="Per page: stop after this (and at least 3 requests).",
+)
+@click.option(
+    "--loop",
+    type=click.Choice(["auto", "uvloop", "asyncio"]),
+    default="auto",
+    show_default=True,
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+def console_cmd(**opts: Any) -> None:
+    """The operator console over a large outbox: fill a scratch database with generate_series
+    (the newest rows pending, the rest delivered, some failed), then time GET / and the other
+    pages over a real server, and admin.status alone (median, p95)."""
+    from relay.tools.bench.console import console
+
+    def progress(rows: int) -> None:
+        if not opts["as_json"]:
+            click.echo(f"filled {rows:,} of {opts['rows']:,} rows", err=True)
+
+    opts["sink"] = "null"
+    execute(
+        opts,
+        {
+            "console": lambda db, t: console(
+                db,
+                rows=opts["rows"],
+                pending_fraction=opts["pending_fraction"],
+                hours=opts["hours"],
+                payload=opts["payload"],
+                requests=opts["requests"],
+                max_seconds=opts["max_seconds"],
+                progress=progress,
+            )
+        },
+    )
