@@ -201,6 +201,7 @@ def define_relays_table(metadata: MetaData, schema: str | None = None) -> Table:
         Column("started_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("seen_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("stopped_at", DateTime(timezone=True), nullable=True),
+        Column("circuits", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
         schema=schema,
     )
 

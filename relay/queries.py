@@ -265,16 +265,19 @@ TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
 
 # A relay says it is alive, and what it serves, every few seconds (one row per relay).
 REGISTER = """
-INSERT INTO {relays} (relay_id, host, pid, version, destinations)
-VALUES ($1, $2, $3, $4, $5::text[])
+INSERT INTO {relays} (relay_id, host, pid, version, destinations, circuits)
+VALUES ($1, $2, $3, $4, $5::text[], $6::jsonb)
 ON CONFLICT (relay_id) DO UPDATE
 SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
-    destinations = EXCLUDED.destinations, seen_at = now(), stopped_at = NULL
+    destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits, seen_at = now(),
+    stopped_at = NULL
 """
 
 # On a clean stop. The row stays: its destinations still count as served for a while, so a
 # rolling restart does not make another relay fail their rows as unknown.
-UNREGISTER = "UPDATE {relays} SET stopped_at = now(), seen_at = now() WHERE relay_id = $1"
+UNREGISTER = """
+UPDATE {relays} SET stopped_at = now(), seen_at = now(), circuits = '{}' WHERE relay_id = $1
+"""
 
 FORGET_RELAYS = "DELETE FROM {relays} WHERE seen_at < now() - make_interval(secs => $1)"
 

@@ -20,7 +20,7 @@ import structlog
 
 from outbox.errors import describe
 from relay import loop, probes
-from relay.breaker import Breaker
+from relay.breaker import Breaker, State
 from relay.claimer import Claimer
 from relay.completer import Completer, Key
 from relay.config import Settings
@@ -294,8 +294,28 @@ class Relay:
     async def _register(self) -> None:
         """Tell the table this relay runs and what it serves (status, unknown destinations)."""
         await self.store.register(
-            socket.gethostname(), os.getpid(), package_version(), sorted(self.sinks)
+            socket.gethostname(),
+            os.getpid(),
+            package_version(),
+            sorted(self.sinks),
+            self._circuit_states(),
         )
+
+    def _circuit_states(self) -> dict[str, str]:
+        """Destinations whose circuit is not closed in this relay: a webhook destination's
+        own breaker, the Kafka cluster's for each Kafka destination. (Endpoints' circuits are
+        written per endpoint by their sink.)"""
+        states: dict[str, str] = {}
+        for name, sink in self.sinks.items():
+            if sink.kind == "endpoints":
+                continue
+            for label, breaker in sink.circuits().items():
+                if sink.kind == "webhook" and label.split(" ", 1)[0] != name:
+                    continue
+                state = breaker.state
+                if state is not State.CLOSED:
+                    states[name] = state.value
+        return states
 
     async def _progress(self) -> None:
         log.info("relay.progress", in_flight=len(self.leases), **dict(self.stats))

@@ -155,6 +155,10 @@ class Store:
             "fetchval", queries.COLUMN_EXISTS, self._endpoint_tables[0], "circuit_open_until"
         ):
             missing.append(f"{self._endpoint_tables[0]}.circuit_open_until (migration 0009)")
+        elif not missing and not await self._call(
+            "fetchval", queries.COLUMN_EXISTS, self._relays_table, "circuits"
+        ):
+            missing.append(f"{self._relays_table}.circuits (migration 0010)")
         return missing
 
     async def missing_privileges(self) -> list[str]:
@@ -361,10 +365,23 @@ class Store:
         )
 
     async def register(
-        self, host: str, pid: int, version: str, destinations: Sequence[str]
+        self,
+        host: str,
+        pid: int,
+        version: str,
+        destinations: Sequence[str],
+        circuits: dict[str, str] | None = None,
     ) -> None:
+        """``circuits``: the destinations whose circuit is not closed here, and its state."""
         await self._call(
-            "execute", self._register, self.relay_id, host, pid, version, list(destinations)
+            "execute",
+            self._register,
+            self.relay_id,
+            host,
+            pid,
+            version,
+            list(destinations),
+            json.dumps(circuits or {}),
         )
 
     async def unregister(self) -> None:

@@ -696,3 +696,36 @@ async def test_screenshots_of_the_overview_and_a_row(
         image = (target / name).read_bytes()
         assert image.startswith(b"\x89PNG\r\n\x1a\n") and len(image) > 10_000, name
     assert not [e for e in errors if "Content Security Policy" in e], errors
+
+
+async def test_an_open_circuit_shows_on_the_overview_and_in_status(
+    db_url: str, console_url: str
+) -> None:
+    """Circuits live in each relay; the relay's registration writes those not closed, so the
+    overview and `status` show them across relays."""
+    from tests.webhook_helpers import closed_port
+
+    hook = {
+        "kind": "webhook",
+        "url": f"http://127.0.0.1:{closed_port()}/",
+        "secrets": [SECRET],
+        "allow_private_networks": True,
+        "circuit": {"threshold": 1, "cooldown": 60},
+        "backoff": {"schedule": [0.1]},
+    }
+    await sql(db_url, "INSERT INTO outbox (destination, payload) VALUES ('hooks', '\\x00')")
+    async with running(settings(db_url, "127.0.0.1:9", destinations={"hooks": hook})):
+
+        async def shown() -> bool:
+            conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+            try:
+                data = await admin.status(conn, "public")
+            finally:
+                await conn.close()
+            [d] = [d for d in data["destinations"] if d["destination"] == "hooks"]
+            return bool(d["circuit"] == "open" and d["circuit_relays"])
+
+        await wait_until(shown, timeout=15, what="circuit open in status")
+        async with httpx.AsyncClient(base_url=console_url) as client:
+            page = await client.get("/", headers=bearer())
+        assert 'data-circuit="open"' in page.text

@@ -215,6 +215,10 @@ def _status_row(d: dict[str, Any]) -> tuple[str, ...]:
         if p["reason"]:
             paused += f": {p['reason']}"
         state = Tint(paused, WAITING)
+    if d.get("circuit", "closed") != "closed":
+        # Open in a relay: its rows wait there (the relays' /metrics say which endpoint).
+        circuit = f"CIRCUIT {d['circuit'].upper().replace('_', '-')}"
+        state = Tint(f"{state} {circuit}" if d["paused"] else circuit, BAD)
     counts = (d["pending"], d["due_now"])
     # "~": estimated from the planner's statistics on a large table (see `status` in
     # docs/operations.md); every other count is exact.

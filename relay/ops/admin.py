@@ -154,14 +154,16 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
             "reason": r["reason"],
         }
     rows = [dests[k] for k in sorted(dests)]
+    relay_rows = [_relay(r) for r in relays]
     for d in rows:
         d["delivered_estimated"] = estimated
+        d.update(_circuit(d["destination"], relay_rows))
     return {
         "schema": schema,
         "destinations": rows,
         "totals": {k: sum(d[k] for d in rows) for k in COUNTS},
         "delivered_estimated": estimated,
-        "relays": [_relay(r) for r in relays],
+        "relays": relay_rows,
         "endpoints": [_endpoint_status(r) for r in endpoints],
         "endpoints_total": endpoints[0]["total"] if endpoints else 0,
         "endpoints_needing_attention": endpoints[0]["needing_attention"] if endpoints else 0,
@@ -274,7 +276,19 @@ def _relay(r: asyncpg.Record) -> dict[str, Any]:
         "seen_at": _iso(r["seen_at"]),
         "seen_age_s": round(r["seen_age"], 3),
         "stopped_at": _iso(r["stopped_at"]),
+        "circuits": json.loads(r["circuits"]) if state == "running" else {},
     }
+
+
+def _circuit(destination: str, relays: list[dict[str, Any]]) -> dict[str, Any]:
+    """A destination's circuit across the running relays: open if one has it open (its
+    deliveries wait there), half-open if one is probing, else closed."""
+    states = {
+        r["relay_id"]: r["circuits"][destination] for r in relays if destination in r["circuits"]
+    }
+    seen = set(states.values())
+    circuit = "open" if "open" in seen else "half_open" if "half_open" in seen else "closed"
+    return {"circuit": circuit, "circuit_relays": sorted(states)}
 
 
 # Endpoints listed by `status`, those that need a look first; the others are counted.

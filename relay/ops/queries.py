@@ -30,10 +30,12 @@ RETURNING paused_at, (xmax = 0) AS inserted
 
 RESUME = "DELETE FROM {paused} WHERE destination = $1 RETURNING paused_at"
 
+# circuits through to_jsonb: a schema before migration 0010 has no such column.
 RELAYS = """
 SELECT relay_id, host, pid, version, destinations, started_at, seen_at, stopped_at,
-       extract(epoch FROM now() - seen_at)::float8 AS seen_age
-FROM {relays}
+       extract(epoch FROM now() - seen_at)::float8 AS seen_age,
+       coalesce(to_jsonb(r) -> 'circuits', '{}'::jsonb)::text AS circuits
+FROM {relays} AS r
 ORDER BY relay_id
 """
 
