@@ -14,7 +14,6 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, HTTPException
 from sqlalchemy import create_engine, text
 from sqlalchemy.ext.asyncio import async_sessionmaker, create_async_engine
@@ -38,7 +37,7 @@ from outbox.inbox import (
 )
 from outbox.inbox.fastapi import verified_webhook
 from relay.sinks.webhook.signing import Signer, decode_secret
-from relay.tools.localbroker import free_port
+from tests.support.asgi import serve
 from tests.support.relays import running, settings, wait_until
 from tests.webhook_helpers import SECRET, new_secret
 
@@ -205,26 +204,6 @@ async def test_verify_and_mark_marks_in_the_callers_transaction(db_url: str) -> 
 
 
 # --- a FastAPI receiver served on loopback, fed by the real relay -------------------------
-
-
-class serve:
-    """Serve an ASGI app with uvicorn on a free loopback port, on the test's event loop."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> str:
-        self.task = asyncio.create_task(self.server.serve())
-        await wait_until(lambda: self.server.started, timeout=10, what="receiver started")
-        return f"http://127.0.0.1:{self.port}"
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        assert self.task is not None
-        await asyncio.wait_for(self.task, 10)
 
 
 Scope = MutableMapping[str, Any]
