@@ -310,11 +310,13 @@ class Relay:
             if sink.kind == "endpoints":
                 continue
             for label, breaker in sink.circuits().items():
-                if sink.kind == "webhook" and label.split(" ", 1)[0] != name:
+                # A webhook breaker's label is "NAME origin"; names may hold spaces, an
+                # origin never does.
+                if sink.kind == "webhook" and label.rsplit(" ", 1)[0] != name:
                     continue
                 state = breaker.state
-                if state is not State.CLOSED:
-                    states[name] = state.value
+                if state is not State.CLOSED and states.get(name) != State.OPEN.value:
+                    states[name] = state.value  # open wins over half-open
         return states
 
     async def _progress(self) -> None:

@@ -689,3 +689,40 @@ def test_an_estimated_delivered_count_is_marked_in_text_and_json(db_url: str) ->
     assert orders["delivered_estimated"] is True and orders["pending"] == 1
     text = cli(db_url, "status")
     assert text.exit_code == 0 and f"~{orders['delivered']}" in text.output
+
+
+def test_a_destination_the_statistics_miss_is_counted_not_lost(db_url: str) -> None:
+    """Statistics taken before a destination existed would leave it out of an estimate, or
+    credit its rows to the others: status counts exactly then."""
+    sql(db_url, "ALTER TABLE outbox SET (autovacuum_enabled = false)")
+    sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, delivered_at, finished_at) "
+        "SELECT 'old', '\\x00', 'delivered', now() - interval '1 hour', now() "
+        "FROM generate_series(1, 120000)",
+    )
+    sql(db_url, "ANALYZE outbox")
+    sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, delivered_at, finished_at) "
+        "SELECT 'new', '\\x00', 'delivered', now(), now() FROM generate_series(1, 30000)",
+    )
+    data = cli_json(db_url, "status")
+    got = {d["destination"]: d["delivered"] for d in data["destinations"]}
+    assert got == {"old": 120000, "new": 30000}
+    assert data["delivered_estimated"] is False
+
+
+def test_a_circuit_is_reported_under_its_own_destination(db_url: str) -> None:
+    from relay.relay import Relay
+    from tests.support.relays import settings
+    from tests.webhook_helpers import SECRET
+
+    hook = {"kind": "webhook", "url": "http://127.0.0.1:9/", "secrets": [SECRET]}
+    relay = Relay(
+        settings(db_url, "127.0.0.1:9", destinations={"billing": hook, "billing eu": hook})
+    )
+    breaker = relay.sinks["billing eu"].endpoints["billing eu"].breaker  # type: ignore[attr-defined]
+    for _ in range(breaker.threshold):
+        breaker.failure()
+    assert relay._circuit_states() == {"billing eu": "open"}
