@@ -94,6 +94,7 @@ class Store:
         self._fence = sql(queries.FENCE)
         self._blocked_keys = sql(queries.BLOCKED_KEYS)
         # retention = 0: delivered rows are deleted by the statement that records them.
+        self.delete_delivered = delete_delivered
         self._record = sql(queries.RECORD_DELETING if delete_delivered else queries.RECORD)
         self._heartbeat = sql(queries.HEARTBEAT)
         self._reap = sql(queries.REAP)
@@ -263,9 +264,7 @@ class Store:
         """Write outcomes; returns the (id, token) pairs written (the others are no longer
         this relay's under the claim the outcome belongs to)."""
         self.statements["record"] += 1
-        rows = await self._call(
-            "fetch",
-            self._record,
+        args: list[Any] = [
             [r.id for r in records],
             [r.token for r in records],
             [r.status for r in records],
@@ -273,7 +272,12 @@ class Store:
             [r.delay for r in records],
             [r.error for r in records],
             self.relay_id,
-        )
+        ]
+        if self.delete_delivered:
+            # RECORD_DELETING takes the delivered pairs apart as well (see there why).
+            delivered = [r for r in records if r.status == Status.DELIVERED]
+            args += [[r.id for r in delivered], [r.token for r in delivered]]
+        rows = await self._call("fetch", self._record, *args)
         return {(r[0], r[1]) for r in rows}
 
     async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
