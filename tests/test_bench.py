@@ -44,6 +44,29 @@ def test_drain_against_kafka_with_naive_comparison(pg_admin_url: str, kafka_boot
     assert out["sink"].startswith("kafka")
 
 
+def test_drain_with_retention_zero_beside_the_simple_loop(
+    pg_admin_url: str, kafka_bootstrap: str
+) -> None:
+    out = bench(
+        "drain",
+        "--events",
+        "3000",
+        "--bootstrap",
+        kafka_bootstrap,
+        "--no-idempotence",
+        "--retention",
+        "0",
+        "--compare-simple",
+        admin=pg_admin_url,
+    )
+    assert out["drain"]["complete"] is True and out["drain"]["delivered"] == 3000
+    simple = out["simple loop"]
+    assert simple["events"] == 3000 and simple["loops"] == 4
+    assert out["ratios"]["relay_vs_simple"] > 0
+    # The host's other CPU (database, broker) is shown beside the relay's, on Linux.
+    assert out["drain"]["others_cpu_per_event_us"] is not None
+
+
 def test_steady_reports_latency_and_idle_cost(pg_admin_url: str) -> None:
     out = bench(
         "steady",

@@ -131,6 +131,7 @@ def bench() -> None:
 
 def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
     from relay.tools.bench.drain import drain, naive
+    from relay.tools.bench.simple import simple
 
     def run(ordering: str) -> Scenario:
         return lambda db, t: drain(
@@ -144,6 +145,7 @@ def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
             max_in_flight=opts["max_in_flight"],
             max_seconds=opts["max_seconds"],
             ordering=ordering,
+            retention=opts["retention"],
         )
 
     scenarios: dict[str, Scenario] = {}
@@ -156,6 +158,15 @@ def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
             db,
             t,
             events=opts["naive_events"],
+            payload=opts["payload"],
+            keys=opts["keys"],
+            max_seconds=opts["max_seconds"],
+        )
+    if opts["compare_simple"]:
+        scenarios["simple loop"] = lambda db, t: simple(
+            db,
+            t,
+            events=opts["events"],
             payload=opts["payload"],
             keys=opts["keys"],
             max_seconds=opts["max_seconds"],
@@ -174,6 +185,8 @@ def _ratios(results: dict[str, Any]) -> None:
         ratios["relay_vs_naive"] = round(rate["drain"] / rate["naive loop"], 1)
     if "drain ordering=key" in rate and "naive loop" in rate:
         ratios["ordered_vs_naive"] = round(rate["drain ordering=key"] / rate["naive loop"], 1)
+    if "drain" in rate and "simple loop" in rate:
+        ratios["relay_vs_simple"] = round(rate["drain"] / rate["simple loop"], 2)
     if "drain" in rate and "drain ordering=key" in rate:
         ratios["ordered_vs_unordered"] = round(rate["drain ordering=key"] / rate["drain"], 2)
     if ratios:
@@ -195,8 +208,18 @@ def _ratios(results: dict[str, Any]) -> None:
     show_default=True,
     help="Destination ordering; both: run unordered and ordered and print the ratio.",
 )
+@click.option(
+    "--retention",
+    type=float,
+    help="relay.retention in seconds (default: the relay's); 0 deletes rows as they are recorded.",
+)
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
 @click.option("--naive-events", default=3000, show_default=True)
+@click.option(
+    "--compare-simple",
+    is_flag=True,
+    help="Also run a simple batched loop (4 loops of claim 100, send, mark) on as many events.",
+)
 @click.option("--max-seconds", default=120.0, show_default=True, help="Stop a phase after this.")
 def drain_cmd(**opts: Any) -> None:
     """Prefill events, then time the relay emptying the table."""

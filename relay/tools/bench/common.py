@@ -155,6 +155,23 @@ async def machine(db_url: str) -> dict[str, Any]:
     }
 
 
+def machine_cpu() -> float | None:
+    """CPU seconds every process on this host has used since boot (Linux's /proc/stat), to
+    show what the database and broker cost beside the relay; None where it cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy.
+    busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def per_event_us(seconds: float | None, events: int) -> float | None:
+    return None if seconds is None else round(seconds / max(events, 1) * 1e6, 1)
+
+
 def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -12,7 +12,15 @@ from outbox.dburl import to_asyncpg_dsn
 from relay.config import load_settings
 from relay.model import Envelope, Lease
 from relay.relay import Relay
-from relay.tools.bench.common import DESTINATION, Target, percentile, prefill, rss_mb
+from relay.tools.bench.common import (
+    DESTINATION,
+    Target,
+    machine_cpu,
+    per_event_us,
+    percentile,
+    prefill,
+    rss_mb,
+)
 
 # The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
 # done. Kept here (not in outbox.queries) because the product never runs it.
@@ -25,7 +33,11 @@ NAIVE_DONE = "UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE
 
 
 def relay_settings(
-    db_url: str, batch_size: int, max_in_flight: int | None, ordering: str = "none"
+    db_url: str,
+    batch_size: int,
+    max_in_flight: int | None,
+    ordering: str = "none",
+    retention: float | None = None,
 ) -> Any:
     return load_settings(
         None,
@@ -35,6 +47,7 @@ def relay_settings(
             "batch_size": batch_size,
             "max_in_flight": max_in_flight or batch_size * 4,
             "poll_interval": 0.5,
+            **({} if retention is None else {"retention": retention}),
         },
         # Placeholders: the benchmark passes its sinks in directly.
         destinations={DESTINATION: {"kind": "kafka", "topic": "unused", "ordering": ordering}},
@@ -55,13 +68,14 @@ async def drain(
     max_in_flight: int | None,
     max_seconds: float,
     ordering: str = "none",
+    retention: float | None = None,
 ) -> dict[str, Any]:
     await prefill(db_url, events, payload, keys)
-    settings = relay_settings(db_url, batch_size, max_in_flight, ordering)
+    settings = relay_settings(db_url, batch_size, max_in_flight, ordering, retention)
     running = [Relay(settings, sinks={DESTINATION: target.make_sink()}) for _ in range(relays)]
     target.latencies.clear()
     receiver0 = target.receiver_cpu() if target.receiver_cpu else None
-    cpu0 = time.process_time()
+    cpu0, machine0 = time.process_time(), machine_cpu()
     started = time.monotonic()
     tasks = [asyncio.create_task(r.run()) for r in running]
     try:
@@ -72,6 +86,7 @@ async def drain(
             await asyncio.sleep(0.005)
         elapsed = time.monotonic() - started
         cpu = time.process_time() - cpu0
+        machine1 = machine_cpu()
         receiver_cpu = None
         if target.receiver_cpu is not None and receiver0 is not None:
             receiver_cpu = target.receiver_cpu() - receiver0
@@ -97,11 +112,19 @@ async def drain(
         "hot_path_statements": statements,
         "statements_per_event": round(statements / max(delivered, 1), 4),
         "relay_cpu_per_event_us": round(cpu / max(delivered, 1) * 1e6, 1),
+        # Everything else on the host in the same time: the database, the broker or receiver.
+        "others_cpu_per_event_us": _others(machine0, machine1, cpu, delivered),
         "max_rss_mb": round(rss_mb(), 1),
     }
     if target.kind == "webhook":
         result.update(_webhook_figures(target.latencies, receiver_cpu, delivered, elapsed))
     return result
+
+
+def _others(before: float | None, after: float | None, relay: float, events: int) -> float | None:
+    if before is None or after is None:
+        return None
+    return per_event_us(max(after - before - relay, 0.0), events)
 
 
 def _webhook_figures(
