@@ -114,14 +114,14 @@ class Deliveries:
                     Record(env.id, env.token, Status.DELIVERED, 1, 0.0, None, dest, env.key)
                 )
                 tally["delivered", "delivered", "none"] += 1
-                latencies.append(acked - env.created_at.timestamp())
+                latencies.append(acked - env.created)
                 continue
             rec = outcomes.to_record(env, outcome, route.max_attempts, route.backoff)
             records.append(rec)
             kind = rec.status if outcome.result is not Result.DEFER else "deferred"
             tally[kind, outcome.result.value, outcome.status_class or "none"] += 1
             if outcome.result is Result.DELIVERED:
-                latencies.append(acked - env.created_at.timestamp())
+                latencies.append(acked - env.created)
         return records, tally, latencies
 
     def _crashed(self, route: Route, envs: list[Envelope], exc: BaseException) -> list[Record]:

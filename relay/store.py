@@ -8,7 +8,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -16,7 +15,7 @@ import asyncpg
 from outbox.errors import describe
 from outbox.status import Status
 from relay import queries
-from relay.model import Envelope, Lease, UnreadableHeaders
+from relay.model import Envelope, Lease, UnreadableHeaders, epoch
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
 # InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
@@ -52,7 +51,7 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see relay/model.py
 class Record:
     """One outcome as the RECORD statement takes it."""
 
@@ -252,7 +251,7 @@ class Store:
                 content_type=r[4],
                 headers={} if r[5] == "{}" else _headers(r[5]),
                 attempts=r[6],
-                created_at=_timestamp(r[7]),
+                created=epoch(r[7]),
                 token=r[8],
                 lease=lease,
                 event_type=r[9],
@@ -406,13 +405,6 @@ def _headers(text: str) -> Any:
         return json.loads(text)
     except (RecursionError, ValueError) as exc:
         return UnreadableHeaders(describe(exc))
-
-
-def _timestamp(epoch: float) -> datetime:
-    try:
-        return datetime.fromtimestamp(epoch, UTC)
-    except (OverflowError, ValueError, OSError):  # beyond Python's year 9999
-        return datetime.max.replace(tzinfo=UTC)
 
 
 def is_plain_sql_error(exc: BaseException) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +139,7 @@ def test_usable_kafka_settings_pass_the_check(tmp_path: Path, kafka: dict[str, A
 
 def envelope(i: int) -> Envelope:
     lease = Lease(time.monotonic() + 60)
-    now = datetime.now(UTC)
+    now = time.time()
     return Envelope(i, "orders", None, b"{}", "application/json", {}, 0, now, 1, lease)
 
 

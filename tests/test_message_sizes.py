@@ -3,8 +3,8 @@ relay refuses exactly the messages its producer would refuse."""
 
 from __future__ import annotations
 
+import time
 import uuid
-from datetime import UTC, datetime
 
 import asyncpg
 import pytest
@@ -102,7 +102,7 @@ def _size(row_id: int, payload_len: int, sink: KafkaSink) -> int:
         "application/octet-stream",
         {},
         0,
-        datetime.now(UTC),
+        time.time(),
         1,
         Lease(0.0),
     )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import UTC, datetime
 
 import pytest
 
@@ -25,7 +24,7 @@ def envelope(attempts: int = 0, key: str | None = "k") -> Envelope:
         content_type="application/json",
         headers={},
         attempts=attempts,
-        created_at=datetime.now(UTC),
+        created=time.time(),
         token=3,
         lease=Lease(time.monotonic() + 30),
     )

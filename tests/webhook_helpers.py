@@ -9,7 +9,6 @@ import itertools
 import os
 import socket
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from standardwebhooks import Webhook
@@ -50,7 +49,7 @@ def envelope(
         content_type=content_type,
         headers=headers or {},
         attempts=attempts,
-        created_at=datetime.now(UTC),
+        created=time.time(),
         token=1,
         lease=Lease(time.monotonic() + 3600),
     )

@@ -26,13 +26,13 @@ from outbox.errors import OutboxError, describe
 from relay import outcomes
 from relay.breaker import State
 from relay.metrics import Metrics
-from relay.model import Envelope, Result, header_problem, truncate_error
+from relay.model import Envelope, Result, epoch, header_problem, truncate_error
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
 from relay.sinks.webhook.answers import class_of
 from relay.sinks.webhook.signing import decode_secret
 from relay.sinks.webhook.sink import Endpoint, WebhookSink
-from relay.store import DB_ERRORS, UNAVAILABLE, _timestamp
+from relay.store import DB_ERRORS, UNAVAILABLE
 
 log = structlog.get_logger("relay.sink.endpoints")
 
@@ -390,7 +390,7 @@ class Dispatcher:
             content_type=c.content_type,
             headers=c.headers,  # type: ignore[arg-type]
             attempts=c.attempts,
-            created_at=_timestamp(c.created_at),
+            created=epoch(c.created_at),
             token=c.token,
             lease=c.lease,
             event_type=c.event_type,

@@ -22,7 +22,6 @@ from aiokafka.errors import (
     UnsupportedForMessageFormatError,
 )
 from aiokafka.helpers import create_ssl_context
-from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.record.default_records import DefaultRecordBatchBuilder
 
 from outbox.errors import describe
@@ -31,6 +30,7 @@ from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result, truncate_error
 from relay.sinks import misrouted
 from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
+from relay.sinks.kafka.partitioner import Partitioner
 
 log = structlog.get_logger("relay.sink.kafka")
 
@@ -112,7 +112,7 @@ class KafkaSink:
         # Topics the cluster answered it does not have or refuses: their rows are not held
         # up by another metadata wait (a request timeout each) for a while.
         self._refused: dict[str, tuple[BaseException, float]] = {}
-        self._partitioner = DefaultPartitioner()
+        self._partitioner = Partitioner()
         self._start_lock = asyncio.Lock()
 
     async def start(self) -> None:

@@ -158,7 +158,9 @@ async def naive(
                     break
                 await conn.execute(NAIVE_RUNNING, row[0])
             lease = Lease(float("inf"))  # the naive loop holds its row lock instead
-            env = Envelope(row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6], 0, lease)
+            env = Envelope(
+                row[0], row[1], row[2], row[3], row[4], {}, row[5], row[6].timestamp(), 0, lease
+            )
             await sink.deliver([env])
             await conn.execute(NAIVE_DONE, row[0])
             done += 1

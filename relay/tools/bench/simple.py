@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -128,7 +127,7 @@ class _SinkSender(_Sender):
         self.sink = target.make_sink()
 
     async def deliver(self, rows: list[asyncpg.Record]) -> None:
-        lease, now = Lease(float("inf")), datetime.now(UTC)
+        lease, now = Lease(float("inf")), time.time()
         envs = [Envelope(r[0], DESTINATION, r[1], r[2], r[3], {}, 0, now, 1, lease) for r in rows]
         await self.sink.deliver(envs)
 
