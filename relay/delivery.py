@@ -102,6 +102,7 @@ class Deliveries:
         records = []
         tally: Tally = Counter()
         latencies = []
+        plain = 0  # delivered, no answer class: most rows of most batches, kept short
         for env in envs:
             outcome = outcome_of.get(env.id) or Outcome.retry(env.id, "sink returned no outcome")
             if (
@@ -109,11 +110,10 @@ class Deliveries:
                 and outcome.status_class is None
                 and outcome.error is None
             ):
-                # The common case, kept short: most rows of most batches.
                 records.append(
                     Record(env.id, env.token, Status.DELIVERED, 1, 0.0, None, dest, env.key)
                 )
-                tally["delivered", "delivered", "none"] += 1
+                plain += 1
                 latencies.append(acked - env.created)
                 continue
             rec = outcomes.to_record(env, outcome, route.max_attempts, route.backoff)
@@ -122,6 +122,8 @@ class Deliveries:
             tally[kind, outcome.result.value, outcome.status_class or "none"] += 1
             if outcome.result is Result.DELIVERED:
                 latencies.append(acked - env.created)
+        if plain:
+            tally["delivered", "delivered", "none"] += plain
         return records, tally, latencies
 
     def _crashed(self, route: Route, envs: list[Envelope], exc: BaseException) -> list[Record]:

@@ -71,16 +71,20 @@ class Leases:
         ordered key finished, so the next row of its key can be claimed now."""
         next_heads = False
         stale: list[int] = []
+        counts: dict[str, int] = {}
+        held, handed = self._held, self._handed
         for r in records:
-            env = self._held.get(r.id)
+            env = held.get(r.id)
             if env is not None and env.token == r.token:
-                del self._held[r.id]
-                self._handed.pop(r.id, None)
+                del held[r.id]
+                handed.pop(r.id, None)
             if (r.id, r.token) in written:
-                self.stats[r.status if r.counted else "deferred"] += 1
+                kind = r.status if r.counted else "deferred"
+                counts[kind] = counts.get(kind, 0) + 1
                 next_heads |= r.status is not Status.PENDING and r.key is not None
             elif (r.id, r.token) not in abandoned:
                 stale.append(r.id)
+        self.stats.update(counts)
         if stale:
             self._log_lost(stale, "outcome not recorded: the row is no longer this claim's")
         self.capacity.set()

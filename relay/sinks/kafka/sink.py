@@ -57,6 +57,8 @@ TOPIC_ERRORS: tuple[type[BaseException], ...] = (
 _Item = tuple[Envelope, bytes | None, bytes, list[tuple[str, bytes]]]
 REFUSED_TOPIC_TTL = 30.0
 
+DELIVERED = Result.DELIVERED
+
 OUTBOX_ID = "outbox-id"
 CONTENT_TYPE = "content-type"
 
@@ -172,6 +174,8 @@ class KafkaSink:
 
     @staticmethod
     def _headers(env: Envelope) -> list[tuple[str, bytes]]:
+        if not env.headers:  # most rows
+            return [(OUTBOX_ID, str(env.id).encode()), (CONTENT_TYPE, env.content_type.encode())]
         hs = [(k, v.encode()) for k, v in env.headers.items() if k not in (OUTBOX_ID, CONTENT_TYPE)]
         hs.append((OUTBOX_ID, str(env.id).encode()))
         hs.append((CONTENT_TYPE, env.content_type.encode()))
@@ -242,7 +246,7 @@ class KafkaSink:
         failures: list[BaseException] = []
         for (_, sent_items), res in zip(sends, results, strict=True):
             if not isinstance(res, BaseException):
-                outcomes.extend(Outcome.delivered(i[0].id) for i in sent_items)
+                outcomes.extend([Outcome(i[0].id, DELIVERED) for i in sent_items])
             elif isinstance(res, asyncio.CancelledError):
                 raise res
             elif isinstance(res, PERMANENT) and len(sent_items) > 1:
