@@ -72,6 +72,23 @@ WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_b
 RETURNING o.id, o.claims
 """
 
+# RECORD for a batch whose outcomes are all plain deliveries (one attempt counted, no error
+# text): most batches. Only the (id, token) pairs travel; encoding the four other arrays of
+# RECORD was an eighth of the relay's CPU per Kafka event. The same fencing as RECORD.
+RECORD_DELIVERED = """
+UPDATE {table} AS o
+SET status = 'delivered',
+    attempts = o.attempts + 1,
+    delivered_at = now(),
+    finished_at = now(),
+    claims = u.token,  -- unchanged; see RECORD
+    locked_by = NULL,
+    locked_until = NULL
+FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
+RETURNING o.id, o.claims
+"""
+
 # Extends the lease of the rows this relay still holds under its claims' tokens; returns their
 # ids. A row missing from the answer was lost (reaped after a stall, and maybe claimed again).
 HEARTBEAT = """
@@ -229,6 +246,38 @@ kept AS (
     + _OPEN_DELIVERY
     + """)
       AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
+    RETURNING o.id, o.claims
+)
+SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
+"""
+)
+
+# RECORD_DELIVERED with retention = 0: RECORD_DELETING for a batch of plain deliveries.
+RECORD_DELIVERED_DELETING = (
+    """
+WITH gone AS (
+    DELETE FROM {table} AS o
+    USING unnest($1::bigint[], $2::int[]) AS g(id, token)
+    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = $3
+      AND NOT """
+    + _OPEN_DELIVERY
+    + """
+    RETURNING o.id, o.claims
+),
+kept AS (
+    UPDATE {table} AS o
+    SET status = 'delivered',
+        attempts = o.attempts + 1,
+        delivered_at = now(),
+        finished_at = now(),
+        claims = u.token,  -- unchanged; see RECORD
+        locked_by = NULL,
+        locked_until = NULL
+    FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
+    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
+      AND """
+    + _OPEN_DELIVERY
+    + """
     RETURNING o.id, o.claims
 )
 SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept

@@ -107,6 +107,22 @@ async def test_lease_statements_are_linear(db_url: str, statement: str) -> None:
         await conn.close()
 
 
+@pytest.mark.parametrize("table_rows", [5_000, 30_000])
+@pytest.mark.parametrize("statement", ["RECORD_DELIVERED", "RECORD_DELIVERED_DELETING"])
+async def test_recording_plain_deliveries_is_linear(
+    db_url: str, statement: str, table_rows: int
+) -> None:
+    conn = await _connect(db_url)
+    try:
+        ids, tokens = await _claimed_events(conn, table_rows)
+        sql = queries.render_ops(getattr(queries, statement), "public")
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, ids, tokens, RELAY)
+        _assert_linear(raw, N)
+        assert await conn.fetchval("SELECT count(*) FROM outbox WHERE status = 'running'") == 0
+    finally:
+        await conn.close()
+
+
 async def _claimed_deliveries(conn: asyncpg.Connection) -> tuple[list[int], list[int]]:
     endpoint = await conn.fetchval(
         "INSERT INTO outbox_endpoints (destination, url, secret) "

@@ -297,3 +297,76 @@ async def test_outcomes_that_delete_apply_only_under_their_claim(db_url: str) ->
         assert await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites") == 1
     finally:
         await pool.close()
+
+
+@pytest.mark.parametrize("delete_delivered", [False, True])
+async def test_a_batch_of_plain_deliveries_is_recorded_as_any_other(
+    db_url: str, delete_delivered: bool
+) -> None:
+    """Store.record writes a batch of plain deliveries with a statement of its own (only the
+    ids and tokens travel): the rows end exactly as the general statement leaves them, and a
+    stale token is refused the same way."""
+    from relay import queries
+
+    pool = await create_pool(to_asyncpg_dsn(db_url), "same", 2)
+    try:
+        store = Store(pool, "public", "same", LEASE, delete_delivered=delete_delivered)
+        await add(db_url, 3, destination="fast")
+        await add(db_url, 3, destination="general")
+        await execute(db_url, "UPDATE outbox SET last_error = 'earlier', attempts = 2")
+        fast = await store.claim("fast", 10)
+        general = await store.claim("general", 10)
+
+        def plain(envs: list[Any], stale: bool = False) -> list[Record]:
+            return [
+                Record(e.id, e.token + (1 if stale and i == 0 else 0), "delivered", 1, 0.0, None)
+                for i, e in enumerate(envs)
+            ]
+
+        written = await store.record(plain(fast, stale=True))
+        assert store.statements["record"] == store.statements["record_delivered"] == 1
+        assert written == {(e.id, e.token) for e in fast[1:]}
+        sql = queries.RECORD_DELETING if delete_delivered else queries.RECORD
+        recs = plain(general, stale=True)
+        args: list[Any] = [
+            [r.id for r in recs],
+            [r.token for r in recs],
+            [str(r.status) for r in recs],
+            [r.counted for r in recs],
+            [r.delay for r in recs],
+            [r.error for r in recs],
+            "same",
+        ]
+        if delete_delivered:
+            args += [[r.id for r in recs], [r.token for r in recs]]
+        got = await execute(db_url, queries.render_ops(sql, "public"), *args)
+        assert {(r[0], r[1]) for r in got} == {(e.id, e.token) for e in general[1:]}
+
+        rows = await execute(
+            db_url,
+            "SELECT destination, status, attempts, last_error, delivered_at IS NOT NULL, "
+            "finished_at IS NOT NULL, locked_by, locked_until IS NULL, claims, "
+            "run_after = created_at FROM outbox ORDER BY id",
+        )
+        by_dest: dict[str, list[tuple[Any, ...]]] = {"fast": [], "general": []}
+        for r in rows:
+            by_dest[r[0]].append(tuple(r)[1:])
+        assert by_dest["fast"] == by_dest["general"]
+        # The stale one is still running under its claim; the others delivered or deleted.
+        assert by_dest["fast"][0][0] == "running"
+        kept = 1 if delete_delivered else 3
+        assert len(by_dest["fast"]) == kept
+        if not delete_delivered:
+            assert by_dest["fast"][1] == (
+                "delivered",
+                3,
+                "earlier",
+                True,
+                True,
+                None,
+                True,
+                1,
+                True,
+            )
+    finally:
+        await pool.close()
