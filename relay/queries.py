@@ -418,34 +418,40 @@ SELECT least(
 # has to be kept for waiting rows. Rows without a key are not ordered and are claimed as they
 # come. The last row of the result (id -1) carries the cursor for the next claim in `key`: the
 # last key claimed when the batch filled up, the last key examined when the scan limit cut it
-# short, NULL when the scan reached the end (start again from the first key).
+# short, NULL when the scan reached the end (start again from the first key). Each step of
+# the walk reads the next key's lowest open row, which is most often its head: one index
+# probe per key instead of two.
 CLAIM_ORDERED = """
 WITH RECURSIVE k AS (
-    (SELECT o.key, 1 AS n FROM {table} AS o
+    (SELECT o.key, o.id, o.status, o.run_after, 1 AS n FROM {table} AS o
      WHERE o.destination = $1 AND ($7::text IS NULL OR o.key > $7::text)
        AND o.key IS NOT NULL AND o.status IN ('pending', 'running', 'failed')
-     ORDER BY o.key
+     ORDER BY o.key, o.id
      LIMIT 1)
     UNION ALL
-    SELECT nxt.key, k.n + 1
+    SELECT nxt.key, nxt.id, nxt.status, nxt.run_after, k.n + 1
     FROM k CROSS JOIN LATERAL (
-        SELECT o.key FROM {table} AS o
+        SELECT o.key, o.id, o.status, o.run_after FROM {table} AS o
         WHERE o.destination = $1 AND o.key > k.key
           AND o.status IN ('pending', 'running', 'failed')
-        ORDER BY o.key
+        ORDER BY o.key, o.id
         LIMIT 1
     ) AS nxt
     WHERE k.n < $5
 ),
 heads AS (
+    -- The walk lands on each key's lowest open row: its head, unless that row is failed and
+    -- the destination parks poison rows; then the head is the key's lowest pending or running
+    -- row, looked up.
     SELECT h.id, k.key FROM k
     CROSS JOIN LATERAL (
-        SELECT o.id, o.status, o.run_after FROM {table} AS o
-        WHERE o.destination = $1 AND o.key = k.key
-          AND o.status IN ('pending', 'running', 'failed')
-          AND (o.status <> 'failed' OR NOT $6::bool)
-        ORDER BY o.id
-        LIMIT 1
+        SELECT k.id, k.status, k.run_after WHERE NOT ($6::bool AND k.status = 'failed')
+        UNION ALL
+        (SELECT o.id, o.status, o.run_after FROM {table} AS o
+         WHERE $6::bool AND k.status = 'failed'
+           AND o.destination = $1 AND o.key = k.key AND o.status IN ('pending', 'running')
+         ORDER BY o.id
+         LIMIT 1)
     ) AS h
     WHERE h.status = 'pending' AND h.run_after <= now()
       AND h.id <= $8

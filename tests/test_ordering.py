@@ -482,3 +482,26 @@ async def test_busy_destinations_take_turns(db_url: str) -> None:
         await wait_until(lambda: len(sink.seen) >= 300, what="300 deliveries")
     first = sink.seen[:300]
     assert {d: first.count(d) for d in ("o1", "o2", "u")} == {"o1": 100, "o2": 100, "u": 100}
+
+
+@pytest.mark.parametrize("park", [False, True])
+async def test_a_keys_head_behind_failed_rows(db_url: str, store: Store, park: bool) -> None:
+    """A key's lowest open row is its head, unless it is failed and the destination parks
+    poison rows: then its lowest pending or running row is. The claim reads the first from
+    its walk over the keys and looks the second up; each case, row by row."""
+    conn = await connect(db_url)
+    try:
+        f1, f2, p1, p2 = await add(conn, "k1", 4)  # failed, failed, pending, pending
+        g1, r1, q1 = await add(conn, "k2", 3)  # failed, running, pending
+        (h1,) = await add(conn, "k3")  # pending: its own head either way
+        await conn.execute(
+            "UPDATE outbox SET status = 'failed' WHERE id = ANY($1::bigint[])", [f1, f2, g1]
+        )
+        await conn.execute("UPDATE outbox SET status = 'running' WHERE id = $1", r1)
+    finally:
+        await conn.close()
+    got = await claim(store, park=park)
+    # Without parking, a failed head holds its key; with it, k1 moves on to its first pending
+    # row and k2 waits for its running one.
+    assert got == (sorted([h1, p1]) if park else [h1])
+    assert p2 not in got and q1 not in got
