@@ -21,7 +21,7 @@ from relay import backoff, outcomes, tracing
 from relay.completer import Completer
 from relay.leases import Leases, ids
 from relay.metrics import Metrics
-from relay.model import Envelope, Outcome, Result, header_problem
+from relay.model import MAX_EPOCH, MIN_EPOCH, Envelope, Outcome, Result, header_problem
 from relay.routes import Route
 from relay.store import Record, Store
 
@@ -114,13 +114,14 @@ class Deliveries:
                     Record(env.id, env.token, Status.DELIVERED, 1, 0.0, None, dest, env.key)
                 )
                 plain += 1
-                latencies.append(acked - env.created)
+                if MIN_EPOCH < env.created < MAX_EPOCH:  # not a time out of datetime's range
+                    latencies.append(acked - env.created)
                 continue
             rec = outcomes.to_record(env, outcome, route.max_attempts, route.backoff)
             records.append(rec)
             kind = rec.status if outcome.result is not Result.DEFER else "deferred"
             tally[kind, outcome.result.value, outcome.status_class or "none"] += 1
-            if outcome.result is Result.DELIVERED:
+            if outcome.result is Result.DELIVERED and MIN_EPOCH < env.created < MAX_EPOCH:
                 latencies.append(acked - env.created)
         if plain:
             tally["delivered", "delivered", "none"] += plain

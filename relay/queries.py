@@ -197,9 +197,14 @@ RETURNING destination
 # endpoint is open. A disabled endpoint's deliveries keep nothing: its events age out with
 # retention as others do, and a delivery whose event is gone ends as cancelled when the
 # endpoint is enabled again (one probe of the deliveries' unique index per event).
-_OPEN_DELIVERY = """EXISTS (
+#
+# Written as a scalar subquery, evaluated row by row (one probe of the deliveries' unique
+# index): a bare EXISTS may be turned into a join, and with the endpoint tables analysed
+# while empty (any Kafka-only deployment) the planner nested that join under the running rows
+# it believed were one, reading the whole batch once per running row (tests/test_batch_plans).
+_OPEN_DELIVERY = """(SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d JOIN {endpoints} AS e ON e.id = d.endpoint_id
-          WHERE d.event_id = o.id AND d.status IN ('pending', 'running') AND e.enabled)"""
+          WHERE d.event_id = o.id AND d.status IN ('pending', 'running') AND e.enabled))"""
 
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
 # updated as in RECORD. An event fanned out to endpoints whose deliveries are still open is

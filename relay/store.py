@@ -268,7 +268,9 @@ class Store:
         """Write outcomes; returns the (id, token) pairs written (the others are no longer
         this relay's under the claim the outcome belongs to)."""
         self.statements["record"] += 1
-        if all(r.status == Status.DELIVERED and r.counted == 1 and not r.error for r in records):
+        if all(
+            r.status == Status.DELIVERED and r.counted == 1 and r.error is None for r in records
+        ):
             self.statements["record_delivered"] += 1  # of the "record" ones
             rows = await self._call(
                 "fetch",

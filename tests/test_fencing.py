@@ -370,3 +370,20 @@ async def test_a_batch_of_plain_deliveries_is_recorded_as_any_other(
             )
     finally:
         await pool.close()
+
+
+async def test_an_empty_error_text_is_written_as_given(db_url: str) -> None:
+    """Only outcomes without any error text take the short statement for plain deliveries
+    (which leaves last_error as it was); an empty text is written as the general one does."""
+    pool = await create_pool(to_asyncpg_dsn(db_url), "same", 2)
+    try:
+        store = Store(pool, "public", "same", LEASE)
+        (row,) = await add(db_url, 1)
+        await execute(db_url, "UPDATE outbox SET last_error = 'earlier'")
+        (env,) = await store.claim("hook", 10)
+        assert await store.record([Record(row, env.token, "delivered", 1, 0.0, "")]) == {(row, 1)}
+        assert store.statements["record_delivered"] == 0
+        [got] = await execute(db_url, "SELECT status, last_error FROM outbox")
+        assert tuple(got) == ("delivered", "")
+    finally:
+        await pool.close()

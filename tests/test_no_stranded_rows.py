@@ -694,3 +694,27 @@ async def _enqueue_writable(conn: asyncpg.Connection) -> list[int]:
         return await outbox.enqueue_many(
             conn, [{"destination": "orders", "payload": {"i": i}} for i in range(5)]
         )
+
+
+async def test_times_out_of_range_stay_out_of_the_latency_metric(db_url: str) -> None:
+    """A row whose created_at Python cannot hold ('infinity', '-infinity', plain SQL) is
+    delivered like any other, but its commit-to-ack latency is not observed: one such value
+    would turn the histogram's sum into nonsense for as long as the relay runs."""
+    good = await enqueue(db_url, 2)
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        odd = [
+            await conn.fetchval(
+                "INSERT INTO outbox (destination, payload, created_at) "
+                f"VALUES ('orders', 'y', '{when}'::timestamptz) RETURNING id"
+            )
+            for when in ("infinity", "-infinity", "12000-01-01", "0001-01-01 BC")
+        ]
+    finally:
+        await conn.close()
+    async with running(relay_settings(db_url), sinks={"orders": Sink()}) as r:
+        await wait_until(lambda: delivered(db_url, [*good, *odd]), timeout=LEASE, what="all")
+        histogram = r.metrics.latency
+        assert histogram.count("orders") == len(good)
+        total = histogram._series["orders"][1][0]
+        assert 0 <= total < 3600, total
