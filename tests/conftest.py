@@ -26,10 +26,17 @@ def template_db(pg_admin_url: str) -> Iterator[str]:
     pg.drop_database(pg_admin_url, name)
 
 
+@pytest.fixture(scope="session")
+def database_pool(pg_admin_url: str, template_db: str) -> Iterator[pg.DatabasePool]:
+    pool = pg.DatabasePool(pg_admin_url, template_db)
+    yield pool
+    pool.close()
+
+
 @pytest.fixture
-def db_url(pg_admin_url: str, template_db: str) -> Iterator[str]:
+def db_url(pg_admin_url: str, database_pool: pg.DatabasePool) -> Iterator[str]:
     """A fresh, migrated database of this test's own."""
-    name = pg.create_from_template(pg_admin_url, template_db)
+    name = database_pool.take()
     yield pg.with_database(pg_admin_url, name)
     pg.drop_database(pg_admin_url, name)
 

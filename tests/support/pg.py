@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -57,3 +60,32 @@ def create_from_template(url: str, template: str) -> str:
 def drop_database(url: str, name: str) -> None:
     with admin_connect(url) as c:
         c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class DatabasePool:
+    """Copies of the template made ahead of need, in a thread: a test then does not wait for
+    its CREATE DATABASE (a quarter of a second on a 2-core machine, some 800 times a run)."""
+
+    def __init__(self, url: str, template: str, ahead: int = 2) -> None:
+        self.url = url
+        self.template = template
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="test-databases")
+        self._next: deque[Future[str]] = deque(self._make() for _ in range(ahead))
+
+    def _make(self) -> Future[str]:
+        return self._thread.submit(create_from_template, self.url, self.template)
+
+    def take(self) -> str:
+        made = self._next.popleft()
+        self._next.append(self._make())
+        try:
+            return made.result()
+        except Exception:
+            # Made while a test had the server refuse it (connections killed, say): again.
+            return create_from_template(self.url, self.template)
+
+    def close(self) -> None:
+        for made in self._next:
+            with contextlib.suppress(Exception):  # one that was never made
+                drop_database(self.url, made.result())
+        self._thread.shutdown()
