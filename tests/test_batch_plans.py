@@ -43,6 +43,16 @@ def _assert_linear(raw: Any, n: int) -> None:
         assert removed <= 3 * n, f"{where} read and dropped {removed} rows for a batch of {n}"
 
 
+async def _extended_and_running(conn: asyncpg.Connection, table: str) -> tuple[int, int]:
+    """Rows whose lease a heartbeat of 600 s extended, and rows running: the lease statements
+    did their job, not only cheaply."""
+    row = await conn.fetchrow(
+        f"SELECT count(*) FILTER (WHERE locked_until > now() + interval '500 seconds'), "
+        f"count(*) FILTER (WHERE status = 'running') FROM {table}"
+    )
+    return (row[0], row[1])
+
+
 async def _connect(db_url: str) -> asyncpg.Connection:
     # The relay's own session settings (relay/store.py create_pool).
     return await asyncpg.connect(
@@ -115,10 +125,10 @@ async def test_lease_statements_are_linear(db_url: str, statement: str) -> None:
     try:
         ids, tokens = await _claimed_events(conn)
         sql = queries.render_ops(getattr(queries, statement), "public")
-        args: tuple[Any, ...] = (
-            (ids, tokens, RELAY, 60.0) if statement == "HEARTBEAT" else (RELAY, ids, tokens)
-        )
+        heartbeat = statement == "HEARTBEAT"
+        args: tuple[Any, ...] = (ids, tokens, RELAY, 600.0) if heartbeat else (RELAY, ids, tokens)
         _assert_linear(await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args), N)
+        assert await _extended_and_running(conn, "outbox") == ((N, N) if heartbeat else (0, 0))
     finally:
         await conn.close()
 
@@ -195,11 +205,10 @@ async def test_delivery_lease_statements_are_linear(db_url: str, statement: str)
     try:
         ids, tokens = await _claimed_deliveries(conn)
         sql = queries.render_ops(getattr(queries, statement), "public")
-        args: tuple[Any, ...] = (
-            (ids, tokens, RELAY, 60.0)
-            if statement == "DELIVERY_HEARTBEAT"
-            else (RELAY, ids, tokens)
-        )
+        heartbeat = statement == "DELIVERY_HEARTBEAT"
+        args: tuple[Any, ...] = (ids, tokens, RELAY, 600.0) if heartbeat else (RELAY, ids, tokens)
         _assert_linear(await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args), N)
+        expected = (N, N) if heartbeat else (0, 0)
+        assert await _extended_and_running(conn, "outbox_deliveries") == expected
     finally:
         await conn.close()
