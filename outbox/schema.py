@@ -146,7 +146,12 @@ def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
             "id",
             postgresql_where=text("status = 'pending'"),
         ),
-        Index("outbox_lease_idx", "locked_until", postgresql_where=text("status = 'running'")),
+        Index(
+            "outbox_lease_idx",
+            "destination",
+            "locked_until",
+            postgresql_where=text("status = 'running'"),
+        ),
         Index(
             "outbox_delivered_idx",
             "delivered_at",
@@ -162,7 +167,7 @@ def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
             "destination",
             "key",
             "id",
-            postgresql_where=text("status IN ('pending', 'running', 'failed') AND key IS NOT NULL"),
+            postgresql_where=text("status IN ('pending', 'failed') AND key IS NOT NULL"),
         ),
         Index(
             "outbox_unkeyed_idx",

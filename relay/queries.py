@@ -414,23 +414,28 @@ SELECT least(
 """
 
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's
-# keys that have open rows in key order with a loose index scan (a recursive CTE that jumps
+# keys that have waiting rows in key order with a loose index scan (a recursive CTE that jumps
 # from key to key on outbox_key_idx), starting after the cursor $7 (NULL: from the first
-# key), at most $5 keys. A key's head is its lowest open row: pending, running, or failed
-# unless the destination parks poison rows ($6). A head is claimed if it is pending, due, and
-# inside the fence ($8, read by FENCE just before); a key whose head is running, backing off,
-# blocked or too new is passed over, and nothing behind a head is ever looked at, so no state
-# has to be kept for waiting rows. Rows without a key are not ordered and are claimed as they
-# come. The last row of the result (id -1) carries the cursor for the next claim in `key`: the
-# last key claimed when the batch filled up, the last key examined when the scan limit cut it
-# short, NULL when the scan reached the end (start again from the first key). Each step of
-# the walk reads the next key's lowest open row, which is most often its head: one index
-# probe per key instead of two.
+# key), at most $5 keys. A key with a row in flight (running) is passed over whatever else it
+# holds; otherwise its head is its lowest waiting row: pending, or failed unless the
+# destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
+# fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new
+# is passed over, and nothing behind a head is ever looked at, so no state has to be kept for
+# waiting rows. Rows without a key are not ordered and are claimed as they come. The last row
+# of the result (id -1) carries the cursor for the next claim in `key`: the last key claimed
+# when the batch filled up, the last key examined when the scan limit cut it short, NULL when
+# the scan reached the end (start again from the first key). Each step of the walk reads the
+# next key's lowest waiting row, which is most often its head: one index probe per key.
+#
+# Running rows are not in outbox_key_idx (a claim would add an entry at a random place in it
+# and a dead one behind: 40% of the database's work on an unordered drain), so the keys in
+# flight are read once per claim from the destination's running rows (outbox_lease_idx: at
+# most the relays' in-flight rows) and the walk passes them over.
 CLAIM_ORDERED = """
 WITH RECURSIVE k AS (
     (SELECT o.key, o.id, o.status, o.run_after, 1 AS n FROM {table} AS o
      WHERE o.destination = $1 AND ($7::text IS NULL OR o.key > $7::text)
-       AND o.key IS NOT NULL AND o.status IN ('pending', 'running', 'failed')
+       AND o.key IS NOT NULL AND o.status IN ('pending', 'failed')
      ORDER BY o.key, o.id
      LIMIT 1)
     UNION ALL
@@ -438,28 +443,34 @@ WITH RECURSIVE k AS (
     FROM k CROSS JOIN LATERAL (
         SELECT o.key, o.id, o.status, o.run_after FROM {table} AS o
         WHERE o.destination = $1 AND o.key > k.key
-          AND o.status IN ('pending', 'running', 'failed')
+          AND o.status IN ('pending', 'failed')
         ORDER BY o.key, o.id
         LIMIT 1
     ) AS nxt
     WHERE k.n < $5
 ),
+busy AS MATERIALIZED (
+    -- Keys with a row in flight, whatever its place in the key.
+    SELECT DISTINCT o.key FROM {table} AS o
+    WHERE o.status = 'running' AND o.destination = $1 AND o.key IS NOT NULL
+),
 heads AS (
-    -- The walk lands on each key's lowest open row: its head, unless that row is failed and
-    -- the destination parks poison rows; then the head is the key's lowest pending or running
-    -- row, looked up.
+    -- The walk lands on each key's lowest waiting row: its head, unless that row is failed
+    -- and the destination parks poison rows; then the head is the key's lowest pending row,
+    -- looked up.
     SELECT h.id, k.key FROM k
     CROSS JOIN LATERAL (
         SELECT k.id, k.status, k.run_after WHERE NOT ($6::bool AND k.status = 'failed')
         UNION ALL
         (SELECT o.id, o.status, o.run_after FROM {table} AS o
          WHERE $6::bool AND k.status = 'failed'
-           AND o.destination = $1 AND o.key = k.key AND o.status IN ('pending', 'running')
+           AND o.destination = $1 AND o.key = k.key AND o.status = 'pending'
          ORDER BY o.id
          LIMIT 1)
     ) AS h
     WHERE h.status = 'pending' AND h.run_after <= now()
       AND h.id <= $8
+      AND NOT EXISTS (SELECT 1 FROM busy AS b WHERE b.key = k.key)
     LIMIT $2
 ),
 unkeyed AS (

@@ -212,3 +212,57 @@ async def test_delivery_lease_statements_are_linear(db_url: str, statement: str)
         assert await _extended_and_running(conn, "outbox_deliveries") == expected
     finally:
         await conn.close()
+
+
+async def test_ordered_claim_reads_only_its_destinations_rows_in_flight(db_url: str) -> None:
+    """The ordered claim reads the keys in flight from its own destination's running rows,
+    never from every destination's (many relays' batches of other destinations in flight),
+    and reads no table scan, whatever the statistics say about running rows."""
+    conn = await _connect(db_url)
+    try:
+        await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
+        await conn.execute(
+            "INSERT INTO outbox (destination, key, payload) "
+            "SELECT CASE WHEN i <= 20000 THEN 'x' ELSE 'd' END, 'k' || (i % 1000), "
+            "'\\x00'::bytea FROM generate_series(1, 50000) AS i"
+        )
+        await conn.execute("VACUUM ANALYZE")  # taken while every row was pending
+        # Another destination's 20,000 rows in flight, and half of this one's keys.
+        await conn.execute(
+            "UPDATE outbox SET status = 'running', locked_by = 'other', claims = 1, "
+            "locked_until = now() + interval '1 minute' "
+            "WHERE destination = 'x' OR (id BETWEEN 20001 AND 20500)"
+        )
+        safe = await conn.fetchval("SELECT max(id) FROM outbox")
+        sql = queries.render_ops(queries.CLAIM_ORDERED, "public")
+        async with conn.transaction():
+            raw = await conn.fetchval(
+                "EXPLAIN (ANALYZE, FORMAT JSON) " + sql,
+                "d",
+                N,
+                RELAY,
+                60.0,
+                2000,
+                False,
+                None,
+                safe,
+            )
+            claimed = await conn.fetch(
+                "SELECT id, key FROM outbox WHERE status = 'running' AND locked_by = $1", RELAY
+            )
+    finally:
+        await conn.close()
+    busy = {f"k{i % 1000}" for i in range(20001, 20501)}
+    # Every key not in flight had its head claimed (as many as the batch holds), none other.
+    assert len(claimed) == N and not {r["key"] for r in claimed} & busy
+    assert all(r["id"] <= 21000 for r in claimed)  # each key's lowest waiting row
+    plan = json.loads(raw) if isinstance(raw, str) else raw
+    for node in _nodes(plan[0]["Plan"]):
+        where = f"{node['Node Type']} {node.get('Index Name') or node.get('Relation Name') or ''}"
+        assert node["Node Type"] != "Seq Scan", where
+        visited = node.get("Actual Rows", 0) * node.get("Actual Loops", 1)
+        removed = (
+            node.get("Rows Removed by Join Filter", 0) + node.get("Rows Removed by Filter", 0)
+        ) * node.get("Actual Loops", 1)
+        # The walk passes at most every key (1,000) and the in-flight read 500 rows.
+        assert visited <= 3000 and removed <= 3000, f"{where}: {visited} read, {removed} dropped"

@@ -129,7 +129,7 @@ ORDER BY destination, locked_by
 
 # BLOCKED_KEYS for `status` (the relay's reporter runs relay.queries.BLOCKED_KEYS): the same
 # rows, planned per failed row with a key: one probe of outbox_key_idx (which holds the
-# pending, running and failed rows of each key) counts the pending rows behind it and sees
+# pending and failed rows of each key) counts the pending rows behind it and sees
 # whether an older failed row blocks the key first. No sort of every pending keyed row.
 STATUS_BLOCKED_KEYS = """
 SELECT f.destination, f.key, f.id AS failed_id, f.last_error, k.waiting
@@ -139,7 +139,7 @@ CROSS JOIN LATERAL (
            count(*) FILTER (WHERE n.status = 'failed' AND n.id < f.id) AS failed_before
     FROM {table} AS n
     WHERE n.destination = f.destination AND n.key = f.key AND n.key IS NOT NULL
-      AND n.status IN ('pending', 'running', 'failed')
+      AND n.status IN ('pending', 'failed')
 ) AS k
 WHERE f.status = 'failed' AND f.key IS NOT NULL AND k.waiting > 0 AND k.failed_before = 0
 ORDER BY f.destination, f.key

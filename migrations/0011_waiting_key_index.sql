@@ -1,0 +1,19 @@
+-- outbox-relay: no transaction
+-- outbox_key_idx holds a key's waiting rows only (pending and failed), no longer its running
+-- ones: each claim added an entry at a random place in it and left a dead one behind, about
+-- a third of the database's work on an unordered drain (docs/performance.md). The ordered
+-- claim reads the keys in flight from the destination's running rows instead, which
+-- outbox_lease_idx now leads with the destination for.
+-- Each index is built CONCURRENTLY beside the old one and swapped in by name, so inserts are
+-- never blocked; an interrupted run leaves a *_next_idx behind, dropped and built again.
+-- Runs with search_path set to the target schema.
+DROP INDEX CONCURRENTLY IF EXISTS outbox_key_next_idx;
+CREATE INDEX CONCURRENTLY outbox_key_next_idx ON outbox (destination, key, id)
+    WHERE status IN ('pending', 'failed') AND key IS NOT NULL;
+DROP INDEX CONCURRENTLY IF EXISTS outbox_key_idx;
+ALTER INDEX outbox_key_next_idx RENAME TO outbox_key_idx;
+DROP INDEX CONCURRENTLY IF EXISTS outbox_lease_next_idx;
+CREATE INDEX CONCURRENTLY outbox_lease_next_idx ON outbox (destination, locked_until)
+    WHERE status = 'running';
+DROP INDEX CONCURRENTLY IF EXISTS outbox_lease_idx;
+ALTER INDEX outbox_lease_next_idx RENAME TO outbox_lease_idx;
