@@ -470,7 +470,10 @@ heads AS (
     ) AS h
     WHERE h.status = 'pending' AND h.run_after <= now()
       AND h.id <= $8
-      AND NOT EXISTS (SELECT 1 FROM busy AS b WHERE b.key = k.key)
+      -- NOT IN, not NOT EXISTS: a hashed lookup, never a join the planner may run as a loop
+      -- over the keys in flight for each key walked (it did, expecting few running rows).
+      -- NULL-safe: busy holds no NULL.
+      AND k.key NOT IN (SELECT b.key FROM busy AS b)
     LIMIT $2
 ),
 unkeyed AS (

@@ -214,10 +214,16 @@ async def test_delivery_lease_statements_are_linear(db_url: str, statement: str)
         await conn.close()
 
 
-async def test_ordered_claim_reads_only_its_destinations_rows_in_flight(db_url: str) -> None:
+@pytest.mark.parametrize("park", [False, True])
+async def test_ordered_claim_reads_only_its_destinations_rows_in_flight(
+    db_url: str, park: bool
+) -> None:
     """The ordered claim reads the keys in flight from its own destination's running rows,
     never from every destination's (many relays' batches of other destinations in flight),
-    and reads no table scan, whatever the statistics say about running rows."""
+    and reads no table scan, whatever the statistics say about running rows; it compares
+    each key walked with the keys in flight by hash, never with each of them (with
+    statistics that expect few running rows, a plan looped over them per key: 375,250 rows
+    read for a batch of 500 when the destination parks poison rows)."""
     conn = await _connect(db_url)
     try:
         await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
@@ -236,17 +242,12 @@ async def test_ordered_claim_reads_only_its_destinations_rows_in_flight(db_url: 
         safe = await conn.fetchval("SELECT max(id) FROM outbox")
         sql = queries.render_ops(queries.CLAIM_ORDERED, "public")
         async with conn.transaction():
-            raw = await conn.fetchval(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + sql,
-                "d",
-                N,
-                RELAY,
-                60.0,
-                2000,
-                False,
-                None,
-                safe,
-            )
+            # The plan a planner expecting few running rows may take (it did, for a reviewer,
+            # and not here): the keys in flight must not be joined, by any join, key by key.
+            await conn.execute("SET LOCAL enable_hashjoin = off")
+            await conn.execute("SET LOCAL enable_mergejoin = off")
+            args = ("d", N, RELAY, 60.0, 2000, park, None, safe)
+            raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args)
             claimed = await conn.fetch(
                 "SELECT id, key FROM outbox WHERE status = 'running' AND locked_by = $1", RELAY
             )

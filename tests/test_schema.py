@@ -315,3 +315,58 @@ async def test_a_migration_behind_a_long_transaction_does_not_hold_up_inserts(
     assert [x.version for x in result.applied] == [99]
     assert "waits for transactions that use the outbox table" in told[0]
     assert (await fetch(db_url, "SELECT count(*) FROM outbox"))[0][0] == 2
+
+
+_KEY_INDEXES = """
+SELECT count(*) FILTER (WHERE pg_get_indexdef(i.indexrelid) LIKE '%(destination, key, id)%'),
+       count(*) FILTER (WHERE pg_get_indexdef(i.indexrelid) LIKE '%(%locked_until)%')
+FROM pg_index AS i
+WHERE i.indrelid = 'outbox'::regclass AND i.indisvalid
+"""
+
+_BEFORE_0011 = [
+    "DROP INDEX outbox_key_idx",
+    "DROP INDEX outbox_lease_idx",
+    "CREATE INDEX outbox_key_idx ON outbox (destination, key, id) "
+    "WHERE status IN ('pending', 'running', 'failed') AND key IS NOT NULL",
+    "CREATE INDEX outbox_lease_idx ON outbox (locked_until) WHERE status = 'running'",
+    "DELETE FROM outbox_migrations WHERE version = 11",
+]
+
+
+async def test_migration_0011_interrupted_anywhere_and_run_again(empty_db_url: str) -> None:
+    """Stopped after any of its statements (a cancelled DROP INDEX CONCURRENTLY waiting for a
+    long transaction, a lost connection) and run again, 0011 ends with the new indexes and the
+    table never lacks a valid key index or lease index meanwhile: a relay's ordered claim and
+    the reaper would scan the table."""
+    await migrate(empty_db_url)
+    (m,) = [m for m in load_migrations() if m.version == 11]
+    statements = m.statements()
+    conn = await asyncpg.connect(to_asyncpg_dsn(empty_db_url))
+    try:
+        for stop in range(len(statements) + 1):
+            for sql in _BEFORE_0011:
+                await conn.execute(sql)
+            for sql in [*statements[:stop], *statements]:  # interrupted, then run again
+                await conn.execute(sql)
+                key, lease = await conn.fetchrow(_KEY_INDEXES)
+                assert key >= 1 and lease >= 1, (stop, sql)
+            await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+            indexes = {
+                r["indexname"]: r["indexdef"]
+                for r in await conn.fetch(
+                    "SELECT indexname, indexdef FROM pg_indexes WHERE tablename = 'outbox'"
+                )
+            }
+            assert not [n for n in indexes if n.endswith(("_old_idx", "_next_idx"))], stop
+            assert (
+                "(destination, key, id) WHERE ((status = ANY "
+                "(ARRAY['pending'::text, 'failed'::text]))" in indexes["outbox_key_idx"]
+            )
+            assert (
+                "(destination, locked_until) WHERE (status = 'running'::text)"
+                in indexes["outbox_lease_idx"]
+            )
+    finally:
+        await conn.close()
+    assert (await migrate(empty_db_url)).applied == []  # recorded: nothing left to run
