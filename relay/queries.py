@@ -470,8 +470,10 @@ heads AS (
     ) AS h
     WHERE h.status = 'pending' AND h.run_after <= now()
       AND h.id <= $8
-      -- NOT IN, not NOT EXISTS: a hashed lookup, never a join the planner may run as a loop
+      -- NOT IN, not NOT EXISTS: a hashed lookup, not a join the planner may run as a loop
       -- over the keys in flight for each key walked (it did, expecting few running rows).
+      -- Hashed while the keys in flight it expects fit work_mem x hash_mem_multiplier (about
+      -- 100,000 keys at the defaults); past that, each key walked reads the list again.
       -- NULL-safe: busy holds no NULL.
       AND k.key NOT IN (SELECT b.key FROM busy AS b)
     LIMIT $2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -370,3 +371,15 @@ async def test_migration_0011_interrupted_anywhere_and_run_again(empty_db_url: s
     finally:
         await conn.close()
     assert (await migrate(empty_db_url)).applied == []  # recorded: nothing left to run
+
+
+def test_no_transaction_migrations_hold_one_command_per_statement() -> None:
+    """psql (running `migrate --dry-run`'s script) sends each command on its own: a statement
+    of a migration outside a transaction holds one command, several only inside a DO block,
+    or a step meant to be atomic (0011's swap of two index names) would not be under psql."""
+    for m in load_migrations():
+        if m.transactional:
+            continue
+        for statement in m.statements():
+            outside_dollar_quotes = re.sub(r"\$\$.*?\$\$", "", statement, flags=re.S)
+            assert ";" not in outside_dollar_quotes, (m.name, statement)
