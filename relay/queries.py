@@ -428,7 +428,7 @@ SELECT least(
 # next key's lowest waiting row, which is most often its head: one index probe per key.
 #
 # Running rows are not in outbox_key_idx (a claim would add an entry at a random place in it
-# and a dead one behind: 40% of the database's work on an unordered drain), so the keys in
+# and a dead one behind: about a third of the database's work on a drain), so the keys in
 # flight are read once per claim from the destination's running rows (outbox_lease_idx: at
 # most the relays' in-flight rows) and the walk passes them over.
 CLAIM_ORDERED = """
