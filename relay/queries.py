@@ -416,16 +416,19 @@ SELECT least(
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's
 # keys that have waiting rows in key order with a loose index scan (a recursive CTE that jumps
 # from key to key on outbox_key_idx), starting after the cursor $7 (NULL: from the first
-# key), at most $5 keys. A key with a row in flight (running) is passed over whatever else it
-# holds; otherwise its head is its lowest waiting row: pending, or failed unless the
-# destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
-# fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new
-# is passed over, and nothing behind a head is ever looked at, so no state has to be kept for
-# waiting rows. Rows without a key are not ordered and are claimed as they come. The last row
-# of the result (id -1) carries the cursor for the next claim in `key`: the last key claimed
-# when the batch filled up, the last key examined when the scan limit cut it short, NULL when
-# the scan reached the end (start again from the first key). Each step of the walk reads the
-# next key's lowest waiting row, which is most often its head: one index probe per key.
+# key), past the last key round to the first and on up to the cursor's own key, at most $5
+# keys: keys that became free behind the cursor are claimed by this statement, not by one
+# that waits for the next wake-up. A key with a row in flight (running) is passed over
+# whatever else it holds; otherwise its head is its lowest waiting row: pending, or failed
+# unless the destination parks poison rows ($6). A head is claimed if it is pending, due, and
+# inside the fence ($8, read by FENCE just before); a key whose head is backing off, blocked
+# or too new is passed over, and nothing behind a head is ever looked at, so no state has to
+# be kept for waiting rows. Rows without a key are not ordered and are claimed as they come.
+# The last row of the result (id -1) carries the cursor for the next claim in `key`: the last
+# key claimed when the batch filled up, the last key examined when the scan limit cut it
+# short, NULL when the walk came round to where it started (the next starts from the first
+# key). Each step of the walk reads the next key's lowest waiting row, which is most often
+# its head: one index probe per key.
 #
 # Running rows are not in outbox_key_idx (a claim would add an entry at a random place in it
 # and a dead one behind: about a third of the database's work on a drain), so the keys in
@@ -433,18 +436,51 @@ SELECT least(
 # most the relays' in-flight rows) and the walk passes them over.
 CLAIM_ORDERED = """
 WITH RECURSIVE k AS (
-    (SELECT o.key, o.id, o.status, o.run_after, 1 AS n FROM {table} AS o
-     WHERE o.destination = $1 AND ($7::text IS NULL OR o.key > $7::text)
-       AND o.key IS NOT NULL AND o.status IN ('pending', 'failed')
-     ORDER BY o.key, o.id
+    -- The first key after the cursor; past the last key (or with no cursor), the first key.
+    (SELECT s.key, s.id, s.status, s.run_after, 1 AS n, s.wrapped FROM (
+        (SELECT o.key, o.id, o.status, o.run_after, false AS wrapped FROM {table} AS o
+         WHERE o.destination = $1 AND o.key > $7::text
+           AND o.key IS NOT NULL AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
+         WHERE o.destination = $1
+           AND o.key IS NOT NULL AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+     ) AS s
      LIMIT 1)
     UNION ALL
-    SELECT nxt.key, nxt.id, nxt.status, nxt.run_after, k.n + 1
+    -- Each step: the next key; past the last one, round to the first, then on up to the
+    -- cursor's own key. One branch runs per step (the others' conditions are constants of
+    -- the step): each keeps its bounds inside the index scan, which a condition that
+    -- changes with the step would turn into a filter reading every row past the cursor.
+    SELECT nxt.key, nxt.id, nxt.status, nxt.run_after, k.n + 1, nxt.wrapped
     FROM k CROSS JOIN LATERAL (
-        SELECT o.key, o.id, o.status, o.run_after FROM {table} AS o
-        WHERE o.destination = $1 AND o.key > k.key
-          AND o.status IN ('pending', 'failed')
-        ORDER BY o.key, o.id
+        (SELECT o.key, o.id, o.status, o.run_after, false AS wrapped FROM {table} AS o
+         WHERE NOT k.wrapped AND o.destination = $1 AND o.key > k.key
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
+         WHERE NOT k.wrapped AND o.destination = $1 AND o.key <= $7::text
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
+         WHERE k.wrapped AND $7::text IS NULL AND o.destination = $1 AND o.key > k.key
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
+         WHERE k.wrapped AND o.destination = $1 AND o.key > k.key AND o.key <= $7::text
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
         LIMIT 1
     ) AS nxt
     WHERE k.n < $5
@@ -458,7 +494,7 @@ heads AS (
     -- The walk lands on each key's lowest waiting row: its head, unless that row is failed
     -- and the destination parks poison rows; then the head is the key's lowest pending row,
     -- looked up.
-    SELECT h.id, k.key FROM k
+    SELECT h.id, k.key, k.n FROM k
     CROSS JOIN LATERAL (
         SELECT k.id, k.status, k.run_after WHERE NOT ($6::bool AND k.status = 'failed')
         UNION ALL
@@ -507,7 +543,8 @@ claimed AS (
 SELECT * FROM claimed
 UNION ALL
 SELECT -1, NULL, CASE
-           WHEN (SELECT count(*) FROM heads) >= $2 THEN (SELECT max(key) FROM heads)
+           WHEN (SELECT count(*) FROM heads) >= $2
+               THEN (SELECT key FROM heads ORDER BY n DESC LIMIT 1)
            WHEN (SELECT count(*) FROM k) >= $5 THEN (SELECT key FROM k ORDER BY n DESC LIMIT 1)
        END,
        NULL, NULL, NULL, 0, NULL, 0, NULL

@@ -40,6 +40,10 @@ async def add(conn: asyncpg.Connection, key: str | None, n: int = 1, dest: str =
         )
 
 
+def ids(rows: Sequence[Envelope]) -> list[int]:
+    return sorted(e.id for e in rows)
+
+
 async def claim(store: Store, limit: int = 10, park: bool = False, scan: int = 40) -> list[int]:
     """Claim from destination "o" through every key (following the cursor to the end)."""
     ids: list[int] = []
@@ -165,6 +169,44 @@ async def test_walk_resumes_after_the_cursor(db_url: str, store: Store) -> None:
         await conn.execute("UPDATE outbox SET status = 'pending'")
         rows, cursor = await store.claim_ordered("o", 3, False, 50, None)
         assert [e.id for e in rows] == heads[:3] and cursor == "key-02"
+    finally:
+        await conn.close()
+
+
+async def test_walk_from_a_cursor_goes_round_to_the_keys_before_it(
+    db_url: str, store: Store
+) -> None:
+    """A claim that starts mid-way walks on past the last key to the first ones, up to its
+    cursor: keys that became free behind the cursor are claimed by this statement, not left
+    for a claim that only comes at the next wake-up or poll."""
+    conn = await connect(db_url)
+    try:
+        heads = [(await add(conn, f"key-{i:02}"))[0] for i in range(12)]
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, "key-05")
+        assert ids(rows) == heads and cursor is None
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+        # A full batch stops at the last key it claimed, past the wrap: the next claim goes
+        # on from there.
+        rows, cursor = await store.claim_ordered("o", 8, False, 50, "key-05")
+        assert ids(rows) == sorted(heads[6:] + heads[:2]) and cursor == "key-01"
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, cursor)
+        assert ids(rows) == heads[2:6] and cursor is None
+        # The scan limit counts keys across the wrap, and its cursor is the last one examined.
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+        rows, cursor = await store.claim_ordered("o", 100, False, 8, "key-05")
+        assert ids(rows) == sorted(heads[6:] + heads[:2]) and cursor == "key-01"
+        # Each key is examined once, the cursor's own key last: 12 keys fill a scan of 12,
+        # and leave a scan of 13 short (the walk reached its end).
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+        rows, cursor = await store.claim_ordered("o", 100, False, 12, "key-05")
+        assert ids(rows) == heads and cursor == "key-05"
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+        rows, cursor = await store.claim_ordered("o", 100, False, 13, "key-05")
+        assert ids(rows) == heads and cursor is None
+        # A cursor past every key: the walk starts from the first.
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, "zzz")
+        assert ids(rows) == heads and cursor is None
     finally:
         await conn.close()
 
