@@ -65,8 +65,9 @@ class Claimer:
         self.error: str | None = None
         self._db_down = False
         self._scan_progressed = False
-        # Per ordered destination: the key after which the next claim continues its walk.
-        self._cursors: dict[str, str | None] = {}
+        # Per ordered destination, its walk over the keys: the key after which the next claim
+        # goes on, and the key where the round ends (see _claim_one).
+        self._walks: dict[str, tuple[str | None, str | None]] = {}
         self._turn = 0  # rotates which destination claims first
         self._waiting_for_room = False  # a destination was skipped because its sink is full
 
@@ -76,7 +77,7 @@ class Claimer:
     def key_finished(self) -> None:
         """A head of an ordered key was recorded: its key's next row is the head now, and is
         claimed at once, not at the next poll (nothing NOTIFYs for an update)."""
-        if self._cursors:
+        if self._walks:
             self.wake()
 
     def claimable(self) -> list[str]:
@@ -155,12 +156,21 @@ class Claimer:
     async def _claim_one(self, route: Route, limit: int) -> list[Envelope]:
         if not route.ordered:
             return await self.store.claim(route.name, limit)
+        cursor, origin = self._walks.get(route.name, (None, None))
         rows, nxt = await self.store.claim_ordered(
-            route.name, limit, route.parks_poison, limit * 4, self._cursors.get(route.name)
+            route.name, limit, route.parks_poison, limit * 4, cursor, origin
         )
-        self._cursors[route.name] = nxt
-        # A cursor means the walk stopped before the last key: claim again at once.
-        self._scan_progressed |= nxt is not None
+        # A cursor means the round is not over: claim again at once. A claim that claimed
+        # rows starts a new round at its cursor, once round every key from there: keys freed
+        # behind the cursor meanwhile are claimed by the next statement. A claim that claimed
+        # nothing goes on with its round, so a round of keys that are all busy, backing off or
+        # blocked ends, and the claimer waits for a wake-up or the poll, not claims again and
+        # again. No cursor: the round is over; the next one starts from the first key.
+        if nxt is None:
+            self._walks[route.name] = (None, None)
+        else:
+            self._walks[route.name] = (nxt, nxt if rows else origin)
+            self._scan_progressed = True
         return rows
 
     def _claimed(self, batch: list[Envelope]) -> None:

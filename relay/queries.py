@@ -415,20 +415,24 @@ SELECT least(
 
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's
 # keys that have waiting rows in key order with a loose index scan (a recursive CTE that jumps
-# from key to key on outbox_key_idx), starting after the cursor $7 (NULL: from the first
-# key), past the last key round to the first and on up to the cursor's own key, at most $5
-# keys: keys that became free behind the cursor are claimed by this statement, not by one
-# that waits for the next wake-up. A key with a row in flight (running) is passed over
-# whatever else it holds; otherwise its head is its lowest waiting row: pending, or failed
-# unless the destination parks poison rows ($6). A head is claimed if it is pending, due, and
-# inside the fence ($8, read by FENCE just before); a key whose head is backing off, blocked
-# or too new is passed over, and nothing behind a head is ever looked at, so no state has to
-# be kept for waiting rows. Rows without a key are not ordered and are claimed as they come.
-# The last row of the result (id -1) carries the cursor for the next claim in `key`: the last
-# key claimed when the batch filled up, the last key examined when the scan limit cut it
-# short, NULL when the walk came round to where it started (the next starts from the first
-# key). Each step of the walk reads the next key's lowest waiting row, which is most often
-# its head: one index probe per key.
+# from key to key on outbox_key_idx), at most $5 keys, as one part of a round: from after the
+# cursor $7 (NULL: from the first key) to the round's own key $9, past the last key round to
+# the first ones when the round's key is not ahead of the cursor ($9 NULL: the round ends at
+# the last key; $9 = $7: once round every key). The claimer starts a round at the cursor of
+# each claim that claimed rows, so keys freed behind the cursor are claimed by the next
+# statement rather than one that waits for a wake-up, and carries a round that claims nothing
+# on to its end, so a destination whose keys are all busy, backing off or blocked is walked
+# once, then waited for. A key with a row in flight (running) is passed over whatever else it
+# holds; otherwise its head is its lowest waiting row: pending, or failed unless the
+# destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
+# fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new
+# is passed over, and nothing behind a head is ever looked at, so no state has to be kept for
+# waiting rows. Rows without a key are not ordered and are claimed as they come. The last row
+# of the result (id -1) carries the cursor for the next claim in `key`: the key of the last
+# head selected (in walk order) when the batch filled up, the last key examined when the scan
+# limit cut the walk short, NULL when the round is over (the walk reached the round's key,
+# or found no key left before it). Each step of the walk reads the next key's lowest waiting
+# row, which is most often its head: one index probe per key.
 #
 # Running rows are not in outbox_key_idx (a claim would add an entry at a random place in it
 # and a dead one behind: about a third of the database's work on a drain), so the keys in
@@ -436,48 +440,65 @@ SELECT least(
 # most the relays' in-flight rows) and the walk passes them over.
 CLAIM_ORDERED = """
 WITH RECURSIVE k AS (
-    -- The first key after the cursor; past the last key (or with no cursor), the first key.
+    -- The first key of the round after the cursor; with no cursor, the first key.
     (SELECT s.key, s.id, s.status, s.run_after, 1 AS n, s.wrapped FROM (
         (SELECT o.key, o.id, o.status, o.run_after, false AS wrapped FROM {table} AS o
-         WHERE o.destination = $1 AND o.key > $7::text
-           AND o.key IS NOT NULL AND o.status IN ('pending', 'failed')
+         WHERE ($9::text IS NULL OR $9::text <= $7::text)
+           AND o.destination = $1 AND o.key > $7::text
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, false FROM {table} AS o
+         WHERE $9::text > $7::text
+           AND o.destination = $1 AND o.key > $7::text AND o.key <= $9::text
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, false FROM {table} AS o
+         WHERE $7::text IS NULL AND o.destination = $1 AND o.key IS NOT NULL
+           AND o.status IN ('pending', 'failed')
          ORDER BY o.key, o.id
          LIMIT 1)
         UNION ALL
         (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE o.destination = $1
-           AND o.key IS NOT NULL AND o.status IN ('pending', 'failed')
+         WHERE $9::text <= $7::text AND o.destination = $1 AND o.key <= $9::text
+           AND o.status IN ('pending', 'failed')
          ORDER BY o.key, o.id
          LIMIT 1)
      ) AS s
      LIMIT 1)
     UNION ALL
-    -- Each step: the next key; past the last one, round to the first, then on up to the
-    -- cursor's own key. One branch runs per step (the others' conditions are constants of
-    -- the step): each keeps its bounds inside the index scan, which a condition that
-    -- changes with the step would turn into a filter reading every row past the cursor.
+    -- Each step: the next key of the round. One branch runs per step (the others' conditions
+    -- are constants of the step): each keeps its bounds inside the index scan, where a
+    -- condition that changes with the step would become a filter reading every row past
+    -- the bound.
     SELECT nxt.key, nxt.id, nxt.status, nxt.run_after, k.n + 1, nxt.wrapped
     FROM k CROSS JOIN LATERAL (
         (SELECT o.key, o.id, o.status, o.run_after, false AS wrapped FROM {table} AS o
-         WHERE NOT k.wrapped AND o.destination = $1 AND o.key > k.key
+         WHERE NOT k.wrapped AND ($9::text IS NULL OR $9::text <= $7::text)
+           AND o.destination = $1 AND o.key > k.key
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)
+        UNION ALL
+        (SELECT o.key, o.id, o.status, o.run_after, false FROM {table} AS o
+         WHERE NOT k.wrapped AND $9::text > $7::text
+           AND o.destination = $1 AND o.key > k.key AND o.key <= $9::text
            AND o.status IN ('pending', 'failed')
          ORDER BY o.key, o.id
          LIMIT 1)
         UNION ALL
         (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE NOT k.wrapped AND o.destination = $1 AND o.key <= $7::text
+         WHERE NOT k.wrapped AND $9::text <= $7::text
+           AND o.destination = $1 AND o.key <= $9::text
            AND o.status IN ('pending', 'failed')
          ORDER BY o.key, o.id
          LIMIT 1)
         UNION ALL
         (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE k.wrapped AND $7::text IS NULL AND o.destination = $1 AND o.key > k.key
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE k.wrapped AND o.destination = $1 AND o.key > k.key AND o.key <= $7::text
+         WHERE k.wrapped AND o.destination = $1 AND o.key > k.key AND o.key <= $9::text
            AND o.status IN ('pending', 'failed')
          ORDER BY o.key, o.id
          LIMIT 1)
@@ -545,7 +566,8 @@ UNION ALL
 SELECT -1, NULL, CASE
            WHEN (SELECT count(*) FROM heads) >= $2
                THEN (SELECT key FROM heads ORDER BY n DESC LIMIT 1)
-           WHEN (SELECT count(*) FROM k) >= $5 THEN (SELECT key FROM k ORDER BY n DESC LIMIT 1)
+           WHEN (SELECT count(*) FROM k) >= $5
+               THEN NULLIF((SELECT key FROM k ORDER BY n DESC LIMIT 1), $9::text)
        END,
        NULL, NULL, NULL, 0, NULL, 0, NULL
 """

@@ -336,10 +336,18 @@ class Store:
         return [r[0] for r in await self._call("fetch", self._expired, limit, list(never))]
 
     async def claim_ordered(
-        self, destination: str, limit: int, parks_poison: bool, scan: int, cursor: str | None
+        self,
+        destination: str,
+        limit: int,
+        parks_poison: bool,
+        scan: int,
+        cursor: str | None,
+        origin: str | None = None,
     ) -> tuple[list[Envelope], str | None]:
         """Claim heads of ``destination``'s keys (see queries.CLAIM_ORDERED), examining at most
-        ``scan`` keys after ``cursor``; returns the rows and the cursor for the next claim."""
+        ``scan`` keys after ``cursor``, up to the end of a round that ends at ``origin``'s key
+        (None: at the last key; the cursor's own key: once round); returns the rows and the
+        cursor for the next claim (None when the round is over)."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         self.statements["fence"] += 1
         safe_id = await self._call("fetchval", self._fence, self._table)
@@ -356,6 +364,7 @@ class Store:
             parks_poison,
             cursor,
             safe_id,
+            origin if cursor is not None else None,
         )
         return self._envelopes(rows[:-1], until), rows[-1][2]
 

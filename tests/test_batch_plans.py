@@ -246,7 +246,7 @@ async def test_ordered_claim_reads_only_its_destinations_rows_in_flight(
             # and not here): the keys in flight must not be joined, by any join, key by key.
             await conn.execute("SET LOCAL enable_hashjoin = off")
             await conn.execute("SET LOCAL enable_mergejoin = off")
-            args = ("d", N, RELAY, 60.0, 2000, park, None, safe)
+            args = ("d", N, RELAY, 60.0, 2000, park, None, safe, None)
             raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args)
             claimed = await conn.fetch(
                 "SELECT id, key FROM outbox WHERE status = 'running' AND locked_by = $1", RELAY
@@ -264,3 +264,49 @@ async def test_ordered_claim_reads_only_its_destinations_rows_in_flight(
     assert not scans, scans
     # The walk passes at most every key (1,000) and the in-flight read 500 rows.
     _assert_linear(plan, 1000)
+
+
+def _keys(*spans: tuple[int, int]) -> list[str]:
+    return [f"k{i:04}" for a, b in spans for i in range(a, b + 1)]
+
+
+@pytest.mark.parametrize(
+    ("cursor", "origin", "expected", "next_cursor"),
+    [
+        (None, None, _keys((0, 99)), "k0099"),  # from the first key
+        ("k0500", None, _keys((501, 600)), "k0600"),  # on from a cursor, towards the last key
+        ("k0500", "k0550", _keys((501, 550)), None),  # up to the end of a round
+        ("k1950", "k1950", _keys((1951, 1999), (0, 50)), "k0050"),  # round to the first key
+        ("k1950", "k0020", _keys((1951, 1999), (0, 20)), None),  # ... up to the round's end
+    ],
+)
+async def test_ordered_claim_keeps_its_rounds_bounds_in_the_index(
+    db_url: str,
+    cursor: str | None,
+    origin: str | None,
+    expected: list[str],
+    next_cursor: str | None,
+) -> None:
+    """Each part of the ordered claim's walk keeps its bounds in the index scan: a bound read
+    as a filter would read every waiting row past it (here 10 per key, 2,000 keys) at the
+    step that ends the round."""
+    conn = await _connect(db_url)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (destination, key, payload) "
+            "SELECT 'd', 'k' || lpad((i % 2000)::text, 4, '0'), '\\x00'::bytea "
+            "FROM generate_series(0, 19999) AS i"
+        )
+        await conn.execute("VACUUM ANALYZE outbox")
+        sql = queries.render_ops(queries.CLAIM_ORDERED, "public")
+        args = ("d", 100, RELAY, 60.0, 400, False, cursor, 10**9, origin)
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args)
+        claimed = await conn.fetch("SELECT id, key FROM outbox WHERE status = 'running'")
+        await conn.execute("UPDATE outbox SET status = 'pending' WHERE status = 'running'")
+        result = await conn.fetch(sql, *args)
+    finally:
+        await conn.close()
+    _assert_linear(raw, 100)
+    assert sorted(r["key"] for r in claimed) == sorted(expected)
+    assert all(r["id"] <= 2000 for r in claimed)  # each key's head
+    assert result[-1]["key"] == next_cursor

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Sequence
+from types import SimpleNamespace
 
 import asyncpg
 import pytest
@@ -14,6 +15,10 @@ from structlog.testing import capture_logs
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay import queries
+from relay.claimer import Claimer
+from relay.config import RelaySettings
+from relay.leases import Leases
+from relay.metrics import Metrics
 from relay.model import Envelope, Outcome
 from relay.store import Record, Store, create_pool
 from tests.support.relays import running, settings, status_counts, wait_until
@@ -176,39 +181,117 @@ async def test_walk_resumes_after_the_cursor(db_url: str, store: Store) -> None:
 async def test_walk_from_a_cursor_goes_round_to_the_keys_before_it(
     db_url: str, store: Store
 ) -> None:
-    """A claim that starts mid-way walks on past the last key to the first ones, up to its
-    cursor: keys that became free behind the cursor are claimed by this statement, not left
-    for a claim that only comes at the next wake-up or poll."""
+    """A round that starts at a cursor walks on past the last key to the first ones, up to
+    the cursor's own key: keys that became free behind the cursor are claimed by this
+    statement, not left for a claim that only comes at the next wake-up or poll."""
     conn = await connect(db_url)
+
+    async def again() -> None:
+        await conn.execute("UPDATE outbox SET status = 'pending'")
+
     try:
         heads = [(await add(conn, f"key-{i:02}"))[0] for i in range(12)]
-        rows, cursor = await store.claim_ordered("o", 100, False, 50, "key-05")
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, "key-05", "key-05")
         assert ids(rows) == heads and cursor is None
-        await conn.execute("UPDATE outbox SET status = 'pending'")
-        # A full batch stops at the last key it claimed, past the wrap: the next claim goes
-        # on from there.
-        rows, cursor = await store.claim_ordered("o", 8, False, 50, "key-05")
+        # A full batch stops at the last key it took, past the wrap; the round goes on from
+        # there to its end.
+        await again()
+        rows, cursor = await store.claim_ordered("o", 8, False, 50, "key-05", "key-05")
         assert ids(rows) == sorted(heads[6:] + heads[:2]) and cursor == "key-01"
-        rows, cursor = await store.claim_ordered("o", 100, False, 50, cursor)
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, cursor, "key-05")
         assert ids(rows) == heads[2:6] and cursor is None
-        # The scan limit counts keys across the wrap, and its cursor is the last one examined.
-        await conn.execute("UPDATE outbox SET status = 'pending'")
-        rows, cursor = await store.claim_ordered("o", 100, False, 8, "key-05")
+        # The scan limit counts keys across the wrap; its cursor is the last key examined.
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 8, "key-05", "key-05")
         assert ids(rows) == sorted(heads[6:] + heads[:2]) and cursor == "key-01"
-        # Each key is examined once, the cursor's own key last: 12 keys fill a scan of 12,
-        # and leave a scan of 13 short (the walk reached its end).
-        await conn.execute("UPDATE outbox SET status = 'pending'")
-        rows, cursor = await store.claim_ordered("o", 100, False, 12, "key-05")
-        assert ids(rows) == heads and cursor == "key-05"
-        await conn.execute("UPDATE outbox SET status = 'pending'")
-        rows, cursor = await store.claim_ordered("o", 100, False, 13, "key-05")
+        # Each key is examined once, the round's own key last: 11 keys leave the round short
+        # of it, the 12th ends it (no cursor: the round is over).
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 11, "key-05", "key-05")
+        assert ids(rows) == sorted(heads[6:] + heads[:5]) and cursor == "key-04"
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 12, "key-05", "key-05")
         assert ids(rows) == heads and cursor is None
-        # A cursor past every key: the walk starts from the first.
-        await conn.execute("UPDATE outbox SET status = 'pending'")
-        rows, cursor = await store.claim_ordered("o", 100, False, 50, "zzz")
-        assert ids(rows) == heads and cursor is None
+        # A cursor past every key, before every key, or on the first one: the round still
+        # takes every key once. (A round whose own key has no rows cannot tell that its
+        # last key examined was its last: a claim of 12 keys says to go on, and the next
+        # finds nothing.)
+        for start, left in (("zzz", "key-11"), ("", "key-11"), ("key-00", None)):
+            await again()
+            rows, cursor = await store.claim_ordered("o", 100, False, 12, start, start)
+            assert ids(rows) == heads and cursor == left, start
+            rows, cursor = await store.claim_ordered("o", 100, False, 12, cursor, start)
+            assert rows == [] and cursor is None, start
+            await again()
+            rows, cursor = await store.claim_ordered("o", 100, False, 13, start, start)
+            assert ids(rows) == heads and cursor is None, start
+        # A round that began elsewhere ends there, whichever side of the cursor it is.
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, "key-05", "key-08")
+        assert ids(rows) == heads[6:9] and cursor is None
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, "key-08", "key-02")
+        assert ids(rows) == sorted(heads[9:] + heads[:3]) and cursor is None
+        # No origin: the round ends at the last key, as when it began with no cursor.
+        await again()
+        rows, cursor = await store.claim_ordered("o", 100, False, 50, "key-08", None)
+        assert ids(rows) == heads[9:] and cursor is None
     finally:
         await conn.close()
+
+
+class AlwaysAvailable:
+    def available(self, destination: str) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("why", ["backing off", "blocked", "in flight"])
+async def test_a_round_that_claims_nothing_ends_and_waits(
+    db_url: str, store: Store, why: str
+) -> None:
+    """Many more keys than a claim examines, none claimable: the claimer walks them all once,
+    a claim per scan's worth of keys, then waits for a wake-up or the poll; it does not
+    claim again and again (a reviewer's finding: the walk that goes round never reached an
+    end, so every claim said to go on)."""
+    conn = await connect(db_url)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (destination, key, payload) SELECT 'o', 'k' || lpad(i::text, 4,"
+            " '0'), '\\x00' FROM generate_series(1, 100) AS i, generate_series(1, 2) AS j"
+        )
+        heads = "id IN (SELECT min(id) FROM outbox GROUP BY key)"
+        await conn.execute(
+            {
+                "backing off": "UPDATE outbox SET run_after = now() + interval '1 hour'",
+                "blocked": f"UPDATE outbox SET status = 'failed' WHERE {heads}",
+                "in flight": "UPDATE outbox SET status = 'running', locked_by = 'other',"
+                f" locked_until = now() + interval '1 hour' WHERE {heads}",
+            }[why]
+        )
+    finally:
+        await conn.close()
+    metrics = Metrics()
+    route = SimpleNamespace(name="o", sink=AlwaysAvailable(), ordered=True, parks_poison=False)
+    claimed: list[Envelope] = []
+    claimer = Claimer(
+        RelaySettings(poll_interval=5.0, batch_size=10),  # 40 keys per claim at most
+        {"o": route},  # type: ignore[dict-item]
+        store,
+        Leases(metrics, Counter()),
+        claimed.extend,
+        frozenset,
+        metrics,
+        Counter(),
+        asyncio.Event(),
+    )
+    task = asyncio.create_task(claimer.run())
+    await asyncio.sleep(1.0)
+    claimer.stopping.set()
+    await task
+    assert claimed == []
+    # 100 keys, 40 per claim: three claims make the round (a fourth if one ends on a key).
+    assert 3 <= store.statements["claim"] <= 4, store.statements
 
 
 async def test_fence_ignores_open_inserts_into_another_schemas_outbox(
@@ -313,6 +396,7 @@ async def test_claim_uses_key_index(db_url: str) -> None:
             False,
             None,
             10**9,
+            None,
         )
     finally:
         await conn.close()
