@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -68,6 +69,10 @@ class Claimer:
         # Per ordered destination, its walk over the keys: the key after which the next claim
         # goes on, and the key where the round ends (see _claim_one).
         self._walks: dict[str, tuple[str | None, str | None]] = {}
+        # Ordered destinations whose round ended short of a full batch, and until when they
+        # rest (monotonic time): not walked again before a wake-up or a poll interval, while
+        # other destinations' claims go on.
+        self._resting: dict[str, float] = {}
         self._turn = 0  # rotates which destination claims first
         self._waiting_for_room = False  # a destination was skipped because its sink is full
 
@@ -110,6 +115,8 @@ class Claimer:
                 continue
             limit = min(rs.batch_size, free)
             # Cleared before the claim: a NOTIFY that lands while it runs triggers another.
+            if self.wakeup.is_set():
+                self._new_rounds()
             self.wakeup.clear()
             batch, error = await self._claim(destinations, limit)
             if batch:
@@ -129,6 +136,7 @@ class Claimer:
             if len(batch) < limit and not self._scan_progressed:
                 events = [self.wakeup, capacity] if self._waiting_for_room else [self.wakeup]
                 await wait_for(self.stopping, events, rs.poll_interval * random.uniform(0.8, 1.2))
+                self._new_rounds()
 
     async def _claim(
         self, destinations: list[str], limit: int
@@ -143,7 +151,10 @@ class Claimer:
         start = self._turn % len(destinations)
         batch: list[Envelope] = []
         self._scan_progressed = False
+        now = time.monotonic()
         for dest in destinations[start:] + destinations[:start]:
+            if self._resting.get(dest, 0.0) > now:
+                continue
             if len(batch) >= limit:
                 self._scan_progressed = True  # the others' turn comes at once
                 break
@@ -157,21 +168,29 @@ class Claimer:
         if not route.ordered:
             return await self.store.claim(route.name, limit)
         cursor, origin = self._walks.get(route.name, (None, None))
+        # As many keys as a full batch's claim examines, whatever room is left: a round takes
+        # as many claims with one free slot as with a free batch.
+        scan = self.settings.batch_size * 4
         rows, nxt = await self.store.claim_ordered(
-            route.name, limit, route.parks_poison, limit * 4, cursor, origin
+            route.name, limit, route.parks_poison, scan, cursor, origin
         )
-        # A cursor means the round is not over: claim again at once. A claim that claimed
-        # rows starts a new round at its cursor, once round every key from there: keys freed
-        # behind the cursor meanwhile are claimed by the next statement. A claim that claimed
-        # nothing goes on with its round, so a round of keys that are all busy, backing off or
-        # blocked ends, and the claimer waits for a wake-up or the poll, not claims again and
-        # again. No cursor: the round is over; the next one starts from the first key.
-        if nxt is None:
-            self._walks[route.name] = (None, None)
-        else:
-            self._walks[route.name] = (nxt, nxt if rows else origin)
+        if nxt is not None:
+            # The round is not over: claim again at once.
+            self._walks[route.name] = (nxt, origin)
             self._scan_progressed = True
+        else:
+            self._walks[route.name] = (None, None)
+            if len(rows) < limit:
+                self._resting[route.name] = time.monotonic() + self.settings.poll_interval
         return rows
+
+    def _new_rounds(self) -> None:
+        """After a wake-up or a wait: every ordered destination is walked again, a round in
+        progress once round every key from where it stands. A wake-up (an outcome recorded,
+        a NOTIFY) can be for a key behind the cursor, which the rest of the round would not
+        reach, and a round that had nothing to claim waits for one."""
+        self._resting.clear()
+        self._walks = {name: (cursor, cursor) for name, (cursor, _) in self._walks.items()}
 
     def _claimed(self, batch: list[Envelope]) -> None:
         self.leases.claimed(batch)

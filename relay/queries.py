@@ -418,11 +418,11 @@ SELECT least(
 # from key to key on outbox_key_idx), at most $5 keys, as one part of a round: from after the
 # cursor $7 (NULL: from the first key) to the round's own key $9, past the last key round to
 # the first ones when the round's key is not ahead of the cursor ($9 NULL: the round ends at
-# the last key; $9 = $7: once round every key). The claimer starts a round at the cursor of
-# each claim that claimed rows, so keys freed behind the cursor are claimed by the next
-# statement rather than one that waits for a wake-up, and carries a round that claims nothing
-# on to its end, so a destination whose keys are all busy, backing off or blocked is walked
-# once, then waited for. A key with a row in flight (running) is passed over whatever else it
+# the last key; $9 = $7: once round every key). The claimer carries a round on to its end
+# and then lets the destination rest until a wake-up or a poll interval, so keys that are all
+# busy, backing off or blocked are walked once per wake-up, not claim after claim; a wake-up
+# (an outcome recorded, a NOTIFY) starts a new round at the cursor, once round every key, so
+# a key freed behind the cursor is claimed by the next statement (see relay/claimer.py). A key with a row in flight (running) is passed over whatever else it
 # holds; otherwise its head is its lowest waiting row: pending, or failed unless the
 # destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
 # fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new
@@ -565,7 +565,7 @@ SELECT * FROM claimed
 UNION ALL
 SELECT -1, NULL, CASE
            WHEN (SELECT count(*) FROM heads) >= $2
-               THEN (SELECT key FROM heads ORDER BY n DESC LIMIT 1)
+               THEN NULLIF((SELECT key FROM heads ORDER BY n DESC LIMIT 1), $9::text)
            WHEN (SELECT count(*) FROM k) >= $5
                THEN NULLIF((SELECT key FROM k ORDER BY n DESC LIMIT 1), $9::text)
        END,

@@ -7,6 +7,7 @@ import random
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Sequence
 from types import SimpleNamespace
+from typing import Any
 
 import asyncpg
 import pytest
@@ -19,7 +20,7 @@ from relay.claimer import Claimer
 from relay.config import RelaySettings
 from relay.leases import Leases
 from relay.metrics import Metrics
-from relay.model import Envelope, Outcome
+from relay.model import Envelope, Lease, Outcome
 from relay.store import Record, Store, create_pool
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.support.sinks import MemorySink
@@ -246,6 +247,57 @@ class AlwaysAvailable:
         return True
 
 
+def ordered_claimer(
+    store: Store, destinations: Sequence[str], claimed: list[Envelope], **relay: Any
+) -> Claimer:
+    """The real claim loop over ordered destinations that never fill up, with a poll of 5 s
+    (nothing in these tests NOTIFYs) and batches of 10 (40 keys examined per claim)."""
+    metrics = Metrics()
+    routes = {
+        d: SimpleNamespace(name=d, sink=AlwaysAvailable(), ordered=True, parks_poison=False)
+        for d in destinations
+    }
+    return Claimer(
+        RelaySettings(**{"poll_interval": 5.0, "batch_size": 10, **relay}),
+        routes,  # type: ignore[arg-type]
+        store,
+        Leases(metrics, Counter()),
+        claimed.extend,
+        frozenset,
+        metrics,
+        Counter(),
+        asyncio.Event(),
+    )
+
+
+async def run_for(claimer: Claimer, seconds: float) -> None:
+    task = asyncio.create_task(claimer.run())
+    await asyncio.sleep(seconds)
+    claimer.stopping.set()
+    await task
+
+
+async def fill(conn: asyncpg.Connection, dest: str, keys: int, why: str) -> None:
+    """``keys`` keys of two rows each in ``dest``, whose heads cannot be claimed: ``why``."""
+    await conn.execute(
+        "INSERT INTO outbox (destination, key, payload) SELECT $1, 'k' || lpad(i::text, 4,"
+        " '0'), '\\x00' FROM generate_series(1, $2) AS i, generate_series(1, 2) AS j",
+        dest,
+        keys,
+    )
+    heads = "id IN (SELECT min(id) FROM outbox WHERE destination = $1 GROUP BY key)"
+    await conn.execute(
+        {
+            "backing off": "UPDATE outbox SET run_after = now() + interval '1 hour'"
+            " WHERE destination = $1",
+            "blocked": f"UPDATE outbox SET status = 'failed' WHERE {heads}",
+            "in flight": "UPDATE outbox SET status = 'running', locked_by = 'other',"
+            f" locked_until = now() + interval '1 hour' WHERE {heads}",
+        }[why],
+        dest,
+    )
+
+
 @pytest.mark.parametrize("why", ["backing off", "blocked", "in flight"])
 async def test_a_round_that_claims_nothing_ends_and_waits(
     db_url: str, store: Store, why: str
@@ -256,42 +308,109 @@ async def test_a_round_that_claims_nothing_ends_and_waits(
     end, so every claim said to go on)."""
     conn = await connect(db_url)
     try:
-        await conn.execute(
-            "INSERT INTO outbox (destination, key, payload) SELECT 'o', 'k' || lpad(i::text, 4,"
-            " '0'), '\\x00' FROM generate_series(1, 100) AS i, generate_series(1, 2) AS j"
-        )
-        heads = "id IN (SELECT min(id) FROM outbox GROUP BY key)"
-        await conn.execute(
-            {
-                "backing off": "UPDATE outbox SET run_after = now() + interval '1 hour'",
-                "blocked": f"UPDATE outbox SET status = 'failed' WHERE {heads}",
-                "in flight": "UPDATE outbox SET status = 'running', locked_by = 'other',"
-                f" locked_until = now() + interval '1 hour' WHERE {heads}",
-            }[why]
-        )
+        await fill(conn, "o", 100, why)
     finally:
         await conn.close()
-    metrics = Metrics()
-    route = SimpleNamespace(name="o", sink=AlwaysAvailable(), ordered=True, parks_poison=False)
     claimed: list[Envelope] = []
-    claimer = Claimer(
-        RelaySettings(poll_interval=5.0, batch_size=10),  # 40 keys per claim at most
-        {"o": route},  # type: ignore[dict-item]
-        store,
-        Leases(metrics, Counter()),
-        claimed.extend,
-        frozenset,
-        metrics,
-        Counter(),
-        asyncio.Event(),
-    )
-    task = asyncio.create_task(claimer.run())
-    await asyncio.sleep(1.0)
-    claimer.stopping.set()
-    await task
+    await run_for(ordered_claimer(store, ["o"], claimed), 1.0)
     assert claimed == []
     # 100 keys, 40 per claim: three claims make the round (a fourth if one ends on a key).
     assert 3 <= store.statements["claim"] <= 4, store.statements
+
+
+async def test_rounds_of_several_ordered_destinations_end_each_on_its_own(
+    db_url: str, store: Store
+) -> None:
+    """Two ordered destinations whose rounds take different numbers of claims: each is walked
+    once, then waits; the one still walking does not restart the other's round on every
+    claim (a review found 1,300 claims before the first wait for 1,000 and 960 keys)."""
+    conn = await connect(db_url)
+    try:
+        await fill(conn, "x", 200, "backing off")
+        await fill(conn, "y", 120, "backing off")
+    finally:
+        await conn.close()
+    claimed: list[Envelope] = []
+    await run_for(ordered_claimer(store, ["x", "y"], claimed), 1.0)
+    assert claimed == []
+    # x: 5 claims of 40 keys and one that finds the round's end, y: 3 and one; walked
+    # together, the rounds lined up only after 12 claims (24 statements).
+    assert store.statements["claim"] == 10, store.statements
+
+
+async def test_a_small_free_capacity_still_walks_a_whole_claims_worth_of_keys(
+    db_url: str, store: Store
+) -> None:
+    """With room for one more row in flight, a claim still examines as many keys as a full
+    one: the round takes as many claims as ever, not one per four keys (500 for 2,000)."""
+    conn = await connect(db_url)
+    try:
+        await fill(conn, "o", 100, "backing off")
+    finally:
+        await conn.close()
+    claimed: list[Envelope] = []
+    claimer = ordered_claimer(store, ["o"], claimed, max_in_flight=10)
+    claimer.leases.claimed(
+        [Envelope(-i, "o", None, b"", "", {}, 0, 0.0, 1, Lease(1e12)) for i in range(1, 10)]
+    )
+    await run_for(claimer, 1.0)
+    assert claimed == [] and 3 <= store.statements["claim"] <= 4, store.statements
+
+
+async def test_a_round_whose_heads_are_locked_elsewhere_ends(db_url: str, store: Store) -> None:
+    """A batch of heads another transaction holds locked: the claim selects a full batch and
+    locks none of it. When the last head selected is the round's own key, the round is over
+    all the same (a review found a claim every 2 ms for as long as the locks were held)."""
+    conn, holder = await connect(db_url), await connect(db_url)
+    try:
+        await add(conn, "a")
+        for i in range(1, 11):
+            await add(conn, f"h{i:02}")
+        tx = holder.transaction()
+        await tx.start()
+        await holder.execute("SELECT id FROM outbox WHERE key LIKE 'h%' ORDER BY id FOR KEY SHARE")
+        claimed: list[Envelope] = []
+        await run_for(ordered_claimer(store, ["o"], claimed), 1.0)
+        await tx.rollback()
+    finally:
+        await holder.close()
+        await conn.close()
+    assert [e.key for e in claimed] == ["a"]
+    assert store.statements["claim"] <= 4, store.statements
+
+
+async def test_a_key_freed_behind_a_round_is_claimed_at_the_wake_up(
+    db_url: str, store: Store
+) -> None:
+    """A wake-up that comes while a round is on its way (an outcome recorded, a NOTIFY) is
+    for a key the rest of the round may not reach: the claimer goes round again rather than
+    let the round use up the wake-up and wait for the poll (a review: 1.95 s, the poll)."""
+    conn = await connect(db_url)
+    try:
+        await fill(conn, "o", 100, "backing off")
+        claimed: list[Envelope] = []
+        claimer = ordered_claimer(store, ["o"], claimed)
+        real = store.claim_ordered
+        freed = asyncio.get_running_loop().create_future()
+
+        async def first_then_free(*args: Any) -> tuple[list[Envelope], str | None]:
+            result = await real(*args)
+            if not freed.done():
+                # Behind the cursor the round now stands on: a key sorted before every other.
+                await add(conn, "a")
+                freed.set_result(asyncio.get_running_loop().time())
+                claimer.wake()
+            return result
+
+        store.claim_ordered = first_then_free  # type: ignore[method-assign]
+        task = asyncio.create_task(claimer.run())
+        await wait_until(lambda: bool(claimed), timeout=3.0)
+        took = asyncio.get_running_loop().time() - freed.result()
+        claimer.stopping.set()
+        await task
+    finally:
+        await conn.close()
+    assert [e.key for e in claimed] == ["a"] and took < 1.0, took
 
 
 async def test_fence_ignores_open_inserts_into_another_schemas_outbox(
