@@ -413,26 +413,26 @@ SELECT least(
 )
 """
 
-# The ordered claim, one statement per ordered destination ($1). It walks the destination's
-# keys that have waiting rows in key order with a loose index scan (a recursive CTE that jumps
-# from key to key on outbox_key_idx), at most $5 keys, as one part of a round: from after the
-# cursor $7 (NULL: from the first key) to the round's own key $9, past the last key round to
-# the first ones when the round's key is not ahead of the cursor ($9 NULL: the round ends at
-# the last key; $9 = $7: once round every key). The claimer carries a round on to its end
-# and then lets the destination rest until a wake-up or a poll interval, so keys that are all
-# busy, backing off or blocked are walked once per wake-up, not claim after claim; a wake-up
-# (an outcome recorded, a NOTIFY) starts a new round at the cursor, once round every key, so
-# a key freed behind the cursor is claimed by the next statement (see relay/claimer.py). A key with a row in flight (running) is passed over whatever else it
-# holds; otherwise its head is its lowest waiting row: pending, or failed unless the
-# destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
-# fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new
-# is passed over, and nothing behind a head is ever looked at, so no state has to be kept for
-# waiting rows. Rows without a key are not ordered and are claimed as they come. The last row
-# of the result (id -1) carries the cursor for the next claim in `key`: the key of the last
-# head selected (in walk order) when the batch filled up, the last key examined when the scan
-# limit cut the walk short, NULL when the round is over (the walk reached the round's key,
-# or found no key left before it). Each step of the walk reads the next key's lowest waiting
-# row, which is most often its head: one index probe per key.
+# The ordered claim, one statement per ordered destination ($1). It walks the destination's keys
+# that have waiting rows in key order with a loose index scan (a recursive CTE that jumps from key
+# to key on outbox_key_idx), at most $5 keys, as one part of a round: from after the cursor $7
+# (NULL: from the first key) to the round's own key $9, past the last key round to the first ones
+# when the round's key is not ahead of the cursor ($9 NULL: the round ends at the last key; $9 = $7:
+# once round every key). The claimer carries a round on to its end and then lets the destination
+# rest until a wake-up or a poll interval, so keys that are all busy, backing off or blocked are
+# walked once per wake-up, not claim after claim; a wake-up (an outcome recorded, a NOTIFY) starts a
+# new round at the cursor, once round every key, so a key freed behind the cursor is claimed by the
+# next statement (see relay/claimer.py). A key with a row in flight (running) is passed over
+# whatever else it holds; otherwise its head is its lowest waiting row: pending, or failed unless
+# the destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
+# fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new is
+# passed over, and nothing behind a head is ever looked at, so no state has to be kept for waiting
+# rows. Rows without a key are not ordered and are claimed as they come. The last row of the result
+# (id -1) carries the cursor for the next claim in `key`: the key of the last head selected (in walk
+# order) when the batch filled up, the last key examined when the scan limit cut the walk short,
+# NULL when the round is over (the walk reached the round's key, or found no key left before it).
+# Each step of the walk reads the next key's lowest waiting row, which is most often its head: one
+# index probe per key.
 #
 # Running rows are not in outbox_key_idx (a claim would add an entry at a random place in it
 # and a dead one behind: about a third of the database's work on a drain), so the keys in

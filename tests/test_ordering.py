@@ -248,14 +248,21 @@ class AlwaysAvailable:
 
 
 def ordered_claimer(
-    store: Store, destinations: Sequence[str], claimed: list[Envelope], **relay: Any
+    store: Store,
+    destinations: Sequence[str],
+    claimed: list[Envelope],
+    unordered: Sequence[str] = (),
+    **relay: Any,
 ) -> Claimer:
-    """The real claim loop over ordered destinations that never fill up, with a poll of 5 s
-    (nothing in these tests NOTIFYs) and batches of 10 (40 keys examined per claim)."""
+    """The real claim loop over ordered destinations (and ``unordered`` ones) whose sinks never
+    fill up, with a poll of 5 s (nothing in these tests NOTIFYs) and batches of 10 (40 keys
+    examined per claim)."""
     metrics = Metrics()
     routes = {
-        d: SimpleNamespace(name=d, sink=AlwaysAvailable(), ordered=True, parks_poison=False)
-        for d in destinations
+        d: SimpleNamespace(
+            name=d, sink=AlwaysAvailable(), ordered=d not in unordered, parks_poison=False
+        )
+        for d in [*destinations, *unordered]
     }
     return Claimer(
         RelaySettings(**{"poll_interval": 5.0, "batch_size": 10, **relay}),
@@ -370,7 +377,11 @@ async def test_a_round_whose_heads_are_locked_elsewhere_ends(db_url: str, store:
         await tx.start()
         await holder.execute("SELECT id FROM outbox WHERE key LIKE 'h%' ORDER BY id FOR KEY SHARE")
         claimed: list[Envelope] = []
-        await run_for(ordered_claimer(store, ["o"], claimed), 1.0)
+        claimer = ordered_claimer(store, ["o"], claimed)
+        # An outcome recorded after the first claim: the next round goes once round from
+        # the cursor, h09, and its full batch of locked heads ends on h09 again.
+        wake_after_claims(store, claimer, first_only=True)
+        await run_for(claimer, 1.0)
         await tx.rollback()
     finally:
         await holder.close()
@@ -379,38 +390,112 @@ async def test_a_round_whose_heads_are_locked_elsewhere_ends(db_url: str, store:
     assert store.statements["claim"] <= 4, store.statements
 
 
-async def test_a_key_freed_behind_a_round_is_claimed_at_the_wake_up(
-    db_url: str, store: Store
+def wake_after_claims(store: Store, claimer: Claimer, first_only: bool = False) -> None:
+    """Wake the claimer after each of its ordered claims (or the first only), as outcomes
+    recorded while the claims run would."""
+    real = store.claim_ordered
+    woken = 0
+
+    async def claim_then_wake(*args: Any) -> tuple[list[Envelope], str | None]:
+        nonlocal woken
+        result = await real(*args)
+        if not (first_only and woken):
+            woken += 1
+            claimer.wake()
+        return result
+
+    store.claim_ordered = claim_then_wake  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("freed", ["a", "zz"])
+async def test_a_key_freed_during_a_round_is_claimed_at_the_wake_up(
+    db_url: str, store: Store, freed: str
 ) -> None:
     """A wake-up that comes while a round is on its way (an outcome recorded, a NOTIFY) is
-    for a key the rest of the round may not reach: the claimer goes round again rather than
-    let the round use up the wake-up and wait for the poll (a review: 1.95 s, the poll)."""
+    for a key the rest of the round may not reach (a): the claimer goes round again from
+    where it stands rather than let the round use up the wake-up and wait for the poll (a
+    review: 1.95 s, the poll). Wake-ups after every claim still let the walk reach the last
+    keys (zz): each new round starts at the cursor, not at the first key."""
     conn = await connect(db_url)
     try:
         await fill(conn, "o", 100, "backing off")
         claimed: list[Envelope] = []
         claimer = ordered_claimer(store, ["o"], claimed)
         real = store.claim_ordered
-        freed = asyncio.get_running_loop().create_future()
+        freed_at = asyncio.get_running_loop().create_future()
 
         async def first_then_free(*args: Any) -> tuple[list[Envelope], str | None]:
             result = await real(*args)
-            if not freed.done():
-                # Behind the cursor the round now stands on: a key sorted before every other.
-                await add(conn, "a")
-                freed.set_result(asyncio.get_running_loop().time())
-                claimer.wake()
+            if not freed_at.done():
+                await add(conn, freed)
+                freed_at.set_result(asyncio.get_running_loop().time())
             return result
 
         store.claim_ordered = first_then_free  # type: ignore[method-assign]
+        wake_after_claims(store, claimer)
         task = asyncio.create_task(claimer.run())
         await wait_until(lambda: bool(claimed), timeout=3.0)
-        took = asyncio.get_running_loop().time() - freed.result()
+        took = asyncio.get_running_loop().time() - freed_at.result()
         claimer.stopping.set()
         await task
     finally:
         await conn.close()
-    assert [e.key for e in claimed] == ["a"] and took < 1.0, took
+    assert [e.key for e in claimed] == [freed] and took < 1.0, took
+
+
+async def test_a_wake_up_ends_a_rest(db_url: str, store: Store) -> None:
+    """A destination resting after a round that claimed nothing is claimed at the next
+    wake-up (a NOTIFY for its new row), not at the end of its rest."""
+    conn = await connect(db_url)
+    try:
+        await fill(conn, "o", 100, "backing off")
+        claimed: list[Envelope] = []
+        claimer = ordered_claimer(store, ["o"], claimed)
+        task = asyncio.create_task(claimer.run())
+        await wait_until(lambda: store.statements["claim"] >= 3)
+        await asyncio.sleep(0.3)  # the round is over: resting, the loop waiting
+        await add(conn, "new")
+        claimer.wake()
+        await wait_until(lambda: bool(claimed), timeout=1.0, what="claimed at the wake-up")
+        claimer.stopping.set()
+        await task
+    finally:
+        await conn.close()
+    assert [e.key for e in claimed] == ["new"]
+
+
+async def test_a_rest_ends_after_a_poll_interval_while_another_destination_streams(
+    db_url: str, store: Store
+) -> None:
+    """An ordered destination rests while another destination's backlog fills every batch
+    (the loop never waits): its rows that come due without a wake-up (a backoff over) are
+    claimed within about a poll interval all the same."""
+    conn = await connect(db_url)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (destination, payload) SELECT 'u', '\\x00'"
+            " FROM generate_series(1, 50000)"
+        )
+        await conn.execute(
+            "INSERT INTO outbox (destination, key, payload, run_after)"
+            " VALUES ('o', 'k', '\\x00', now() + interval '0.5 seconds')"
+        )
+        claimed: list[Envelope] = []
+        claimer = ordered_claimer(
+            store, ["o"], claimed, unordered=["u"], poll_interval=0.5, max_in_flight=100_000
+        )
+        task = asyncio.create_task(claimer.run())
+        started = asyncio.get_running_loop().time()
+        await wait_until(
+            lambda: any(e.destination == "o" for e in claimed), timeout=3.0, what="o claimed"
+        )
+        took = asyncio.get_running_loop().time() - started
+        streaming = len(claimed) < 50_001
+        claimer.stopping.set()
+        await task
+    finally:
+        await conn.close()
+    assert streaming and took < 2.0, took
 
 
 async def test_fence_ignores_open_inserts_into_another_schemas_outbox(
