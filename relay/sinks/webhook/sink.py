@@ -204,30 +204,26 @@ class WebhookSink:
     async def _walk(
         self, client: aiohttp.ClientSession, ep: Endpoint, batch: Sequence[Envelope]
     ) -> list[Outcome]:
-        """Up to ``max_concurrency`` workers walk the batch in order, each holding one of the
-        endpoint's request slots while the batch has rows: a few tasks per batch, not one per
-        row, and a slot taken once per worker, not per row (handed back and taken again for
-        each row, slots passed between the workers of overlapping batches, each wait arming
-        a timer: 4% slower at 64 than at 16). Rows no worker started within ``slot_wait``
-        (the endpoint was busy with other batches) are deferred, unattempted."""
+        """Up to ``max_concurrency`` workers walk the batch in order, each taking one of the
+        endpoint's request slots before its next row: a few tasks per batch, not one per row.
+        Rows no worker started within ``slot_wait`` (the endpoint was busy with other
+        batches) are deferred, unattempted."""
         outcomes: list[Outcome | None] = [None] * len(batch)
         rows = iter(range(len(batch)))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.slot_wait
 
         async def worker() -> None:
-            if not await self._slot(ep, deadline):
-                return
-            try:
-                # A row not started by the deadline is deferred, even when this worker has a
-                # slot: it would wait behind the endpoint's pace for its turn.
-                while loop.time() < deadline:
-                    i = next(rows, None)
+            while await self._slot(ep, deadline):
+                try:
+                    # A row not started by the deadline is deferred, even when this worker
+                    # has a slot: it would wait behind the endpoint's pace for its turn.
+                    i = next(rows, None) if loop.time() < deadline else None
                     if i is None:
                         return
                     outcomes[i] = await self._attempt(client, ep, batch[i])
-            finally:
-                ep.semaphore.release()
+                finally:
+                    ep.semaphore.release()
 
         workers = min(len(batch), ep.config.max_concurrency)
         if workers == 1:
