@@ -280,18 +280,29 @@ def _keys(*spans: tuple[int, int]) -> list[str]:
         ("k1950", "k0020", _keys((1951, 1999), (0, 20)), None),  # ... up to the round's end
     ],
 )
+@pytest.mark.parametrize("indexes", ["0011", "before 0011"])
 async def test_ordered_claim_keeps_its_rounds_bounds_in_the_index(
     db_url: str,
     cursor: str | None,
     origin: str | None,
     expected: list[str],
     next_cursor: str | None,
+    indexes: str,
 ) -> None:
     """Each part of the ordered claim's walk keeps its bounds in the index scan: a bound read
     as a filter would read every waiting row past it (here 10 per key, 2,000 keys) at the
-    step that ends the round."""
+    step that ends the round. The same on the indexes from before migration 0011 (the key
+    index with running rows, the lease index without the destination), which a relay rolled
+    out before the migration runs on (docs/deploying.md)."""
     conn = await _connect(db_url)
     try:
+        if indexes == "before 0011":
+            await conn.execute(
+                "DROP INDEX outbox_key_idx; DROP INDEX outbox_lease_idx;"
+                " CREATE INDEX outbox_key_idx ON outbox (destination, key, id)"
+                " WHERE status IN ('pending', 'running', 'failed') AND key IS NOT NULL;"
+                " CREATE INDEX outbox_lease_idx ON outbox (locked_until) WHERE status = 'running'"
+            )
         await conn.execute(
             "INSERT INTO outbox (destination, key, payload) "
             "SELECT 'd', 'k' || lpad((i % 2000)::text, 4, '0'), '\\x00'::bytea "
@@ -307,6 +318,7 @@ async def test_ordered_claim_keeps_its_rounds_bounds_in_the_index(
     finally:
         await conn.close()
     _assert_linear(raw, 100)
+    assert "Seq Scan" not in json.dumps(raw if not isinstance(raw, str) else json.loads(raw))
     assert sorted(r["key"] for r in claimed) == sorted(expected)
     assert all(r["id"] <= 2000 for r in claimed)  # each key's head
     assert result[-1]["key"] == next_cursor
