@@ -299,8 +299,18 @@ RETURNING"""
 )
 
 # Enabling starts its health afresh: the failures before it was disabled do not count again.
+# Enabling an endpoint sends everything queued for it: its pending deliveries (kept, with
+# their events, while it was disabled) become due now, whatever backoff they were waiting out
+# when it was disabled. Only when it was disabled: enabling an enabled endpoint changes
+# nothing. One UPDATE of its backlog, through the deliveries' claim index.
 ENDPOINT_ENABLE = (
     """
+WITH due AS (
+    UPDATE {deliveries} AS d SET run_after = now()
+    WHERE d.endpoint_id = CAST(:id AS bigint) AND d.status = 'pending' AND d.run_after > now()
+      AND EXISTS (SELECT 1 FROM {endpoints} AS e WHERE e.id = CAST(:id AS bigint)
+                  AND NOT e.enabled)
+)
 UPDATE {endpoints}
 SET enabled = true, disabled_reason = NULL, disabled_at = NULL, failing_since = NULL,
     updated_at = now()

@@ -111,7 +111,17 @@ class Deliveries:
                 and outcome.error is None
             ):
                 records.append(
-                    Record(env.id, env.token, Status.DELIVERED, 1, 0.0, None, dest, env.key)
+                    Record(
+                        env.id,
+                        env.token,
+                        Status.DELIVERED,
+                        1,
+                        0.0,
+                        None,
+                        dest,
+                        env.key,
+                        outcome.recorded,
+                    )
                 )
                 plain += 1
                 if MIN_EPOCH < env.created < MAX_EPOCH:  # not a time out of datetime's range

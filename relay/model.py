@@ -104,6 +104,10 @@ class Outcome:
     # status_class): "2xx" … "5xx" for a sink that speaks HTTP; None when there was no
     # answer, or the protocol has no such thing (Kafka).
     status_class: str | None = None
+    # The sink wrote this outcome itself, in the statement that did the delivery (the
+    # endpoints sink records an event in its fan-out's statement): the completer only
+    # counts it as written.
+    recorded: bool = False
 
     @classmethod
     def delivered(cls, id: int, *, status_class: str | None = None) -> Outcome:

@@ -29,7 +29,17 @@ def to_record(env: Envelope, outcome: Outcome, max_attempts: int, policy: Backof
     token = env.token
     if outcome.result is Result.DELIVERED:
         # An error with a delivered outcome is a note (an event no endpoint subscribed to).
-        return Record(env.id, token, Status.DELIVERED, 1, 0.0, error, env.destination, env.key)
+        return Record(
+            env.id,
+            token,
+            Status.DELIVERED,
+            1,
+            0.0,
+            error,
+            env.destination,
+            env.key,
+            outcome.recorded,
+        )
     if outcome.result is Result.FAILED:
         return Record(env.id, token, Status.FAILED, 1, 0.0, error, env.destination, env.key)
     if outcome.result is Result.DEFER:

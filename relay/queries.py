@@ -193,18 +193,20 @@ RETURNING destination
 """
 )
 
-# An event (o) whose payload a delivery still needs: one of its deliveries to an enabled
-# endpoint is open. A disabled endpoint's deliveries keep nothing: its events age out with
-# retention as others do, and a delivery whose event is gone ends as cancelled when the
-# endpoint is enabled again (one probe of the deliveries' unique index per event).
+# An event (o) whose payload a delivery still needs: one of its deliveries is open (pending or
+# running), whether its endpoint is enabled or not. A disabled endpoint keeps its queue: an
+# endpoint that answered 410 once (a bad deploy), was disabled after disable_after or by an
+# operator gets everything queued for it once it is enabled again, and `replay --endpoint
+# --since` finds its backlog's events. Deleting the endpoint cancels its deliveries, and
+# lets their events go. One probe of the deliveries' unique index (event_id, endpoint_id).
 #
-# Written as a scalar subquery, evaluated row by row (one probe of the deliveries' unique
-# index): a bare EXISTS may be turned into a join, and with the endpoint tables analysed
-# while empty (any Kafka-only deployment) the planner nested that join under the running rows
-# it believed were one, reading the whole batch once per running row (tests/test_batch_plans).
+# Written as a scalar subquery, evaluated row by row: a bare EXISTS may be turned into a join,
+# and with the endpoint tables analysed while empty (any Kafka-only deployment) the planner
+# nested that join under the running rows it believed were one, reading the whole batch once
+# per running row (tests/test_batch_plans).
 _OPEN_DELIVERY = """(SELECT EXISTS (
-          SELECT 1 FROM {deliveries} AS d JOIN {endpoints} AS e ON e.id = d.endpoint_id
-          WHERE d.event_id = o.id AND d.status IN ('pending', 'running') AND e.enabled))"""
+          SELECT 1 FROM {deliveries} AS d
+          WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))"""
 
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
 # updated as in RECORD. An event fanned out to endpoints whose deliveries are still open is
@@ -592,11 +594,16 @@ ORDER BY f.destination, f.key
 
 # --- Endpoints (kind = "endpoints"): fan-out, then one delivery per (event, endpoint) -------
 
-# Fan-out of a claimed batch of events ($1): one delivery per matching endpoint (enabled, of
-# the event's destination, of its tenant or of every tenant, taking its type or every type).
-# Idempotent: a batch fanned out again (its claim reaped after a crash) adds nothing. Returns,
-# per event that matched, how many endpoints it matched; an event missing from the answer
-# matched none.
+# Fan-out of a claimed batch of events and their outcome, in one statement: one delivery per
+# matching endpoint (enabled, of the event's destination, of its tenant or of every tenant,
+# taking its type or every type), and each event recorded as delivered (with $4 as last_error
+# when no endpoint matched), for the events this relay still holds under their claim ($1 ids,
+# $2 fencing tokens, $3 this relay), as RECORD_DELIVERED fences them. A relay that dies at any
+# point has either fanned a batch out and recorded it, or done neither: an event is never
+# fanned out twice, even when retention has deleted the deliveries of a first fan-out (the
+# UNIQUE pair alone made a second fan-out harmless only while they were kept). Returns each
+# event recorded with how many endpoints it matched; an event missing from the answer was no
+# longer this relay's (its lease ran out): nothing was fanned out for it.
 FAN_OUT = """
 WITH matched AS (
     SELECT o.id AS event_id, e.id AS endpoint_id, o.destination
@@ -612,16 +619,33 @@ WITH matched AS (
     ) AS e
     WHERE o.id = ANY($1::bigint[])
 ),
+counted AS (
+    SELECT event_id, count(*)::int AS n FROM matched GROUP BY event_id
+),
+recorded AS (
+    UPDATE {table} AS o
+    SET status = 'delivered',
+        attempts = o.attempts + 1,
+        delivered_at = now(),
+        finished_at = now(),
+        last_error = CASE WHEN c.n IS NULL THEN $4::text ELSE o.last_error END,
+        claims = u.token,  -- unchanged; see RECORD
+        locked_by = NULL,
+        locked_until = NULL
+    FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
+    LEFT JOIN counted AS c ON c.event_id = u.id
+    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
+    RETURNING o.id, coalesce(c.n, 0) AS endpoints
+),
 added AS (
     INSERT INTO {deliveries} (event_id, endpoint_id, destination)
-    SELECT event_id, endpoint_id, destination FROM matched
-    ORDER BY event_id, endpoint_id
+    SELECT m.event_id, m.endpoint_id, m.destination
+    FROM matched AS m JOIN recorded AS r ON r.id = m.event_id
+    ORDER BY m.event_id, m.endpoint_id
     ON CONFLICT (event_id, endpoint_id) DO NOTHING
     RETURNING 1
 )
-SELECT event_id, count(*)::int AS endpoints, (SELECT count(*) FROM added)::int AS added
-FROM matched
-GROUP BY event_id
+SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 """
 
 # The delivery claim. It walks the endpoints that have pending deliveries, in id order from

@@ -64,6 +64,8 @@ class Record:
     # For ordered destinations: which key's next row a final outcome lets go.
     destination: str = ""
     key: str | None = None
+    # Already written by the sink (Outcome.recorded): record() counts it as applied.
+    written: bool = False
 
 
 class Store:
@@ -266,7 +268,12 @@ class Store:
 
     async def record(self, records: Sequence[Record]) -> set[tuple[int, int]]:
         """Write outcomes; returns the (id, token) pairs written (the others are no longer
-        this relay's under the claim the outcome belongs to)."""
+        this relay's under the claim the outcome belongs to). Records a sink already wrote
+        are counted as written, not sent again."""
+        if any(r.written for r in records):
+            done = {(r.id, r.token) for r in records if r.written}
+            rest = [r for r in records if not r.written]
+            return done | (await self.record(rest) if rest else set())
         self.statements["record"] += 1
         if all(
             r.status == Status.DELIVERED and r.counted == 1 and r.error is None for r in records

@@ -209,33 +209,39 @@ async def test_changes_at_runtime_apply_within_a_second(
         assert delivered_to(first) == [a, b]  # disabled: not sent to
 
 
-async def test_410_gone_disables_the_endpoint_at_once(
+async def test_410_gone_disables_the_endpoint_at_once_and_keeps_its_delivery(
     db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
 ) -> None:
     gone, fine = make_receiver(), make_receiver()
-    gone.respond(410, body=b"unsubscribed")
+    gone.respond(410, body=b"unsubscribed", times=1)  # a bad deploy: 410 once, then fine
     ep = await add_endpoint(aengine, gone.url)
     await add_endpoint(aengine, fine.url)
     async with running(endpoints_settings(db_url)) as relay:
         [a] = await enqueue(db_url, [{"payload": {}}])
-        await wait_until(lambda: deliveries_done(db_url, 2), what="first event")
+        await wait_until(lambda: delivered_to(fine) == [a], what="first event")
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE NOT enabled"),
+            what="disabled",
+        )
         [b] = await enqueue(db_url, [{"payload": {}}])
         await wait_until(lambda: delivered_to(fine) == [a, b], what="second event")
         await asyncio.sleep(0.5)
         sample = relay.metrics.registry.get_sample_value(
             "outbox_endpoints_disabled_total", {"destination": DEST}
         )
-    assert len(gone.requests) == 1  # disabled after its 410: the second event was not sent
-    [endpoint] = await fetch(db_url, "SELECT * FROM outbox_endpoints WHERE id = $1", ep.id)
-    assert not endpoint["enabled"] and "410" in endpoint["disabled_reason"]
-    [d] = await fetch(
-        db_url, "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1 AND event_id = $2", ep.id, a
-    )
-    assert d["status"] == "failed" and d["last_status"] == 410
-    # A disabled endpoint takes no new events.
-    assert not await fetch(
-        db_url, "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1 AND event_id = $2", ep.id, b
-    )
+        assert len(gone.requests) == 1  # disabled after its 410: nothing more was sent
+        [endpoint] = await fetch(db_url, "SELECT * FROM outbox_endpoints WHERE id = $1", ep.id)
+        assert not endpoint["enabled"] and "410" in endpoint["disabled_reason"]
+        q = "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1 AND event_id = $2"
+        [d] = await fetch(db_url, q, ep.id, a)
+        # The endpoint is disabled, the message not refused: it waits with the queue.
+        assert d["status"] == "pending" and d["last_status"] == 410 and d["attempts"] == 1
+        assert "sent again once it is enabled" in d["last_error"]
+        # A disabled endpoint takes no new events.
+        assert not await fetch(db_url, q, ep.id, b)
+        async with aengine.begin() as conn:
+            await outbox.endpoints.enable(conn, ep.id)
+        await wait_until(lambda: delivered_to(gone) == [a], what="sent once enabled")
     assert sample == 1
 
 
@@ -316,23 +322,37 @@ async def test_secrets_encrypted_at_rest_are_opened_with_the_key(
     verify(ep.secret, receiver.requests[0].body, receiver.requests[0].headers)
 
 
-async def test_without_the_key_an_encrypted_secret_holds_its_deliveries_not_loses_them(
+async def test_an_unreadable_secret_counts_attempts_fails_the_endpoint_and_loses_nothing(
     db_url: str, aengine: AsyncEngine, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cryptography.fernet import Fernet
 
     monkeypatch.delenv("OUTBOX_ENDPOINT_SECRET_KEY", raising=False)  # the relay has none
-    await add_endpoint(aengine, receiver.url, key=Fernet.generate_key().decode())
-    async with running(endpoints_settings(db_url)):
-        await enqueue(db_url, [{"payload": {}}])
-        rows = await wait_until(
-            lambda: fetch(db_url, "SELECT * FROM outbox_deliveries WHERE last_error IS NOT NULL"),
-            what="held with a reason",
+    ep = await add_endpoint(aengine, receiver.url, key=Fernet.generate_key().decode())
+    healthy = await add_endpoint(aengine, receiver.url + "?healthy")
+    # Failing for two hours already: one more failure past disable_after disables it.
+    await fetch(
+        db_url,
+        "UPDATE outbox_endpoints SET failing_since = now() - interval '2 hours' WHERE id = $1",
+        ep.id,
+    )
+    async with running(endpoints_settings(db_url, disable_after="1h")):
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE NOT enabled"),
+            what="disabled",
         )
-    [d] = rows
-    assert d["status"] == "pending" and d["attempts"] == 0
+    q = "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1"
+    [d] = await fetch(db_url, q, ep.id)
+    assert d["status"] == "pending" and d["attempts"] == 1  # counted, and kept
     assert "OUTBOX_ENDPOINT_SECRET_KEY" in d["last_error"]
-    assert receiver.requests == []
+    [attempt] = await fetch(db_url, "SELECT * FROM outbox_attempts WHERE endpoint_id = $1", ep.id)
+    assert attempt["http_status"] is None and "OUTBOX_ENDPOINT_SECRET_KEY" in attempt["error"]
+    [endpoint] = await fetch(db_url, "SELECT * FROM outbox_endpoints WHERE id = $1", ep.id)
+    assert not endpoint["enabled"] and "failing without a success" in endpoint["disabled_reason"]
+    assert [r.path.endswith("?healthy") for r in receiver.requests] == [True]
+    assert (await fetch(db_url, q, healthy.id))[0]["status"] == "delivered"
+    assert not await _gone(db_url, a)  # its payload waits for the endpoint
 
 
 async def test_private_addresses_are_refused_unless_the_destination_allows_them(
@@ -473,18 +493,43 @@ async def test_stopping_releases_deliveries_not_yet_attempted(
     assert len(untouched) >= 3  # released, not counted as attempts
 
 
-async def test_fan_out_twice_adds_nothing(db_url: str, aengine: AsyncEngine) -> None:
+async def test_fan_out_records_only_events_it_holds_and_never_twice(
+    db_url: str, aengine: AsyncEngine
+) -> None:
     from relay.queries import FAN_OUT, render_ops
 
-    await add_endpoint(aengine, "http://127.0.0.1:9/a")
-    await add_endpoint(aengine, "http://127.0.0.1:9/b", event_types=["x"])
-    ids = await enqueue(db_url, [{"payload": {}, "event_type": "x"}, {"payload": {}}])
+    await add_endpoint(aengine, "http://127.0.0.1:9/a", tenant="acme")
+    await add_endpoint(aengine, "http://127.0.0.1:9/b", tenant="acme", event_types=["x"])
+    ids = await enqueue(
+        db_url,
+        [
+            {"payload": {}, "tenant": "acme", "event_type": "x"},
+            {"payload": {}, "tenant": "acme"},
+            {"payload": {}, "tenant": "globex"},  # no endpoint takes it
+            {"payload": {}, "tenant": "acme"},  # claimed by another relay
+        ],
+    )
+    claim = (
+        "UPDATE outbox SET status = 'running', locked_by = $1, claims = claims + 1, "
+        "locked_until = now() + interval '1 minute' WHERE id = ANY($2) RETURNING id, claims"
+    )
+    mine = sorted((r["id"], r["claims"]) for r in await fetch(db_url, claim, "r1", ids[:3]))
+    [(theirs, token)] = [(r["id"], r["claims"]) for r in await fetch(db_url, claim, "r2", ids[3:])]
     sql = render_ops(FAN_OUT, "public")
-    first = {r["event_id"]: r["endpoints"] for r in await fetch(db_url, sql, ids)}
-    again = await fetch(db_url, sql, ids)
-    assert first == {ids[0]: 2, ids[1]: 1}
-    assert {r["added"] for r in again} == {0}
-    assert len(await fetch(db_url, "SELECT * FROM outbox_deliveries")) == 3
+    pairs = [*mine, (theirs, token)]
+    args = ([i for i, _ in pairs], [t for _, t in pairs], "r1", "none matched")
+    first = {r["id"]: r["endpoints"] for r in await fetch(db_url, sql, *args)}
+    assert first == {ids[0]: 2, ids[1]: 1, ids[2]: 0}  # not the row r2 holds
+    events = {r["id"]: r for r in await fetch(db_url, "SELECT * FROM outbox")}
+    for i in ids[:3]:
+        assert events[i]["status"] == "delivered" and events[i]["locked_by"] is None
+        assert events[i]["attempts"] == 1 and events[i]["delivered_at"] is not None
+    assert events[ids[2]]["last_error"] == "none matched" and events[ids[0]]["last_error"] is None
+    assert events[theirs]["status"] == "running" and events[theirs]["locked_by"] == "r2"
+    # Run again (a relay whose answer was lost): its events are recorded, nothing is added.
+    assert await fetch(db_url, sql, *args) == []
+    deliveries = await fetch(db_url, "SELECT event_id FROM outbox_deliveries ORDER BY event_id")
+    assert [d["event_id"] for d in deliveries] == [ids[0], ids[0], ids[1]]
 
 
 async def test_an_answer_with_nul_bytes_is_logged_without_them(
@@ -631,23 +676,27 @@ async def test_slow_endpoints_do_not_starve_others_of_connections(
     assert fast_errors == []
 
 
-async def test_a_disabled_endpoints_backlog_does_not_keep_events(
+async def test_a_disabled_endpoints_backlog_keeps_its_events_and_is_sent_once_enabled(
     db_url: str, aengine: AsyncEngine, receiver: Receiver
 ) -> None:
-    receiver.respond(500)
+    receiver.respond(500, times=1)
     ep = await add_endpoint(aengine, receiver.url)
-    s = endpoints_settings(db_url, backoff={"schedule": [60]})
+    s = endpoints_settings(db_url, backoff={"schedule": [3600]})
     s = s.model_copy(
-        update={"relay": s.relay.model_copy(update={"retention": 1, "retention_interval": 0.2})}
+        update={"relay": s.relay.model_copy(update={"retention": 0.5, "retention_interval": 0.1})}
     )
     async with running(s):
-        [a] = await enqueue(db_url, [{"payload": {}}])
+        [a] = await enqueue(db_url, [{"payload": {"n": 1}}])
         await wait_until(lambda: len(receiver.requests) == 1, what="attempted")
-        await asyncio.sleep(1.5)
-        assert not await _gone(db_url, a)  # kept: its enabled endpoint will retry
         async with aengine.begin() as conn:
-            await outbox.endpoints.disable(conn, ep.id, reason="customer left")
-        await wait_until(lambda: _gone(db_url, a), timeout=10, what="event aged out")
+            await outbox.endpoints.disable(conn, ep.id, reason="customer's server is down")
+        await asyncio.sleep(2.0)  # many retention runs past the event's retention
+        assert not await _gone(db_url, a)  # kept: its delivery is queued, endpoint disabled
+        async with aengine.begin() as conn:
+            await outbox.endpoints.enable(conn, ep.id)  # the hour of backoff is over
+        await wait_until(lambda: delivered_to(receiver) == [a], timeout=5, what="sent")
+        assert receiver.requests[-1].body == receiver.requests[0].body
+        await wait_until(lambda: _gone(db_url, a), timeout=5, what="event deleted once sent")
 
 
 async def test_queued_deliveries_are_not_sent_after_a_410_and_each_destination_keeps_its_limit(

@@ -778,8 +778,8 @@ def _on_terminal() -> bool:
     "--since",
     type=Duration(),
     metavar="DURATION",
-    help="Instead of ID: every ended delivery of --endpoint created in the last DURATION "
-    "(e.g. 6h).",
+    help="Instead of ID: every delivery of --endpoint created in the last DURATION (e.g. "
+    "6h) that is not running: ended ones and pending ones (a disabled endpoint's backlog).",
 )
 @click.option("--failed-only", is_flag=True, help="With --since: only the failed deliveries.")
 @click.option("--yes", is_flag=True, help="With --since: do not ask for confirmation.")
@@ -797,9 +797,11 @@ def replay(
 
     `replay ID` puts every delivery of event ID (delivered, failed, cancelled or pending) back
     to pending, due now, attempts afresh, its next attempt logged as a replay; `--endpoint EID`
-    only the one to that endpoint. A delivery a relay is sending now is left alone.
-    `replay --endpoint EID --since 6h [--failed-only]` does it for every ended delivery of the
-    endpoint created in that window, and asks first unless --yes."""
+    only the one to that endpoint. A delivery a relay is sending now is left alone, and so is
+    one whose endpoint no longer takes the event (its tenant or event types changed): a replay
+    never crosses tenants. `replay --endpoint EID --since 6h [--failed-only]` does it for every
+    delivery of the endpoint created in that window that is not running (a disabled
+    endpoint's backlog too), and asks first unless --yes."""
     if event_id is None and since is None:
         raise click.UsageError(
             "say what to replay: an event ID (with --endpoint EID for one endpoint only), or "
@@ -836,7 +838,7 @@ def replay(
 def _confirm_replay(
     database_url: str, schema: str, endpoint_id: int, since: float, failed_only: bool
 ) -> None:
-    what = "failed" if failed_only else "ended"
+    what = "failed" if failed_only else "not running"
     if not _on_terminal():
         raise click.UsageError(
             f"replaying the {what} deliveries of endpoint {endpoint_id} of the last "
@@ -888,6 +890,8 @@ def _print_replayed_event(r: dict[str, Any]) -> None:
             click.echo(
                 f"  {name}: left alone, running: relay {d['held_by'] or '?'} is sending it now"
             )
+        elif d.get("mismatch"):
+            click.echo(f"  {name}: left alone, it no longer takes this event: {d['mismatch']}")
         else:
             click.echo(f"  {name}: left alone, the endpoint was deleted")
     for eid in r["disabled_endpoints"]:
@@ -899,7 +903,7 @@ def _print_replayed_event(r: dict[str, Any]) -> None:
 
 def _print_replayed_endpoint(r: dict[str, Any]) -> None:
     name = _endpoint_named(r["endpoint_id"], r["origin"])
-    what = "failed" if r["failed_only"] else "ended"
+    what = "failed" if r["failed_only"] else "not running"
     window = format_duration(r["since_s"])
     if r["replayed"]:
         click.echo(
@@ -912,6 +916,11 @@ def _print_replayed_endpoint(r: dict[str, Any]) -> None:
         click.echo(
             f"skipped {r['skipped_event_gone']} whose event is gone (deleted by retention or "
             "purge): nothing to send"
+        )
+    if r.get("skipped_not_taken"):
+        click.echo(
+            f"skipped {r['skipped_not_taken']} whose event the endpoint no longer takes (its "
+            "tenant or event types changed since): a replay never crosses tenants"
         )
     if r["replayed"] and not r["endpoint_enabled"]:
         click.echo(

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -613,6 +613,22 @@ async def _endpoint(conn: asyncpg.Connection, schema: str, endpoint_id: int) -> 
     return endpoint
 
 
+def _mismatch(endpoint: Mapping[str, Any], event: Mapping[str, Any]) -> str | None:
+    """Why ``endpoint`` does not take ``event`` (the rule fan-out applies), or None."""
+    tenant, types = endpoint["tenant"], list(endpoint["event_types"] or ())
+    if tenant is not None and tenant != event["tenant"]:
+        theirs = "has no tenant" if event["tenant"] is None else f"is of tenant {event['tenant']!r}"
+        return f"the endpoint takes tenant {tenant!r} only and the event {theirs}"
+    if types and event["event_type"] not in types:
+        theirs = (
+            "has no event type"
+            if event["event_type"] is None
+            else f"is of type {event['event_type']!r}"
+        )
+        return f"the endpoint takes event types {', '.join(types)} only and the event {theirs}"
+    return None
+
+
 async def replay_event(
     conn: asyncpg.Connection, schema: str, event_id: int, endpoint_id: int | None = None
 ) -> dict[str, Any]:
@@ -637,6 +653,12 @@ async def replay_event(
                     f"endpoint {endpoint_id} is an endpoint of {endpoint['destination']!r} and "
                     f"event {event_id} an event of {destination!r}: an event goes only to the "
                     "endpoints of its own destination. Nothing changed."
+                )
+            if (mismatch := _mismatch(endpoint, event)) is not None:
+                raise AdminError(
+                    f"endpoint {endpoint_id} does not take event {event_id}: {mismatch}. A "
+                    "replay goes only where fan-out would send the event, so that one "
+                    "tenant's events never reach another's endpoint. Nothing changed."
                 )
         if event["status"] in (Status.PENDING, Status.RUNNING):
             raise AdminError(
@@ -670,6 +692,11 @@ async def replay_event(
                 "held_by": r["locked_by"] if r["status"] == "running" else None,
                 "endpoint_deleted": not r["endpoint_exists"],
                 "endpoint_enabled": r["enabled"] if r["endpoint_exists"] else None,
+                # Why the endpoint no longer takes the event (its tenant or types changed
+                # since the fan-out), or None: such a delivery is not replayed.
+                "mismatch": (
+                    _mismatch(r, event) if r["endpoint_exists"] and not r["takes"] else None
+                ),
             }
             for r in rows
         ]
@@ -685,6 +712,7 @@ async def replay_event(
                     "held_by": None,
                     "endpoint_deleted": False,
                     "endpoint_enabled": endpoint["enabled"],
+                    "mismatch": None,
                 }
             )
         replayed = [d for d in deliveries if d["replayed"]]
@@ -699,6 +727,7 @@ async def replay_event(
         "created": int(created),
         "running": sum(1 for d in deliveries if d["was"] == "running"),
         "endpoint_deleted": sum(1 for d in deliveries if d["endpoint_deleted"]),
+        "mismatched": sum(1 for d in deliveries if d["mismatch"] is not None),
         "disabled_endpoints": [d["endpoint_id"] for d in replayed if not d["endpoint_enabled"]],
         "deliveries": deliveries,
     }
@@ -713,23 +742,28 @@ async def replay_endpoint(
     failed_only: bool,
     dry_run: bool = False,
 ) -> dict[str, Any]:
-    """Send again every ended delivery (only the failed ones with ``failed_only``) of an
-    endpoint created in the last ``since`` seconds, as replays; those whose event is gone are
-    counted and left as they are. ``dry_run`` counts and changes nothing."""
+    """Send again every delivery of an endpoint created in the last ``since`` seconds that
+    is not running (only the failed ones with ``failed_only``): ended ones, and pending ones
+    (a disabled endpoint's backlog, deliveries backing off), as replays due now. Those whose
+    event is gone, and those whose event the endpoint no longer takes (its tenant or event
+    types changed since), are counted and left as they are. ``dry_run`` counts and changes
+    nothing."""
     await _check_replay_tables(conn, schema)
-    statuses = ["failed"] if failed_only else list(ENDED)
+    statuses = ["failed"] if failed_only else [*ENDED, "pending"]
     args = (endpoint_id, min(since, MAX_REPLAY_WINDOW), statuses)
     async with conn.transaction(readonly=dry_run):
         endpoint = await _endpoint(conn, schema, endpoint_id)
         sql = queries.REPLAY_ENDPOINT_PREVIEW if dry_run else queries.REPLAY_ENDPOINT
         rows = await conn.fetch(_sql(sql, schema), *args)
         by_status = dict.fromkeys(statuses, 0)
-        gone = 0
+        gone = mismatched = 0
         for r in rows:
-            if r["found"]:
-                by_status[r["status"]] += r["n"]
-            else:
+            if not r["found"]:
                 gone += r["n"]
+            elif not r["takes"]:
+                mismatched += r["n"]
+            else:
+                by_status[r["status"]] += r["n"]
         replayed = sum(by_status.values())
         if replayed and not dry_run:
             await conn.execute(queries.NOTIFY_ENDPOINTS, f"{schema}.outbox")  # as above
@@ -743,6 +777,7 @@ async def replay_endpoint(
         "replayed": replayed,
         "by_status": by_status,
         "skipped_event_gone": gone,
+        "skipped_not_taken": mismatched,
     }
 
 

@@ -17,16 +17,17 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import OutboxError, describe
+from outbox.status import Status
 from relay import outcomes
 from relay.breaker import State
 from relay.metrics import Metrics
-from relay.model import Envelope, Result, epoch, header_problem, truncate_error
+from relay.model import Envelope, Outcome, Result, epoch, header_problem, truncate_error
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
 from relay.sinks.webhook.answers import class_of
@@ -37,7 +38,9 @@ from relay.store import DB_ERRORS, UNAVAILABLE
 log = structlog.get_logger("relay.sink.endpoints")
 
 RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
-NOT_SENDABLE_RETRY = 60.0  # a delivery whose endpoint cannot be used now (its secret)
+# At least this long between attempts of a delivery whose endpoint cannot be used (its secret
+# cannot be opened): each is logged, and the cause is an operator's to fix.
+UNUSABLE_RETRY = 60.0
 CRASH_RETRY = 5.0
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
@@ -378,7 +381,7 @@ class Dispatcher:
                 "sent; nothing to deliver",
             )
         if state.endpoint is None:
-            return self._record(c, "pending", 0, NOT_SENDABLE_RETRY, state.problem)
+            return self._unusable(c, state, config)
 
         if (problem := header_problem(c.headers)) is not None:
             return self._record(c, "failed", 1, 0.0, problem)
@@ -429,6 +432,19 @@ class Dispatcher:
             self._gone.add(c.endpoint_id)
             state.disabled_at = time.monotonic()  # its queued deliveries are not sent
             state.gone = True
+            # The endpoint is disabled, not the message refused: this delivery waits with the
+            # endpoint's queue and goes out once it is enabled again (a receiver that answered
+            # 410 by mistake, a bad deploy, loses nothing). The attempt is counted and logged.
+            rec = replace(
+                rec,
+                status=Status.PENDING,
+                delay=0.0,
+                error=truncate_error(
+                    f"{outcome.error or 'HTTP 410 Gone'}; endpoint {c.endpoint_id} is disabled "
+                    f"and this delivery is sent again once it is enabled "
+                    f"(outbox-relay endpoints enable {c.endpoint_id})"
+                ),
+            )
         if self.metrics is not None:
             self.metrics.endpoint_attempts.labels(
                 c.destination, outcome.result.value, outcome.status_class or "none"
@@ -445,6 +461,48 @@ class Dispatcher:
             endpoint_id=c.endpoint_id,
             duration_ms=round(took, 3),
             response=_text(body) if status is not None else None,
+            replay=c.replay,
+        )
+
+    def _unusable(
+        self, c: Claimed, state: EndpointState, config: EndpointsDestination
+    ) -> DeliveryRecord:
+        """A delivery whose endpoint cannot be used (its secret cannot be opened: the key is
+        missing or wrong). Counted and logged as a failed attempt, with the destination's
+        backoff and attempt limit, and a failure of the endpoint's health: it shows as
+        failing with the reason in `status`, `endpoints show` and the console, and
+        disable_after applies, rather than the delivery waiting unseen for ever."""
+        env = Envelope(
+            id=c.event_id,
+            destination=c.destination,
+            key=None,
+            payload=b"",
+            content_type="",
+            headers={},
+            attempts=c.attempts,
+            created=0.0,
+            token=c.token,
+            lease=c.lease,
+        )
+        problem = state.problem or f"endpoint {c.endpoint_id} cannot be used"
+        rec = outcomes.to_record(
+            env, Outcome.retry(c.event_id, problem), config.max_attempts, config.backoff
+        )
+        self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False)
+        if self.metrics is not None:
+            self.metrics.endpoint_attempts.labels(c.destination, "retry", "none").inc()
+        return DeliveryRecord(
+            id=c.id,
+            token=c.token,
+            status=str(rec.status),
+            counted=1,
+            delay=max(rec.delay, UNUSABLE_RETRY) if rec.status is Status.PENDING else 0.0,
+            error=rec.error,
+            http_status=None,
+            event_id=c.event_id,
+            endpoint_id=c.endpoint_id,
+            duration_ms=None,
+            response=None,
             replay=c.replay,
         )
 

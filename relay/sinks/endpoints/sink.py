@@ -2,8 +2,9 @@
 
 For the relay, an endpoints destination is a sink like any other: its events are claimed,
 "delivered" and recorded. Delivering one here means writing its deliveries, one per
-matching endpoint, in one statement per batch; the event is then recorded as delivered (its
-payload stays until its deliveries end: see the retention guard in relay/queries.py). The
+matching endpoint, and recording the event as delivered, in one statement per batch (FAN_OUT:
+a crash never leaves a batch fanned out but not recorded, to be fanned out again); its
+payload stays until its deliveries end (the retention guard in relay/queries.py). The
 dispatcher (dispatcher.py) sends the deliveries.
 """
 
@@ -96,17 +97,23 @@ class EndpointsSink:
         if not held:
             return outcomes
         try:
-            matched = await self._store.fan_out([e.id for e in held])
+            matched = await self._store.fan_out([(e.id, e.token) for e in held], NO_MATCH)
         except DB_ERRORS as exc:
+            # Not written (or, if the answer was lost after a commit, written: then the
+            # completer finds the rows recorded already and counts them as not its own).
             error = f"fan-out to endpoints failed: {describe(exc)}"
             return outcomes + [Outcome.retry(e.id, error, FAN_OUT_RETRY) for e in held]
         self.dispatcher.wake()
         for e in held:
-            if e.id in matched:
-                outcomes.append(Outcome.delivered(e.id))
+            found = matched.get(e.id)
+            if found is None:
+                # No longer this relay's (its lease ran out): nothing was written for it.
+                outcomes.append(Outcome.not_held(e.id))
+            elif found:
+                outcomes.append(Outcome(e.id, Result.DELIVERED, recorded=True))
             else:
                 # Recorded, not failed and not retried: nobody subscribed to it.
-                outcomes.append(Outcome(e.id, Result.DELIVERED, NO_MATCH))
+                outcomes.append(Outcome(e.id, Result.DELIVERED, NO_MATCH, recorded=True))
         return outcomes
 
     def available(self, destination: str) -> bool:

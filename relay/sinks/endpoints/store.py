@@ -63,10 +63,20 @@ class DeliveryStore:
     def relay_id(self) -> str:
         return self.store.relay_id
 
-    async def fan_out(self, event_ids: Sequence[int]) -> dict[int, int]:
-        """Deliveries for the events' matching endpoints; endpoints matched, per event."""
+    async def fan_out(self, events: Sequence[tuple[int, int]], no_match: str) -> dict[int, int]:
+        """Deliveries for the matching endpoints of events this relay holds ((id, token)
+        pairs), and the events recorded as delivered, in one statement (see FAN_OUT); the
+        endpoints matched per event recorded. An event missing from the answer was no longer
+        this relay's: nothing was written for it."""
         self.store.statements["fan_out"] += 1
-        rows = await self.store.call("fetch", queries.FAN_OUT, list(event_ids))
+        rows = await self.store.call(
+            "fetch",
+            queries.FAN_OUT,
+            [i for i, _ in events],
+            [t for _, t in events],
+            self.relay_id,
+            no_match,
+        )
         return {r[0]: r[1] for r in rows}
 
     async def claim(

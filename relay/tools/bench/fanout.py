@@ -700,6 +700,15 @@ async def scale(
     return out
 
 
+# The probe's events, claimed at once by the probe's relay id: (id, fencing token), by id.
+PROBE_CLAIM_ALL = """
+UPDATE outbox SET status = 'running', locked_by = $1, locked_until = now() + interval '1 hour',
+    claims = claims + 1
+WHERE status = 'pending'
+RETURNING id, claims
+"""
+
+
 async def statement_probe(
     db_url: str, events: int, batch_size: int, per_endpoint: int
 ) -> dict[str, Any]:
@@ -719,11 +728,12 @@ async def statement_probe(
     try:
         async with pool.acquire() as conn:
             await add_events(conn, events, MATCH_TENANT)
-            ids = [r[0] for r in await conn.fetch("SELECT id FROM outbox ORDER BY id")]
+            # Held as a claim holds them: the fan-out records its events under their claim.
+            held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, relay_id))
         deliveries = 0
-        for start in range(0, len(ids), batch_size):
+        for start in range(0, len(held), batch_size):
             t = time.perf_counter()
-            matched = await store.fan_out(ids[start : start + batch_size])
+            matched = await store.fan_out(held[start : start + batch_size], "no endpoint matched")
             spent["fan_out"] += time.perf_counter() - t
             deliveries += sum(matched.values())
         cursor: int | None = None
