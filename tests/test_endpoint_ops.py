@@ -88,19 +88,29 @@ def endpoint(
     return int(eid)
 
 
-def event(db_url: str, destination: str = DEST, status: str = "delivered") -> int:
+def event(
+    db_url: str,
+    destination: str = DEST,
+    status: str = "delivered",
+    *,
+    tenant: str | None = None,
+    event_type: str | None = None,
+) -> int:
     [(i,)] = sql(
         db_url,
         """
-        INSERT INTO outbox (destination, payload, content_type, status, attempts, delivered_at)
+        INSERT INTO outbox (destination, payload, content_type, status, attempts, delivered_at,
+                            tenant, event_type)
         VALUES (%s, '{"n":1}', 'application/json', %s, %s,
-                CASE WHEN %s = 'delivered' THEN now() END)
+                CASE WHEN %s = 'delivered' THEN now() END, %s, %s)
         RETURNING id
         """,
         destination,
         status,
         1 if status == "delivered" else 0,
         status,
+        tenant,
+        event_type,
     )
     return int(i)
 
@@ -384,6 +394,7 @@ def test_replay_to_one_endpoint_and_to_one_the_event_never_went_to(db_url: str) 
             "held_by": None,
             "endpoint_deleted": False,
             "endpoint_enabled": True,
+            "mismatch": None,
         }
     ]
     [(dest, status, replay)] = sql(
@@ -429,6 +440,48 @@ def test_replay_refusals_change_nothing(db_url: str) -> None:
     assert f"event {waiting} is pending" in refused(str(waiting))
     assert deliveries(db_url) == before
     assert before[d_purged]["status"] == "delivered"
+
+
+def test_replay_never_crosses_tenants(db_url: str) -> None:
+    """A replay goes only where fan-out would send the event now: never to an endpoint of
+    another tenant, nor of other event types, whether it adds a delivery or sends one again
+    (an endpoint handed over to another customer since the fan-out)."""
+    acme, globex, acme_paid = endpoint(db_url), endpoint(db_url), endpoint(db_url)
+    sql(db_url, "UPDATE outbox_endpoints SET tenant = 'acme' WHERE id IN (%s, %s)", acme, acme_paid)
+    sql(db_url, "UPDATE outbox_endpoints SET tenant = 'globex' WHERE id = %s", globex)
+    paid = "UPDATE outbox_endpoints SET event_types = '{invoice.paid}' WHERE id = %s"
+    sql(db_url, paid, acme_paid)
+    e = event(db_url, tenant="acme", event_type="invoice.voided")
+    untenanted = event(db_url)
+    d = delivery(db_url, e, acme, "failed")
+    before = deliveries(db_url)
+
+    def refused(*args: str) -> str:
+        res = cli(db_url, "replay", *args)
+        assert res.exit_code == 1, res.output
+        assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+        return res.output
+
+    out = refused(str(e), "--endpoint", str(globex))
+    assert f"endpoint {globex} does not take event {e}" in out
+    assert "takes tenant 'globex' only and the event is of tenant 'acme'" in out
+    out = refused(str(e), "--endpoint", str(acme_paid))
+    assert "takes event types invoice.paid only and the event is of type 'invoice.voided'" in out
+    out = refused(str(untenanted), "--endpoint", str(acme))
+    assert "takes tenant 'acme' only and the event has no tenant" in out
+    assert deliveries(db_url) == before  # nothing added, nothing replayed
+
+    # The endpoint that got the event moves to another tenant: its delivery is left alone.
+    sql(db_url, "UPDATE outbox_endpoints SET tenant = 'initech' WHERE id = %s", acme)
+    result = cli_json(db_url, "replay", str(e))
+    assert (result["replayed"], result["mismatched"]) == (0, 1)
+    [only] = result["deliveries"]
+    assert not only["replayed"] and "takes tenant 'initech' only" in only["mismatch"]
+    text = cli(db_url, "replay", str(e))
+    assert "left alone, it no longer takes this event" in text.output
+    window = cli_json(db_url, "replay", "--endpoint", str(acme), "--since", "1d", "--yes")
+    assert (window["replayed"], window["skipped_not_taken"]) == (0, 1)
+    assert deliveries(db_url)[d] == before[d]
 
 
 @pytest.mark.parametrize(
@@ -512,17 +565,19 @@ def test_replay_since_failed_only_then_every_ended_delivery(db_url: str) -> None
 
     text = cli(db_url, *args)
     assert text.exit_code == 0, text.output
-    assert f"replaying 2 ended deliveries of endpoint {ep} ({ORIGIN})" in text.output
-    assert "1 delivered, 0 failed, 1 cancelled" in text.output
+    # The failed one replayed above is pending now, due: it is replayed again with the others.
+    assert f"replaying 4 not running deliveries of endpoint {ep} ({ORIGIN})" in text.output
+    assert "1 delivered, 0 failed, 1 cancelled, 2 pending" in text.output
     assert "skipped 1 whose event is gone" in text.output
     final = deliveries(db_url)
-    for name in ("delivered", "failed", "cancelled"):
+    for name in ("delivered", "failed", "cancelled", "pending"):
         assert replayed(final[ids[name]]), name
-    for name in ("old failed", "pending", "running", "event gone", "other endpoint"):
+    for name in ("old failed", "running", "event gone", "other endpoint"):
         assert final[ids[name]] == before[ids[name]], name
 
     again = cli(db_url, *args)
-    assert again.exit_code == 0 and "no ended deliveries of endpoint" in again.output
+    assert again.exit_code == 0, again.output
+    assert "replaying 4 not running deliveries" in again.output  # the replays, pending now
     assert cli(db_url, "replay", "--endpoint", "555", "--since", "1h", "--yes").exit_code == 1
 
 
@@ -547,7 +602,7 @@ def test_replay_since_of_a_disabled_endpoint_says_the_replays_wait(db_url: str) 
     delivery(db_url, event(db_url), ep, "failed")
     res = cli(db_url, "replay", "--endpoint", str(ep), "--since", "1d", "--yes")
     assert res.exit_code == 0, res.output
-    assert "replaying 1 ended deliveries" in res.output
+    assert "replaying 1 not running deliveries" in res.output
     assert f"endpoint {ep} is disabled: the replays wait" in res.output
 
 
