@@ -361,6 +361,46 @@ WHERE o.id = doomed.id AND o.status = 'delivered'
 """
 )
 
+# Retention's batch of delivered rows older than $1 seconds: it examines at most $2 of them,
+# oldest first, resuming after the last row the previous batch of the same run examined ($3
+# and $4, its delivered_at and id; NULL: from the oldest), and deletes those no open delivery
+# needs (_OPEN_DELIVERY). An event kept for a delivery (its endpoint failing or disabled) is
+# examined once per retention run, not once per batch: PURGE_DELIVERED's filter would walk
+# every kept event again in each batch. Returns how many it deleted, how many it examined
+# (fewer than $2: the run is over) and where it stopped.
+RETENTION_DELIVERED = (
+    """
+WITH examined AS MATERIALIZED (
+    SELECT o.id, o.delivered_at, """
+    + _OPEN_DELIVERY
+    + """ AS kept
+    FROM {table} AS o
+    WHERE o.status = 'delivered' AND o.delivered_at < now() - make_interval(secs => $1)
+      AND ($3::timestamptz IS NULL
+           OR (o.delivered_at >= $3::timestamptz
+               AND (o.delivered_at, o.id) > ($3::timestamptz, $4::bigint)))
+    ORDER BY o.delivered_at, o.id
+    LIMIT $2
+),
+doomed AS (
+    SELECT o.id FROM {table} AS o
+    WHERE o.id = ANY(ARRAY(SELECT id FROM examined WHERE NOT kept))
+    FOR UPDATE SKIP LOCKED
+),
+gone AS (
+    DELETE FROM {table} AS o USING doomed
+    WHERE o.id = doomed.id AND o.status = 'delivered'
+    RETURNING 1
+),
+last AS (
+    SELECT delivered_at, id FROM examined ORDER BY delivered_at DESC, id DESC LIMIT 1
+)
+SELECT (SELECT count(*) FROM gone)::int AS deleted,
+       (SELECT count(*) FROM examined)::int AS examined,
+       (SELECT delivered_at FROM last) AS at, (SELECT id FROM last) AS id
+"""
+)
+
 # Failed or skipped rows ($4: which of the two) that ended more than $1 seconds ago, but
 # those a delivery still needs (an event fanned out, then failed by the reaper).
 PURGE_FINISHED = (

@@ -68,6 +68,20 @@ class Record:
     written: bool = False
 
 
+# Where a retention run's last batch of delivered rows stopped: (delivered_at, id).
+RetentionCursor = tuple[Any, int]
+
+
+@dataclass(slots=True)
+class RetentionBatch:
+    """What one retention batch did: rows deleted, whether more may be due, where it
+    stopped in the delivered rows (for the next batch of the same run)."""
+
+    deleted: int
+    more: bool
+    cursor: RetentionCursor | None
+
+
 class Store:
     def __init__(
         self,
@@ -108,7 +122,7 @@ class Store:
         self._fail_unknown = sql(queries.FAIL_UNKNOWN_DESTINATIONS)
         self._paused = sql(queries.PAUSED)
         self._pending = sql(queries.PENDING_BY_DESTINATION)
-        self._purge_delivered = sql(queries.PURGE_DELIVERED)
+        self._retention_delivered = sql(queries.RETENTION_DELIVERED)
         self._purge_finished = sql(queries.PURGE_FINISHED)
         self._register = sql(queries.REGISTER)
         self._unregister = sql(queries.UNREGISTER)
@@ -215,25 +229,38 @@ class Store:
             return None
         return {r["destination"]: (r["rows"], r["oldest_age"]) for r in rows}
 
-    async def delete_finished(self, retention: float, batch_size: int) -> int | None:
-        """Delete one batch of delivered (and skipped) rows older than ``retention`` seconds;
-        the number deleted, or None if another relay is running retention at this moment."""
+    async def delete_finished(
+        self,
+        retention: float,
+        batch_size: int,
+        message_log_retention: float | None = None,
+        after: RetentionCursor | None = None,
+    ) -> RetentionBatch | None:
+        """Delete one batch of delivered (and skipped) rows older than ``retention`` seconds,
+        resuming after ``after`` (the previous batch's cursor in one retention run), and one
+        of ended endpoint deliveries and attempts older than ``message_log_retention``
+        (default: ``retention``); None if another relay is running retention at this moment."""
+        log_retention = retention if message_log_retention is None else message_log_retention
         async with self._connection() as conn, conn.transaction():
             if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
                 return None
-            status = await conn.execute(self._purge_delivered, retention, None, batch_size)
-            n = int(status.split()[-1])
-            if n < batch_size:
+            at, last_id = after if after is not None else (None, None)
+            row = await conn.fetchrow(self._retention_delivered, retention, batch_size, at, last_id)
+            deleted, more = row["deleted"], row["examined"] >= batch_size
+            cursor = (row["at"], row["id"]) if row["examined"] else after
+            if not more:
                 status = await conn.execute(
-                    self._purge_finished, retention, None, batch_size - n, [Status.SKIPPED]
+                    self._purge_finished, retention, None, batch_size, [Status.SKIPPED]
                 )
-                n += int(status.split()[-1])
-            # The message log and ended deliveries age out with the events (counted apart:
-            # the batch size bounds each).
+                n = int(status.split()[-1])
+                deleted, more = deleted + n, n >= batch_size
+            # The message log and ended deliveries have a retention of their own (counted
+            # apart: the batch size bounds each).
             for statement in (self._purge_deliveries, self._purge_attempts):
-                status = await conn.execute(statement, retention, batch_size)
-                n += int(status.split()[-1])
-        return n
+                status = await conn.execute(statement, log_retention, batch_size)
+                n = int(status.split()[-1])
+                deleted, more = deleted + n, more or n >= batch_size
+        return RetentionBatch(deleted, more, cursor)
 
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
         self.statements["claim"] += 1

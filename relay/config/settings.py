@@ -47,6 +47,10 @@ from relay.config.errors import echoable_fields, format_errors
 # delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
 # 1,000 events/s keep the table to a few million small rows. Set 0 for the fastest relay.
 DEFAULT_RETENTION = 3600.0
+# The message log of endpoints destinations (deliveries, attempts) is kept this long by
+# default: receivers ask "what did you send me last week?", and webhook services keep 30-90
+# days. A delivery and its attempt cost about 0.5 KB (docs/endpoints.md).
+DEFAULT_MESSAGE_LOG_RETENTION = 30 * 86400.0
 
 
 class RelaySettings(Section):
@@ -112,6 +116,13 @@ class RelaySettings(Section):
         DEFAULT_RETENTION,
         ge=0,
         description="how long delivered rows are kept; 0 deletes them as they are recorded",
+    )
+    message_log_retention: Duration = Field(
+        DEFAULT_MESSAGE_LOG_RETENTION,
+        ge=0,
+        description="how long the message log of endpoints destinations is kept: their ended "
+        "deliveries and attempts (what each endpoint was sent, when, and what it answered); "
+        "independent of `retention`, which deletes the events and their payloads",
     )
     retention_interval: Duration = Field(
         60.0, ge=0.05, description="seconds between retention runs (one relay at a time)"

@@ -30,14 +30,18 @@ class Retention:
         rs = self.settings
         total = 0
         await self.store.forget_relays(FORGET_RELAYS_AFTER)
+        cursor = None
         while not self.stopping.is_set():
-            n = await self.store.delete_finished(rs.retention, rs.retention_batch_size)
-            if n is None:  # another relay is on it
+            batch = await self.store.delete_finished(
+                rs.retention, rs.retention_batch_size, rs.message_log_retention, cursor
+            )
+            if batch is None:  # another relay is on it
                 break
-            total += n
-            self.metrics.retention_deleted.inc(n)
-            if n < rs.retention_batch_size:
+            total += batch.deleted
+            self.metrics.retention_deleted.inc(batch.deleted)
+            if not batch.more:
                 break
+            cursor = batch.cursor
             await asyncio.sleep(0)  # let deliveries and probes run between batches
         if total:
             log.info("relay.retention.deleted", rows=total, retention_s=rs.retention)
