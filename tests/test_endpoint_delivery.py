@@ -921,3 +921,43 @@ async def _open(e: Any) -> Any:
 async def _closed(e: Any) -> bool:
     got = await e
     return bool(got["circuit"] == "closed" and got["circuit_open_until"] is None)
+
+
+async def test_the_message_log_has_a_retention_of_its_own(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    """Receivers ask what they were sent last week: deliveries and attempts outlive the
+    events (relay.retention) for relay.message_log_retention, then go too."""
+    await add_endpoint(aengine, receiver.url)
+    s = endpoints_settings(db_url)
+    s = s.model_copy(
+        update={
+            "relay": s.relay.model_copy(
+                update={"retention": 0, "retention_interval": 0.1, "message_log_retention": 3}
+            )
+        }
+    )
+    async with running(s):
+        [a] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: _gone(db_url, a), timeout=5, what="event deleted once sent")
+        [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries WHERE event_id = $1", a)
+        assert d["status"] == "delivered"
+        assert len(await fetch(db_url, "SELECT * FROM outbox_attempts WHERE event_id = $1", a))
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_deliveries WHERE event_id = $1", a),
+            timeout=1.5,
+            what="kept",
+        )
+        await wait_until(
+            lambda: _log_gone(db_url, a), timeout=10, what="log deleted past its retention"
+        )
+
+
+async def _log_gone(db_url: str, event: int) -> bool:
+    rows = await fetch(
+        db_url,
+        "SELECT 1 FROM outbox_deliveries WHERE event_id = $1 "
+        "UNION ALL SELECT 1 FROM outbox_attempts WHERE event_id = $1",
+        event,
+    )
+    return not rows
