@@ -378,6 +378,13 @@ ON CONFLICT (consumer, event_id) DO NOTHING
 RETURNING true
 """
 
+# Whether the consumer's transaction can still commit, asked after its handler and before its
+# COMMIT. A statement that failed in it (a unique violation the handler caught) aborted it:
+# then every statement fails with SQLSTATE 25P02, and COMMIT answers ROLLBACK without an
+# error, losing the effect and the mark. Any statement tells; this one reads nothing. The
+# drivers give no state to read instead (asyncpg's is private), so it is asked of the server.
+INBOX_CAN_COMMIT = "SELECT 1"
+
 # One bounded batch of the oldest marks, read from outbox_inbox_received_idx; rows another
 # purge is deleting are skipped rather than waited for.
 INBOX_PURGE_SA = """

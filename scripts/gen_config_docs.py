@@ -72,6 +72,9 @@ MORE: dict[str, str] = {
     "[Webhooks](webhooks.md).",
     "destinations.NAME.secrets": "one signature per secret.",
     "kafka.max_request_size": "larger rows fail with the reason.",
+    "webhooks.id_prefix": "signed as part of the id; CloudEvents' `id` and Kafka's `outbox-id` "
+    "stay the row id; set it before receivers deduplicate, see "
+    "[Ids unique across outboxes](webhooks.md#ids-unique-across-outboxes).",
 }
 
 INTRO = """\

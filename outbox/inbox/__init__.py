@@ -17,6 +17,7 @@ framework), ``outbox.inbox.fastapi`` (a dependency). The table is ``outbox_inbox
 
 from __future__ import annotations
 
+from outbox.inbox._db import TransactionAborted
 from outbox.inbox._store import (
     MAX_CONSUMER_BYTES,
     MAX_EVENT_ID_BYTES,
@@ -45,6 +46,7 @@ __all__ = [
     "MalformedWebhook",
     "ReceivedWebhook",
     "StaleTimestamp",
+    "TransactionAborted",
     "WebhookReceiver",
     "WebhookRejected",
     "mark",

@@ -19,7 +19,9 @@ The dependency opens the transaction, marks ``webhook-id`` in it, and hands the 
 endpoint with ``hook.db`` (an ``AsyncSession``, ``AsyncConnection`` or asyncpg
 ``Connection``, after ``db``). The transaction commits after the endpoint returns and before
 FastAPI sends the response (``scope="function"``): a 2xx is only ever sent for a committed
-effect, and an endpoint that raises rolls the mark back, so the sender's retry applies it.
+effect, and an endpoint that raises rolls the mark back, so the sender's retry applies it. An
+endpoint that caught a database error and returned left a transaction PostgreSQL would roll
+back at COMMIT: that is answered 500 too (``TransactionAborted``), and logged.
 A request that fails verification is answered 400 or 401 before any database work.
 """
 
@@ -31,7 +33,14 @@ from typing import Any
 from fastapi import Depends, HTTPException, Request
 
 from outbox.errors import OutboxError
-from outbox.inbox._db import Database, check_database, is_one_connection, transaction
+from outbox.inbox._db import (
+    Database,
+    TransactionAborted,
+    check_database,
+    ensure_committable,
+    is_one_connection,
+    transaction,
+)
 from outbox.inbox._store import Inbox
 from outbox.inbox.webhooks import (
     DEFAULT_TOLERANCE,
@@ -94,9 +103,16 @@ def verified_webhook(
             raise HTTPException(exc.status_code, exc.answer) from None
         try:
             async with transaction(db) as tx:
-                yield await receiver.mark(tx, verified)
+                hook = await receiver.mark(tx, verified)
+                yield hook
+                if hook.new:  # a duplicate's effect committed before: nothing at stake
+                    await ensure_committable(
+                        tx, consumer=receiver.consumer, event_id=hook.id, source="webhook"
+                    )
         except RetryLater as exc:  # rolled back by the transaction; the sender retries
             raise HTTPException(503, str(exc), headers={"retry-after": "5"}) from None
+        except TransactionAborted as exc:  # rolled back, logged; the sender retries
+            raise HTTPException(exc.status_code, exc.answer) from None
 
     try:
         # Ended before the response is sent: the commit happens first.

@@ -26,7 +26,7 @@ from aiokafka.errors import CommitFailedError, IllegalStateError
 from aiokafka.structs import ConsumerRecord, OffsetAndMetadata
 
 from outbox.errors import OutboxError, OutboxValidationError
-from outbox.inbox._db import Database, check_database, transaction
+from outbox.inbox._db import Database, check_database, ensure_committable, transaction
 from outbox.inbox._store import Inbox, _default, check_consumer, check_event_id
 
 log = logging.getLogger("outbox.inbox")
@@ -84,7 +84,9 @@ class KafkaInbox:
 
     A handler that raises rolls its transaction back (the mark too); the records applied
     before it are committed, the consumer is set back to the failed one, and ``poll`` or
-    ``run`` raises the handler's exception.
+    ``run`` raises the handler's exception. A handler that catches a database error and
+    returns is treated the same (PostgreSQL would roll its COMMIT back): ``poll`` raises
+    ``TransactionAborted``, logged as ``inbox.handler.aborted``.
     """
 
     def __init__(
@@ -192,6 +194,17 @@ class KafkaInbox:
                 self.counts.duplicates += 1
                 return
             await self.handler(record, tx)
+            # A handler that caught a database error leaves a transaction whose COMMIT
+            # PostgreSQL turns into a ROLLBACK, silently: that is a failure, not an event
+            # applied, and its offset is not committed (raises TransactionAborted).
+            await ensure_committable(
+                tx,
+                consumer=self.name,
+                event_id=eid,
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+            )
         self.counts.applied += 1
 
     async def _commit(self, offsets: dict[TopicPartition, int]) -> None:

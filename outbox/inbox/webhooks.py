@@ -9,6 +9,7 @@ the receiver's transaction. For any framework: headers, the raw body and a conne
         return Response(exc.answer, status_code=exc.status_code)  # 400, or 401: bad or stale
     if hook.new:
         ...  # apply the effect with `conn`, in the same transaction
+    await hook.check_committable()  # raises if a statement failed: PostgreSQL would roll back
     return Response(status_code=200)  # a duplicate is answered 200 too: the sender stops
 
 Our own verification rather than the reference library's (``standardwebhooks``), which the
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from outbox.errors import OutboxError, OutboxValidationError
+from outbox.inbox._db import aborted, committable_problem, committable_problem_sync
 from outbox.inbox._store import AsyncTarget, Inbox, SyncTarget, _default, check_consumer
 from outbox.inbox._store import check_event_id as _check_id
 
@@ -106,10 +108,32 @@ class ReceivedWebhook(VerifiedWebhook):
 
     new: bool
     db: Any  # the session or connection the mark was written with
+    consumer: str = ""  # whose mark it is (for the log of a transaction that cannot commit)
 
     @property
     def duplicate(self) -> bool:
         return not self.new
+
+    async def check_committable(self) -> None:
+        """Raise ``TransactionAborted`` (``status_code`` 500, logged as
+        ``inbox.handler.aborted``) if the transaction of the mark can no longer commit.
+
+        Call it last in the transaction, before answering: a statement that failed in it
+        (an error the code caught) makes PostgreSQL answer its COMMIT with ROLLBACK,
+        without an error, and a 2xx would then acknowledge an event neither applied nor
+        sent again. Raising rolls back, and the sender's retry applies it. One round trip;
+        nothing for a duplicate, whose effect committed before."""
+        if self.new:
+            problem = await committable_problem(self.db)
+            if problem is not None:
+                raise aborted(self.consumer, self.id, problem, source="webhook")
+
+    def check_committable_sync(self) -> None:
+        """:meth:`check_committable` for a SQLAlchemy ``Session`` or ``Connection``."""
+        if self.new:
+            problem = committable_problem_sync(self.db)
+            if problem is not None:
+                raise aborted(self.consumer, self.id, problem, source="webhook")
 
     def retry_later(self, reason: str = "not applied now; send it again later") -> NoReturn:
         """Refuse the event for now: raises, so the transaction (and the mark) rolls back and
@@ -215,11 +239,15 @@ class WebhookReceiver:
     async def mark(self, conn: AsyncTarget, hook: VerifiedWebhook) -> ReceivedWebhook:
         """Mark a verified request in ``conn``'s open transaction."""
         new = await self.inbox.mark(conn, consumer=self.consumer, event_id=hook.id)
-        return ReceivedWebhook(hook.id, hook.timestamp, hook.body, new=new, db=conn)
+        return ReceivedWebhook(
+            hook.id, hook.timestamp, hook.body, new=new, db=conn, consumer=self.consumer
+        )
 
     def mark_sync(self, conn: SyncTarget, hook: VerifiedWebhook) -> ReceivedWebhook:
         new = self.inbox.mark_sync(conn, consumer=self.consumer, event_id=hook.id)
-        return ReceivedWebhook(hook.id, hook.timestamp, hook.body, new=new, db=conn)
+        return ReceivedWebhook(
+            hook.id, hook.timestamp, hook.body, new=new, db=conn, consumer=self.consumer
+        )
 
     async def verify_and_mark(
         self, conn: AsyncTarget, headers: Mapping[str, str], body: bytes

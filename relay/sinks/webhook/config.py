@@ -74,6 +74,40 @@ def check_url(v: str) -> str:
     return v
 
 
+# webhook-id is the row id, unique in one outbox only: a prefix (the service's name) makes it
+# unique across the outboxes a receiver consumes. Short (it is in every header and every
+# receiver's inbox key, whose event_id holds 1,024 bytes), and printable ASCII without spaces:
+# a header value, and the first part of the signed "id.timestamp.body".
+MAX_ID_PREFIX_CHARS = 64
+
+
+def id_prefix_problem(prefix: str) -> str | None:
+    """Why ``prefix`` cannot start a ``webhook-id``, or None."""
+    if len(prefix) > MAX_ID_PREFIX_CHARS:
+        return (
+            f"is {len(prefix)} characters long; a webhook-id prefix is at most "
+            f'{MAX_ID_PREFIX_CHARS} characters, such as "billing-"'
+        )
+    for c in prefix:
+        if c == " ":
+            what = "a space"
+        elif c == "\t":
+            what = "a tab"
+        elif c in "\r\n":
+            what = "a line break"
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            what = f"a control character (U+{ord(c):04X})"
+        elif ord(c) > 0x7E:
+            what = f"{c!r}, which is not printable ASCII"
+        else:
+            continue
+        return (
+            f"holds {what}: a webhook-id prefix is printable ASCII without spaces (letters, "
+            'digits and punctuation such as "billing-" or "orders.v1:")'
+        )
+    return None
+
+
 class WebhookClientSettings(Section):
     """The one HTTP client the relay shares between all webhook destinations."""
 
@@ -104,6 +138,24 @@ class WebhookClientSettings(Section):
         min_length=1,
         description="the `user-agent` header of every webhook request",
     )
+    id_prefix: str | None = Field(
+        None,
+        description="put before the row id in the `webhook-id` of every request (webhook and "
+        'endpoints destinations), e.g. the service\'s name (`"billing-"` sends '
+        "`billing-42`), so that a receiver of several outboxes gets ids unique across them; "
+        f"at most {MAX_ID_PREFIX_CHARS} printable ASCII characters, no spaces; unset or "
+        "empty: the row id alone",
+    )
+
+    @field_validator("id_prefix")
+    @classmethod
+    def _id_prefix(cls, v: str | None) -> str | None:
+        if not v:
+            return None  # OUTBOX_WEBHOOKS_ID_PREFIX= (empty) turns it off, as unset does
+        problem = id_prefix_problem(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 # The Standard Webhooks example schedule, stretched to about two days: the first attempt is

@@ -341,7 +341,11 @@ class WebhookSink:
                 headers[lower] = value.strip(" \t")
         headers.update(ep.headers)  # the endpoint's configuration wins over a row's header
         headers["content-type"] = env.content_type
-        headers["webhook-id"] = str(env.id)
+        # Signed as it is sent (see _send), so the prefix is part of the signed id. Read from
+        # the [webhooks] settings here, the one request path of webhook and endpoints
+        # destinations alike.
+        prefix = self.http.id_prefix
+        headers["webhook-id"] = prefix + str(env.id) if prefix else str(env.id)
         return headers
 
     async def _send(self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope) -> Outcome:
