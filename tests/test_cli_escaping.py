@@ -206,13 +206,28 @@ def test_error_messages_escape_what_they_quote(db_url: str) -> None:
     assert refused.exit_code == 2, refused.output
     assert_safe(refused, shown=r"boom\x1b]0;pwned")
     assert "pass --yes" in refused.stderr
-    # A value quoted back from the command line.
+    # A value quoted back from the command line (click quotes it itself, as repr does).
     bad = run(db_url, "list", "--status", HOSTILE)
     assert bad.exit_code == 2
     assert_safe(bad, shown="boom")
     resumed = run(db_url, "resume", HOSTILE)
     assert resumed.exit_code == 0
     assert_safe(resumed)
+
+
+def test_configuration_errors_escape_the_names_they_quote(tmp_path: Path, db_url: str) -> None:
+    # A destination's name is a TOML key: any text at all, quoted back by the error.
+    escaped = json.dumps(HOSTILE)  # a TOML basic string takes JSON's escapes
+    config = tmp_path / "relay.toml"
+    config.write_text(f'database_url = "{db_url}"\n[destinations.{escaped}]\nkind = "nope"\n')
+    for args in (["run", "--check"], ["status"]):
+        res = CliRunner().invoke(main, [*args, "--config", str(config)], color=True)
+        assert res.exit_code == 2, res.output
+        assert_safe(res)
+        # Its problems each on a line of their own, as written.
+        lines = res.stderr.splitlines()
+        assert lines[0].startswith("outbox-relay: invalid configuration in ")
+        assert lines[1].startswith(f"  destinations.'{SHOWN}") and len(lines) == 2, lines
 
 
 def test_on_a_real_terminal_nothing_raw_arrives(db_url: str) -> None:

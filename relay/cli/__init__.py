@@ -41,22 +41,7 @@ class Commands(click.Group):
     Every command's error output passes through relay.secrets.scrub: a usage or database
     error's message, and the traceback of an error nothing expected. The secrets a command
     registered are forgotten when it ends. The messages are escaped as all text output is
-    (relay.cli.options.printable): they may quote the database's text, or the command
-    line's."""
-
-    def make_context(
-        self,
-        info_name: str | None,
-        args: list[str],
-        parent: click.Context | None = None,
-        **extra: Any,
-    ) -> click.Context:
-        # Errors in `outbox-relay`'s own arguments, before any command runs (invoke takes
-        # the commands' errors).
-        try:
-            return super().make_context(info_name, args, parent, **extra)
-        except click.ClickException as exc:
-            raise _reworded(exc, escape_only=True) from None
+    (relay.cli.options.printable): they may quote the database's text."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -87,14 +72,14 @@ class Commands(click.Group):
             secrets.reset()
 
 
-def _reworded(exc: click.ClickException, *, escape_only: bool = False) -> click.ClickException:
-    """``exc`` as it is shown, with its secrets hidden (unless ``escape_only``: nothing was
-    registered yet) and escaped (relay.cli.options.printable); ``exc`` itself if that changes
-    nothing."""
+def _reworded(exc: click.ClickException) -> click.ClickException:
+    """``exc`` as it is shown, with its secrets hidden and escaped (relay.cli.options.printable:
+    click quotes the values it names itself, but our messages may name the database's text);
+    ``exc`` itself if that changes nothing."""
     from relay.cli.options import printable
 
     message = exc.format_message()  # a BadParameter's "Invalid value for …" included
-    shown = printable(message if escape_only else secrets.scrub(message))
+    shown = printable(secrets.scrub(message))
     if shown == message:
         return exc
     if isinstance(exc, click.UsageError):
