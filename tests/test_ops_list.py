@@ -215,7 +215,8 @@ def test_text_lists_a_page_cuts_long_errors_and_says_how_to_go_on(db_url: str) -
         "LAST",
         "ERROR",
     ]
-    assert lines[1].startswith(str(later[1])) and lines[1].endswith("short and two lines")
+    # A line break in an error is shown, escaped, on the row's one line.
+    assert lines[1].startswith(str(later[1])) and lines[1].endswith(r"short\nand two lines")
     assert f"--before-id {later[0]}" in lines[-1]
 
     last = cli(db_url, "--before-id", str(later[0]))

@@ -40,7 +40,8 @@ class Commands(click.Group):
 
     Every command's error output passes through relay.secrets.scrub: a usage or database
     error's message, and the traceback of an error nothing expected. The secrets a command
-    registered are forgotten when it ends."""
+    registered are forgotten when it ends. The messages are escaped as all text output is
+    (relay.cli.options.printable): they may quote the database's text."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -58,20 +59,32 @@ class Commands(click.Group):
         try:
             return super().invoke(ctx)
         except click.ClickException as exc:
-            scrubbed = secrets.scrub(exc.message)
-            if scrubbed == exc.message:
-                raise
-            if isinstance(exc, click.UsageError):
-                raise click.UsageError(scrubbed, exc.ctx) from None
-            raise click.ClickException(scrubbed) from None
+            raise _reworded(exc) from None
         except (click.exceptions.Exit, click.Abort):
             raise
         except Exception as exc:
+            from relay.cli.options import echo_lines
+
             text = "".join(traceback.format_exception(exc))
-            click.echo(secrets.scrub(text).rstrip("\n"), err=True)
+            echo_lines(secrets.scrub(text).rstrip("\n"), err=True)
             ctx.exit(1)
         finally:
             secrets.reset()
+
+
+def _reworded(exc: click.ClickException) -> click.ClickException:
+    """``exc`` as it is shown, with its secrets hidden and escaped (relay.cli.options.printable:
+    click quotes the values it names itself, but our messages may name the database's text);
+    ``exc`` itself if that changes nothing."""
+    from relay.cli.options import printable
+
+    message = exc.format_message()  # a BadParameter's "Invalid value for …" included
+    shown = printable(secrets.scrub(message))
+    if shown == message:
+        return exc
+    if isinstance(exc, click.UsageError):
+        return click.UsageError(shown, exc.ctx)
+    return click.ClickException(shown)
 
 
 def _colour(ctx: click.Context, param: click.Parameter, value: bool | None) -> None:

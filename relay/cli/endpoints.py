@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,10 +28,13 @@ from relay.cli.options import (
     GOOD,
     Tint,
     age,
+    confirm,
     database_options,
+    echo,
     echo_json,
     json_option,
-    painted,
+    print_table,
+    printable,
 )
 from relay.ops import queries
 
@@ -180,20 +183,12 @@ def _state(ep: Endpoint) -> str:
     return Tint("disabled" + (f": {ep.disabled_reason}" if ep.disabled_reason else ""), BAD)
 
 
-def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
-    """Columns aligned to the left, the last as it is (free text)."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        cells = [painted(c, c.ljust(w)) for c, w in zip(r, widths, strict=False)]
-        click.echo("  ".join([*cells, painted(r[-1], r[-1])]))
-
-
 def _print_fields(fields: dict[str, Any]) -> None:
     for k, v in fields.items():
         if isinstance(v, datetime):
             v = v.isoformat()
-        text = "-" if v is None or v == "" else str(v)
-        click.echo(f"{k + ':':<22} {painted(v, text)}")
+        text = v if isinstance(v, Tint) else "-" if v is None or v == "" else str(v)
+        echo(f"{k + ':':<22} ", text)
 
 
 def _print_endpoint(ep: Endpoint) -> None:
@@ -224,19 +219,20 @@ def _print_activity(activity: dict[str, Any]) -> None:
     d = activity["deliveries"]
     oldest = f" (oldest {age(d['oldest_pending_age_s'])})" if d["pending"] else ""
     counts = ", ".join(f"{d[s]} {s}" for s in DELIVERY_STATUSES)
-    error = (d["last_error"] or "").replace("\n", " ")
     _print_fields(
         {
             "deliveries": counts.replace(" pending", f" pending{oldest}", 1),
             "last_status": d["last_status"],
-            "last_error": error[:300],
+            "last_error": printable(d["last_error"] or "", 300),
         }
     )
     attempts = activity["recent_attempts"]
     if not attempts:
-        click.echo("\nno attempts yet")
+        echo()
+        echo("no attempts yet")
         return
-    click.echo(f"\nlatest {len(attempts)} attempt(s), newest first:")
+    echo()
+    echo(f"latest {len(attempts)} attempt(s), newest first:")
     rows = [("AT", "EVENT", "HTTP", "MS", "ERROR")]
     for a in attempts:
         ms = a["duration_ms"]
@@ -246,10 +242,10 @@ def _print_activity(activity: dict[str, Any]) -> None:
                 str(a["event_id"]),
                 str(a["http_status"] or "-"),
                 "-" if ms is None else f"{ms:.0f}",
-                (a["error"] or "-").replace("\n", " ")[:160],
+                printable(a["error"] or "-", 160),
             )
         )
-    _print_table(rows)
+    print_table(rows)
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -323,13 +319,13 @@ def add(
         echo_json(ep.as_dict())
         return
     tenant_shown, types = _audience(ep)
-    click.echo(
+    echo(
         f"added endpoint {ep.id} to {ep.destination}: {ep.url} (tenant {tenant_shown}, "
         f"event types {types})"
     )
     if secret is None:
-        click.echo(f"secret: {ep.secret}")
-        click.echo(
+        echo(f"secret: {ep.secret}")
+        echo(
             "give it to the receiver now to verify signatures; it is not shown again unless "
             f"asked for: `outbox-relay endpoints show {ep.id} --show-secret`"
         )
@@ -355,7 +351,7 @@ def list_(
         echo_json({"endpoints": [ep.as_dict() for ep in found]})
         return
     if not found:
-        click.echo(
+        echo(
             "no endpoints" + (" match" if destination or tenant else "") + " (add one with "
             "`outbox-relay endpoints add DESTINATION URL`)"
         )
@@ -364,7 +360,7 @@ def list_(
     for ep in found:
         rate = f"{ep.rate_limit}/s" if ep.rate_limit else "-"
         rows.append((str(ep.id), ep.destination, ep.url, *_audience(ep), rate, _state(ep)))
-    _print_table(rows)
+    print_table(rows)
 
 
 @endpoints.command(short_help="Show an endpoint, its deliveries, its attempts.")
@@ -389,7 +385,7 @@ def show(
         echo_json({**ep.as_dict(), **activity})
         return
     _print_endpoint(ep)
-    click.echo()
+    echo()
     _print_activity(activity)
 
 
@@ -492,7 +488,7 @@ def update(
     if as_json:
         echo_json(ep.as_dict())
         return
-    click.echo(f"updated endpoint {ep.id} ({', '.join(changes)})")
+    echo(f"updated endpoint {ep.id} ({', '.join(changes)})")
     _print_endpoint(ep)
 
 
@@ -511,7 +507,7 @@ def disable(
     if as_json:
         echo_json(ep.as_dict())
         return
-    click.echo(
+    echo(
         f"disabled endpoint {ep.id} ({ep.url}). Undo with `outbox-relay endpoints enable {ep.id}`."
     )
 
@@ -528,7 +524,7 @@ def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> N
     if as_json:
         echo_json(ep.as_dict())
         return
-    click.echo(f"enabled endpoint {ep.id} ({ep.url})")
+    echo(f"enabled endpoint {ep.id} ({ep.url})")
 
 
 @endpoints.command("rotate-secret", short_help="Give an endpoint a new secret; prints it.")
@@ -555,9 +551,9 @@ def rotate_secret(
     if as_json:
         echo_json(ep.as_dict())
         return
-    click.echo(f"new secret of endpoint {ep.id}: {ep.secret}")
+    echo(f"new secret of endpoint {ep.id}: {ep.secret}")
     until = ep.previous_secret_until
-    click.echo(
+    echo(
         f"the previous secret stays valid until {until:%Y-%m-%d %H:%M:%S %Z}"
         if until and keep
         else "the previous secret no longer signs"
@@ -582,11 +578,9 @@ def _confirm_delete(database_url: str, schema: str, endpoint_id: int) -> None:
     # A transaction of its own: none stays open while someone reads the question.
     ep, activity = run(database_url, schema, read)
     unfinished = activity["deliveries"]["pending"] + activity["deliveries"]["running"]
-    click.confirm(
+    confirm(
         f"delete endpoint {ep.id} of {ep.destination} ({ep.url}) and cancel its {unfinished} "
-        "unfinished deliveries?",
-        abort=True,
-        err=True,
+        "unfinished deliveries?"
     )
 
 
@@ -606,4 +600,4 @@ def delete(database_url: str, schema: str, as_json: bool, endpoint_id: int, yes:
     if as_json:
         echo_json({"id": endpoint_id, "deleted": True, "cancelled": cancelled})
         return
-    click.echo(f"deleted endpoint {endpoint_id}; cancelled {cancelled} unfinished deliveries")
+    echo(f"deleted endpoint {endpoint_id}; cancelled {cancelled} unfinished deliveries")

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -24,16 +24,19 @@ from relay.cli.options import (
     GOOD,
     STATUS_COLOURS,
     WAITING,
+    Control,
     Duration,
     Since,
     Tint,
     age,
+    confirm,
     database_options,
     default_by,
+    echo,
     echo_json,
     json_option,
-    paint,
-    painted,
+    print_table,
+    printable,
     with_db,
 )
 from relay.durations import FORMS, format_duration
@@ -119,7 +122,7 @@ def status(
         _print_status(data)
     if problems:
         if not as_json:
-            click.echo(paint(f"problem: {'; '.join(problems)}", BAD), err=True)
+            echo(Tint(f"problem: {'; '.join(problems)}", BAD), err=True)
         sys.exit(EXIT_CONDITION)
 
 
@@ -135,20 +138,23 @@ def _watch(database_url: str, schema: str, as_json: bool, interval: float) -> No
             data = with_db(database_url, lambda c: admin.status(c, schema))
             data["problems"] = []
             if as_json:
-                click.echo(json.dumps(data, default=str))
+                echo(json.dumps(data, default=str))
             else:
                 at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
                 if terminal:
-                    click.echo(CLEAR_SCREEN, nl=False, color=True)
-                    click.echo(f"every {interval:g}s, {at} (Ctrl-C to stop)\n")
+                    echo(Control(CLEAR_SCREEN), nl=False, color=True)
+                    echo(f"every {interval:g}s, {at} (Ctrl-C to stop)")
+                    echo()
                 else:
-                    click.echo(("\n" if shown else "") + f"--- {at} ---")
+                    if shown:
+                        echo()
+                    echo(f"--- {at} ---")
                 _print_status(data)
             shown += 1
             _sleep(interval)
     except KeyboardInterrupt:
         if terminal and not as_json:
-            click.echo()  # the prompt on a line of its own, after ^C
+            echo()  # the prompt on a line of its own, after ^C
 
 
 # Clear the screen, cursor to the top left (as click.clear, which a test cannot see).
@@ -165,7 +171,8 @@ def _stdout_on_terminal() -> bool:
 def _print_relays(relays: list[dict[str, Any]]) -> None:
     if not relays:
         return
-    click.echo("\nrelays:")
+    echo()
+    echo("relays:")
     for r in relays:
         when = {
             "running": f"seen {age(r['seen_age_s'])} ago",
@@ -174,8 +181,8 @@ def _print_relays(relays: list[dict[str, Any]]) -> None:
         }[r["state"]]
         where = f"{r['host']} pid {r['pid']}" if r["host"] else "?"
         serves = ", ".join(r["destinations"]) or "-"
-        state = paint(r["state"], RELAY_COLOURS.get(r["state"]))
-        click.echo(f"  {r['relay_id']}: {state} on {where}, {when}; serves {serves}")
+        state = Tint(r["state"], RELAY_COLOURS.get(r["state"]))
+        echo(f"  {r['relay_id']}: ", state, f" on {where}, {when}; serves {serves}")
 
 
 RELAY_COLOURS = {"running": GOOD, "silent": BAD}
@@ -197,11 +204,11 @@ STATUS_COLUMNS = (
 def _print_status(data: dict[str, Any]) -> None:
     dests = data["destinations"]
     if not dests:
-        click.echo(f"the outbox in schema {data['schema']!r} is empty")
+        echo(f"the outbox in schema {data['schema']!r} is empty")
         _print_relays(data["relays"])
         _print_endpoints(data)
         return
-    _print_table([STATUS_COLUMNS, *(_status_row(d) for d in dests)])
+    print_table([STATUS_COLUMNS, *(_status_row(d) for d in dests)], numbers=True)
     _print_relays(data["relays"])
     _print_details(dests)
     _print_endpoints(data)
@@ -235,33 +242,10 @@ def _status_row(d: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def _print_table(rows: list[tuple[str, ...]]) -> None:
-    """Columns aligned: the first to the left, the numbers to the right, the last as it is.
-    A cell that is a Tint is printed in its colour."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        cells = [
-            painted(c, c.ljust(w) if i == 0 else c.rjust(w))
-            for i, (c, w) in enumerate(zip(r, widths, strict=False))
-        ]
-        click.echo("  ".join([*cells, painted(r[-1], r[-1])]))
-
-
-def _print_rows(rows: Sequence[tuple[str, ...]], indent: str = "") -> None:
-    """Columns aligned to the left, the last as it is (free text). A cell that is a Tint is
-    printed in its colour."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        cells = [painted(c, c.ljust(w)) for c, w in zip(r, widths, strict=False)]
-        click.echo(indent + "  ".join([*cells, painted(r[-1], r[-1])]))
-
-
 def _line(text: str | None, limit: int) -> str:
-    """Free text on one line, at most ``limit`` characters."""
-    if not text:
-        return "-"
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    """Free text on one line, at most ``limit`` characters: its line breaks and other
+    controls shown escaped (``\\n``), as everything printed is."""
+    return printable(text, limit) if text else "-"
 
 
 def _needs_a_look(e: dict[str, Any]) -> bool:
@@ -282,9 +266,9 @@ def _print_endpoints(data: dict[str, Any]) -> None:
         return
     listed = data["endpoints"]
     attention = data["endpoints_needing_attention"]
-    click.echo(
-        f"\nendpoints ({total} registered; {attention} with pending deliveries, failing or "
-        "disabled):"
+    echo()
+    echo(
+        f"endpoints ({total} registered; {attention} with pending deliveries, failing or disabled):"
     )
     rows: list[tuple[str, ...]] = [
         (
@@ -318,11 +302,11 @@ def _print_endpoints(data: dict[str, Any]) -> None:
                 _endpoint_state(e),
             )
         )
-    _print_rows(rows, "  ")
+    print_table(rows, indent="  ")
     rest = total - len(listed)
     if rest:
         rest_attention = attention - sum(1 for e in listed if _needs_a_look(e))
-        click.echo(
+        echo(
             f"  … {rest} more endpoint(s) not listed"
             + (
                 f", {rest_attention} of them with pending deliveries, failing or disabled"
@@ -337,31 +321,33 @@ def _print_details(dests: list[dict[str, Any]]) -> None:
     """What needs attention: leases held, failures by error, blocked keys."""
     leases = [(d["destination"], x) for d in dests for x in d["in_flight"]]
     if leases:
-        click.echo("\nin flight:")
+        echo()
+        echo("in flight:")
         for name, x in leases:
             left = x["lease_left_s"]
             lease = (
-                f"lease {format_duration(left)} left" if left >= 0 else paint("LEASE EXPIRED", BAD)
+                f"lease {format_duration(left)} left" if left >= 0 else Tint("LEASE EXPIRED", BAD)
             )
-            click.echo(f"  {name}: {x['rows']} row(s) held by {x['relay']} ({lease})")
+            echo(f"  {name}: {x['rows']} row(s) held by {x['relay']} (", lease, ")")
     errors = [(d["destination"], e) for d in dests for e in d["failed_errors"]]
     if errors:
-        click.echo("\nfailed (retry with `outbox-relay retry --destination NAME`):")
+        echo()
+        echo("failed (retry with `outbox-relay retry --destination NAME`):")
         for name, e in errors:
-            err = (e["error"] or "no error recorded").replace("\n", " ")
-            click.echo(f"  {name}: {e['rows']} x {err[:160]}")
+            err = printable(e["error"] or "no error recorded", 160)
+            echo(f"  {name}: {e['rows']} x {err}")
     blocked = [(d["destination"], b) for d in dests for b in d["blocked_keys"]]
     if blocked:
-        click.echo(
-            "\nkeys with a failed row ahead of pending rows (they wait where the destination "
+        echo()
+        echo(
+            "keys with a failed row ahead of pending rows (they wait where the destination "
             'has ordering = "key" and poison_policy = "block"; unblock with '
             "`outbox-relay retry --id ID` or `outbox-relay skip ID`):"
         )
         for name, b in blocked:
-            err = (b["error"] or "").replace("\n", " ")
-            click.echo(
+            echo(
                 f"  {name}: key {b['key']!r} held by failed row {b['failed_id']}, "
-                f"{b['waiting']} row(s) waiting: {err[:120]}"
+                f"{b['waiting']} row(s) waiting: {printable(b['error'] or '', 120)}"
             )
 
 
@@ -395,13 +381,15 @@ def show(
     else:
         for i, row in enumerate(found):
             if i:
-                click.echo()
+                echo()
             for k, v in row.items():
-                if k == "headers":
-                    v = json.dumps(v, ensure_ascii=False)
-                elif k == "status":
-                    v = paint(v, STATUS_COLOURS.get(v))
-                click.echo(f"{k + ':':<16} {'-' if v is None else v}")
+                if k == "status":
+                    text: str = Tint(v, STATUS_COLOURS.get(v))
+                elif k == "headers":
+                    text = json.dumps(v, ensure_ascii=False)
+                else:
+                    text = "-" if v is None else str(v)
+                echo(f"{k + ':':<16} ", text)
             _print_event_deliveries(row["id"], activity)
     if missing:
         raise click.ClickException(
@@ -422,7 +410,7 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
         return  # not an event of an `endpoints` destination (or not fanned out yet)
     counts = Counter(d["status"] for d in deliveries)
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    click.echo(f"{'deliveries:':<16} {len(deliveries)}" + (f" ({summary})" if summary else ""))
+    echo(f"{'deliveries:':<16} {len(deliveries)}" + (f" ({summary})" if summary else ""))
     rows: list[tuple[str, ...]]
     if deliveries:
         rows = [("ENDPOINT", "ORIGIN", "STATUS", "ATTEMPTS", "HTTP", "FINISHED", "LAST ERROR")]
@@ -438,15 +426,15 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
                     _line(d["last_error"], 120),
                 )
             )
-        _print_rows(rows, "  ")
+        print_table(rows, indent="  ")
         if len(deliveries) > SHOWN_DELIVERIES:
-            click.echo(f"  … {len(deliveries) - SHOWN_DELIVERIES} more (--json lists them all)")
+            echo(f"  … {len(deliveries) - SHOWN_DELIVERIES} more (--json lists them all)")
     if not attempts:
-        click.echo(f"{'attempt_log:':<16} no attempts yet")
+        echo(f"{'attempt_log:':<16} no attempts yet")
         return
     shown = attempts[-SHOWN_ATTEMPTS:]
     older = len(attempts) - len(shown)
-    click.echo(
+    echo(
         f"{'attempt_log:':<16} {len(attempts)} attempt(s), oldest first"
         + (f"; the {older} oldest left out (--json lists them all)" if older else "")
     )
@@ -464,7 +452,7 @@ def _print_event_deliveries(event_id: int, activity: dict[str, Any]) -> None:
                 text,
             )
         )
-    _print_rows(rows, "  ")
+    print_table(rows, indent="  ")
 
 
 # Ids are bigint: a larger number is a usage error, not a database error.
@@ -545,7 +533,7 @@ def list_(
         return
     rows = page["rows"]
     if not rows:
-        click.echo("no rows match" + (f" below id {before_id}" if before_id else ""))
+        echo("no rows match" + (f" below id {before_id}" if before_id else ""))
         return
     table: list[tuple[str, ...]] = [
         ("ID", "DESTINATION", "KEY", "STATUS", "ATTEMPTS", "CREATED", "RUN AFTER", "LAST ERROR")
@@ -563,11 +551,9 @@ def list_(
                 _line(r["last_error"], LIST_ERROR_CHARS),
             )
         )
-    _print_rows(table)
+    print_table(table)
     if page["next_before_id"] is not None:
-        click.echo(
-            f"… more: the next page is this command with --before-id {page['next_before_id']}"
-        )
+        echo(f"… more: the next page is this command with --before-id {page['next_before_id']}")
 
 
 # `list` in text: a row's last error cut to this (--json has it whole).
@@ -649,9 +635,9 @@ def retry(
         echo_json(result)
         return
     verb = "would retry" if dry_run else "retried"
-    click.echo(f"{verb} {result['rows']} failed row(s)")
+    echo(f"{verb} {result['rows']} failed row(s)")
     for line in _retry_lines(result):
-        click.echo(line)
+        echo(line)
 
 
 # --- progress on the terminal -------------------------------------------------------------
@@ -682,12 +668,12 @@ class ProgressLine:
             return
         self._at = time.monotonic()
         self._text = text
-        click.echo("\r" + text.ljust(self._drawn), err=True, nl=False)
+        echo(Control("\r"), text.ljust(self._drawn), err=True, nl=False)
         self._drawn = len(text)
 
     def wipe(self) -> None:
         if self._drawn:
-            click.echo("\r" + " " * self._drawn + "\r", err=True, nl=False)
+            echo(Control("\r"), " " * self._drawn, Control("\r"), err=True, nl=False)
             self._drawn = 0
             self._text = ""
 
@@ -751,10 +737,10 @@ def _confirm(summary: str, lines: list[str], action: str, *, empty: bool) -> Non
         )
     if empty:
         return  # nothing to do: the command says so
-    click.echo(f"{summary}:", err=True)
+    echo(f"{summary}:", err=True)
     for line in lines:
-        click.echo(line, err=True)
-    click.confirm(f"{action}?", abort=True, err=True)
+        echo(line, err=True)
+    confirm(f"{action}?")
 
 
 def _on_terminal() -> bool:
@@ -854,12 +840,10 @@ def _confirm_replay(
     )
     if not preview["replayed"]:
         return  # nothing to send: the replay says so
-    click.confirm(
+    confirm(
         f"send again {preview['replayed']} {what} deliveries ({_by_status(preview)}) of "
         f"endpoint {endpoint_id} ({preview['origin']}) created in the last "
-        f"{format_duration(since)}?",
-        abort=True,
-        err=True,
+        f"{format_duration(since)}?"
     )
 
 
@@ -874,28 +858,26 @@ def _endpoint_named(endpoint_id: int, origin: str | None) -> str:
 def _print_replayed_event(r: dict[str, Any]) -> None:
     event_id = r["event_id"]
     if r["replayed"]:
-        click.echo(
+        echo(
             f"replaying event {event_id} to {r['replayed']} endpoint(s) with the same "
             f"webhook-id ({event_id}): relays send it now"
         )
     else:
-        click.echo(f"nothing replayed for event {event_id}")
+        echo(f"nothing replayed for event {event_id}")
     for d in r["deliveries"]:
         name = _endpoint_named(d["endpoint_id"], d["origin"])
         if d["created"]:
-            click.echo(f"  {name}: added (the event had not gone to it)")
+            echo(f"  {name}: added (the event had not gone to it)")
         elif d["replayed"]:
-            click.echo(f"  {name}: was {d['was']}")
+            echo(f"  {name}: was {d['was']}")
         elif d["was"] == "running":
-            click.echo(
-                f"  {name}: left alone, running: relay {d['held_by'] or '?'} is sending it now"
-            )
+            echo(f"  {name}: left alone, running: relay {d['held_by'] or '?'} is sending it now")
         elif d.get("mismatch"):
-            click.echo(f"  {name}: left alone, it no longer takes this event: {d['mismatch']}")
+            echo(f"  {name}: left alone, it no longer takes this event: {d['mismatch']}")
         else:
-            click.echo(f"  {name}: left alone, the endpoint was deleted")
+            echo(f"  {name}: left alone, the endpoint was deleted")
     for eid in r["disabled_endpoints"]:
-        click.echo(
+        echo(
             f"endpoint {eid} is disabled: its replay waits until "
             f"`outbox-relay endpoints enable {eid}`"
         )
@@ -906,24 +888,24 @@ def _print_replayed_endpoint(r: dict[str, Any]) -> None:
     what = "failed" if r["failed_only"] else "not running"
     window = format_duration(r["since_s"])
     if r["replayed"]:
-        click.echo(
+        echo(
             f"replaying {r['replayed']} {what} deliveries of {name} created in the last "
             f"{window} ({_by_status(r)}): relays send them now, with their events' webhook-ids"
         )
     else:
-        click.echo(f"no {what} deliveries of {name} created in the last {window} to replay")
+        echo(f"no {what} deliveries of {name} created in the last {window} to replay")
     if r["skipped_event_gone"]:
-        click.echo(
+        echo(
             f"skipped {r['skipped_event_gone']} whose event is gone (deleted by retention or "
             "purge): nothing to send"
         )
     if r.get("skipped_not_taken"):
-        click.echo(
+        echo(
             f"skipped {r['skipped_not_taken']} whose event the endpoint no longer takes (its "
             "tenant or event types changed since): a replay never crosses tenants"
         )
     if r["replayed"] and not r["endpoint_enabled"]:
-        click.echo(
+        echo(
             f"endpoint {r['endpoint_id']} is disabled: the replays wait until "
             f"`outbox-relay endpoints enable {r['endpoint_id']}`"
         )
@@ -1012,15 +994,15 @@ def purge(
         echo_json(result)
         return
     if dry_run:
-        click.echo(f"would delete {result['rows']} row(s) older than {older}")
+        echo(f"would delete {result['rows']} row(s) older than {older}")
         for line in _purge_lines(result):
-            click.echo(line)
+            echo(line)
         return
     d = result["deleted"]
     what = f"{d['delivered']} delivered, {d['skipped']} skipped" + (
         f" and {d['failed']} failed" if failed else ""
     )
-    click.echo(f"deleted {what} row(s) older than {older} in {result['batches']} batch(es)")
+    echo(f"deleted {what} row(s) older than {older} in {result['batches']} batch(es)")
 
 
 def _purge_lines(result: dict[str, Any]) -> list[str]:
@@ -1053,9 +1035,9 @@ def pause(
     if as_json:
         echo_json(result)
     elif result["already_paused"]:
-        click.echo(f"{destination} was already paused (since {result['since']})")
+        echo(f"{destination} was already paused (since {result['since']})")
     else:
-        click.echo(
+        echo(
             f"paused {destination}: relays stop claiming it within one poll interval; "
             f"in-flight rows finish. Undo with `outbox-relay resume {destination}`."
         )
@@ -1071,9 +1053,9 @@ def resume(database_url: str, schema: str, as_json: bool, destination: str) -> N
     if as_json:
         echo_json(result)
     elif result["was_paused"]:
-        click.echo(f"resumed {destination}: relays claim it again within one poll interval")
+        echo(f"resumed {destination}: relays claim it again within one poll interval")
     else:
-        click.echo(f"{destination} was not paused; nothing to do")
+        echo(f"{destination} was not paused; nothing to do")
 
 
 @click.command(short_help="Give up on failed rows: mark them skipped.")
@@ -1117,4 +1099,4 @@ def skip(
         echo_json(result)
         return
     verb = "would skip" if dry_run else "skipped"
-    click.echo(f"{verb} {result['rows']} row(s): {', '.join(map(str, result['ids']))}")
+    echo(f"{verb} {result['rows']} row(s): {', '.join(map(str, result['ids']))}")

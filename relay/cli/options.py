@@ -1,5 +1,6 @@
 """What the commands share: the database and schema options, durations and times as
-arguments, JSON output, and one clear error for any database problem."""
+arguments, JSON output, one clear error for any database problem, and the text output for
+people (every line through echo(), escaped by printable() and coloured)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import functools
 import getpass
 import json
 import os
+import re
 import socket
 import sys
-from collections.abc import Awaitable, Callable
+import unicodedata
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -58,7 +61,7 @@ def warn_schema_deprecation() -> None:
     """Say on stderr that OUTBOX_RELAY_SCHEMA is deprecated, if it is set."""
     message = schema_deprecation()
     if message:
-        click.echo(f"outbox-relay: warning: {message}", err=True)
+        echo(f"outbox-relay: warning: {message}", err=True)
 
 
 def _schema_from_environment() -> str | None:
@@ -107,7 +110,7 @@ def _load_config(path: Path, database_url: str | None) -> Settings:
     try:
         settings = load_settings(path, **overrides)
     except ConfigError as exc:
-        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo_lines(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         sys.exit(2)
     finally:
         log_schema_deprecation.reset(token)
@@ -277,8 +280,8 @@ def paint(text: str, colour: str | None) -> str:
 
 
 class Tint(str):
-    """A table cell to print in a colour: aligned by the plain text it is (escape codes take
-    no room on the screen), then painted, its padding left plain (see painted)."""
+    """A part of a line (a table cell) to print in a colour: escaped, aligned by the text it
+    then is (escape codes take no room on the screen), and painted, its padding left plain."""
 
     colour: str | None
 
@@ -288,14 +291,99 @@ class Tint(str):
         return cell
 
 
-def painted(cell: str, padded: str) -> str:
-    """``padded`` (``cell`` aligned with spaces) with ``cell`` in its colour, if it is a
-    Tint."""
-    if not isinstance(cell, Tint):
-        return padded
-    if padded.startswith(cell):
-        return paint(cell, cell.colour) + padded[len(cell) :]
-    return padded[: len(padded) - len(cell)] + paint(cell, cell.colour)
+# --- text output: nothing the database or a receiver wrote reaches the terminal raw --------
+
+
+class Control(str):
+    """The command's own terminal control (clearing the screen, going back to redraw a line of
+    progress): the one part of a line that echo() writes as it is."""
+
+
+# Printable ASCII needs no look: anything else is looked at one character at a time.
+_MAYBE_HIDDEN = re.compile(r"[^ -~]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    # What str.isprintable() refuses, but for spaces: controls (C0, DEL, C1: escape sequences,
+    # a carriage return that overwrites a line, a newline that forges one), format characters
+    # (bidi overrides that reorder what follows, zero-width characters), line and paragraph
+    # separators, surrogates, private and unassigned code points.
+    if char.isprintable() or unicodedata.category(char) == "Zs":
+        return char
+    return char.encode("unicode_escape").decode("ascii")  # \x1b, \n, \u202e, \U000e0041
+
+
+def printable(text: str, limit: int | None = None) -> str:
+    r"""``text`` with every character a terminal would act on or not show written as its
+    escape, as Python writes it (``\x1b``, ``\n``, ``\u202e``), so that nothing is hidden;
+    other text, whatever its script, stays as it is. Backslashes are left alone: the text
+    reads as it was, and the result holds no control character whatever the input (escaping
+    it again changes nothing). With ``limit``: at most that many characters, cut with "…"
+    between whole characters (never inside an escape)."""
+    shown = _MAYBE_HIDDEN.sub(_escaped, text)
+    if limit is None or len(shown) <= limit:
+        return shown
+    kept: list[str] = []
+    room = limit - 1  # for the "…"
+    for char in text:
+        piece = _MAYBE_HIDDEN.sub(_escaped, char)
+        room -= len(piece)
+        if room < 0:
+            break
+        kept.append(piece)
+    return "".join(kept) + "…"
+
+
+def _shown(part: str) -> str:
+    if isinstance(part, Control):
+        return part
+    text = printable(part)
+    return paint(text, part.colour) if isinstance(part, Tint) else text
+
+
+def echo(*parts: str, err: bool = False, nl: bool = True, color: bool | None = None) -> None:
+    """Write one line of text output (on stderr with ``err``): every part escaped by
+    printable(), a Tint part then painted in its colour, a Control part as it is. Every
+    command writes its text through this (or echo_lines, print_table, confirm), so that text
+    from the database, from a receiver or from the command line cannot drive the terminal."""
+    click.echo("".join(map(_shown, parts)), err=err, nl=nl, color=color)
+
+
+def echo_exact(text: str) -> None:
+    """Output meant for another program (SQL for psql), which, like JSON, must be exactly
+    what it says: not escaped. Only the commands' own text and names the operator gave."""
+    click.echo(text)
+
+
+def echo_lines(text: str, *, err: bool = False) -> None:
+    """A text of several lines written by the program (a configuration's problems, a
+    traceback): each line escaped on its own, so that its line breaks stay."""
+    for line in text.split("\n"):
+        echo(line, err=err)
+
+
+def confirm(question: str) -> None:
+    """Ask ``question`` (escaped) on the terminal; abort unless the answer is yes."""
+    click.confirm(printable(question), abort=True, err=True)
+
+
+def print_table(rows: Sequence[Sequence[str]], *, indent: str = "", numbers: bool = False) -> None:
+    """Columns aligned to the left (with ``numbers``, all but the first to the right), the
+    last as it is (free text). Each cell is measured as it is printed, escaped; a Tint cell is
+    painted, its padding left plain."""
+    shown = [[printable(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(rows[0]) - 1)]
+    for cells, texts in zip(rows, shown, strict=True):
+        line = [indent]
+        for i, (cell, text) in enumerate(zip(cells, texts, strict=True)):
+            tinted = paint(text, cell.colour) if isinstance(cell, Tint) else text
+            if i == len(widths):
+                line.append(tinted)
+                break
+            pad = " " * (widths[i] - len(text))
+            line += [pad, tinted, "  "] if numbers and i else [tinted, pad, "  "]
+        click.echo("".join(line))
 
 
 def age(seconds: float | None) -> str:

@@ -15,7 +15,13 @@ from outbox.errors import describe
 from outbox.migrate import MigrationError
 from outbox.migrate import migrate as run_migrations
 from relay import secrets
-from relay.cli.options import database_url_option, schema_option
+from relay.cli.options import (
+    database_url_option,
+    echo,
+    echo_exact,
+    echo_lines,
+    schema_option,
+)
 from relay.config import (
     ConfigError,
     Settings,
@@ -47,7 +53,7 @@ def migrate(database_url: str, schema: str, dry_run: bool, wait: float) -> None:
     """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
 
     def notify(message: str) -> None:
-        click.echo(f"outbox-relay: {message}", err=True)
+        echo(f"outbox-relay: {message}", err=True)
 
     try:
         result = asyncio.run(
@@ -67,21 +73,21 @@ def migrate(database_url: str, schema: str, dry_run: bool, wait: float) -> None:
             "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."
         ) from exc
     if not result.applied:
-        click.echo(f"schema {schema!r} is up to date (versions {result.already or 'none'})")
+        echo(f"schema {schema!r} is up to date (versions {result.already or 'none'})")
         return
     for m in result.applied:
         if dry_run:
-            click.echo(f"-- {m.version:04d}_{m.name}.sql (would apply to schema {schema!r})")
-            click.echo(m.script(schema))
+            echo(f"-- {m.version:04d}_{m.name}.sql (would apply to schema {schema!r})")
+            echo_exact(m.script(schema))  # for psql: the schema's name as it is
         else:
-            click.echo(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
+            echo(f"applied {m.version:04d}_{m.name} to schema {schema!r}")
 
 
 def _load(config: Path | None) -> Settings:
     try:
         settings = load_settings(config)
     except ConfigError as exc:
-        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo_lines(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         sys.exit(2)
     # From here on no log event or error message of this process can print them.
     secrets.register(settings_secrets(settings))
@@ -104,8 +110,8 @@ def run(config: Path | None, check: bool) -> None:
     unknown = unknown_environment(top_level_keys(), named_variables(settings))
     if check:
         for name in unknown:
-            click.echo(f"outbox-relay: warning: {name} is not a setting; it is ignored", err=True)
-        click.echo(
+            echo(f"outbox-relay: warning: {name} is not a setting; it is ignored", err=True)
+        echo(
             f"configuration OK: {len(settings.destinations)} destination(s), "
             f"schema {settings.relay.db_schema!r}"
         )
@@ -142,5 +148,5 @@ async def _run(settings: Settings) -> int:
     try:
         return await relay.run()
     except RelayStartupError as exc:
-        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo_lines(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         return 1

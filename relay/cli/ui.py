@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from relay.cli.options import database_options
+from relay.cli.options import database_options, echo
 
 
 @click.command(short_help="Serve the operator console (a web page).")
@@ -33,5 +33,5 @@ def ui(
         raise click.UsageError(str(exc)) from None
     app = build_console(database_url, token, schema=schema, read_only=read_only)
     mode = " (read-only)" if read_only else ""
-    click.echo(f"console{mode} on http://{host}:{port}/ for schema {schema!r}", err=True)
+    echo(f"console{mode} on http://{host}:{port}/ for schema {schema!r}", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", server_header=False)

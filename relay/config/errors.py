@@ -75,6 +75,13 @@ def _kinds(kinds: Sequence[str], between: str) -> str:
     return between.join(f'"{k}"' for k in kinds)
 
 
+def _key(part: object) -> str:
+    # A destination's or a header's name is any TOML key: one a terminal would act on (an
+    # escape sequence, a newline that starts a line of its own) is shown quoted and escaped.
+    name = str(part)
+    return name if name.isprintable() else repr(name)
+
+
 def format_errors(exc: ValidationError, echoable: frozenset[str], kinds: Sequence[str]) -> str:
     """One line per error: the key, what is wrong, and the input where it is safe to show.
     ``echoable`` (see :func:`echoable_fields`) and ``kinds`` (the kinds of destination) come
@@ -82,7 +89,7 @@ def format_errors(exc: ValidationError, echoable: frozenset[str], kinds: Sequenc
     lines = []
     for err in exc.errors():
         parts = tuple(p for p in err["loc"] if not str(p).startswith("function-after"))
-        loc = ".".join(str(p) for p in parts)
+        loc = ".".join(_key(p) for p in parts)
         loc = loc.replace("schema_", "schema") or "(top level)"
         msg = _message(err, loc, kinds)
         got = err.get("input")

@@ -20,7 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 
 import outbox
-from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
+from outbox.dburl import redact, to_asyncpg_dsn, to_sqlalchemy_async_url
 from outbox.migrate import migrate
 from relay.config import load_settings
 from relay.logs import configure
@@ -174,6 +174,11 @@ async def run_demo(
                 f"in {elapsed:.2f}s; the rolled-back order's event did not "
                 f"({'OK' if ok else 'MISMATCH'})"
             )
+            if keep:
+                click.echo(
+                    f"kept scratch database {urlsplit(db_url).path[1:]}: `outbox-relay status "
+                    f"--database-url {redact(db_url)}` shows its rows"
+                )
             return 0 if ok else 1
     finally:
         if broker is not None:

