@@ -1,18 +1,32 @@
 """The console's pages and actions against a real server and database (issue #26, item 9):
-the endpoints page past its first page."""
+the endpoints page past its first page, sessions that end on sign-out, and operators with
+tokens of their own named in the log of what they do."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import structlog
 
+from relay.tools.localbroker import free_port
 from relay.ui.app import build_console
 from tests.support.asgi import serve
-from tests.test_console import TOKEN, csrf_of, sql
+from tests.support.relays import running, settings, wait_until
+from tests.test_console import TOKEN, bearer, csrf_of, seed, sql
 from tests.webhook_helpers import SECRET
+
+ALICE = "alice-token-0123456789abcdef"
+BOB = "bob-token-0123456789abcdefgh"
 
 
 @pytest.fixture
@@ -117,3 +131,211 @@ async def test_the_endpoints_page_pages_past_its_first_500(db_url: str, operator
         db_url, "SELECT count(*) AS n FROM outbox_endpoints WHERE destination = 'odd'"
     )
     assert len({i for p in odd for i in p}) == count["n"]
+
+
+# --- sign-out ends the session on the server ----------------------------------------------
+
+
+async def test_a_signed_out_session_no_longer_works(console_url: str) -> None:
+    async with (
+        httpx.AsyncClient(base_url=console_url) as first,
+        httpx.AsyncClient(base_url=console_url) as second,
+    ):
+        one = await Operator(first).sign_in()
+        await Operator(second).sign_in()
+        cookie = one.cookie
+        assert (await first.get("/api/status")).status_code == 200
+        out = await first.post("/logout")
+        assert out.status_code == 303 and out.headers["location"] == "/login"
+        # The old cookie, sent again as it was (a copy kept elsewhere): refused.
+        replayed = await first.get(
+            "/api/status", headers={"cookie": f"__Host-outbox_console={cookie}"}
+        )
+        assert replayed.status_code == 401
+        refused = await first.post(
+            "/actions/pause",
+            data={"destination": "orders", "csrf": one.csrf, "confirm": "yes"},
+            headers={"cookie": f"__Host-outbox_console={cookie}"},
+        )
+        assert refused.status_code == 401
+        # Only that session: another sign-in keeps working.
+        assert (await second.get("/api/status")).status_code == 200
+
+
+# --- operators with tokens of their own -----------------------------------------------------
+
+
+@pytest.fixture
+async def operators_url(db_url: str) -> AsyncIterator[str]:
+    app = build_console(db_url, None, operators={"alice": ALICE, "bob": BOB})
+    async with serve(app) as url:
+        yield url
+
+
+async def test_each_operator_signs_in_with_their_token_and_is_named_in_the_audit_log(
+    db_url: str, operators_url: str
+) -> None:
+    await seed(db_url)
+    [failed] = await sql(
+        db_url, "SELECT id FROM outbox WHERE destination = 'orders' AND status = 'failed'"
+    )
+    async with (
+        httpx.AsyncClient(base_url=operators_url) as a,
+        httpx.AsyncClient(base_url=operators_url) as b,
+    ):
+        # With operators, the shared token is no token at all.
+        shared = await a.post("/login", data={"token": TOKEN, "next": "/"})
+        assert shared.status_code == 401
+        assert (await a.get("/api/status", headers=bearer())).status_code == 401
+        with structlog.testing.capture_logs() as logs:
+            alice = await Operator(a).sign_in(ALICE)
+            assert (await alice.act("pause", destination="orders", next="/")).status_code == 303
+            # Bob, as a script: his token in the header.
+            b.headers["authorization"] = f"Bearer {BOB}"
+            preview = await b.post("/actions/skip", data={"ids": str(failed["id"])})
+            assert (
+                await b.post("/actions/skip", data=confirm_form(preview.text))
+            ).status_code == 303
+            await a.post("/logout")
+    [paused] = await sql(db_url, "SELECT paused_by FROM outbox_paused")
+    assert paused["paused_by"] == "alice (console)"
+    [skipped] = await sql(db_url, "SELECT last_error FROM outbox WHERE id = $1", failed["id"])
+    assert "skipped by bob (console)" in skipped["last_error"]
+    acted = [(e["event"], e.get("operator"), e.get("action")) for e in logs]
+    assert ("relay.console.signed_in", "alice", None) in acted
+    assert ("relay.console.action", "alice", "pause") in acted
+    assert ("relay.console.action", "bob", "skip") in acted
+    assert ("relay.console.signed_out", "alice", None) in acted
+    # Previews act on nothing and are not logged as actions.
+    assert [x for x in acted if x[0] == "relay.console.action"] == [
+        ("relay.console.action", "alice", "pause"),
+        ("relay.console.action", "bob", "skip"),
+    ]
+    assert not any(ALICE in json.dumps(e, default=str) for e in logs)
+
+
+async def test_the_shared_token_is_named_as_such_in_the_audit_log(
+    db_url: str, operator: Operator
+) -> None:
+    await seed(db_url)
+    with structlog.testing.capture_logs() as logs:
+        assert (await operator.act("pause", destination="orders", next="/")).status_code == 303
+    [line] = [e for e in logs if e["event"] == "relay.console.action"]
+    assert line["operator"] is None and line["action"] == "pause"
+    assert line["destination"] == "orders"
+    [paused] = await sql(db_url, "SELECT paused_by FROM outbox_paused")
+    assert paused["paused_by"] == "console"
+
+
+def test_operator_settings_are_validated(
+    db_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from relay.config import ConfigError
+
+    monkeypatch.delenv("OUTBOX_UI_TOKEN", raising=False)
+    monkeypatch.delenv("OUTBOX_UI_OPERATORS", raising=False)
+
+    def ui(**fields: Any) -> Any:
+        return settings(db_url, "127.0.0.1:9", destinations={}, ui={"enabled": True, **fields})
+
+    for operators, says in (
+        ({"alice": "short"}, r"ui\.operators: the token of alice has 5 characters"),
+        ({"alice": ALICE, "bob": ALICE}, "alice and bob have the same token"),
+        ({"al ice": ALICE}, "'al ice' is not a usable operator name"),
+        ({}, "names no operator"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            ui(operators=operators)
+    with pytest.raises(ConfigError, match=r"both a shared token .* and operators"):
+        ui(token=TOKEN, operators={"alice": ALICE})
+    assert ui(operators={"alice": ALICE}).ui.credentials() == (None, {"alice": ALICE})
+    # From the environment, as a JSON object; or from a file of name = "token" lines.
+    monkeypatch.setenv("OUTBOX_UI_OPERATORS", json.dumps({"bob": BOB}))
+    assert settings(
+        db_url, "127.0.0.1:9", destinations={}, ui={"enabled": True}
+    ).ui.credentials() == (
+        None,
+        {"bob": BOB},
+    )
+    monkeypatch.delenv("OUTBOX_UI_OPERATORS")
+    listed = tmp_path / "operators.toml"
+    listed.write_text(f'alice = "{ALICE}"\nbob = "{BOB}"\n')
+    assert ui(operators_file=str(listed)).ui.credentials() == (None, {"alice": ALICE, "bob": BOB})
+    listed.write_text('alice = "short"\n')
+    with pytest.raises(ConfigError, match=f"{listed}.*alice"):
+        ui(operators_file=str(listed))
+    # Without operators, the shared token as before.
+    monkeypatch.setenv("OUTBOX_UI_TOKEN", TOKEN)
+    assert ui().ui.credentials() == (TOKEN, None)
+
+
+async def test_the_relay_console_takes_operators(db_url: str) -> None:
+    hook = {"kind": "webhook", "url": "http://127.0.0.1:9/", "secrets": [SECRET]}
+    s = settings(
+        db_url,
+        "127.0.0.1:9",
+        destinations={"hooks": hook},
+        ui={"enabled": True, "operators": {"alice": ALICE}},
+    )
+    async with running(s) as relay:
+        assert relay.http is not None
+        base = f"http://127.0.0.1:{relay.http.port}/ui"
+        async with httpx.AsyncClient() as client:
+            ok = await client.get(
+                base + "/api/status", headers={"authorization": f"Bearer {ALICE}"}
+            )
+            assert ok.status_code == 200
+            assert (await client.get(base + "/api/status", headers=bearer())).status_code == 401
+
+
+@pytest.fixture
+def ui_process(db_url: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    env["OUTBOX_UI_OPERATORS"] = json.dumps({"alice": ALICE})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay.cli", "ui", "--database-url", db_url, "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def test_outbox_relay_ui_takes_operators_and_logs_their_actions_as_json(
+    db_url: str, ui_process: tuple[str, subprocess.Popen[str]]
+) -> None:
+    url, proc = ui_process
+
+    async def up() -> bool:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            async with httpx.AsyncClient() as c:
+                await c.get(url + "/login")
+            return True
+        except httpx.TransportError:
+            return False
+
+    await wait_until(up, timeout=20, interval=0.1, what="outbox-relay ui serving")
+    await seed(db_url)
+    async with httpx.AsyncClient(base_url=url) as client:
+        client.headers["authorization"] = f"Bearer {ALICE}"
+        r = await client.post("/actions/pause", data={"destination": "orders", "confirm": "yes"})
+        assert r.status_code == 303, r.text[:500]
+    proc.terminate()
+    out, _ = await asyncio.to_thread(proc.communicate, None, 10)
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    [action] = [x for x in lines if x["event"] == "relay.console.action"]
+    assert action["operator"] == "alice" and action["action"] == "pause"
+    assert action["destination"] == "orders" and action["level"] == "info"
+    assert ALICE not in out

@@ -4,7 +4,8 @@ Each action is the operations command's function (relay/ops/admin.py, outbox.end
 with its checks and refusals. Those that change or delete many rows (retry, skip, purge, a
 replay of an endpoint's window) first show a preview with the counts of a dry run, and act
 only when that form is confirmed. Every action is refused in read-only mode, and without the
-CSRF value and a same-origin request (see security.py).
+session's CSRF value and a same-origin request (see security.py); each one done is logged as
+``relay.console.action``, with the operator.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs, quote
 
+import structlog
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
@@ -20,8 +22,10 @@ from outbox.errors import OutboxError, describe
 from relay.durations import parse_duration
 from relay.ops import admin
 from relay.ops.admin import AdminError, RetryFilter
-from relay.ui.pages import console_of
-from relay.ui.security import CSRF_FIELD, SESSION_SECONDS, cookie_name
+from relay.ui.pages import caller_of, console_of
+from relay.ui.security import CSRF_FIELD, SESSION_SECONDS, Who, cookie_name
+
+log = structlog.get_logger("relay.console")
 
 PURGE_BATCH = 5000
 
@@ -47,12 +51,27 @@ def _local(base: str, target: str | None) -> str:
     return base + "/"
 
 
-def _done(request: Request, form: Form, message: str) -> Response:
+def _who(request: Request) -> Who:
+    caller = caller_of(request)
+    assert caller is not None  # the gate let only those signed in through
+    return caller.who
+
+
+def _done(request: Request, form: Form, message: str, **target: Any) -> Response:
+    """After an action: the audit log's line, and back to the page it came from with what
+    happened (signed)."""
+    log.info(
+        "relay.console.action",
+        action=request.path_params["name"],
+        operator=_who(request).operator,
+        done=message,
+        **target,
+    )
     base = request.scope.get("root_path", "")
-    target = _local(base, form.get("next"))
-    sep = "&" if "?" in target else "?"
+    target_url = _local(base, form.get("next"))
+    sep = "&" if "?" in target_url else "?"
     sig = console_of(request).guard.sign(message)
-    return RedirectResponse(f"{target}{sep}msg={quote(message)}&sig={sig}", status_code=303)
+    return RedirectResponse(f"{target_url}{sep}msg={quote(message)}&sig={sig}", status_code=303)
 
 
 # --- sign-in ---------------------------------------------------------------------------------
@@ -62,7 +81,10 @@ async def login(request: Request) -> Response:
     console = console_of(request)
     form = await _form(request)
     base = request.scope.get("root_path", "")
-    if not console.guard.token_ok(form.get("token", "")):
+    who = console.guard.identify(form.get("token", ""))
+    if who is None:
+        client = request.client.host if request.client else None
+        log.warning("relay.console.sign_in_refused", client=client)
         return console.render(
             request,
             "login.html",
@@ -74,18 +96,25 @@ async def login(request: Request) -> Response:
     response = RedirectResponse(_local(base, form.get("next")), status_code=303)
     response.set_cookie(
         cookie_name(base),
-        console.guard.new_session(),
+        console.guard.new_session(who),
         max_age=SESSION_SECONDS,
         httponly=True,
         secure=True,  # browsers keep it on http://127.0.0.1 and localhost too
         samesite="strict",
         path=base + "/",
     )
+    log.info("relay.console.signed_in", operator=who.operator)
     return response
 
 
 async def logout(request: Request) -> Response:
+    """Sign-out ends the session here, not only in the browser: its cookie, kept or copied,
+    no longer signs anyone in."""
+    console = console_of(request)
     base = request.scope.get("root_path", "")
+    ended = console.guard.end_session(request.cookies.get(cookie_name(base), ""))
+    if ended is not None:
+        log.info("relay.console.signed_out", operator=ended.who.operator)
     response = RedirectResponse(base + "/login", status_code=303)
     response.delete_cookie(cookie_name(base), path=base + "/", secure=True, httponly=True)
     return response
@@ -103,7 +132,9 @@ async def act(request: Request) -> Response:
     if kind != "application/x-www-form-urlencoded":
         return _refused(request, "actions take an urlencoded form", 415)
     form = await _form(request)
-    why = console.guard.action_allowed(request, form.get(CSRF_FIELD))
+    caller = caller_of(request)
+    assert caller is not None  # the gate
+    why = console.guard.action_allowed(request, caller, form.get(CSRF_FIELD))
     if why is not None:
         return _refused(request, why, 403)
     handler = ACTIONS.get(name)
@@ -116,6 +147,15 @@ async def act(request: Request) -> Response:
 
 
 def _refused(request: Request, why: str, status: int = 400) -> Response:
+    caller = caller_of(request)
+    log.warning(
+        "relay.console.refused",
+        path=request.url.path,
+        action=request.path_params.get("name"),
+        operator=caller.who.operator if caller is not None else None,
+        status=status,
+        error=why,
+    )
     return console_of(request).render(
         request, "message.html", status_code=status, title="Refused", text=why
     )
@@ -185,19 +225,26 @@ async def _retry(request: Request, form: Form) -> Response:
                 request, form, "Retry failed rows", _per_destination(preview), preview["rows"]
             )
         done = await admin.retry(conn, console.schema, flt, dry_run=False)
-    return _done(request, form, f"{done['rows']} row(s) back to pending")
+    return _done(
+        request,
+        form,
+        f"{done['rows']} row(s) back to pending",
+        rows=done["rows"],
+        destinations=sorted(done["destinations"]),
+    )
 
 
 async def _skip(request: Request, form: Form) -> Response:
     console = console_of(request)
     ids = _ids(form)
+    by = _who(request).by
     async with console.connection() as conn:
         if not _confirmed(form):
-            preview = await admin.skip(conn, console.schema, ids, "console", dry_run=True)
+            preview = await admin.skip(conn, console.schema, ids, by, dry_run=True)
             lines = [f"rows {', '.join(map(str, preview['ids']))}: failed → skipped (never sent)"]
             return _preview(request, form, "Skip failed rows", lines, preview["rows"])
-        done = await admin.skip(conn, console.schema, ids, "console", dry_run=False)
-    return _done(request, form, f"{done['rows']} row(s) skipped")
+        done = await admin.skip(conn, console.schema, ids, by, dry_run=False)
+    return _done(request, form, f"{done['rows']} row(s) skipped", ids=done["ids"])
 
 
 async def _purge(request: Request, form: Form) -> Response:
@@ -219,7 +266,14 @@ async def _purge(request: Request, form: Form) -> Response:
                 request, form, "Purge finished rows", _per_destination(preview), preview["rows"]
             )
         done = await admin.purge(conn, console.schema, dry_run=False, **args)
-    return _done(request, form, f"{done['rows']} row(s) deleted")
+    return _done(
+        request,
+        form,
+        f"{done['rows']} row(s) deleted",
+        rows=done["rows"],
+        destination=dest,
+        older_than_s=older_than,
+    )
 
 
 async def _pause(request: Request, form: Form) -> Response:
@@ -227,9 +281,10 @@ async def _pause(request: Request, form: Form) -> Response:
     dest = form.get("destination", "")
     if not dest:
         raise AdminError("which destination?")
+    reason = form.get("reason") or None
     async with console.connection() as conn:
-        await admin.pause(conn, console.schema, dest, "console", form.get("reason") or None)
-    return _done(request, form, f"{dest} paused")
+        await admin.pause(conn, console.schema, dest, _who(request).by, reason)
+    return _done(request, form, f"{dest} paused", destination=dest, reason=reason)
 
 
 async def _resume(request: Request, form: Form) -> Response:
@@ -238,7 +293,10 @@ async def _resume(request: Request, form: Form) -> Response:
     async with console.connection() as conn:
         done = await admin.resume(conn, console.schema, dest)
     return _done(
-        request, form, f"{dest} resumed" if done["was_paused"] else f"{dest} was not paused"
+        request,
+        form,
+        f"{dest} resumed" if done["was_paused"] else f"{dest} was not paused",
+        destination=dest,
     )
 
 
@@ -251,7 +309,14 @@ async def _replay(request: Request, form: Form) -> Response:
             if event is None:
                 raise AdminError("the event id must be a whole number")
             done = await admin.replay_event(conn, console.schema, event, endpoint)
-            return _done(request, form, f"event {form['event']} replayed ({_count(done)})")
+            return _done(
+                request,
+                form,
+                f"event {event} replayed ({_count(done)})",
+                event_id=event,
+                endpoint=endpoint,
+                replayed=done["replayed"],
+            )
         if endpoint is None:
             raise AdminError("give an event id, or an endpoint and a window")
         since = parse_duration(form.get("since") or "1h")
@@ -265,7 +330,15 @@ async def _replay(request: Request, form: Form) -> Response:
         done = await admin.replay_endpoint(
             conn, console.schema, endpoint, since=since, failed_only=failed_only
         )
-    return _done(request, form, f"replayed to endpoint {endpoint} ({_count(done)})")
+    return _done(
+        request,
+        form,
+        f"replayed to endpoint {endpoint} ({_count(done)})",
+        endpoint=endpoint,
+        since_s=since,
+        failed_only=failed_only,
+        replayed=done["replayed"],
+    )
 
 
 def _count(result: dict[str, Any]) -> int:
@@ -292,16 +365,17 @@ async def _endpoint_state(request: Request, form: Form) -> Response:
     async with console.sqlalchemy().begin() as conn:
         if what == "endpoint-disable":
             await endpoints.disable(conn, eid, reason=form.get("reason") or "disabled in console")
-            return _done(request, form, f"endpoint {eid} disabled")
+            return _done(request, form, f"endpoint {eid} disabled", endpoint=eid)
         if what == "endpoint-enable":
             await endpoints.enable(conn, eid)
-            return _done(request, form, f"endpoint {eid} enabled")
+            return _done(request, form, f"endpoint {eid} enabled", endpoint=eid)
         await endpoints.rotate_secret(conn, eid)
     return _done(
         request,
         form,
         f"endpoint {eid} has a new secret (the previous one signs for 24 h); read it with "
         f"`outbox-relay endpoints show {eid} --show-secret`",
+        endpoint=eid,
     )
 
 
@@ -328,6 +402,8 @@ async def _endpoint_add(request: Request, form: Form) -> Response:
         form,
         f"added endpoint {ep.id} to {ep.destination}; read its secret with "
         f"`outbox-relay endpoints show {ep.id} --show-secret`",
+        endpoint=ep.id,
+        destination=ep.destination,
     )
 
 

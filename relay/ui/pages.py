@@ -16,6 +16,7 @@ from relay.ui import queries
 
 if TYPE_CHECKING:
     from relay.ui.app import Console
+    from relay.ui.security import Caller
 
 ROWS_PER_PAGE = 50
 ENDPOINTS_PER_PAGE = 500
@@ -24,6 +25,12 @@ ENDPOINTS_PER_PAGE = 500
 def console_of(request: Request) -> Console:
     console: Console = request.app.state.console
     return console
+
+
+def caller_of(request: Request) -> Caller | None:
+    """Who makes the request, as the gate found out (None on the sign-in page)."""
+    caller: Caller | None = request.scope.get("state", {}).get("caller")
+    return caller
 
 
 def age(seconds: float | None) -> str:
