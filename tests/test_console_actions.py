@@ -1,6 +1,6 @@
 """The console's pages and actions against a real server and database (issue #26, item 9):
-the endpoints page past its first page, sessions that end on sign-out, and operators with
-tokens of their own named in the log of what they do."""
+the endpoints page past its first page, sessions that end on sign-out, operators with tokens
+of their own named in the log of what they do, and what asks for confirmation."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ from typing import Any
 import httpx
 import pytest
 import structlog
+from playwright.async_api import Browser, async_playwright
 
 from relay.tools.localbroker import free_port
 from relay.ui.app import build_console
 from tests.support.asgi import serve
+from tests.support.browser import chromium
 from tests.support.relays import running, settings, wait_until
 from tests.test_console import TOKEN, bearer, csrf_of, seed, sql
 from tests.webhook_helpers import SECRET
@@ -189,7 +191,8 @@ async def test_each_operator_signs_in_with_their_token_and_is_named_in_the_audit
         assert (await a.get("/api/status", headers=bearer())).status_code == 401
         with structlog.testing.capture_logs() as logs:
             alice = await Operator(a).sign_in(ALICE)
-            assert (await alice.act("pause", destination="orders", next="/")).status_code == 303
+            asked = await alice.act("pause", destination="orders", next="/")
+            assert (await alice.confirm("pause", asked)).status_code == 303
             # Bob, as a script: his token in the header.
             b.headers["authorization"] = f"Bearer {BOB}"
             preview = await b.post("/actions/skip", data={"ids": str(failed["id"])})
@@ -219,7 +222,8 @@ async def test_the_shared_token_is_named_as_such_in_the_audit_log(
 ) -> None:
     await seed(db_url)
     with structlog.testing.capture_logs() as logs:
-        assert (await operator.act("pause", destination="orders", next="/")).status_code == 303
+        asked = await operator.act("pause", destination="orders", next="/")
+        assert (await operator.confirm("pause", asked)).status_code == 303
     [line] = [e for e in logs if e["event"] == "relay.console.action"]
     assert line["operator"] is None and line["action"] == "pause"
     assert line["destination"] == "orders"
@@ -339,3 +343,121 @@ async def test_outbox_relay_ui_takes_operators_and_logs_their_actions_as_json(
     assert action["operator"] == "alice" and action["action"] == "pause"
     assert action["destination"] == "orders" and action["level"] == "info"
     assert ALICE not in out
+
+
+@pytest.fixture(scope="module")
+def chromium_path() -> str:
+    return chromium()
+
+
+@pytest.fixture
+async def browser(chromium_path: str) -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+# --- confirmation before disable, rotate-secret, pause and a single event's replay ---------
+
+
+async def an_endpoint_with_a_delivered_event(db_url: str) -> tuple[int, int]:
+    [ep] = await sql(
+        db_url,
+        "INSERT INTO outbox_endpoints (destination, url, secret) "
+        "VALUES ('customer-events', 'http://127.0.0.1:9/hook', $1) RETURNING id",
+        SECRET,
+    )
+    [event] = await sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, delivered_at, finished_at) "
+        "VALUES ('customer-events', '\\x00', 'delivered', now(), now()) RETURNING id",
+    )
+    await sql(
+        db_url,
+        "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination, status, attempts, "
+        "finished_at) VALUES ($1, $2, 'customer-events', 'delivered', 1, now())",
+        event["id"],
+        ep["id"],
+    )
+    return int(ep["id"]), int(event["id"])
+
+
+async def state(db_url: str) -> dict[str, Any]:
+    """What the four actions change: pauses, the endpoint's state and secret, its delivery."""
+    [ep] = await sql(db_url, "SELECT enabled, secret FROM outbox_endpoints")
+    [d] = await sql(db_url, "SELECT status, replay FROM outbox_deliveries")
+    paused = await sql(db_url, "SELECT destination FROM outbox_paused")
+    return {
+        "paused": [p["destination"] for p in paused],
+        "enabled": ep["enabled"],
+        "secret": ep["secret"],
+        "delivery": (d["status"], d["replay"]),
+    }
+
+
+@pytest.mark.parametrize("action", ["pause", "endpoint-disable", "endpoint-rotate", "replay"])
+async def test_a_one_click_action_asks_for_confirmation_first(
+    db_url: str, operator: Operator, action: str
+) -> None:
+    await seed(db_url)
+    endpoint, event = await an_endpoint_with_a_delivered_event(db_url)
+    fields = {
+        "pause": {"destination": "orders", "reason": "vendor outage"},
+        "endpoint-disable": {"endpoint": str(endpoint)},
+        "endpoint-rotate": {"endpoint": str(endpoint)},
+        "replay": {"event": str(event), "endpoint": str(endpoint)},
+    }[action]
+    before = await state(db_url)
+    asked = await operator.act(action, **fields, next="/")
+    # A confirmation page, and nothing done yet.
+    assert asked.status_code == 200, asked.text[:500]
+    assert await state(db_url) == before
+    confirm = confirm_form(asked.text)
+    assert {k: confirm[k] for k in fields} == fields
+    done = await operator.confirm(action, asked)
+    assert done.status_code == 303, done.text[:500]
+    after = await state(db_url)
+    changed = {k for k in after if after[k] != before[k]}
+    expected = {
+        "pause": {"paused"},
+        "endpoint-disable": {"enabled"},
+        "endpoint-rotate": {"secret"},
+        "replay": {"delivery"},
+    }[action]
+    assert changed == expected, (before, after)
+
+
+async def test_confirmations_work_without_javascript(
+    db_url: str, console_url: str, browser: Browser
+) -> None:
+    """The console's forms are plain HTML: with scripts off, pausing and rotating a secret
+    go through their confirmation pages."""
+    await seed(db_url)
+    endpoint, _ = await an_endpoint_with_a_delivered_event(db_url)
+    context = await browser.new_context(java_script_enabled=False)
+    page = await context.new_page()
+    await page.goto(console_url + "/")
+    await page.fill("input[name=token]", TOKEN)
+    await page.click("button:text-is('Sign in')")
+    await page.goto(console_url + "/destinations/orders")
+    await page.fill("input[name=reason]", "vendor outage")
+    await page.click("button:text-is('Pause…')")
+    await page.wait_for_selector("h1:has-text('Pause destination orders')")
+    assert await sql(db_url, "SELECT * FROM outbox_paused") == []
+    await page.click("button:has-text('Yes')")
+    await page.wait_for_selector(".flash")
+    [paused] = await sql(db_url, "SELECT reason FROM outbox_paused")
+    assert paused["reason"] == "vendor outage"
+    [before] = await sql(db_url, "SELECT secret FROM outbox_endpoints")
+    await page.goto(console_url + "/endpoints")
+    await page.click(f"tr[data-endpoint='{endpoint}'] button:text-is('Rotate secret…')")
+    await page.wait_for_selector(f"h1:has-text('Rotate the secret of endpoint {endpoint}')")
+    assert await sql(db_url, "SELECT secret FROM outbox_endpoints") == [before]
+    await page.click("button:has-text('Yes')")
+    await page.wait_for_selector(".flash")
+    [after] = await sql(db_url, "SELECT secret FROM outbox_endpoints")
+    assert after["secret"] != before["secret"]
+    await context.close()

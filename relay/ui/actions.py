@@ -2,10 +2,12 @@
 
 Each action is the operations command's function (relay/ops/admin.py, outbox.endpoints),
 with its checks and refusals. Those that change or delete many rows (retry, skip, purge, a
-replay of an endpoint's window) first show a preview with the counts of a dry run, and act
-only when that form is confirmed. Every action is refused in read-only mode, and without the
-session's CSRF value and a same-origin request (see security.py); each one done is logged as
-``relay.console.action``, with the operator.
+replay of an endpoint's window) first show a preview with the counts of a dry run; pausing,
+disabling an endpoint, rotating its secret and replaying one event first say what they will
+do. Either acts only when that form is confirmed: a field the server checks, so a form posted
+without it only ever gets the question. Every action is refused in read-only mode, and
+without the session's CSRF value and a same-origin request (see security.py); each one done
+is logged as ``relay.console.action``, with the operator.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from outbox.errors import OutboxError, describe
 from relay.durations import parse_duration
 from relay.ops import admin
 from relay.ops.admin import AdminError, RetryFilter
+from relay.queries import render_ops
+from relay.ui import queries
 from relay.ui.pages import caller_of, console_of
 from relay.ui.security import CSRF_FIELD, SESSION_SECONDS, Who, cookie_name
 
@@ -183,6 +187,23 @@ def _confirmed(form: Form) -> bool:
     return form.get("confirm") == "yes"
 
 
+def _ask(
+    request: Request, form: Form, title: str, lines: list[str], rows: int | None = None
+) -> Response:
+    """The question before an action: what it will do (on ``rows`` named rows, or on one
+    thing), and a form to confirm with the same fields."""
+    return console_of(request).render(
+        request,
+        "confirm.html",
+        title=title,
+        lines=lines,
+        rows=rows,
+        action=request.path_params["name"],
+        fields={k: v for k, v in form.items() if k not in (CSRF_FIELD, "confirm")},
+        back=_local(request.scope.get("root_path", ""), form.get("next")),
+    )
+
+
 def _preview(request: Request, form: Form, title: str, lines: list[str], rows: int) -> Response:
     """The dry run's counts and a form to confirm with the same fields."""
     return console_of(request).render(
@@ -193,6 +214,7 @@ def _preview(request: Request, form: Form, title: str, lines: list[str], rows: i
         rows=rows,
         action=request.path_params["name"],
         fields={k: v for k, v in form.items() if k not in (CSRF_FIELD, "confirm")},
+        back=_local(request.scope.get("root_path", ""), form.get("next")),
     )
 
 
@@ -235,6 +257,8 @@ async def _retry(request: Request, form: Form) -> Response:
 
 
 async def _skip(request: Request, form: Form) -> Response:
+    """Skip names its rows by id: the preview lists them, and its confirmation is refused
+    (admin.skip) if one of them is no longer failed."""
     console = console_of(request)
     ids = _ids(form)
     by = _who(request).by
@@ -242,7 +266,7 @@ async def _skip(request: Request, form: Form) -> Response:
         if not _confirmed(form):
             preview = await admin.skip(conn, console.schema, ids, by, dry_run=True)
             lines = [f"rows {', '.join(map(str, preview['ids']))}: failed → skipped (never sent)"]
-            return _preview(request, form, "Skip failed rows", lines, preview["rows"])
+            return _ask(request, form, "Skip failed rows", lines, preview["rows"])
         done = await admin.skip(conn, console.schema, ids, by, dry_run=False)
     return _done(request, form, f"{done['rows']} row(s) skipped", ids=done["ids"])
 
@@ -282,6 +306,12 @@ async def _pause(request: Request, form: Form) -> Response:
     if not dest:
         raise AdminError("which destination?")
     reason = form.get("reason") or None
+    if not _confirmed(form):
+        lines = [
+            "Relays stop claiming its rows until it is resumed; rows being sent now finish.",
+            f"Reason: {reason}" if reason else "No reason given (shown by status).",
+        ]
+        return _ask(request, form, f"Pause destination {dest}", lines)
     async with console.connection() as conn:
         await admin.pause(conn, console.schema, dest, _who(request).by, reason)
     return _done(request, form, f"{dest} paused", destination=dest, reason=reason)
@@ -300,27 +330,54 @@ async def _resume(request: Request, form: Form) -> Response:
     )
 
 
+async def _endpoint_row(request: Request, endpoint: int) -> Any:
+    console = console_of(request)
+    async with console.connection() as conn:
+        found = await conn.fetchrow(render_ops(queries.ENDPOINT_ROW, console.schema), endpoint)
+    if found is None:
+        raise AdminError(
+            f"no endpoint {endpoint} (the endpoints page lists them). Nothing changed."
+        )
+    return found
+
+
+def _named(endpoint: Any) -> str:
+    return (
+        f"endpoint {endpoint['id']} of {endpoint['destination']} ({admin.origin(endpoint['url'])})"
+    )
+
+
 async def _replay(request: Request, form: Form) -> Response:
     console = console_of(request)
     endpoint = _whole(form.get("endpoint"))
-    async with console.connection() as conn:
-        if form.get("event"):
-            event = _whole(form["event"])
-            if event is None:
-                raise AdminError("the event id must be a whole number")
+    if form.get("event"):
+        event = _whole(form["event"])
+        if event is None:
+            raise AdminError("the event id must be a whole number")
+        if form.get("endpoint") and endpoint is None:
+            raise AdminError("the endpoint id must be a whole number")
+        if not _confirmed(form):
+            to = _named(await _endpoint_row(request, endpoint)) if endpoint else "its endpoints"
+            lines = [
+                f"Event {event} is sent again to {to}, due now, with the same webhook-id "
+                "(receivers that deduplicate on it see it once).",
+            ]
+            return _ask(request, form, f"Replay event {event}", lines)
+        async with console.connection() as conn:
             done = await admin.replay_event(conn, console.schema, event, endpoint)
-            return _done(
-                request,
-                form,
-                f"event {event} replayed ({_count(done)})",
-                event_id=event,
-                endpoint=endpoint,
-                replayed=done["replayed"],
-            )
-        if endpoint is None:
-            raise AdminError("give an event id, or an endpoint and a window")
-        since = parse_duration(form.get("since") or "1h")
-        failed_only = form.get("failed_only") == "on"
+        return _done(
+            request,
+            form,
+            f"event {event} replayed ({_count(done)})",
+            event_id=event,
+            endpoint=endpoint,
+            replayed=done["replayed"],
+        )
+    if endpoint is None:
+        raise AdminError("give an event id, or an endpoint and a window")
+    since = parse_duration(form.get("since") or "1h")
+    failed_only = form.get("failed_only") == "on"
+    async with console.connection() as conn:
         if not _confirmed(form):
             preview = await admin.replay_endpoint(
                 conn, console.schema, endpoint, since=since, failed_only=failed_only, dry_run=True
@@ -361,6 +418,20 @@ async def _endpoint_state(request: Request, form: Form) -> Response:
     eid = _whole(form.get("endpoint"))
     if eid is None:
         raise AdminError("which endpoint?")
+    if what != "endpoint-enable" and not _confirmed(form):
+        found = await _endpoint_row(request, eid)
+        if what == "endpoint-disable":
+            lines = [
+                f"Nothing more is sent to {_named(found)} until it is enabled again: its "
+                "pending deliveries wait, and its destination's new events pass it by.",
+            ]
+            return _ask(request, form, f"Disable endpoint {eid}", lines)
+        lines = [
+            f"{_named(found)} gets a new secret; the previous one keeps signing for 24 h, so "
+            "give the receiver the new one before then "
+            f"(`outbox-relay endpoints show {eid} --show-secret`).",
+        ]
+        return _ask(request, form, f"Rotate the secret of endpoint {eid}", lines)
     endpoints = api.Endpoints(schema=console.schema)
     async with console.sqlalchemy().begin() as conn:
         if what == "endpoint-disable":

@@ -44,6 +44,9 @@ ORDER BY e.id
 LIMIT $2
 """
 
+# One endpoint, named on the question before an action on it.
+ENDPOINT_ROW = "SELECT id, destination, url, enabled FROM {endpoints} WHERE id = $1"
+
 ENDPOINT_DESTINATION = "SELECT destination FROM {endpoints} WHERE id = $1"
 
 SERVER_NOW = "SELECT now()"
