@@ -1,6 +1,7 @@
-"""The console's pages and actions against a real server and database (issue #26, item 9):
-the endpoints page past its first page, sessions that end on sign-out, operators with tokens
-of their own named in the log of what they do, and what asks for confirmation."""
+"""The console's actions against a real server and database (issue #26, item 9): what asks
+for confirmation, previews whose confirmation acts on exactly the rows they showed, the
+endpoints page past its first page, sessions that end on sign-out, and operators with tokens
+of their own named in the log of what they do."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator, Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -461,3 +463,161 @@ async def test_confirmations_work_without_javascript(
     [after] = await sql(db_url, "SELECT secret FROM outbox_endpoints")
     assert after["secret"] != before["secret"]
     await context.close()
+
+
+# --- a preview's confirmation acts on exactly the rows it showed ------------------------------
+
+
+async def failed_rows(db_url: str, destination: str, n: int, error: str = "boom") -> list[int]:
+    rows = await sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, attempts, last_error, finished_at) "
+        "SELECT $1, '\\x00', 'failed', 3, $2, now() FROM generate_series(1, $3) RETURNING id",
+        destination,
+        error,
+        n,
+    )
+    return [r["id"] for r in rows]
+
+
+async def statuses(db_url: str, ids: list[int]) -> dict[str, int]:
+    rows = await sql(
+        db_url,
+        "SELECT status, count(*) AS n FROM outbox WHERE id = ANY($1) GROUP BY status",
+        ids,
+    )
+    return {r["status"]: r["n"] for r in rows}
+
+
+async def test_a_retry_confirmed_leaves_out_rows_that_failed_after_its_preview(
+    db_url: str, operator: Operator
+) -> None:
+    """Thousands of rows: the form carries their digest and highest id, not the ids."""
+    shown = await failed_rows(db_url, "orders", 3000)
+    preview = await operator.act("retry", destination="orders", next="/")
+    assert "<strong>3000</strong>" in preview.text
+    assert len(preview.text) < 20_000  # the selection, not 3,000 ids
+    later = await failed_rows(db_url, "orders", 7)  # failed while the operator read
+    done = await operator.confirm("retry", preview)
+    assert done.status_code == 303, done.text[:500]
+    assert "3000 row(s) back to pending" in unquote(done.headers["location"])
+    assert await statuses(db_url, shown) == {"pending": 3000}
+    assert await statuses(db_url, later) == {"failed": 7}
+
+
+async def test_a_retry_confirmed_is_refused_when_its_rows_changed(
+    db_url: str, operator: Operator
+) -> None:
+    shown = await failed_rows(db_url, "orders", 3)
+    preview = await operator.act("retry", destination="orders", next="/")
+    # Another operator retries one of them meanwhile.
+    await sql(db_url, "UPDATE outbox SET status = 'pending' WHERE id = $1", shown[0])
+    refused = await operator.confirm("retry", preview)
+    assert refused.status_code == 409, refused.text[:500]
+    assert "changed since the preview" in refused.text
+    assert await statuses(db_url, shown[1:]) == {"failed": 2}  # nothing done
+    # The answer is the new preview, to confirm as it is now.
+    assert "<strong>2</strong>" in refused.text
+    again = await operator.confirm("retry", refused)
+    assert again.status_code == 303
+    assert await statuses(db_url, shown) == {"pending": 3}
+
+
+async def test_a_tampered_selection_is_refused(db_url: str, operator: Operator) -> None:
+    shown = await failed_rows(db_url, "orders", 2)
+    later = await failed_rows(db_url, "orders", 1)
+    preview = await operator.act("retry", destination="orders", next="/")
+    form = confirm_form(preview.text)
+    for field, value in (
+        ("selection", form["selection"].replace(".", ".9", 1)),  # another count
+        ("destination", "hooks"),  # the selection of another filter
+        ("selection", ""),
+    ):
+        r = await operator.client.post("/actions/retry", data={**form, field: value})
+        assert r.status_code == 400, (field, r.status_code, r.text[:500])
+        assert "preview" in r.text
+    assert await statuses(db_url, shown + later) == {"failed": 3}
+
+
+async def delivered_rows(db_url: str, n: int, age: str) -> list[int]:
+    rows = await sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, attempts, delivered_at, finished_at) "
+        "SELECT 'orders', '\\x00', 'delivered', 1, now() - $1::text::interval, "
+        "now() - $1::text::interval FROM generate_series(1, $2) RETURNING id",
+        age,
+        n,
+    )
+    return [r["id"] for r in rows]
+
+
+async def present(db_url: str, ids: list[int]) -> list[int]:
+    return [r["id"] for r in await sql(db_url, "SELECT id FROM outbox WHERE id = ANY($1)", ids)]
+
+
+async def test_a_purge_confirmed_deletes_only_the_rows_its_preview_counted(
+    db_url: str, operator: Operator
+) -> None:
+    shown = await delivered_rows(db_url, 4, "10 days")
+    # Delivered 7 days ago less 2 seconds: not older than 7d at the preview, but in a few
+    # seconds, when the operator confirms.
+    ageing = await delivered_rows(db_url, 1, "7 days -2 seconds")
+    preview = await operator.act("purge", older_than="7d", destination="orders", next="/")
+    assert "<strong>4</strong>" in preview.text
+    arrived = await delivered_rows(db_url, 2, "10 days")  # e.g. a restored backup's rows
+    await _wait_aged(db_url, ageing[0], "7 days")
+    done = await operator.confirm("purge", preview)
+    assert done.status_code == 303, done.text[:500]
+    assert await present(db_url, shown) == []
+    assert sorted(await present(db_url, ageing + arrived)) == sorted(ageing + arrived)
+
+
+async def _wait_aged(db_url: str, row: int, age: str) -> None:
+    async def aged() -> bool:
+        found = await sql(
+            db_url,
+            "SELECT 1 FROM outbox WHERE id = $1 AND delivered_at < now() - $2::text::interval",
+            row,
+            age,
+        )
+        return bool(found)
+
+    await wait_until(aged, timeout=10, interval=0.2, what=f"row {row} older than {age}")
+
+
+async def test_a_replay_window_confirmed_replays_only_the_previewed_deliveries(
+    db_url: str, operator: Operator
+) -> None:
+    endpoint, _ = await an_endpoint_with_a_delivered_event(db_url)
+
+    async def failed_deliveries(n: int) -> list[int]:
+        events = await sql(
+            db_url,
+            "INSERT INTO outbox (destination, payload, status, delivered_at, finished_at) "
+            "SELECT 'customer-events', '\\x00', 'delivered', now(), now() "
+            "FROM generate_series(1, $1) RETURNING id",
+            n,
+        )
+        rows = await sql(
+            db_url,
+            "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination, status, "
+            "attempts, last_error, finished_at) "
+            "SELECT e, $2, 'customer-events', 'failed', 5, 'HTTP 500', now() "
+            "FROM unnest($1::bigint[]) AS e RETURNING id",
+            [e["id"] for e in events],
+            endpoint,
+        )
+        return [r["id"] for r in rows]
+
+    shown = await failed_deliveries(3)
+    preview = await operator.act(
+        "replay", endpoint=str(endpoint), since="1h", failed_only="on", next="/endpoints"
+    )
+    assert "<strong>3</strong>" in preview.text, preview.text[:2000]
+    later = await failed_deliveries(2)
+    done = await operator.confirm("replay", preview)
+    assert done.status_code == 303, done.text[:500]
+    rows = await sql(db_url, "SELECT id, status FROM outbox_deliveries WHERE status = 'failed'")
+    assert sorted(r["id"] for r in rows) == sorted(later)
+    replayed = await sql(db_url, "SELECT id FROM outbox_deliveries WHERE replay")
+    assert sorted(r["id"] for r in replayed) == sorted(shown)

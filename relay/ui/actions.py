@@ -1,21 +1,25 @@
 """The console's actions: sign-in, and what operators do to rows, destinations and endpoints.
 
 Each action is the operations command's function (relay/ops/admin.py, outbox.endpoints),
-with its checks and refusals. Those that change or delete many rows (retry, skip, purge, a
-replay of an endpoint's window) first show a preview with the counts of a dry run; pausing,
-disabling an endpoint, rotating its secret and replaying one event first say what they will
-do. Either acts only when that form is confirmed: a field the server checks, so a form posted
-without it only ever gets the question. Every action is refused in read-only mode, and
-without the session's CSRF value and a same-origin request (see security.py); each one done
-is logged as ``relay.console.action``, with the operator.
+with its checks and refusals. None acts on the first click: those that change or delete many
+rows (retry, skip, purge, a replay of an endpoint's window) first show a preview with the
+counts of a dry run, and its confirmation acts on exactly the rows it counted or refuses
+(the form carries their selection, signed); pausing, disabling an endpoint, rotating its
+secret and replaying one event first say what they will do. The confirmation is a field the
+server checks, so a form posted without it only ever gets the question. Every action is
+refused in read-only mode, and without the session's CSRF value and a same-origin request
+(see security.py); each one done is logged as ``relay.console.action``, with the operator.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import parse_qs, quote
 
+import asyncpg
 import structlog
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -23,7 +27,7 @@ from starlette.responses import RedirectResponse, Response
 from outbox.errors import OutboxError, describe
 from relay.durations import parse_duration
 from relay.ops import admin
-from relay.ops.admin import AdminError, RetryFilter
+from relay.ops.admin import AdminError, RetryFilter, Selection, SelectionChanged
 from relay.queries import render_ops
 from relay.ui import queries
 from relay.ui.pages import caller_of, console_of
@@ -34,6 +38,10 @@ log = structlog.get_logger("relay.console")
 PURGE_BATCH = 5000
 
 Form = dict[str, str]
+
+# Fields of a confirmation form that are not the action's own: the selection is checked
+# against the others, which must be those the preview was made for.
+NOT_THE_ACTIONS = frozenset({CSRF_FIELD, "confirm", "selection", "next"})
 
 
 async def _form(request: Request) -> Form:
@@ -187,6 +195,10 @@ def _confirmed(form: Form) -> bool:
     return form.get("confirm") == "yes"
 
 
+def _own_fields(form: Form) -> Form:
+    return {k: v for k, v in form.items() if k not in NOT_THE_ACTIONS}
+
+
 def _ask(
     request: Request, form: Form, title: str, lines: list[str], rows: int | None = None
 ) -> Response:
@@ -204,18 +216,72 @@ def _ask(
     )
 
 
-def _preview(request: Request, form: Form, title: str, lines: list[str], rows: int) -> Response:
-    """The dry run's counts and a form to confirm with the same fields."""
+def _preview(
+    request: Request,
+    form: Form,
+    title: str,
+    lines: list[str],
+    selection: Selection,
+    changed: str | None = None,
+) -> Response:
+    """The dry run's counts and a form to confirm with the same fields and the selection of
+    rows it counted (signed together); ``changed``: why an earlier confirmation was refused
+    (409), this being the preview as things are now."""
+    fields = {k: v for k, v in form.items() if k not in (CSRF_FIELD, "confirm", "selection")}
+    fields["selection"] = _seal(request, _own_fields(fields), selection)
     return console_of(request).render(
         request,
         "confirm.html",
+        status_code=409 if changed else 200,
         title=title,
         lines=lines,
-        rows=rows,
+        rows=selection.rows,
+        changed=changed,
         action=request.path_params["name"],
-        fields={k: v for k, v in form.items() if k not in (CSRF_FIELD, "confirm")},
+        fields=fields,
         back=_local(request.scope.get("root_path", ""), form.get("next")),
     )
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _seal(request: Request, fields: Form, selection: Selection) -> str:
+    """The selection as a form field: its numbers, and a signature over them, the action
+    and its fields (a selection cannot be moved to another filter or action, nor edited)."""
+    at = (selection.at - EPOCH) // timedelta(microseconds=1)
+    text = f"{selection.rows}.{selection.max_id}.{selection.digest}.{at}"
+    return f"{text}.{console_of(request).guard.seal(_purpose(request, fields), text)}"
+
+
+def _purpose(request: Request, fields: Form) -> str:
+    listed = json.dumps(sorted(fields.items()), ensure_ascii=True)
+    return f"selection:{request.path_params['name']}:{listed}"
+
+
+def _selection(request: Request, form: Form) -> Selection:
+    """The selection a confirmation carries, checked against its signature."""
+    sealed = form.get("selection", "")
+    if not sealed:
+        raise AdminError(
+            "this confirmation carries no selection of rows: confirm with the form of the "
+            "preview (it says which rows it counted), or preview again"
+        )
+    text, _, signature = sealed.rpartition(".")
+    parts = text.split(".")
+    wrong = AdminError(
+        "this confirmation does not match its preview (edited, or made for other fields): "
+        "preview again"
+    )
+    if len(parts) != 4 or not console_of(request).guard.sealed(
+        _purpose(request, _own_fields(form)), text, signature
+    ):
+        raise wrong
+    try:
+        rows, max_id, digest, at = (int(p) for p in parts)
+    except ValueError:
+        raise wrong from None
+    return Selection(rows, max_id, digest, EPOCH + timedelta(microseconds=at))
 
 
 def _per_destination(result: dict[str, Any]) -> list[str]:
@@ -240,13 +306,20 @@ async def _retry(request: Request, form: Form) -> Response:
             # As `outbox-relay retry`, which needs --all for every failed row everywhere.
             raise AdminError("say which failed rows: a destination, an error text, or all")
         flt = RetryFilter(destinations=[dest] if dest else None, error_like=error_like)
+
+    async def preview(conn: asyncpg.Connection, changed: str | None = None) -> Response:
+        counted, selection = await admin.retry_preview(conn, console.schema, flt)
+        lines = _per_destination(counted)
+        return _preview(request, form, "Retry failed rows", lines, selection, changed)
+
     async with console.connection() as conn:
         if not _confirmed(form):
-            preview = await admin.retry(conn, console.schema, flt, dry_run=True)
-            return _preview(
-                request, form, "Retry failed rows", _per_destination(preview), preview["rows"]
-            )
-        done = await admin.retry(conn, console.schema, flt, dry_run=False)
+            return await preview(conn)
+        within = _selection(request, form)
+        try:
+            done = await admin.retry(conn, console.schema, flt, dry_run=False, within=within)
+        except SelectionChanged as exc:
+            return await preview(conn, str(exc))
     return _done(
         request,
         form,
@@ -281,15 +354,23 @@ async def _purge(request: Request, form: Form) -> Response:
         "older_than": older_than,
         "failed": form.get("failed") == "on",
         "destinations": [dest] if dest else None,
-        "batch_size": PURGE_BATCH,
     }
+
+    async def preview(conn: asyncpg.Connection, changed: str | None = None) -> Response:
+        counted, selection = await admin.purge_preview(conn, console.schema, **args)
+        lines = _per_destination(counted)
+        return _preview(request, form, "Purge finished rows", lines, selection, changed)
+
     async with console.connection() as conn:
         if not _confirmed(form):
-            preview = await admin.purge(conn, console.schema, dry_run=True, **args)
-            return _preview(
-                request, form, "Purge finished rows", _per_destination(preview), preview["rows"]
+            return await preview(conn)
+        within = _selection(request, form)
+        try:
+            done = await admin.purge(
+                conn, console.schema, dry_run=False, batch_size=PURGE_BATCH, within=within, **args
             )
-        done = await admin.purge(conn, console.schema, dry_run=False, **args)
+        except SelectionChanged as exc:
+            return await preview(conn, str(exc))
     return _done(
         request,
         form,
@@ -377,16 +458,24 @@ async def _replay(request: Request, form: Form) -> Response:
         raise AdminError("give an event id, or an endpoint and a window")
     since = parse_duration(form.get("since") or "1h")
     failed_only = form.get("failed_only") == "on"
+
+    async def preview(conn: asyncpg.Connection, changed: str | None = None) -> Response:
+        counted, selection = await admin.replay_endpoint_preview(
+            conn, console.schema, endpoint, since, failed_only=failed_only
+        )
+        lines = [f"{k}: {v}" for k, v in counted.items() if isinstance(v, int | str)]
+        return _preview(request, form, f"Replay to endpoint {endpoint}", lines, selection, changed)
+
     async with console.connection() as conn:
         if not _confirmed(form):
-            preview = await admin.replay_endpoint(
-                conn, console.schema, endpoint, since=since, failed_only=failed_only, dry_run=True
+            return await preview(conn)
+        within = _selection(request, form)
+        try:
+            done = await admin.replay_endpoint(
+                conn, console.schema, endpoint, since, failed_only=failed_only, within=within
             )
-            lines = [f"{k}: {v}" for k, v in preview.items() if isinstance(v, int | str)]
-            return _preview(request, form, f"Replay to endpoint {endpoint}", lines, _count(preview))
-        done = await admin.replay_endpoint(
-            conn, console.schema, endpoint, since=since, failed_only=failed_only
-        )
+        except SelectionChanged as exc:
+            return await preview(conn, str(exc))
     return _done(
         request,
         form,
