@@ -262,11 +262,13 @@ class Relay:
             return None
         from relay.ui.app import build_console  # Starlette and Jinja2 only where used
 
+        token, operators = ui.credentials()
         self.console = build_console(
             self.settings.database_url.get_secret_value(),
-            ui.the_token(),
+            token,
             schema=self.settings.relay.db_schema,
             read_only=ui.read_only,
+            operators=operators,
         )
         return self.console
 

@@ -343,7 +343,9 @@ async def test_endpoints_are_added_and_disabled_without_a_secret_on_the_page(
     )
     await page.reload()
     assert "open until" in await page.locator(f"tr[data-endpoint='{ep['id']}']").inner_text()
-    await page.click(f"tr[data-endpoint='{ep['id']}'] button:text-is('Disable')")
+    await page.click(f"tr[data-endpoint='{ep['id']}'] button:text-is('Disable…')")
+    await page.wait_for_selector(f"h1:has-text('Disable endpoint {ep['id']}')")  # asked first
+    await page.click("button:has-text('Yes')")
     await page.wait_for_selector(".flash")
     [ep] = await sql(db_url, "SELECT * FROM outbox_endpoints")
     assert not ep["enabled"] and ep["disabled_reason"] == "disabled in console"
@@ -463,7 +465,7 @@ async def test_same_origin_forms_work_behind_a_proxy_and_others_are_refused(
     async with httpx.AsyncClient(base_url=console_url) as client:
         await sign_in(client)
         csrf = csrf_of((await client.get("/rows")).text)
-        form = {"destination": "orders", "csrf": csrf}
+        form = {"destination": "orders", "csrf": csrf, "confirm": "yes"}
         refused = (
             {"origin": "http://evil.example"},  # no Sec-Fetch-Site: the Origin decides
             {"sec-fetch-site": "same-site", "origin": "https://console.example"},

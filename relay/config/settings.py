@@ -179,13 +179,49 @@ class UiSettings(Section):
         "through OUTBOX_UI_TOKEN, never in a file others read",
     )
     token_file: str | None = Field(None, description="a file holding the token instead")
+    operators: dict[str, SecretStr] | None = Field(
+        None,
+        description='a token per operator instead of one shared token, `{alice = "…"}`: each '
+        "signs in with their own and is named in the log of every action; usually set through "
+        'OUTBOX_UI_OPERATORS (a JSON object, `{"alice": "…"}`) or operators_file',
+    )
+    operators_file: str | None = Field(
+        None, description='a TOML file of `name = "token"` lines instead of operators'
+    )
+
+    @field_validator("operators")
+    @classmethod
+    def _operators(cls, v: dict[str, SecretStr] | None) -> dict[str, SecretStr] | None:
+        if v is not None:
+            from relay.ui.security import TokenError, check_operators
+
+            try:
+                check_operators({n: t.get_secret_value() for n, t in v.items()}, None)
+            except TokenError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     @model_validator(mode="after")
     def _token_when_enabled(self) -> UiSettings:
-        if self.enabled:
-            from relay.ui.security import TokenError, load_token
+        named = self.operators is not None or self.operators_file is not None
+        if self.operators is not None and self.operators_file is not None:
+            raise ValueError("set operators or operators_file, not both")
+        if named and (self.token is not None or self.token_file is not None):
+            raise ValueError(
+                "both a shared token (token, token_file or OUTBOX_UI_TOKEN) and operators are "
+                "set: with operators, each signs in with their own token and the shared one "
+                "would act without a name; remove the shared token"
+            )
+        # Inline operators are checked with their field; the files only where they are read.
+        if self.enabled and self.operators is None:
+            from relay.ui.security import TokenError, load_operators, load_token
 
-            if self.token is None:
+            if self.operators_file is not None:
+                try:
+                    load_operators(self.operators_file)
+                except TokenError as exc:
+                    raise ValueError(str(exc)) from None
+            elif self.token is None:
                 try:
                     load_token(self.token_file)
                 except TokenError as exc:
@@ -200,6 +236,17 @@ class UiSettings(Section):
         if self.token is not None:
             return self.token.get_secret_value().strip()
         return load_token(self.token_file)
+
+    def credentials(self) -> tuple[str | None, dict[str, str] | None]:
+        """What the console checks requests against: the shared token, or the operators and
+        their tokens (``build_console(…, token, operators=…)``)."""
+        if self.operators is not None:
+            return None, {n: t.get_secret_value().strip() for n, t in self.operators.items()}
+        if self.operators_file is not None:
+            from relay.ui.security import load_operators
+
+            return None, load_operators(self.operators_file)
+        return self.the_token(), None
 
 
 class Settings(BaseSettings):
@@ -397,6 +444,8 @@ def settings_secrets(s: Settings) -> set[str]:
     found = set(url_secrets(s.database_url.get_secret_value()))
     if s.ui.token is not None:
         found.add(s.ui.token.get_secret_value())
+    for token in (s.ui.operators or {}).values():
+        found.add(token.get_secret_value())
     for kind in KINDS.values():
         mine = {n: d for n, d in s.destinations.items() if d.kind == kind.name}
         section = s.section(kind.section) if kind.section else None

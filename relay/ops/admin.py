@@ -6,16 +6,18 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
 
 from outbox.status import Status
 from relay.ops import queries
+
+T = TypeVar("T")
 
 
 class AdminError(Exception):
@@ -526,6 +528,58 @@ async def list_rows(
     }
 
 
+# --- previews confirmed later ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows a dry run counted, so that acting on them later (a preview confirmed in the
+    console) takes exactly those rows or refuses: how many, the highest id (rows that match
+    only later, with higher ids, are left out), a digest of the ids (any other change shows
+    in it), and the database's clock then (a window such as purge's "older than 7d" stays
+    where the dry run put it). Thousands of rows cost the same few numbers."""
+
+    rows: int
+    max_id: int
+    digest: int
+    at: datetime
+
+
+class SelectionChanged(AdminError):
+    """The rows a preview counted changed before it was confirmed; nothing was done."""
+
+
+async def _selection(conn: asyncpg.Connection, sql: str, schema: str, *args: Any) -> Selection:
+    r = await conn.fetchrow(_sql(sql, schema), *args)
+    assert r is not None
+    return Selection(r["rows"], r["max_id"], int(r["digest"]), r["at"])
+
+
+def _same(now: Selection, shown: Selection) -> None:
+    if (now.rows, now.digest) == (shown.rows, shown.digest):
+        return
+    if now.rows == shown.rows:
+        how = f"as many rows match ({now.rows}), but not the same ones"
+    else:
+        how = f"it counted {shown.rows} row(s), {now.rows} of them match now"
+    raise SelectionChanged(
+        f"the rows changed since the preview ({how}: another session retried, purged, "
+        "replayed or changed some meanwhile). Nothing changed."
+    )
+
+
+async def _exactly(statement: Awaitable[T]) -> T:
+    """A statement of a repeatable-read transaction: a row it would change that another
+    session changed since the transaction's snapshot is a changed selection."""
+    try:
+        return await statement
+    except asyncpg.SerializationError:
+        raise SelectionChanged(
+            "the rows changed since the preview (another session changed some while this "
+            "one acted). Nothing changed."
+        ) from None
+
+
 # --- retry ----------------------------------------------------------------------------------
 
 
@@ -535,17 +589,47 @@ class RetryFilter:
     ids: list[int] | None = None
     since: datetime | None = None
     error_like: str | None = None
+    # Only rows up to this id (a confirmed preview's selection).
+    max_id: int | None = None
 
     def args(self) -> tuple[Any, ...]:
-        return (self.destinations, self.ids, self.since, like_pattern(self.error_like))
+        return (
+            self.destinations,
+            self.ids,
+            self.since,
+            like_pattern(self.error_like),
+            self.max_id,
+        )
+
+
+async def retry_preview(
+    conn: asyncpg.Connection, schema: str, flt: RetryFilter
+) -> tuple[dict[str, Any], Selection]:
+    """retry's dry run, and the selection that confirms it (``retry(within=…)``), read in
+    one snapshot so that they agree."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        counted = await retry(conn, schema, flt, dry_run=True)
+        selection = await _selection(conn, queries.RETRY_SELECTION, schema, *flt.args())
+    return counted, selection
 
 
 async def retry(
-    conn: asyncpg.Connection, schema: str, flt: RetryFilter, *, dry_run: bool
+    conn: asyncpg.Connection,
+    schema: str,
+    flt: RetryFilter,
+    *,
+    dry_run: bool,
+    within: Selection | None = None,
 ) -> dict[str, Any]:
-    """Move matching failed rows back to pending (attempts 0, due now)."""
+    """Move matching failed rows back to pending (attempts 0, due now). ``within``: only the
+    rows of that selection (from retry_preview), or SelectionChanged if they are no longer
+    the rows that match."""
     await _check_tables(conn, schema)
-    async with conn.transaction():
+    exact = within is not None and not dry_run
+    if within is not None:
+        flt = replace(flt, max_id=within.max_id)
+    # Exact: one snapshot for the check and the change, so what was checked is what changes.
+    async with conn.transaction(isolation="repeatable_read" if exact else None):
         if flt.ids:
             found = {
                 r["id"]: r["status"]
@@ -574,7 +658,10 @@ async def retry(
                 for g in groups
             }
             return {"dry_run": True, "rows": sum(g["rows"] for g in groups), "destinations": per}
-        changed = await conn.fetch(_sql(queries.RETRY, schema), *flt.args())
+        if within is not None:
+            _same(await _selection(conn, queries.RETRY_SELECTION, schema, *flt.args()), within)
+        retried = conn.fetch(_sql(queries.RETRY, schema), *flt.args())
+        changed = await (_exactly(retried) if exact else retried)
         if changed:
             await conn.execute(queries.NOTIFY, f"{schema}.outbox")  # wake relays at commit
     per_dest: dict[str, dict[str, Any]] = {}
@@ -733,6 +820,38 @@ async def replay_event(
     }
 
 
+async def replay_endpoint_preview(
+    conn: asyncpg.Connection, schema: str, endpoint_id: int, since: float, *, failed_only: bool
+) -> tuple[dict[str, Any], Selection]:
+    """replay_endpoint's dry run, and the selection of deliveries that confirms it
+    (``replay_endpoint(within=…)``), read in one snapshot."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        counted = await replay_endpoint(
+            conn, schema, endpoint_id, since, failed_only=failed_only, dry_run=True
+        )
+        window = _replay_window(endpoint_id, since, failed_only, None)
+        selection = await _selection(
+            conn, queries.REPLAY_ENDPOINT_SELECTION, schema, *window, None, None
+        )
+    return counted, selection
+
+
+def _replay_statuses(failed_only: bool) -> list[str]:
+    """The deliveries a window replays: every one not running (a disabled endpoint's
+    backlog too), or the failed ones."""
+    return ["failed"] if failed_only else [*ENDED, "pending"]
+
+
+def _replay_window(
+    endpoint_id: int, since: float, failed_only: bool, within: Selection | None
+) -> tuple[Any, ...]:
+    """The arguments of the replay statements: their window, and a selection's bounds (for
+    those of queries._REPLAY_WINDOW_WITHIN)."""
+    statuses = _replay_statuses(failed_only)
+    window = (endpoint_id, min(since, MAX_REPLAY_WINDOW), statuses)
+    return window if within is None else (*window, within.max_id, within.at)
+
+
 async def replay_endpoint(
     conn: asyncpg.Connection,
     schema: str,
@@ -741,20 +860,34 @@ async def replay_endpoint(
     *,
     failed_only: bool,
     dry_run: bool = False,
+    within: Selection | None = None,
 ) -> dict[str, Any]:
     """Send again every delivery of an endpoint created in the last ``since`` seconds that
     is not running (only the failed ones with ``failed_only``): ended ones, and pending ones
     (a disabled endpoint's backlog, deliveries backing off), as replays due now. Those whose
     event is gone, and those whose event the endpoint no longer takes (its tenant or event
     types changed since), are counted and left as they are. ``dry_run`` counts and changes
-    nothing."""
+    nothing. ``within``: only
+    the deliveries of that selection (from replay_endpoint_preview, the window measured from
+    its clock), or SelectionChanged if they are no longer the ones that match."""
     await _check_replay_tables(conn, schema)
-    statuses = ["failed"] if failed_only else [*ENDED, "pending"]
-    args = (endpoint_id, min(since, MAX_REPLAY_WINDOW), statuses)
-    async with conn.transaction(readonly=dry_run):
+    statuses = _replay_statuses(failed_only)
+    args = _replay_window(endpoint_id, since, failed_only, within)
+    exact = within is not None and not dry_run
+    # Exact: one snapshot for the check and the change, as retry does.
+    async with conn.transaction(readonly=dry_run, isolation="repeatable_read" if exact else None):
         endpoint = await _endpoint(conn, schema, endpoint_id)
-        sql = queries.REPLAY_ENDPOINT_PREVIEW if dry_run else queries.REPLAY_ENDPOINT
-        rows = await conn.fetch(_sql(sql, schema), *args)
+        if exact:
+            assert within is not None
+            found = await _selection(conn, queries.REPLAY_ENDPOINT_SELECTION, schema, *args)
+            _same(found, within)
+        if dry_run:
+            sql = queries.REPLAY_ENDPOINT_PREVIEW
+            args = args[:3]  # a dry run counts the window as it is now
+        else:
+            sql = queries.REPLAY_ENDPOINT_WITHIN if exact else queries.REPLAY_ENDPOINT
+        replaying = conn.fetch(_sql(sql, schema), *args)
+        rows = await (_exactly(replaying) if exact else replaying)
         by_status = dict.fromkeys(statuses, 0)
         gone = mismatched = 0
         for r in rows:
@@ -784,6 +917,32 @@ async def replay_endpoint(
 # --- purge ----------------------------------------------------------------------------------
 
 
+async def purge_preview(
+    conn: asyncpg.Connection,
+    schema: str,
+    *,
+    older_than: float,
+    failed: bool,
+    destinations: list[str] | None,
+) -> tuple[dict[str, Any], Selection]:
+    """purge's dry run, and the selection that confirms it (``purge(within=…)``), read in
+    one snapshot."""
+    async with conn.transaction(isolation="repeatable_read", readonly=True):
+        counted = await purge(
+            conn,
+            schema,
+            older_than=older_than,
+            failed=failed,
+            destinations=destinations,
+            batch_size=1,
+            dry_run=True,
+        )
+        selection = await _selection(
+            conn, queries.PURGE_SELECTION, schema, older_than, destinations, failed, None, None
+        )
+    return counted, selection
+
+
 async def purge(
     conn: asyncpg.Connection,
     schema: str,
@@ -794,14 +953,31 @@ async def purge(
     batch_size: int,
     dry_run: bool,
     progress: Callable[[int, int], None] | None = None,
+    within: Selection | None = None,
 ) -> dict[str, Any]:
     """Delete delivered and skipped (and with ``failed``, failed) rows that reached that
     status more than ``older_than`` seconds ago, one small transaction per batch.
 
     ``progress(deleted, total)`` is called before the first batch and after each: the rows
     deleted so far, of the ``total`` counted first (rows that age meanwhile may be deleted
-    too, rows another session has locked are passed over)."""
+    too, rows another session has locked are passed over).
+
+    ``within``: only the rows of that selection (from purge_preview: aged as of its clock,
+    ids up to its highest), or SelectionChanged if they are no longer the rows that match.
+    Checked once, before the batches: rows can only leave that set afterwards (deleted by
+    another session, a failed row retried), never join it."""
     await _check_tables(conn, schema)
+    if within is not None and not dry_run:
+        return await _purge_within(
+            conn,
+            schema,
+            within,
+            older_than=older_than,
+            failed=failed,
+            destinations=destinations,
+            batch_size=batch_size,
+            progress=progress,
+        )
     preview_rows = await conn.fetch(
         _sql(queries.PURGE_PREVIEW, schema), older_than, destinations, failed
     )
@@ -831,6 +1007,53 @@ async def purge(
             batches += 1
             if progress is not None:
                 progress(sum(deleted.values()), total)
+            if n < batch_size:
+                break
+    return {
+        "dry_run": False,
+        "rows": sum(deleted.values()),
+        "deleted": deleted,
+        "batches": batches,
+    }
+
+
+async def _purge_within(
+    conn: asyncpg.Connection,
+    schema: str,
+    within: Selection,
+    *,
+    older_than: float,
+    failed: bool,
+    destinations: list[str] | None,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, Any]:
+    bound = (within.at, within.max_id)
+    found = await _selection(
+        conn, queries.PURGE_SELECTION, schema, older_than, destinations, failed, *bound
+    )
+    _same(found, within)
+    deleted = {"delivered": 0, "skipped": 0, "failed": 0}
+    if progress is not None:
+        progress(0, within.rows)
+    statements: list[tuple[str, str, tuple[Any, ...]]] = [
+        ("delivered", queries.PURGE_SELECTED_DELIVERED, ()),
+        ("skipped", queries.PURGE_SELECTED_FINISHED, ([Status.SKIPPED],)),
+    ]
+    if failed:
+        statements.append(("failed", queries.PURGE_SELECTED_FINISHED, ([Status.FAILED],)))
+    batches = 0
+    for status_name, sql, extra in statements:
+        rendered = _sql(sql, schema)
+        while True:
+            result = await conn.execute(
+                rendered, older_than, destinations, batch_size, *bound, *extra
+            )
+            n = int(result.split()[-1])
+            deleted[status_name] += n
+            batches += 1
+            if progress is not None:
+                progress(sum(deleted.values()), within.rows)
             if n < batch_size:
                 break
     return {

@@ -4,6 +4,9 @@ filled in, and outbox.queries.render_endpoints for ``{deliveries}`` and ``{attem
 
 from __future__ import annotations
 
+# An event a delivery still needs is not purged, as the relay's own purge keeps it.
+from relay.queries import _OPEN_DELIVERY as OPEN_DELIVERY
+
 # The relay's statements the commands run too.
 from relay.queries import BLOCKED_KEYS as BLOCKED_KEYS
 from relay.queries import COLUMN_EXISTS as COLUMN_EXISTS
@@ -154,7 +157,9 @@ WHERE id = ANY($1::bigint[])
 ORDER BY id
 """
 
-# Failed rows matching the retry filters; a NULL filter matches everything.
+# Failed rows matching the retry filters; a NULL filter matches everything. $5 bounds the
+# ids when a preview is confirmed (see SELECTION): rows that failed since, with higher ids,
+# are not the preview's.
 _FAILED_MATCHING = """
 FROM {table}
 WHERE status = 'failed'
@@ -162,7 +167,19 @@ WHERE status = 'failed'
   AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
   AND ($3::timestamptz IS NULL OR created_at >= $3::timestamptz)
   AND ($4::text IS NULL OR last_error ILIKE $4::text)
+  AND ($5::bigint IS NULL OR id <= $5::bigint)
 """
+
+# What a preview matched, for its confirmation to act on exactly those rows (admin.Selection):
+# how many, the highest id, and a digest of the ids that does not depend on their order (a
+# sum of their hashes: any row that leaves or joins the set changes it), with the clock the
+# windows were measured from. Prefixed to the FROM … WHERE of the statement's own filter.
+_SELECTION = """
+SELECT count(*) AS rows, coalesce(max(id), 0) AS max_id,
+       coalesce(sum(hashint8extended(id, 0)::numeric), 0)::text AS digest, now() AS at
+"""
+
+RETRY_SELECTION = _SELECTION + _FAILED_MATCHING
 
 RETRY_PREVIEW = (
     """
@@ -210,6 +227,69 @@ WHERE ((status = 'delivered' AND delivered_at < now() - make_interval(secs => $1
 GROUP BY destination, status
 ORDER BY destination, status
 """
+
+# The rows PURGE_PREVIEW counts, as a selection ($4: the clock "older than" is measured from,
+# NULL for now(); $5: the highest id, or NULL).
+PURGE_SELECTION = (
+    _SELECTION
+    + """
+FROM {table}
+WHERE ((status = 'delivered'
+        AND delivered_at < coalesce($4::timestamptz, now()) - make_interval(secs => $1))
+       OR (status IN ('failed', 'skipped')
+           AND (status = 'skipped' OR $3::bool)
+           AND coalesce(finished_at, created_at)
+               < coalesce($4::timestamptz, now()) - make_interval(secs => $1)))
+  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+  AND ($5::bigint IS NULL OR id <= $5::bigint)
+"""
+)
+
+# A confirmed preview's purge, in batches as the relay's (PURGE_DELIVERED, PURGE_FINISHED:
+# change them together), within its selection: aged as of the preview's clock ($4 with the
+# seconds $1), ids up to its highest ($5). Rows only leave that set (their timestamps are
+# set when they end, to a later time), so no batch deletes a row the preview did not count.
+PURGE_SELECTED_DELIVERED = (
+    """
+WITH doomed AS (
+    SELECT id FROM {table} AS o
+    WHERE status = 'delivered' AND delivered_at < $4::timestamptz - make_interval(secs => $1)
+      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+      AND id <= $5::bigint
+      AND NOT """
+    + OPEN_DELIVERY
+    + """
+    ORDER BY delivered_at
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {table} AS o
+USING doomed
+WHERE o.id = doomed.id AND o.status = 'delivered'
+"""
+)
+
+# $6: which of failed and skipped.
+PURGE_SELECTED_FINISHED = (
+    """
+WITH doomed AS (
+    SELECT id FROM {table} AS o
+    WHERE status IN ('failed', 'skipped') AND status = ANY($6::text[])
+      AND coalesce(finished_at, created_at) < $4::timestamptz - make_interval(secs => $1)
+      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+      AND id <= $5::bigint
+      AND NOT """
+    + OPEN_DELIVERY
+    + """
+    ORDER BY coalesce(finished_at, created_at)
+    LIMIT $3
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {table} AS o
+USING doomed
+WHERE o.id = doomed.id AND o.status = ANY($6::text[])
+"""
+)
 
 # An operator gives up on failed rows: they will not be delivered, and an ordered key they
 # were blocking moves on (its next row is the key's head from now on).
@@ -412,6 +492,29 @@ WHERE d.endpoint_id = $1 AND d.created_at >= now() - make_interval(secs => $2)
   AND d.status = ANY($3::text[])
 """
 
+# The window of a preview confirmed later (REPLAY_ENDPOINT_WITHIN): ids up to $4, measured
+# from the preview's clock $5 (NULL for none and now(), in the preview itself).
+_REPLAY_WINDOW_WITHIN = """
+WHERE d.endpoint_id = $1
+  AND d.created_at >= coalesce($5::timestamptz, now()) - make_interval(secs => $2)
+  AND d.status = ANY($3::text[])
+  AND ($4::bigint IS NULL OR d.id <= $4::bigint)
+"""
+
+# The deliveries of the window as a selection (see _SELECTION); whether each one's event is
+# still there is part of the digest (the seed of its hash), as it decides what is sent.
+REPLAY_ENDPOINT_SELECTION = (
+    """
+SELECT count(*) AS rows, coalesce(max(d.id), 0) AS max_id,
+       coalesce(sum(hashint8extended(d.id, CASE WHEN EXISTS (
+           SELECT 1 FROM {table} AS o WHERE o.id = d.event_id) THEN 1 ELSE 0 END)::numeric),
+           0)::text AS digest,
+       now() AS at
+FROM {deliveries} AS d
+"""
+    + _REPLAY_WINDOW_WITHIN
+)
+
 REPLAY_ENDPOINT_PREVIEW = (
     """
 SELECT d.status, o.id IS NOT NULL AS found, coalesce("""
@@ -468,6 +571,11 @@ UNION ALL
 SELECT NULL, n, found, false FROM skipped
 """
 )
+
+# REPLAY_ENDPOINT within a confirmed preview's selection: the same statement, both its
+# windows bounded as _REPLAY_WINDOW_WITHIN says (derived, so that the two cannot drift apart;
+# tests/test_console_actions.py runs it).
+REPLAY_ENDPOINT_WITHIN = REPLAY_ENDPOINT.replace(_REPLAY_WINDOW, _REPLAY_WINDOW_WITHIN)
 
 
 # --- list -----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from outbox.errors import describe
 from relay.ops.admin import AdminError
 from relay.store import UNAVAILABLE
 from relay.ui import actions, pages
-from relay.ui.security import COOKIE, CSRF_FIELD, HEADERS, MAX_FORM_BYTES, Guard
+from relay.ui.security import COOKIE, CSRF_FIELD, HEADERS, MAX_FORM_BYTES, Caller, Guard
 
 log = structlog.get_logger("relay.console")
 
@@ -113,11 +113,16 @@ class Console:
             # cannot put its own words on these pages.
             message = None
         signed_in = context.pop("signed_in", True)
+        caller: Caller | None = request.scope.get("state", {}).get("caller")
+        session = caller.session if caller is not None and signed_in else None
         html = template.render(
             base=request.scope.get("root_path", ""),
             read_only=self.read_only,
+            operators=self.guard.operators,
             csrf_field=CSRF_FIELD,
-            csrf=self.guard.csrf if signed_in else "",
+            # A script's pages (bearer token) need none: its actions carry the header.
+            csrf=session.csrf if session is not None else "",
+            operator=caller.who.operator if caller is not None and signed_in else None,
             schema=self.schema if signed_in else "",
             signed_in=signed_in,
             message=message,
@@ -128,14 +133,16 @@ class Console:
 
 def build_console(
     database_url: str,
-    token: str,
+    token: str | None,
     *,
     schema: str = "public",
     read_only: bool = False,
+    operators: Mapping[str, str] | None = None,
 ) -> Starlette:
-    """The console as an ASGI app. It opens a small pool of its own on first use (its
-    statements never take the relay's connections) and closes it with its lifespan or
-    ``app.state.console.close()``."""
+    """The console as an ASGI app, for the holders of ``token`` or, with ``operators``
+    (name: token), for each operator under their own name (the shared token is then not
+    accepted). It opens a small pool of its own on first use (its statements never take the
+    relay's connections) and closes it with its lifespan or ``app.state.console.close()``."""
     templates = Environment(
         loader=PackageLoader("relay.ui", "templates"),
         autoescape=select_autoescape(default=True, default_for_string=True),
@@ -144,7 +151,7 @@ def build_console(
     )
     templates.filters["age"] = pages.age
     templates.filters["short"] = pages.short
-    console = Console(database_url, schema, Guard(token), read_only, templates)
+    console = Console(database_url, schema, Guard(token, operators), read_only, templates)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -213,10 +220,12 @@ class _Gate:
             await response(scope, receive, send_with_headers)
             return
         try:
-            signed_in = open_path or self.console.guard.signed_in(request)
+            caller = self.console.guard.caller(request)
         except ValueError:  # a cookie or header that cannot even be compared
-            signed_in = False
-        if not signed_in:
+            caller = None
+        # Handlers and pages read who is asking (for the audit log, the CSRF value).
+        scope.setdefault("state", {})["caller"] = caller
+        if caller is None and not open_path:
             response = _unauthenticated(self.console, request)
             await response(scope, receive, send_with_headers)
             return
@@ -300,8 +309,8 @@ def _unauthenticated(console: Console, request: Request) -> Response:
         response.headers.update(headers)
         return response
     return PlainTextResponse(
-        "401 unauthenticated: send Authorization: Bearer <OUTBOX_UI_TOKEN>, or sign in with a "
-        "browser\n",
+        "401 unauthenticated: send Authorization: Bearer <token> (OUTBOX_UI_TOKEN, or the "
+        "operator's own), or sign in with a browser\n",
         status_code=401,
         headers=headers,
     )

@@ -16,14 +16,21 @@ from relay.ui import queries
 
 if TYPE_CHECKING:
     from relay.ui.app import Console
+    from relay.ui.security import Caller
 
 ROWS_PER_PAGE = 50
-ENDPOINTS_LISTED = 500
+ENDPOINTS_PER_PAGE = 500
 
 
 def console_of(request: Request) -> Console:
     console: Console = request.app.state.console
     return console
+
+
+def caller_of(request: Request) -> Caller | None:
+    """Who makes the request, as the gate found out (None on the sign-in page)."""
+    caller: Caller | None = request.scope.get("state", {}).get("caller")
+    return caller
 
 
 def age(seconds: float | None) -> str:
@@ -210,19 +217,30 @@ def _pretty(text: str, content_type: str) -> str:
 
 
 async def endpoints(request: Request) -> Response:
+    """A page of endpoints by id, read by keyset (``after_id``, never OFFSET), as rows are."""
     console = console_of(request)
     dest = request.query_params.get("destination") or None
     if dest is not None and "\x00" in dest:
         raise AdminError("destination holds a NUL character")
+    after = (request.query_params.get("after_id") or "").strip()
+    if after and not (after.isascii() and after.isdigit() and int(after) <= 2**63 - 1):
+        raise AdminError(f"after_id must be a whole number, not {after!r}")
     async with console.connection() as conn:
         tables = await conn.fetchval(
             "SELECT to_regclass($1) IS NOT NULL", f"{_quoted(console.schema)}.outbox_endpoints"
         )
         found = (
-            await conn.fetch(render_ops(queries.ENDPOINTS, console.schema), dest, ENDPOINTS_LISTED)
+            await conn.fetch(
+                render_ops(queries.ENDPOINTS, console.schema),
+                dest,
+                ENDPOINTS_PER_PAGE + 1,  # one more: whether there is a next page
+                int(after) if after else 0,
+            )
             if tables
             else []
         )
+    more = len(found) > ENDPOINTS_PER_PAGE
+    found = found[:ENDPOINTS_PER_PAGE]
     listed = [
         {
             "id": e["id"],
@@ -242,7 +260,12 @@ async def endpoints(request: Request) -> Response:
         for e in found
     ]
     return console.render(
-        request, "endpoints.html", endpoints=listed, destination=dest, tables=bool(tables)
+        request,
+        "endpoints.html",
+        endpoints=listed,
+        destination=dest,
+        tables=bool(tables),
+        next_after_id=listed[-1]["id"] if more else None,
     )
 
 

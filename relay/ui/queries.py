@@ -29,7 +29,8 @@ LEFT JOIN per_minute AS p USING (minute)
 ORDER BY 1
 """
 
-# Endpoints with their health, never their secrets; the URL is shown by origin only.
+# A page of endpoints with their health, never their secrets; the URL is shown by origin
+# only. By keyset: those after id $3 (0 for the first page), through the primary key.
 ENDPOINTS = """
 SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.description,
        e.enabled, e.disabled_reason, e.failing_since, e.last_success_at,
@@ -38,10 +39,13 @@ SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.desc
        (SELECT count(*) FROM {deliveries} AS d
         WHERE d.endpoint_id = e.id AND d.status = 'pending') AS pending
 FROM {endpoints} AS e
-WHERE ($1::text IS NULL OR e.destination = $1::text)
+WHERE ($1::text IS NULL OR e.destination = $1::text) AND e.id > $3::bigint
 ORDER BY e.id
 LIMIT $2
 """
+
+# One endpoint, named on the question before an action on it.
+ENDPOINT_ROW = "SELECT id, destination, url, enabled FROM {endpoints} WHERE id = $1"
 
 ENDPOINT_DESTINATION = "SELECT destination FROM {endpoints} WHERE id = $1"
 

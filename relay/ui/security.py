@@ -1,24 +1,34 @@
 """Who may use the console, and the headers every answer carries.
 
-One shared token (``OUTBOX_UI_TOKEN`` or a file) authenticates: scripts send it as
-``Authorization: Bearer …``; people enter it once in the sign-in form and keep a cookie
-derived from it (HttpOnly, Secure, SameSite=Strict), never the token itself. Every action
-also carries a CSRF value derived from the token, checked together with the request's
-``Origin`` / ``Sec-Fetch-Site``: a page on another site can neither read the value nor make
-the browser send the cookie with its request.
+A shared token (``OUTBOX_UI_TOKEN`` or a file), or a token per operator (``[ui] operators``,
+``OUTBOX_UI_OPERATORS``, an operators file), authenticates: scripts send it as
+``Authorization: Bearer …``; people enter it once in the sign-in form and get a session, a
+random id in a cookie (HttpOnly, Secure, SameSite=Strict) that this process keeps until it
+expires or is signed out, never the token itself. Every action also carries the session's
+CSRF value, checked together with the request's ``Origin`` / ``Sec-Fetch-Site``: a page on
+another site can neither read the value nor make the browser send the cookie with its
+request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
+import re
+import secrets
 import time
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from starlette.requests import Request
 
 TOKEN_VARIABLE = "OUTBOX_UI_TOKEN"  # noqa: S105 - the variable's name
+OPERATORS_VARIABLE = "OUTBOX_UI_OPERATORS"
 MIN_TOKEN_CHARS = 16
 COOKIE = "outbox_console"
 CSRF_FIELD = "csrf"
@@ -70,40 +80,213 @@ def load_token(token_file: str | Path | None = None, environ: dict[str, str] | N
     return token
 
 
+# Operator names go into logs, paused_by and the skipped rows' errors as they are.
+OPERATOR_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+
+
+def check_operators(operators: Mapping[str, str], where: str | None) -> dict[str, str]:
+    """Operators and their tokens, checked: usable names, tokens of at least 16 characters,
+    and no two operators with one token (the log could not tell them apart). ``where`` names
+    the setting at the start of each error (None: the caller names it); a token is never
+    quoted."""
+
+    def refused(detail: str) -> TokenError:
+        return TokenError(f"{where}: {detail}" if where else detail)
+
+    if not operators:
+        raise refused(
+            "names no operator: give at least one (name = token), or leave it out to use the "
+            f"shared token ({TOKEN_VARIABLE})"
+        )
+    checked: dict[str, str] = {}
+    owners: dict[str, str] = {}
+    for name, token in operators.items():
+        if not isinstance(name, str) or not OPERATOR_NAME.fullmatch(name):
+            raise refused(
+                f"{name!r} is not a usable operator name: letters, digits and . _ @ -, "
+                "starting with a letter or digit, at most 64"
+            )
+        if not isinstance(token, str):
+            raise refused(f"the token of {name} must be a string")
+        token = token.strip()
+        if len(token) < MIN_TOKEN_CHARS:
+            raise refused(
+                f"the token of {name} has {len(token)} characters; use at least "
+                f"{MIN_TOKEN_CHARS} random ones"
+            )
+        if token in owners:
+            raise refused(
+                f"{owners[token]} and {name} have the same token: give each operator their "
+                "own, so that the log can tell who acted"
+            )
+        owners[token] = name
+        checked[name] = token
+    return checked
+
+
+def load_operators(
+    operators_file: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str] | None:
+    """The operators and their tokens, from ``operators_file`` (TOML, one ``name = "token"``
+    line each) or ``OUTBOX_UI_OPERATORS`` (a JSON object); None when neither is set."""
+    env = os.environ if environ is None else environ
+    found: Any
+    if operators_file is not None:
+        where = f"the operators file {operators_file}"
+        try:
+            found = tomllib.loads(Path(operators_file).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise TokenError(f"cannot read {where}: {exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            # The parser's message quotes no value, only where it stopped.
+            raise TokenError(f'{where} is not TOML of name = "token" lines: {exc}') from None
+    else:
+        raw = env.get(OPERATORS_VARIABLE, "").strip()
+        if not raw:
+            return None
+        where = OPERATORS_VARIABLE
+        try:
+            found = json.loads(raw)
+        except ValueError:
+            found = None
+        if not isinstance(found, dict):
+            raise TokenError(
+                f"{where} must be a JSON object of operators and their tokens, e.g. "
+                '{"alice": "…", "bob": "…"}'
+            )
+    return check_operators(found, where)
+
+
 SESSION_SECONDS = 12 * 3600  # a sign-in lasts this long
+# Sessions kept by one console process at most: past this the nearest to expiring go first.
+MAX_SESSIONS = 10_000
 MAX_FORM_BYTES = 64 * 1024
 
 
-class Guard:
-    """Checks requests against the token; never keeps or renders the token itself."""
+@dataclass(frozen=True)
+class Who:
+    """Who makes a request: an operator by name, or None for the holder of the shared token."""
 
-    def __init__(self, token: str) -> None:
-        self._digest = hashlib.sha256(token.encode()).digest()
-        self._key = hashlib.sha256(b"outbox-relay console\x00" + token.encode()).digest()
-        self.csrf = self._mac("csrf")
+    operator: str | None
+
+    @property
+    def by(self) -> str:
+        """How pauses and skipped rows name them (the command line writes user@host)."""
+        return "console" if self.operator is None else f"{self.operator} (console)"
+
+
+@dataclass(frozen=True)
+class Session:
+    """A sign-in, as this process keeps it."""
+
+    who: Who
+    expires: float
+    csrf: str
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A request's credentials: a session (a browser), or none (a bearer token: a script)."""
+
+    who: Who
+    session: Session | None
+
+
+class Guard:
+    """Checks requests against the tokens and keeps the sessions; never keeps or renders a
+    token itself (only its digest).
+
+    Sessions live in this process only: signing out ends one for good (the cookie, kept or
+    copied, no longer works), a restart ends them all, and another console process does not
+    know them (see docs/console.md, several replicas)."""
+
+    def __init__(self, token: str | None, operators: Mapping[str, str] | None = None) -> None:
+        if operators is not None:
+            if token is not None:
+                raise TokenError(
+                    "give the console either a shared token or operators with their own, not "
+                    "both: with operators, the shared token would act without a name"
+                )
+            named = check_operators(operators, "operators")
+            credentials = [(t, Who(n)) for n, t in sorted(named.items())]
+            material = "\x00".join(f"{n}={t}" for n, t in sorted(named.items()))
+        elif token is not None:
+            credentials = [(token, Who(None))]
+            material = token
+        else:
+            raise TokenError(f"the console needs a token ({TOKEN_VARIABLE}) or operators")
+        self._tokens = [(hashlib.sha256(t.encode()).digest(), who) for t, who in credentials]
+        # Messages and previews' selections are signed with a key derived from the tokens:
+        # every replica configured alike signs alike, and new tokens void the old signatures.
+        self._key = hashlib.sha256(b"outbox-relay console\x00" + material.encode()).digest()
+        self._sessions: dict[bytes, Session] = {}
 
     def __repr__(self) -> str:
         return "Guard(<token>)"
 
+    @property
+    def operators(self) -> bool:
+        """Whether each operator has a token of their own."""
+        return self._tokens[0][1].operator is not None
+
     def _mac(self, what: str) -> str:
         return hmac.new(self._key, what.encode(), hashlib.sha256).hexdigest()
 
-    def token_ok(self, offered: str) -> bool:
-        return hmac.compare_digest(hashlib.sha256(offered.encode()).digest(), self._digest)
+    def identify(self, offered: str) -> Who | None:
+        """Whose token this is, if anyone's. Every token is compared, in constant time, so
+        the time taken tells nothing of which one (or how much of one) matched."""
+        digest = hashlib.sha256(offered.encode()).digest()
+        found = None
+        for known, who in self._tokens:
+            if hmac.compare_digest(digest, known):
+                found = who
+        return found
 
-    def new_session(self, now: float | None = None) -> str:
-        """A cookie value: when it expires, signed (nothing to look up, and a new token
-        ends every session)."""
-        expires = int((now if now is not None else time.time()) + SESSION_SECONDS)
-        return f"{expires}.{self._mac(f'session:{expires}')}"
+    def token_ok(self, offered: str) -> bool:
+        return self.identify(offered) is not None
+
+    def new_session(self, who: Who | None = None, now: float | None = None) -> str:
+        """A new session for ``who`` (the shared token's holder by default): the cookie's
+        value, a random id. Only its digest is kept, with the session."""
+        now = time.time() if now is None else now
+        if len(self._sessions) >= MAX_SESSIONS:
+            self._forget(now)
+        sid = secrets.token_urlsafe(32)
+        self._sessions[_digest(sid)] = Session(
+            who if who is not None else Who(None),
+            now + SESSION_SECONDS,
+            self._mac(f"csrf:{sid}"),
+        )
+        return sid
+
+    def _forget(self, now: float) -> None:
+        """Drop the expired sessions, then (at the limit still) those nearest to expiring."""
+        for key in [k for k, s in self._sessions.items() if s.expires < now]:
+            del self._sessions[key]
+        while len(self._sessions) >= MAX_SESSIONS:
+            del self._sessions[min(self._sessions, key=lambda k: self._sessions[k].expires)]
+
+    def session(self, value: str, now: float | None = None) -> Session | None:
+        if not value or not value.isascii() or len(value) > 128:
+            return None
+        key = _digest(value)
+        found = self._sessions.get(key)
+        if found is None:
+            return None
+        if found.expires < (time.time() if now is None else now):
+            self._sessions.pop(key, None)
+            return None
+        return found
 
     def session_ok(self, value: str, now: float | None = None) -> bool:
-        expires, _, mac = value.partition(".")
-        if not (expires.isascii() and expires.isdigit()) or not mac.isascii():
-            return False
-        if int(expires) < (now if now is not None else time.time()):
-            return False
-        return hmac.compare_digest(mac.encode(), self._mac(f"session:{expires}").encode())
+        return self.session(value, now) is not None
+
+    def end_session(self, value: str) -> Session | None:
+        """Sign-out: the session is forgotten, so its cookie no longer signs anyone in."""
+        found = self.session(value)
+        if found is not None:
+            self._sessions.pop(_digest(value), None)
+        return found
 
     def sign(self, message: str) -> str:
         """A signature for a message the console shows after an action (``msg`` in the URL),
@@ -115,18 +298,37 @@ class Guard:
             return False
         return hmac.compare_digest(signature.encode(), self.sign(message).encode())
 
-    def bearer(self, request: Request) -> bool:
+    def seal(self, purpose: str, text: str) -> str:
+        """A signature binding ``text`` to ``purpose`` (a preview's selection to its form)."""
+        return self._mac(f"{purpose}:{text}")
+
+    def sealed(self, purpose: str, text: str, signature: str) -> bool:
+        if not signature.isascii():
+            return False
+        return hmac.compare_digest(signature.encode(), self.seal(purpose, text).encode())
+
+    def bearer(self, request: Request) -> Who | None:
         scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and self.token_ok(value.strip())
+        if scheme.lower() != "bearer":
+            return None
+        return self.identify(value.strip())
+
+    def caller(self, request: Request) -> Caller | None:
+        """Who makes this request, or None: not signed in."""
+        who = self.bearer(request)
+        if who is not None:
+            return Caller(who, None)
+        cookie = request.cookies.get(cookie_name(request.scope.get("root_path", "")), "")
+        found = self.session(cookie)
+        return Caller(found.who, found) if found is not None else None
 
     def signed_in(self, request: Request) -> bool:
-        cookie = request.cookies.get(cookie_name(request.scope.get("root_path", "")), "")
-        return self.session_ok(cookie) or self.bearer(request)
+        return self.caller(request) is not None
 
-    def action_allowed(self, request: Request, form_csrf: str | None) -> str | None:
+    def action_allowed(self, request: Request, caller: Caller, form_csrf: str | None) -> str | None:
         """Why an action (a POST) must be refused, or None. Scripts authenticated by the
         header need no CSRF value: a cross-site page cannot set that header."""
-        if self.bearer(request):
+        if caller.session is None:
             return None
         fetch_site = request.headers.get("sec-fetch-site")
         if fetch_site is not None:
@@ -140,9 +342,13 @@ class Guard:
                 return f"request from another origin ({origin}) refused"
         if not form_csrf or not form_csrf.isascii():
             return "missing or wrong CSRF value: reload the page and try again"
-        if not hmac.compare_digest(form_csrf.encode(), self.csrf.encode()):
+        if not hmac.compare_digest(form_csrf.encode(), caller.session.csrf.encode()):
             return "missing or wrong CSRF value: reload the page and try again"
         return None
+
+
+def _digest(session_id: str) -> bytes:
+    return hashlib.sha256(session_id.encode()).digest()
 
 
 def cookie_name(root_path: str) -> str:
