@@ -14,7 +14,9 @@ endpoints but does not deliver to them yet (docs/endpoints.md).
 
 Secrets are returned only by ``create``, ``rotate_secret`` and ``get(..., show_secret=True)``,
 and are stored encrypted when ``OUTBOX_ENDPOINT_SECRET_KEY`` is set (see
-:mod:`outbox.endpoint_secrets`).
+:mod:`outbox.endpoint_secrets`). Without it a secret is stored in clear, with the warning event
+``outbox.endpoints.secret_unencrypted``, and only where no secret is encrypted yet (else
+``SecretEncryptionRequired``, as with ``OUTBOX_ENDPOINT_SECRET_REQUIRE=1``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import builtins
 import concurrent.futures
 import ipaddress
 import itertools
+import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,6 +40,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import endpoint_secrets, queries
+from outbox.endpoint_secrets import SecretEncryptionRequired
 from outbox.errors import OutboxError, OutboxValidationError
 from outbox.message import MAX_DESTINATION_BYTES, MAX_EVENT_TYPE_BYTES, MAX_TENANT_BYTES
 from outbox.message import _label as _check_label
@@ -47,6 +51,7 @@ __all__ = [
     "Endpoint",
     "EndpointNotFound",
     "Endpoints",
+    "SecretEncryptionRequired",
     "check_reachable",
 ]
 
@@ -120,13 +125,24 @@ class Endpoints:
     """The endpoints of the outbox in ``schema``; ``outbox.endpoints`` uses schema public.
 
     ``secret_key``: the Fernet key(s) for secrets at rest; default: the environment's
-    ``OUTBOX_ENDPOINT_SECRET_KEY``, read when first needed.
+    ``OUTBOX_ENDPOINT_SECRET_KEY``, read when first needed. ``require_encryption``: refuse to
+    store a secret unencrypted (no key); default: ``OUTBOX_ENDPOINT_SECRET_REQUIRE``.
     """
 
-    def __init__(self, schema: str = "public", *, secret_key: str | None = None) -> None:
+    def __init__(
+        self,
+        schema: str = "public",
+        *,
+        secret_key: str | None = None,
+        require_encryption: bool | None = None,
+    ) -> None:
         queries.check_schema(schema)
         self.schema = schema
-        self._box = endpoint_secrets.SecretBox(secret_key) if secret_key is not None else None
+        self.table = queries.qualified_table(schema, "outbox_endpoints")
+        self._secret_key = secret_key
+        self._require = require_encryption
+        # A key given here is checked at once; the environment's when first needed.
+        self._box = self._open_box() if secret_key is not None else None
 
         def sql(statement: str) -> TextClause:
             return text(queries.render_endpoints(statement, schema))
@@ -138,13 +154,27 @@ class Endpoints:
         self._disable = sql(queries.ENDPOINT_DISABLE)
         self._enable = sql(queries.ENDPOINT_ENABLE)
         self._rotate = sql(queries.ENDPOINT_ROTATE)
+        self._seal_previous = sql(queries.ENDPOINT_SEAL_PREVIOUS)
+        self._holds_sealed = sql(queries.ENDPOINT_HOLDS_SEALED)
         self._delete = sql(queries.ENDPOINT_DELETE)
+
+    def _open_box(self) -> endpoint_secrets.SecretBox:
+        keys = self._secret_key
+        if keys is None:
+            keys = os.environ.get(endpoint_secrets.KEY_VARIABLE)
+        required = self._require if self._require is not None else endpoint_secrets.required()
+        return endpoint_secrets.SecretBox(keys, required=required)
 
     @property
     def box(self) -> endpoint_secrets.SecretBox:
         if self._box is None:
-            self._box = endpoint_secrets.SecretBox.from_environment()
+            self._box = self._open_box()
         return self._box
+
+    def _unencrypted(self, ep: Endpoint) -> None:
+        """Called when ``ep``'s new secret was stored in clear (no key): logs the warning
+        event. (The command line says it on stderr instead.)"""
+        endpoint_secrets.warn_unencrypted(ep.id, ep.destination, self.table)
 
     # --- validation (before any SQL) ----------------------------------------------------------
 
@@ -254,10 +284,38 @@ class Endpoints:
     def _get_call(self, endpoint_id: int) -> _Call:
         return _Call(self._get, {"id": _id(endpoint_id)})
 
-    def _refuse_rotation(self, rows: Sequence[Any], endpoint_id: int) -> None:
-        """A rotation changed no row: the endpoint is missing, or its previous secret is still
-        within the window promised at the last rotation."""
+    def _created(self, rows: Sequence[Any], call: _Call, plain: str) -> Endpoint:
+        if not rows:  # the insert's own condition: a secret in clear where some are encrypted
+            raise endpoint_secrets.downgrade_refused(self.table)
+        ep = self._endpoint(rows[0], secret=plain)
+        if not endpoint_secrets.is_sealed(call.binds["secret"]):
+            self._unencrypted(ep)
+        return ep
+
+    def _previous_in_clear(self, rows: Sequence[Any], call: _Call) -> _Call | None:
+        """After a rotation with a key: the statement that encrypts the previous secret too,
+        if it was stored in clear (from before the key), else None."""
+        previous = rows[0]._mapping["previous_secret"]
+        if not endpoint_secrets.is_sealed(call.binds["secret"]) or previous is None:
+            return None
+        if endpoint_secrets.is_sealed(previous):
+            return None
+        binds = {"id": rows[0]._mapping["id"], "previous": self.box.seal(previous)}
+        return _Call(self._seal_previous, binds)
+
+    def _rotated(self, rows: Sequence[Any], call: _Call, plain: str) -> Endpoint:
+        ep = self._one(rows, call.binds["id"], plain)
+        if not endpoint_secrets.is_sealed(call.binds["secret"]):
+            self._unencrypted(ep)
+        return ep
+
+    def _refuse_rotation(self, rows: Sequence[Any], endpoint_id: int, downgrade: bool) -> None:
+        """A rotation changed no row: the endpoint is missing, its secrets are encrypted and
+        this one would not be (``downgrade``), or its previous secret is still within the
+        window promised at the last rotation."""
         until = self._one(rows, endpoint_id).previous_secret_until
+        if downgrade:
+            raise endpoint_secrets.downgrade_refused(self.table)
         raise OutboxValidationError(
             "keep_previous",
             f"the previous secret of endpoint {endpoint_id} is still valid until "
@@ -326,7 +384,7 @@ class Endpoints:
             destination, url, tenant, event_types, rate_limit, description, secret
         )
         await _check_address(url, allow_private_networks, check_dns)
-        return self._one(await _run(conn, call), 0, plain)
+        return self._created(await _run(conn, call), call, plain)
 
     async def get(
         self, conn: AsyncTarget, endpoint_id: int, *, show_secret: bool = False
@@ -390,8 +448,15 @@ class Endpoints:
         call, plain = self._rotate_call(endpoint_id, keep_previous, secret)
         rows = await _run(conn, call)
         if not rows:
-            self._refuse_rotation(await _run(conn, self._get_call(endpoint_id)), endpoint_id)
-        return self._one(rows, endpoint_id, plain)
+            found = await _run(conn, self._get_call(endpoint_id))
+            downgrade = bool(found) and not endpoint_secrets.is_sealed(call.binds["secret"])
+            if downgrade:
+                downgrade = bool((await _run(conn, _Call(self._holds_sealed, {})))[0][0])
+            self._refuse_rotation(found, endpoint_id, downgrade)
+        seal = self._previous_in_clear(rows, call)
+        if seal is not None:
+            await _run(conn, seal)
+        return self._rotated(rows, call, plain)
 
     async def delete(self, conn: AsyncTarget, endpoint_id: int) -> int:
         """Delete the endpoint; its unfinished deliveries end as ``cancelled``. Returns how
@@ -420,7 +485,7 @@ class Endpoints:
             destination, url, tenant, event_types, rate_limit, description, secret
         )
         check_reachable(url, allow_private_networks, resolve=check_dns)
-        return self._one(_run_sync(conn, call), 0, plain)
+        return self._created(_run_sync(conn, call), call, plain)
 
     def get_sync(
         self, conn: SyncTarget, endpoint_id: int, *, show_secret: bool = False
@@ -481,8 +546,15 @@ class Endpoints:
         call, plain = self._rotate_call(endpoint_id, keep_previous, secret)
         rows = _run_sync(conn, call)
         if not rows:
-            self._refuse_rotation(_run_sync(conn, self._get_call(endpoint_id)), endpoint_id)
-        return self._one(rows, endpoint_id, plain)
+            found = _run_sync(conn, self._get_call(endpoint_id))
+            downgrade = bool(found) and not endpoint_secrets.is_sealed(call.binds["secret"])
+            if downgrade:
+                downgrade = bool(_run_sync(conn, _Call(self._holds_sealed, {}))[0][0])
+            self._refuse_rotation(found, endpoint_id, downgrade)
+        seal = self._previous_in_clear(rows, call)
+        if seal is not None:
+            _run_sync(conn, seal)
+        return self._rotated(rows, call, plain)
 
     def delete_sync(self, conn: SyncTarget, endpoint_id: int) -> int:
         rows = _run_sync(conn, _Call(self._delete, {"id": _id(endpoint_id)}))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,7 +36,7 @@ from relay.cli.options import (
 from relay.ops import queries
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
     from outbox.endpoints import Endpoint, Endpoints
 
@@ -51,16 +51,36 @@ RECENT_ATTEMPTS = 10
 MAX_KEEP_PREVIOUS_HOURS = 24 * 366
 DELIVERY_STATUSES = ("pending", "running", "delivered", "failed", "cancelled")
 
+UNENCRYPTED = (
+    "outbox-relay: warning: the secret is stored unencrypted, as OUTBOX_ENDPOINT_SECRET_KEY is "
+    "not set here (set it as the relays have it to store secrets encrypted)"
+)
+
 
 def run(database_url: str, schema: str, action: Action[T]) -> T:
     """Run ``action`` in one transaction of its own; errors become one clear message, worded
     as the other operations commands word them."""
+    return _guarded(database_url, schema, lambda e: _transaction(database_url, e, action))
+
+
+def _guarded(
+    database_url: str, schema: str, work: Callable[[Endpoints], Coroutine[Any, Any, T]]
+) -> T:
+    """``work`` on the schema's endpoints; a secret it stored unencrypted is said on stderr
+    once it is committed, as the command's last line (rather than as the library's log
+    event)."""
     from sqlalchemy.exc import DBAPIError
 
     from outbox.endpoints import Endpoints
 
+    unencrypted: list[int] = []
+
+    class CommandEndpoints(Endpoints):
+        def _unencrypted(self, ep: Endpoint) -> None:
+            unencrypted.append(ep.id)
+
     try:
-        return asyncio.run(_transaction(database_url, Endpoints(schema), action))
+        result = asyncio.run(work(CommandEndpoints(schema)))
     except OutboxError as exc:  # EndpointNotFound, OutboxValidationError, a secret key problem
         raise click.ClickException(str(exc)) from exc
     except DBAPIError as exc:
@@ -71,13 +91,17 @@ def run(database_url: str, schema: str, action: Action[T]) -> T:
         raise _database_error(database_url, schema, exc) from exc
     except ValueError as exc:  # a URL that is not PostgreSQL
         raise click.ClickException(str(exc)) from exc
+    if unencrypted:
+        # Last, after what the command prints, where it is seen.
+        click.get_current_context().call_on_close(lambda: click.echo(UNENCRYPTED, err=True))
+    return result
 
 
-async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T]) -> T:
+def _engine(database_url: str) -> AsyncEngine:
     from sqlalchemy.ext.asyncio import create_async_engine
     from sqlalchemy.pool import NullPool
 
-    engine = create_async_engine(
+    return create_async_engine(
         to_sqlalchemy_async_url(database_url),
         poolclass=NullPool,
         hide_parameters=True,  # a secret is a parameter, and errors quote parameters
@@ -86,6 +110,10 @@ async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T
             "server_settings": {"application_name": "outbox-relay-cli"},
         },
     )
+
+
+async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T]) -> T:
+    engine = _engine(database_url)
     try:
         async with engine.begin() as conn:
             return await action(endpoints, conn)

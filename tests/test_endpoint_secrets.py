@@ -1,0 +1,281 @@
+"""Endpoint secrets at rest (issue #26, item 6): a writer without the key never stores a
+plaintext secret where secrets are encrypted, OUTBOX_ENDPOINT_SECRET_REQUIRE refuses plaintext
+everywhere, and plaintext is said out loud. Real database, real commands (a process where
+the point is another process's environment)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from click.testing import CliRunner, Result
+from cryptography.fernet import Fernet
+from sqlalchemy import create_engine, text
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from structlog.testing import capture_logs
+
+from outbox import OutboxError
+from outbox.dburl import to_sqlalchemy_async_url
+from outbox.endpoints import Endpoints
+from relay.cli import main
+
+LOCAL = "http://127.0.0.1:9/in"
+GIVEN = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+KEY_VAR = "OUTBOX_ENDPOINT_SECRET_KEY"
+REQUIRE_VAR = "OUTBOX_ENDPOINT_SECRET_REQUIRE"
+
+
+@pytest.fixture(autouse=True)
+def no_key_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test says which key it has; none comes from the developer's shell."""
+    monkeypatch.delenv(KEY_VAR, raising=False)
+    monkeypatch.delenv(REQUIRE_VAR, raising=False)
+
+
+@pytest.fixture
+async def aengine(db_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(to_sqlalchemy_async_url(db_url))
+    yield engine
+    await engine.dispose()
+
+
+def sql(db_url: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(db_url, autocommit=True) as c:
+        cur = c.execute(query, params or None)
+        return cur.fetchall() if cur.description else []
+
+
+def stored(db_url: str, endpoint_id: int) -> tuple[str, str | None]:
+    [(secret, previous)] = sql(
+        db_url, "SELECT secret, previous_secret FROM outbox_endpoints WHERE id = %s", endpoint_id
+    )
+    return secret, previous
+
+
+def process(
+    db_url: str, *args: str, env: dict[str, str] | None = None, input: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`outbox-relay endpoints …` as a process of its own, with only ``env`` of ours (this
+    interpreter's PYTHONPATH too, so that it runs this tree)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "relay.cli",
+            "endpoints",
+            args[0],
+            "--database-url",
+            db_url,
+            *args[1:],
+        ],
+        capture_output=True,
+        text=True,
+        env={**base, **(env or {})},
+        input=input,
+        timeout=60,
+    )
+
+
+def cli(
+    db_url: str, *args: str, env: dict[str, str] | None = None, input: str | None = None
+) -> Result:
+    return CliRunner(env=env).invoke(
+        main, ["endpoints", args[0], "--database-url", db_url, *args[1:]], input=input
+    )
+
+
+async def create(engine: AsyncEngine, api: Endpoints, **kw: Any) -> Any:
+    async with engine.begin() as c:
+        return await api.create(c, destination="d", url=LOCAL, allow_private_networks=True, **kw)
+
+
+# --- no plaintext where secrets are encrypted ---------------------------------------------
+
+
+def test_a_cli_without_the_key_cannot_downgrade_an_encrypted_secret(db_url: str) -> None:
+    """The issue's report: with the key set for the app and relays, an operator's shell without
+    it rotated a secret and stored it in plaintext."""
+    key = {KEY_VAR: Fernet.generate_key().decode()}
+    added = process(db_url, "add", "d", LOCAL, "--allow-private-networks", "--json", env=key)
+    assert added.returncode == 0, added.stderr
+    endpoint_id = json.loads(added.stdout)["id"]
+    before = stored(db_url, endpoint_id)
+    assert before[0].startswith("enc:")
+
+    keyless = process(db_url, "rotate-secret", str(endpoint_id))
+    assert keyless.returncode == 1, keyless.stdout + keyless.stderr
+    assert KEY_VAR in keyless.stderr and "encrypted" in keyless.stderr
+    assert "Traceback" not in keyless.stderr and "whsec_" not in keyless.stdout
+    assert stored(db_url, endpoint_id) == before  # unchanged: still enc:, no previous
+
+    other = process(db_url, "add", "d", LOCAL, "--allow-private-networks")
+    assert other.returncode == 1 and KEY_VAR in other.stderr
+    assert sql(db_url, "SELECT count(*) FROM outbox_endpoints") == [(1,)]
+
+
+async def test_a_writer_without_the_key_is_refused_where_secrets_are_encrypted(
+    db_url: str, aengine: AsyncEngine
+) -> None:
+    plain, sealed = Endpoints(secret_key=""), Endpoints(secret_key=Fernet.generate_key().decode())
+    old = await create(aengine, plain)  # a plaintext table so far: allowed
+    new = await create(aengine, sealed)  # now it holds an encrypted secret
+    async with aengine.connect() as c, c.begin():
+        with pytest.raises(OutboxError, match=KEY_VAR) as caught:
+            await plain.create(c, destination="d", url=LOCAL, allow_private_networks=True)
+        assert "encrypted" in str(caught.value) and f"Set {KEY_VAR} to" in str(caught.value)
+        # Rotating an endpoint whose own secret is still plaintext: refused as well, the
+        # table holds encrypted ones.
+        with pytest.raises(OutboxError, match=KEY_VAR):
+            await plain.rotate_secret(c, old.id)
+        with pytest.raises(OutboxError, match=KEY_VAR):
+            await plain.rotate_secret(c, new.id)
+        assert (await c.execute(text("SELECT 1"))).scalar() == 1  # the transaction is usable
+    assert stored(db_url, old.id) == (old.secret, None)
+    assert stored(db_url, new.id)[0].startswith("enc:")
+    assert sql(db_url, "SELECT count(*) FROM outbox_endpoints") == [(2,)]
+
+    engine = create_engine("postgresql+psycopg://" + db_url.partition("://")[2])
+    try:  # the sync functions inherit it
+        with engine.begin() as sc:
+            with pytest.raises(OutboxError, match=KEY_VAR):
+                plain.create_sync(sc, destination="d", url=LOCAL, allow_private_networks=True)
+            with pytest.raises(OutboxError, match=KEY_VAR):
+                plain.rotate_secret_sync(sc, old.id)
+    finally:
+        engine.dispose()
+    assert stored(db_url, old.id) == (old.secret, None)
+    assert sql(db_url, "SELECT count(*) FROM outbox_endpoints") == [(2,)]
+
+
+async def test_a_keyless_rotation_waiting_on_an_encryption_of_its_row_is_refused(
+    db_url: str, aengine: AsyncEngine
+) -> None:
+    """Two writers, one row: the keyed one encrypts it (not committed yet), the keyless one
+    rotates it and waits for the row. Once the first commits, the second must see the row as
+    it is now (encrypted) and be refused, not write plaintext over it."""
+    plain, sealed = Endpoints(secret_key=""), Endpoints(secret_key=Fernet.generate_key().decode())
+    ep = await create(aengine, plain)
+    first = await aengine.connect()
+    try:
+        tx = await first.begin()
+        await sealed.rotate_secret(first, ep.id)
+
+        async def keyless() -> Any:
+            async with aengine.begin() as c:
+                await c.execute(text("SET LOCAL application_name = 'keyless-writer'"))
+                # Dropping the previous secret at once: only the key can refuse it.
+                return await plain.rotate_secret(c, ep.id, keep_previous=timedelta(0))
+
+        second = asyncio.create_task(keyless())
+        for _ in range(200):  # until the keyless rotation waits for the row's lock
+            waiting = sql(
+                db_url,
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE application_name = 'keyless-writer' AND wait_event_type = 'Lock'",
+            )
+            if waiting == [(1,)]:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("the keyless rotation never waited for the row")
+        await tx.commit()
+        with pytest.raises(OutboxError, match=KEY_VAR):
+            await second
+    finally:
+        await first.close()
+    assert stored(db_url, ep.id)[0].startswith("enc:")
+
+
+async def test_a_keyed_rotation_encrypts_the_previous_secret_too(
+    db_url: str, aengine: AsyncEngine
+) -> None:
+    """A table that was plaintext, now written with a key: the secret that keeps signing for
+    a day is encrypted as well, not copied in clear beside the new one."""
+    sealed = Endpoints(secret_key=Fernet.generate_key().decode())
+    ep = await create(aengine, Endpoints(secret_key=""))
+    async with aengine.begin() as c:
+        new = await sealed.rotate_secret(c, ep.id)
+    secret, previous = stored(db_url, ep.id)
+    assert secret.startswith("enc:") and previous is not None and previous.startswith("enc:")
+    assert sealed.box.open(secret) == new.secret and sealed.box.open(previous) == ep.secret
+
+
+# --- requiring encryption -----------------------------------------------------------------
+
+
+async def test_requiring_encryption_refuses_every_plaintext_write(
+    db_url: str, aengine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ep = await create(aengine, Endpoints())  # before it was required
+    monkeypatch.setenv(REQUIRE_VAR, "1")
+    required = Endpoints()  # reads the environment, as applications' defaults do
+    async with aengine.connect() as c, c.begin():
+        for write in (
+            lambda: required.create(c, destination="d", url=LOCAL, allow_private_networks=True),
+            lambda: required.rotate_secret(c, ep.id),
+        ):
+            with pytest.raises(OutboxError) as caught:
+                await write()
+            assert REQUIRE_VAR in str(caught.value) and KEY_VAR in str(caught.value)
+    assert sql(db_url, "SELECT secret FROM outbox_endpoints") == [(ep.secret,)]
+    # With the key it is written, encrypted.
+    monkeypatch.setenv(KEY_VAR, Fernet.generate_key().decode())
+    added = await create(aengine, Endpoints())
+    assert stored(db_url, added.id)[0].startswith("enc:")
+    # The setting says yes or no; anything else is an error naming it, not a silent "no".
+    monkeypatch.setenv(REQUIRE_VAR, "sure")
+    with pytest.raises(OutboxError, match=f"{REQUIRE_VAR}.*1 .*0"):
+        await create(aengine, Endpoints())
+
+
+def test_requiring_encryption_refuses_the_command_without_a_key(db_url: str) -> None:
+    res = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", env={REQUIRE_VAR: "1"})
+    assert res.exit_code == 1, res.output
+    assert REQUIRE_VAR in res.output and KEY_VAR in res.output
+    assert sql(db_url, "SELECT count(*) FROM outbox_endpoints") == [(0,)]
+
+
+# --- saying it out loud -------------------------------------------------------------------
+
+
+async def test_a_plaintext_secret_is_logged_as_a_warning(aengine: AsyncEngine) -> None:
+    plain, sealed = Endpoints(secret_key=""), Endpoints(secret_key=Fernet.generate_key().decode())
+    with capture_logs() as logs:
+        ep = await create(aengine, plain)
+        async with aengine.begin() as c:
+            await plain.rotate_secret(c, ep.id)
+    events = [e for e in logs if e["event"] == "outbox.endpoints.secret_unencrypted"]
+    assert [(e["log_level"], e["endpoint_id"]) for e in events] == [("warning", ep.id)] * 2
+    assert KEY_VAR in events[0]["action"]
+    with capture_logs() as logs:
+        await create(aengine, sealed, secret=GIVEN)
+    assert [e for e in logs if e["event"] == "outbox.endpoints.secret_unencrypted"] == []
+
+
+def test_add_and_rotate_without_a_key_warn_on_stderr(db_url: str) -> None:
+    res = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", "--json")
+    assert res.exit_code == 0, res.output
+    ep = json.loads(res.stdout)  # stdout stays the JSON alone
+    [line] = res.stderr.splitlines()
+    assert line.startswith("outbox-relay: warning:") and KEY_VAR in line
+    assert "unencrypted" in line
+    rotated = cli(db_url, "rotate-secret", str(ep["id"]))
+    assert rotated.exit_code == 0, rotated.output
+    assert KEY_VAR in rotated.stderr and len(rotated.stderr.splitlines()) == 1
+    key = {KEY_VAR: Fernet.generate_key().decode()}
+    for args in (
+        ["add", "e", LOCAL, "--allow-private-networks"],
+        ["rotate-secret", str(ep["id"]), "--keep-previous-hours", "0"],
+    ):
+        quiet = cli(db_url, *args, env=key)
+        assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
