@@ -16,7 +16,8 @@ Secrets are returned only by ``create``, ``rotate_secret`` and ``get(..., show_s
 and are stored encrypted when ``OUTBOX_ENDPOINT_SECRET_KEY`` is set (see
 :mod:`outbox.endpoint_secrets`). Without it a secret is stored in clear, with the warning event
 ``outbox.endpoints.secret_unencrypted``, and only where no secret is encrypted yet (else
-``SecretEncryptionRequired``, as with ``OUTBOX_ENDPOINT_SECRET_REQUIRE=1``).
+``SecretEncryptionRequired``, as with ``OUTBOX_ENDPOINT_SECRET_REQUIRE=1``); ``reencrypt``
+moves every secret under the first key.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ __all__ = [
     "Endpoint",
     "EndpointNotFound",
     "Endpoints",
+    "Reencrypted",
     "SecretEncryptionRequired",
     "check_reachable",
 ]
@@ -62,6 +64,7 @@ DEFAULT_KEEP_PREVIOUS = timedelta(hours=24)
 MAX_KEEP_PREVIOUS = timedelta(days=366)
 MAX_RATE_LIMIT = 2**31 - 1  # the column is an integer
 MAX_ID = 2**63 - 1  # and ids are bigint
+MAX_REENCRYPT_BATCH = 10_000
 DNS_TIMEOUT = 5.0  # seconds a registration waits for the URL's host to resolve
 
 
@@ -101,6 +104,20 @@ class Endpoint:
         if self.secret is None:
             del out["secret"]
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class Reencrypted:
+    """What one batch of :meth:`Endpoints.reencrypt` did, counted in secrets (an endpoint has
+    its current one and maybe a previous one)."""
+
+    last_id: int | None  # the last endpoint read: the next batch starts after it (None: none)
+    endpoints: int  # endpoints read
+    encrypted: int  # secrets that were stored in clear, now encrypted
+    rewritten: int  # secrets that were encrypted under another key, now under the first
+    current: int  # secrets already encrypted under the first key: left as they are
+    expired: int  # previous secrets past their window: cleared, not re-encrypted
+    unreadable: tuple[int, ...] = ()  # endpoints with a secret no key opens: left unchanged
 
 
 class _Unset:
@@ -156,6 +173,8 @@ class Endpoints:
         self._rotate = sql(queries.ENDPOINT_ROTATE)
         self._seal_previous = sql(queries.ENDPOINT_SEAL_PREVIOUS)
         self._holds_sealed = sql(queries.ENDPOINT_HOLDS_SEALED)
+        self._reencrypt_read = sql(queries.ENDPOINT_REENCRYPT_READ)
+        self._reencrypt_write = sql(queries.ENDPOINT_REENCRYPT_WRITE)
         self._delete = sql(queries.ENDPOINT_DELETE)
 
     def _open_box(self) -> endpoint_secrets.SecretBox:
@@ -458,6 +477,63 @@ class Endpoints:
             await _run(conn, seal)
         return self._rotated(rows, call, plain)
 
+    async def reencrypt(
+        self, conn: AsyncTarget, *, after_id: int = 0, limit: int = 500
+    ) -> Reencrypted:
+        """Re-encrypt under the first key the secrets of the next ``limit`` endpoints after
+        ``after_id`` (in id order), in the caller's transaction: those stored in clear, those
+        under an older key (``secret_key="new,old"``); a previous secret past its window is
+        cleared. An endpoint with a secret no key opens is left as it is and reported. Run it
+        batch after batch (a transaction each), from ``last_id``, until ``last_id`` is None;
+        running it again is harmless (secrets already under the first key are left alone).
+        Async only: it is a maintenance step, run by ``outbox-relay endpoints reencrypt``."""
+        box = self.box
+        if not box.encrypts:
+            raise SecretEncryptionRequired(
+                f"re-encrypting needs {endpoint_secrets.KEY_VARIABLE}: set it to the new key "
+                "followed by the keys the secrets may be encrypted with now, comma-separated "
+                "(new,old)"
+            )
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 0 < limit <= MAX_REENCRYPT_BATCH
+        ):
+            raise OutboxValidationError("limit", f"must be an int from 1 to {MAX_REENCRYPT_BATCH}")
+        if after_id != 0:
+            _id(after_id)
+        rows = await _run(conn, _Call(self._reencrypt_read, {"after_id": after_id, "limit": limit}))
+        counts = dict.fromkeys(("encrypted", "rewritten", "current", "expired"), 0)
+        unreadable: builtins.list[int] = []
+        changed: builtins.list[tuple[int, str, str | None]] = []
+        for row in rows:
+            endpoint_id, secret, previous, previous_expired = tuple(row)
+            row_counts = dict.fromkeys(counts, 0)
+            try:
+                new_secret = _reencrypted(box, secret, row_counts)
+                if previous is None or previous_expired:
+                    row_counts["expired"] += previous is not None
+                    new_previous = None
+                else:
+                    new_previous = _reencrypted(box, previous, row_counts)
+            except OutboxError:  # no key opens it: changing it would lose it
+                unreadable.append(endpoint_id)
+                continue
+            for k, v in row_counts.items():
+                counts[k] += v
+            if (new_secret, new_previous) != (secret, previous):
+                changed.append((endpoint_id, new_secret, new_previous))
+        if changed:
+            ids, secrets, previous_secrets = (builtins.list(c) for c in zip(*changed, strict=True))
+            binds = {"ids": ids, "secrets": secrets, "previous": previous_secrets}
+            await _run(conn, _Call(self._reencrypt_write, binds))
+        return Reencrypted(
+            last_id=rows[-1][0] if rows else None,
+            endpoints=len(rows),
+            unreadable=tuple(unreadable),
+            **counts,
+        )
+
     async def delete(self, conn: AsyncTarget, endpoint_id: int) -> int:
         """Delete the endpoint; its unfinished deliveries end as ``cancelled``. Returns how
         many were cancelled."""
@@ -664,6 +740,16 @@ def _event_types(values: object) -> builtins.list[str]:
             )
         _check_label("event_types", t, MAX_EVENT_TYPE_BYTES)
     return builtins.list(dict.fromkeys(given))
+
+
+def _reencrypted(box: endpoint_secrets.SecretBox, stored: str, counts: dict[str, int]) -> str:
+    """``stored`` as it is under the box's first key, counted; OutboxError if no key opens it."""
+    if box.is_current(stored):
+        counts["current"] += 1
+        return stored
+    sealed = endpoint_secrets.is_sealed(stored)
+    counts["rewritten" if sealed else "encrypted"] += 1
+    return box.seal(box.open(stored))
 
 
 def _deleted(rows: Sequence[Any], endpoint_id: int) -> int:

@@ -357,6 +357,33 @@ ENDPOINT_SEAL_PREVIOUS = """
 UPDATE {endpoints} SET previous_secret = :previous WHERE id = :id RETURNING id
 """
 
+# Re-encryption under a new key (`outbox-relay endpoints reencrypt`), a batch per transaction
+# in id order. The batch is locked: a writer rotating one of its secrets meanwhile waits, and
+# then rotates what this wrote (never the other way round). A previous secret past its window
+# signs nothing any more: it is reported as expired, to be cleared rather than re-encrypted.
+ENDPOINT_REENCRYPT_READ = """
+SELECT id, secret, previous_secret,
+       previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
+           AS previous_expired
+FROM {endpoints}
+WHERE id > :after_id
+ORDER BY id
+LIMIT :limit
+FOR UPDATE
+"""
+
+# Only the rows the batch changes; a cleared previous secret takes its window with it.
+ENDPOINT_REENCRYPT_WRITE = """
+UPDATE {endpoints} AS e
+SET secret = v.secret,
+    previous_secret = v.previous_secret,
+    previous_secret_until = CASE WHEN v.previous_secret IS NULL THEN NULL
+                                 ELSE e.previous_secret_until END
+FROM unnest(CAST(:ids AS bigint[]), CAST(:secrets AS text[]), CAST(:previous AS text[]))
+         AS v(id, secret, previous_secret)
+WHERE e.id = v.id
+RETURNING e.id
+"""
 
 # Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
 # sent, and the log says why.

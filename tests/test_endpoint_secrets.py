@@ -1,7 +1,8 @@
 """Endpoint secrets at rest (issue #26, item 6): a writer without the key never stores a
 plaintext secret where secrets are encrypted, OUTBOX_ENDPOINT_SECRET_REQUIRE refuses plaintext
-everywhere, and plaintext is said out loud. Real database, real commands (a process where
-the point is another process's environment)."""
+everywhere, plaintext is said out loud, `endpoints reencrypt` moves every secret under a new
+key, and `--secret-file` keeps a secret out of argv. Real database, real commands (a process
+where the point is another process's environment)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -279,3 +281,133 @@ def test_add_and_rotate_without_a_key_warn_on_stderr(db_url: str) -> None:
     ):
         quiet = cli(db_url, *args, env=key)
         assert quiet.exit_code == 0 and quiet.stderr == "", quiet.output
+
+
+# --- re-encrypting under a new key --------------------------------------------------------
+
+
+def _insert(db_url: str, secret: str, previous: str | None = None, until: str | None = None) -> int:
+    [(endpoint_id,)] = sql(
+        db_url,
+        "INSERT INTO outbox_endpoints (destination, url, secret, previous_secret, "
+        "previous_secret_until) VALUES ('d', %s, %s, %s, now() + CAST(%s AS interval)) "
+        "RETURNING id",
+        LOCAL,
+        secret,
+        previous,
+        until,
+    )
+    return int(endpoint_id)
+
+
+def _sealed(key: str, secret: str) -> str:
+    return "enc:" + Fernet(key.encode()).encrypt(secret.encode()).decode()
+
+
+def _opens(key: str, stored: str) -> str:
+    assert stored.startswith("enc:"), stored
+    return Fernet(key.encode()).decrypt(stored.removeprefix("enc:").encode()).decode()
+
+
+def test_reencrypt_moves_every_secret_under_the_first_key(db_url: str) -> None:
+    old, new, lost = (Fernet.generate_key().decode() for _ in range(3))
+    a, b, c, d = (f"whsec_{base64.b64encode(bytes([n]) * 32).decode()}" for n in range(4))
+    plain = _insert(db_url, a, b, "1 hour")  # from before any key: both in clear
+    rotated = _insert(db_url, _sealed(old, c), _sealed(old, d), "1 hour")  # under the old key
+    expired = _insert(db_url, _sealed(old, a), _sealed(old, b), "-1 hour")  # past its window
+    current = _insert(db_url, _sealed(new, d))
+    unknown = _insert(db_url, _sealed(lost, a))  # under a key nobody listed
+    half = _insert(db_url, _sealed(new, b), _sealed(lost, c), "1 hour")
+    untouched = {i: stored(db_url, i) for i in (current, unknown, half)}
+    env = {KEY_VAR: f"{new},{old}"}
+
+    res = process(db_url, "reencrypt", "--batch-size", "2", "--json", env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert json.loads(res.stdout) == {
+        "endpoints": 6,
+        "encrypted": 2,
+        "rewritten": 3,
+        "expired_cleared": 1,
+        "unreadable": [unknown, half],
+    }
+    assert f"endpoint(s) {unknown}, {half} open with none of the keys" in res.stderr
+    assert KEY_VAR in res.stderr and "Traceback" not in res.stderr
+    assert [_opens(new, v) for v in stored(db_url, plain)] == [a, b]  # type: ignore[arg-type]
+    assert [_opens(new, v) for v in stored(db_url, rotated)] == [c, d]  # type: ignore[arg-type]
+    assert _opens(new, stored(db_url, expired)[0]) == a
+    assert sql(
+        db_url,
+        "SELECT previous_secret, previous_secret_until FROM outbox_endpoints WHERE id = %s",
+        expired,
+    ) == [(None, None)]
+    # Left alone: what was current, and every secret of an endpoint a key is missing for.
+    assert {i: stored(db_url, i) for i in untouched} == untouched
+
+    # Again, with the missing key too: only what is left changes.
+    again = process(db_url, "reencrypt", "--json", env={KEY_VAR: f"{new},{lost}"})
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout) == {
+        "endpoints": 6,
+        "encrypted": 0,
+        "rewritten": 2,
+        "expired_cleared": 0,
+        "unreadable": [],
+    }
+    done = process(db_url, "reencrypt", env={KEY_VAR: new})
+    assert done.returncode == 0, done.stderr
+    assert "6 endpoint(s): nothing to change" in done.stdout
+
+
+def test_reencrypt_without_a_key_changes_nothing_and_says_what_to_set(db_url: str) -> None:
+    endpoint_id = _insert(db_url, GIVEN)
+    res = cli(db_url, "reencrypt")
+    assert res.exit_code == 1 and KEY_VAR in res.output and "new,old" in res.output
+    assert stored(db_url, endpoint_id) == (GIVEN, None)
+
+
+# --- --secret-file ------------------------------------------------------------------------
+
+
+def test_a_secret_from_a_file_or_standard_input_never_goes_through_argv(
+    db_url: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "secret"
+    path.write_text(GIVEN + "\n")
+    res = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", "--secret-file", str(path))
+    assert res.exit_code == 0, res.output
+    assert GIVEN not in res.output and "--secret is visible" not in res.stderr
+    [(first,)] = sql(db_url, "SELECT id FROM outbox_endpoints")
+    assert stored(db_url, first) == (GIVEN, None)
+
+    other = "whsec_" + base64.b64encode(bytes(range(1, 33))).decode()
+    piped = cli(
+        db_url,
+        "rotate-secret",
+        str(first),
+        "--secret-file",
+        "-",
+        "--keep-previous-hours",
+        "0",
+        input=other + "\n",
+    )
+    assert piped.exit_code == 0, piped.output
+    assert other not in piped.output and f"endpoint {first} now signs" in piped.stdout
+    assert stored(db_url, first) == (other, None)
+
+    argv = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", "--secret", GIVEN)
+    assert argv.exit_code == 0, argv.output
+    assert "--secret is visible to other users" in argv.stderr and "--secret-file" in argv.stderr
+
+    for args, status, said in (
+        (["--secret", GIVEN, "--secret-file", str(path)], 2, "contradict"),
+        (["--secret-file", str(tmp_path / "missing")], 2, "No such file"),
+        (["--secret-file", "-"], 2, "is empty"),
+    ):
+        bad = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", *args, input="")
+        assert bad.exit_code == status and said in bad.output, bad.output
+        assert GIVEN not in bad.output
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not a secret")
+    bad = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", "--secret-file", str(wrong))
+    assert bad.exit_code == 1 and "secret:" in bad.output
+    assert sql(db_url, "SELECT count(*) FROM outbox_endpoints") == [(2,)]
