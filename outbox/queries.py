@@ -385,6 +385,33 @@ WHERE e.id = v.id
 RETURNING e.id
 """
 
+# The relay's statements about secrets at rest (asyncpg form, $n; relay/sinks/endpoints/
+# at_rest.py). At start-up, where encryption is required: the endpoints with a secret in
+# clear, current or previous, and the first ids ($1 of them); one read of the table.
+ENDPOINT_UNENCRYPTED_PG = """
+SELECT count(*), (array_agg(id ORDER BY id))[1:$1]
+FROM {endpoints}
+WHERE secret NOT LIKE 'enc:%' OR previous_secret NOT LIKE 'enc:%'
+"""
+
+# Previous secrets whose window has passed (or that have none: they never sign), $1 at a
+# time. Read first, so that the update (which wakes every relay) runs only when one is due.
+ENDPOINT_EXPIRED_PREVIOUS_PG = """
+SELECT id FROM {endpoints}
+WHERE previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
+ORDER BY id
+LIMIT $1
+"""
+
+# The window is tested again: a rotation since the read gave the endpoint a new previous
+# secret, which stays (and a rotation waiting on the row sees the cleared one afterwards).
+ENDPOINT_CLEAR_PREVIOUS_PG = """
+UPDATE {endpoints} SET previous_secret = NULL, previous_secret_until = NULL
+WHERE id = ANY($1::bigint[])
+  AND previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
+RETURNING id
+"""
+
 # Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
 # sent, and the log says why.
 ENDPOINT_DELETE = """

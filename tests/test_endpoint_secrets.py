@@ -411,3 +411,128 @@ def test_a_secret_from_a_file_or_standard_input_never_goes_through_argv(
     bad = cli(db_url, "add", "d", LOCAL, "--allow-private-networks", "--secret-file", str(wrong))
     assert bad.exit_code == 1 and "secret:" in bad.output
     assert sql(db_url, "SELECT count(*) FROM outbox_endpoints") == [(2,)]
+
+
+# --- the relay ----------------------------------------------------------------------------
+
+
+def relay_config(tmp_path: Path, db_url: str) -> Path:
+    path = tmp_path / "relay.toml"
+    path.write_text(
+        f'database_url = "{db_url}"\n[http]\nenabled = false\n'
+        '[destinations.customers]\nkind = "endpoints"\n'
+    )
+    return path
+
+
+def test_the_secret_variables_are_known_to_the_relay_and_checked_by_run_check(
+    db_url: str, tmp_path: Path
+) -> None:
+    config = str(relay_config(tmp_path, db_url))
+    key = Fernet.generate_key().decode()
+    ok = CliRunner(env={KEY_VAR: key, REQUIRE_VAR: "1"}).invoke(
+        main, ["run", "--check", "--config", config]
+    )
+    assert ok.exit_code == 0, ok.output
+    assert "not a setting" not in ok.output  # the dispatcher reads both: not "ignored"
+    for env, said in (
+        ({REQUIRE_VAR: "1"}, [REQUIRE_VAR, KEY_VAR]),
+        ({REQUIRE_VAR: "maybe"}, [REQUIRE_VAR, "1"]),
+        ({KEY_VAR: "not-a-key"}, [KEY_VAR, "Fernet"]),
+    ):
+        for args in (["run", "--check", "--config", config], ["run", "--config", config]):
+            res = CliRunner(env=env).invoke(main, args)
+            assert res.exit_code == 2, (args, env, res.output)
+            assert all(s in res.output for s in said), res.output
+            assert "Traceback" not in res.output and "configuration OK" not in res.output
+
+
+@pytest.fixture
+def dest_settings(db_url: str) -> Any:
+    from tests.support.relays import settings
+
+    return settings(
+        db_url,
+        "127.0.0.1:9",
+        destinations={"customers": {"kind": "endpoints", "allow_private_networks": True}},
+        relay={"poll_interval": 0.2, "lease": 5},
+    )
+
+
+async def test_a_relay_requiring_encryption_says_which_secrets_are_not(
+    db_url: str, dest_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refusing to start would stop every destination, Kafka ones too, over rows the relay
+    cannot rewrite: it starts, and says it as an error, naming the endpoints."""
+    from tests.support.relays import running
+
+    key = Fernet.generate_key().decode()
+    clear = _insert(db_url, GIVEN)
+    previous = _insert(db_url, _sealed(key, GIVEN), GIVEN, "1 hour")
+    _insert(db_url, _sealed(key, GIVEN))
+    monkeypatch.setenv(KEY_VAR, key)
+    monkeypatch.setenv(REQUIRE_VAR, "1")
+    with capture_logs() as logs:
+        async with running(dest_settings):
+            pass
+    [event] = [e for e in logs if e["event"] == "relay.endpoints.secrets_unencrypted"]
+    assert event["log_level"] == "error" and event["endpoints"] == 2
+    assert event["ids"] == [clear, previous] and "reencrypt" in event["action"]
+
+    monkeypatch.delenv(REQUIRE_VAR)  # not required: nothing said
+    with capture_logs() as logs:
+        async with running(dest_settings):
+            pass
+    assert [e for e in logs if e["event"] == "relay.endpoints.secrets_unencrypted"] == []
+
+
+def test_a_relay_requiring_encryption_without_the_key_refuses_to_start(
+    dest_settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.relay import Relay
+
+    monkeypatch.setenv(REQUIRE_VAR, "1")
+    with pytest.raises(OutboxError, match=f"{REQUIRE_VAR}.*{KEY_VAR}"):
+        Relay(dest_settings)
+
+
+async def test_previous_secrets_past_their_window_are_cleared(db_url: str) -> None:
+    import asyncpg
+
+    from outbox.dburl import to_asyncpg_dsn
+    from relay.sinks.endpoints.at_rest import clear_expired_previous_secrets
+    from relay.store import Store, create_pool
+
+    expired = [_insert(db_url, GIVEN, GIVEN, "-1 second") for _ in range(3)]
+    valid = _insert(db_url, GIVEN, GIVEN, "1 hour")
+    [(no_until,)] = sql(
+        db_url,
+        "INSERT INTO outbox_endpoints (destination, url, secret, previous_secret) "
+        "VALUES ('d', 'u', %s, %s) RETURNING id",
+        GIVEN,
+        GIVEN,
+    )
+    pool = await create_pool(to_asyncpg_dsn(db_url), "clear-test", 2)
+    listener = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    heard: list[str] = []
+    await listener.add_listener("public.outbox", lambda *a: heard.append(a[3]))
+    try:
+        store = Store(pool, "public", "clear-test", 30.0)
+        assert await clear_expired_previous_secrets(store, batch_size=2) == 4
+        rows = sql(
+            db_url,
+            "SELECT id, previous_secret, previous_secret_until IS NULL FROM outbox_endpoints "
+            "ORDER BY id",
+        )
+        assert rows == [(i, None, True) for i in [*expired]] + [(valid, GIVEN, False)] + [
+            (no_until, None, True)
+        ]
+        await asyncio.sleep(0.2)
+        assert heard  # the relays re-read the endpoints' keys
+        heard.clear()
+        assert await clear_expired_previous_secrets(store) == 0
+        await asyncio.sleep(0.2)
+        assert heard == []  # nothing to clear: no statement that would wake every relay
+    finally:
+        await listener.close()
+        await pool.close()
