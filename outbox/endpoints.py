@@ -14,7 +14,10 @@ endpoints but does not deliver to them yet (docs/endpoints.md).
 
 Secrets are returned only by ``create``, ``rotate_secret`` and ``get(..., show_secret=True)``,
 and are stored encrypted when ``OUTBOX_ENDPOINT_SECRET_KEY`` is set (see
-:mod:`outbox.endpoint_secrets`).
+:mod:`outbox.endpoint_secrets`). Without it a secret is stored in clear, with the warning event
+``outbox.endpoints.secret_unencrypted``, and only where no secret is encrypted yet (else
+``SecretEncryptionRequired``, as with ``OUTBOX_ENDPOINT_SECRET_REQUIRE=1``); ``reencrypt``
+moves every secret under the first key.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import builtins
 import concurrent.futures
 import ipaddress
 import itertools
+import os
 import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,6 +41,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import endpoint_secrets, queries
+from outbox.endpoint_secrets import SecretEncryptionRequired
 from outbox.errors import OutboxError, OutboxValidationError
 from outbox.message import MAX_DESTINATION_BYTES, MAX_EVENT_TYPE_BYTES, MAX_TENANT_BYTES
 from outbox.message import _label as _check_label
@@ -47,6 +52,8 @@ __all__ = [
     "Endpoint",
     "EndpointNotFound",
     "Endpoints",
+    "Reencrypted",
+    "SecretEncryptionRequired",
     "check_reachable",
 ]
 
@@ -57,6 +64,7 @@ DEFAULT_KEEP_PREVIOUS = timedelta(hours=24)
 MAX_KEEP_PREVIOUS = timedelta(days=366)
 MAX_RATE_LIMIT = 2**31 - 1  # the column is an integer
 MAX_ID = 2**63 - 1  # and ids are bigint
+MAX_REENCRYPT_BATCH = 10_000
 DNS_TIMEOUT = 5.0  # seconds a registration waits for the URL's host to resolve
 
 
@@ -98,6 +106,20 @@ class Endpoint:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Reencrypted:
+    """What one batch of :meth:`Endpoints.reencrypt` did, counted in secrets (an endpoint has
+    its current one and maybe a previous one)."""
+
+    last_id: int | None  # the last endpoint read: the next batch starts after it (None: none)
+    endpoints: int  # endpoints read
+    encrypted: int  # secrets that were stored in clear, now encrypted
+    rewritten: int  # secrets that were encrypted under another key, now under the first
+    current: int  # secrets already encrypted under the first key: left as they are
+    expired: int  # previous secrets past their window: cleared, not re-encrypted
+    unreadable: tuple[int, ...] = ()  # endpoints with a secret no key opens: left unchanged
+
+
 class _Unset:
     def __repr__(self) -> str:
         return "UNSET"
@@ -120,13 +142,24 @@ class Endpoints:
     """The endpoints of the outbox in ``schema``; ``outbox.endpoints`` uses schema public.
 
     ``secret_key``: the Fernet key(s) for secrets at rest; default: the environment's
-    ``OUTBOX_ENDPOINT_SECRET_KEY``, read when first needed.
+    ``OUTBOX_ENDPOINT_SECRET_KEY``, read when first needed. ``require_encryption``: refuse to
+    store a secret unencrypted (no key); default: ``OUTBOX_ENDPOINT_SECRET_REQUIRE``.
     """
 
-    def __init__(self, schema: str = "public", *, secret_key: str | None = None) -> None:
+    def __init__(
+        self,
+        schema: str = "public",
+        *,
+        secret_key: str | None = None,
+        require_encryption: bool | None = None,
+    ) -> None:
         queries.check_schema(schema)
         self.schema = schema
-        self._box = endpoint_secrets.SecretBox(secret_key) if secret_key is not None else None
+        self.table = queries.qualified_table(schema, "outbox_endpoints")
+        self._secret_key = secret_key
+        self._require = require_encryption
+        # A key given here is checked at once; the environment's when first needed.
+        self._box = self._open_box() if secret_key is not None else None
 
         def sql(statement: str) -> TextClause:
             return text(queries.render_endpoints(statement, schema))
@@ -138,13 +171,29 @@ class Endpoints:
         self._disable = sql(queries.ENDPOINT_DISABLE)
         self._enable = sql(queries.ENDPOINT_ENABLE)
         self._rotate = sql(queries.ENDPOINT_ROTATE)
+        self._seal_previous = sql(queries.ENDPOINT_SEAL_PREVIOUS)
+        self._holds_sealed = sql(queries.ENDPOINT_HOLDS_SEALED)
+        self._reencrypt_read = sql(queries.ENDPOINT_REENCRYPT_READ)
+        self._reencrypt_write = sql(queries.ENDPOINT_REENCRYPT_WRITE)
         self._delete = sql(queries.ENDPOINT_DELETE)
+
+    def _open_box(self) -> endpoint_secrets.SecretBox:
+        keys = self._secret_key
+        if keys is None:
+            keys = os.environ.get(endpoint_secrets.KEY_VARIABLE)
+        required = self._require if self._require is not None else endpoint_secrets.required()
+        return endpoint_secrets.SecretBox(keys, required=required)
 
     @property
     def box(self) -> endpoint_secrets.SecretBox:
         if self._box is None:
-            self._box = endpoint_secrets.SecretBox.from_environment()
+            self._box = self._open_box()
         return self._box
+
+    def _unencrypted(self, ep: Endpoint) -> None:
+        """Called when ``ep``'s new secret was stored in clear (no key): logs the warning
+        event. (The command line says it on stderr instead.)"""
+        endpoint_secrets.warn_unencrypted(ep.id, ep.destination, self.table)
 
     # --- validation (before any SQL) ----------------------------------------------------------
 
@@ -254,10 +303,38 @@ class Endpoints:
     def _get_call(self, endpoint_id: int) -> _Call:
         return _Call(self._get, {"id": _id(endpoint_id)})
 
-    def _refuse_rotation(self, rows: Sequence[Any], endpoint_id: int) -> None:
-        """A rotation changed no row: the endpoint is missing, or its previous secret is still
-        within the window promised at the last rotation."""
+    def _created(self, rows: Sequence[Any], call: _Call, plain: str) -> Endpoint:
+        if not rows:  # the insert's own condition: a secret in clear where some are encrypted
+            raise endpoint_secrets.downgrade_refused(self.table)
+        ep = self._endpoint(rows[0], secret=plain)
+        if not endpoint_secrets.is_sealed(call.binds["secret"]):
+            self._unencrypted(ep)
+        return ep
+
+    def _previous_in_clear(self, rows: Sequence[Any], call: _Call) -> _Call | None:
+        """After a rotation with a key: the statement that encrypts the previous secret too,
+        if it was stored in clear (from before the key), else None."""
+        previous = rows[0]._mapping["previous_secret"]
+        if not endpoint_secrets.is_sealed(call.binds["secret"]) or previous is None:
+            return None
+        if endpoint_secrets.is_sealed(previous):
+            return None
+        binds = {"id": rows[0]._mapping["id"], "previous": self.box.seal(previous)}
+        return _Call(self._seal_previous, binds)
+
+    def _rotated(self, rows: Sequence[Any], call: _Call, plain: str) -> Endpoint:
+        ep = self._one(rows, call.binds["id"], plain)
+        if not endpoint_secrets.is_sealed(call.binds["secret"]):
+            self._unencrypted(ep)
+        return ep
+
+    def _refuse_rotation(self, rows: Sequence[Any], endpoint_id: int, downgrade: bool) -> None:
+        """A rotation changed no row: the endpoint is missing, its secrets are encrypted and
+        this one would not be (``downgrade``), or its previous secret is still within the
+        window promised at the last rotation."""
         until = self._one(rows, endpoint_id).previous_secret_until
+        if downgrade:
+            raise endpoint_secrets.downgrade_refused(self.table)
         raise OutboxValidationError(
             "keep_previous",
             f"the previous secret of endpoint {endpoint_id} is still valid until "
@@ -326,7 +403,7 @@ class Endpoints:
             destination, url, tenant, event_types, rate_limit, description, secret
         )
         await _check_address(url, allow_private_networks, check_dns)
-        return self._one(await _run(conn, call), 0, plain)
+        return self._created(await _run(conn, call), call, plain)
 
     async def get(
         self, conn: AsyncTarget, endpoint_id: int, *, show_secret: bool = False
@@ -390,8 +467,72 @@ class Endpoints:
         call, plain = self._rotate_call(endpoint_id, keep_previous, secret)
         rows = await _run(conn, call)
         if not rows:
-            self._refuse_rotation(await _run(conn, self._get_call(endpoint_id)), endpoint_id)
-        return self._one(rows, endpoint_id, plain)
+            found = await _run(conn, self._get_call(endpoint_id))
+            downgrade = bool(found) and not endpoint_secrets.is_sealed(call.binds["secret"])
+            if downgrade:
+                downgrade = bool((await _run(conn, _Call(self._holds_sealed, {})))[0][0])
+            self._refuse_rotation(found, endpoint_id, downgrade)
+        seal = self._previous_in_clear(rows, call)
+        if seal is not None:
+            await _run(conn, seal)
+        return self._rotated(rows, call, plain)
+
+    async def reencrypt(
+        self, conn: AsyncTarget, *, after_id: int = 0, limit: int = 500
+    ) -> Reencrypted:
+        """Re-encrypt under the first key the secrets of the next ``limit`` endpoints after
+        ``after_id`` (in id order), in the caller's transaction: those stored in clear, those
+        under an older key (``secret_key="new,old"``); a previous secret past its window is
+        cleared. An endpoint with a secret no key opens is left as it is and reported. Run it
+        batch after batch (a transaction each), from ``last_id``, until ``last_id`` is None;
+        running it again is harmless (secrets already under the first key are left alone).
+        Async only: it is a maintenance step, run by ``outbox-relay endpoints reencrypt``."""
+        box = self.box
+        if not box.encrypts:
+            raise SecretEncryptionRequired(
+                f"re-encrypting needs {endpoint_secrets.KEY_VARIABLE}: set it to the new key "
+                "followed by the keys the secrets may be encrypted with now, comma-separated "
+                "(new,old)"
+            )
+        if (
+            isinstance(limit, bool)
+            or not isinstance(limit, int)
+            or not 0 < limit <= MAX_REENCRYPT_BATCH
+        ):
+            raise OutboxValidationError("limit", f"must be an int from 1 to {MAX_REENCRYPT_BATCH}")
+        if after_id != 0:
+            _id(after_id)
+        rows = await _run(conn, _Call(self._reencrypt_read, {"after_id": after_id, "limit": limit}))
+        counts = dict.fromkeys(("encrypted", "rewritten", "current", "expired"), 0)
+        unreadable: builtins.list[int] = []
+        changed: builtins.list[tuple[int, str, str | None]] = []
+        for row in rows:
+            endpoint_id, secret, previous, previous_expired = tuple(row)
+            row_counts = dict.fromkeys(counts, 0)
+            try:
+                new_secret = _reencrypted(box, secret, row_counts)
+                if previous is None or previous_expired:
+                    row_counts["expired"] += previous is not None
+                    new_previous = None
+                else:
+                    new_previous = _reencrypted(box, previous, row_counts)
+            except OutboxError:  # no key opens it: changing it would lose it
+                unreadable.append(endpoint_id)
+                continue
+            for k, v in row_counts.items():
+                counts[k] += v
+            if (new_secret, new_previous) != (secret, previous):
+                changed.append((endpoint_id, new_secret, new_previous))
+        if changed:
+            ids, secrets, previous_secrets = (builtins.list(c) for c in zip(*changed, strict=True))
+            binds = {"ids": ids, "secrets": secrets, "previous": previous_secrets}
+            await _run(conn, _Call(self._reencrypt_write, binds))
+        return Reencrypted(
+            last_id=rows[-1][0] if rows else None,
+            endpoints=len(rows),
+            unreadable=tuple(unreadable),
+            **counts,
+        )
 
     async def delete(self, conn: AsyncTarget, endpoint_id: int) -> int:
         """Delete the endpoint; its unfinished deliveries end as ``cancelled``. Returns how
@@ -420,7 +561,7 @@ class Endpoints:
             destination, url, tenant, event_types, rate_limit, description, secret
         )
         check_reachable(url, allow_private_networks, resolve=check_dns)
-        return self._one(_run_sync(conn, call), 0, plain)
+        return self._created(_run_sync(conn, call), call, plain)
 
     def get_sync(
         self, conn: SyncTarget, endpoint_id: int, *, show_secret: bool = False
@@ -481,8 +622,15 @@ class Endpoints:
         call, plain = self._rotate_call(endpoint_id, keep_previous, secret)
         rows = _run_sync(conn, call)
         if not rows:
-            self._refuse_rotation(_run_sync(conn, self._get_call(endpoint_id)), endpoint_id)
-        return self._one(rows, endpoint_id, plain)
+            found = _run_sync(conn, self._get_call(endpoint_id))
+            downgrade = bool(found) and not endpoint_secrets.is_sealed(call.binds["secret"])
+            if downgrade:
+                downgrade = bool(_run_sync(conn, _Call(self._holds_sealed, {}))[0][0])
+            self._refuse_rotation(found, endpoint_id, downgrade)
+        seal = self._previous_in_clear(rows, call)
+        if seal is not None:
+            _run_sync(conn, seal)
+        return self._rotated(rows, call, plain)
 
     def delete_sync(self, conn: SyncTarget, endpoint_id: int) -> int:
         rows = _run_sync(conn, _Call(self._delete, {"id": _id(endpoint_id)}))
@@ -592,6 +740,16 @@ def _event_types(values: object) -> builtins.list[str]:
             )
         _check_label("event_types", t, MAX_EVENT_TYPE_BYTES)
     return builtins.list(dict.fromkeys(given))
+
+
+def _reencrypted(box: endpoint_secrets.SecretBox, stored: str, counts: dict[str, int]) -> str:
+    """``stored`` as it is under the box's first key, counted; OutboxError if no key opens it."""
+    if box.is_current(stored):
+        counts["current"] += 1
+        return stored
+    sealed = endpoint_secrets.is_sealed(stored)
+    counts["rewritten" if sealed else "encrypted"] += 1
+    return box.seal(box.open(stored))
 
 
 def _deleted(rows: Sequence[Any], endpoint_id: int) -> int:

@@ -244,14 +244,31 @@ rate_limit, description, enabled, disabled_reason, disabled_at, failing_since,
 last_success_at, created_at, updated_at
 """
 
+# Whether any endpoint's secret, current or previous, is encrypted: then a writer without the
+# key must not store one in clear beside them (it would be a downgrade the relays never
+# notice). EXISTS stops at the first such row, which where secrets are encrypted is about the
+# first row read; only a table of plaintext secrets is read whole (one row per registered
+# endpoint, and only by writers without a key).
+_HOLDS_SEALED = """EXISTS (SELECT 1 FROM {endpoints}
+        WHERE secret LIKE 'enc:%' OR previous_secret LIKE 'enc:%')"""
+
+# A secret in clear (no key here) is inserted only where none is encrypted; the check and the
+# insert are one statement in the caller's transaction, so it sees what committed before it
+# and the caller's own writes. No row back: refused (the caller says why).
 ENDPOINT_CREATE = (
     """
 INSERT INTO {endpoints} (destination, url, tenant, event_types, secret, rate_limit, description)
-VALUES (:destination, :url, :tenant, CAST(:event_types AS text[]), :secret, :rate_limit,
-        :description)
+SELECT CAST(:destination AS text), CAST(:url AS text), CAST(:tenant AS text),
+       CAST(:event_types AS text[]), CAST(:secret AS text), CAST(:rate_limit AS integer),
+       CAST(:description AS text)
+WHERE CAST(:secret AS text) LIKE 'enc:%' OR NOT """
+    + _HOLDS_SEALED
+    + """
 RETURNING"""
     + _ENDPOINT_COLUMNS
 )
+
+ENDPOINT_HOLDS_SEALED = "SELECT " + _HOLDS_SEALED
 
 ENDPOINT_GET = "SELECT" + _ENDPOINT_COLUMNS + "FROM {endpoints} WHERE id = :id"
 
@@ -320,8 +337,10 @@ RETURNING"""
 )
 
 # One previous secret at a time: while it is still valid, only a rotation that drops it at
-# once (keep_seconds = 0, a leaked secret) goes through; the others change no row, and the
-# caller reads ENDPOINT_GET to say until when.
+# once (keep_seconds = 0, a leaked secret) goes through. A new secret in clear goes in only
+# where none is encrypted: not this row's (tested on the row itself, so that if another writer
+# changes it meanwhile, the test is made again on its newest version once that commits) and
+# no other row's. The others change no row, and the caller reads ENDPOINT_GET to say why.
 ENDPOINT_ROTATE = (
     """
 UPDATE {endpoints}
@@ -332,9 +351,76 @@ SET previous_secret = CASE WHEN :keep_seconds > 0 THEN secret END,
     updated_at = now()
 WHERE id = :id
   AND (:keep_seconds = 0 OR previous_secret_until IS NULL OR previous_secret_until <= now())
+  AND (CAST(:secret AS text) LIKE 'enc:%'
+       OR (secret NOT LIKE 'enc:%' AND coalesce(previous_secret, '') NOT LIKE 'enc:%'
+           AND NOT """
+    + _HOLDS_SEALED
+    + """))
 RETURNING"""
     + _ENDPOINT_COLUMNS
 )
+
+# After a rotation with a key of a secret stored in clear (a table encrypted since): the
+# secret that still signs for a while is stored encrypted too. The row is this transaction's
+# (locked by the rotation).
+ENDPOINT_SEAL_PREVIOUS = """
+UPDATE {endpoints} SET previous_secret = :previous WHERE id = :id RETURNING id
+"""
+
+# Re-encryption under a new key (`outbox-relay endpoints reencrypt`), a batch per transaction
+# in id order. The batch is locked: a writer rotating one of its secrets meanwhile waits, and
+# then rotates what this wrote (never the other way round). A previous secret past its window
+# signs nothing any more: it is reported as expired, to be cleared rather than re-encrypted.
+ENDPOINT_REENCRYPT_READ = """
+SELECT id, secret, previous_secret,
+       previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
+           AS previous_expired
+FROM {endpoints}
+WHERE id > :after_id
+ORDER BY id
+LIMIT :limit
+FOR UPDATE
+"""
+
+# Only the rows the batch changes; a cleared previous secret takes its window with it.
+ENDPOINT_REENCRYPT_WRITE = """
+UPDATE {endpoints} AS e
+SET secret = v.secret,
+    previous_secret = v.previous_secret,
+    previous_secret_until = CASE WHEN v.previous_secret IS NULL THEN NULL
+                                 ELSE e.previous_secret_until END
+FROM unnest(CAST(:ids AS bigint[]), CAST(:secrets AS text[]), CAST(:previous AS text[]))
+         AS v(id, secret, previous_secret)
+WHERE e.id = v.id
+RETURNING e.id
+"""
+
+# The relay's statements about secrets at rest (asyncpg form, $n; relay/sinks/endpoints/
+# at_rest.py). At start-up, where encryption is required: the endpoints with a secret in
+# clear, current or previous, and the first ids ($1 of them); one read of the table.
+ENDPOINT_UNENCRYPTED_PG = """
+SELECT count(*), (array_agg(id ORDER BY id))[1:$1]
+FROM {endpoints}
+WHERE secret NOT LIKE 'enc:%' OR previous_secret NOT LIKE 'enc:%'
+"""
+
+# Previous secrets whose window has passed (or that have none: they never sign), $1 at a
+# time. Read first, so that the update (which wakes every relay) runs only when one is due.
+ENDPOINT_EXPIRED_PREVIOUS_PG = """
+SELECT id FROM {endpoints}
+WHERE previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
+ORDER BY id
+LIMIT $1
+"""
+
+# The window is tested again: a rotation since the read gave the endpoint a new previous
+# secret, which stays (and a rotation waiting on the row sees the cleared one afterwards).
+ENDPOINT_CLEAR_PREVIOUS_PG = """
+UPDATE {endpoints} SET previous_secret = NULL, previous_secret_until = NULL
+WHERE id = ANY($1::bigint[])
+  AND previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
+RETURNING id
+"""
 
 # Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
 # sent, and the log says why.

@@ -31,7 +31,7 @@ def cli(db_url: str, *args: str, input: str | None = None) -> Result:
 def cli_json(db_url: str, *args: str) -> Any:
     res = cli(db_url, *args, "--json")
     assert res.exit_code == 0, res.output
-    return json.loads(res.output)
+    return json.loads(res.stdout)  # stderr may say the secret is stored unencrypted
 
 
 def sql(db_url: str, query: str, *params: Any, **named: Any) -> list[tuple[Any, ...]]:

@@ -15,6 +15,7 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import migrate
+from relay.sinks.endpoints.at_rest import clear_expired_previous_secrets
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.store import Record, Store, create_pool
 from tests.support.deploy import DEPLOY
@@ -138,6 +139,7 @@ async def test_relay_role_can_run_the_queue_and_nothing_else(db_url: str, role_n
             # Applications register endpoints; relays change only their health and state.
             "INSERT INTO outbox_endpoints (destination, url, secret) VALUES ('d', 'u', 's')",
             "UPDATE outbox_endpoints SET url = 'http://evil.example/'",
+            "UPDATE outbox_endpoints SET secret = 'whsec_mine'",  # it may only clear old ones
             "DELETE FROM outbox_endpoints",
         ):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -153,6 +155,13 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
             "INSERT INTO outbox_endpoints (destination, url, secret) "
             "VALUES ('customers', 'http://127.0.0.1:9/', $1) RETURNING id",
             "whsec_" + "A" * 44,
+        )
+        # A previous secret past its window, for the relay to clear.
+        await owner.execute(
+            "INSERT INTO outbox_endpoints (destination, url, secret, previous_secret, "
+            "previous_secret_until) VALUES ('elsewhere', 'http://127.0.0.1:9/', $1, $1, "
+            "now() - interval '1 s')",
+            "whsec_" + "B" * 44,
         )
         events = [
             await owner.fetchval(
@@ -188,6 +197,7 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
     assert await deliveries.disable(endpoint, "gone", None)
     await deliveries.release([second])
     assert await deliveries.reap(5, {"customers": 5}) == 0
+    assert await clear_expired_previous_secrets(store) == 1
     assert await store.delete_finished(0, 100) is not None
 
 

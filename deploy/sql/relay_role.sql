@@ -2,7 +2,8 @@
 -- outbox table, reads the paused destinations (outbox_paused; `outbox-relay pause` is run by
 -- an operator's role), registers itself in outbox_relays, fans events out to the endpoints
 -- registered at runtime (reading outbox_endpoints and writing only their health and
--- disabled state; the application registers them), claims and records outbox_deliveries and
+-- disabled state, and clearing previous secrets past their window; the application
+-- registers them and writes their secrets), claims and records outbox_deliveries and
 -- logs attempts in outbox_attempts, and nothing else. (LISTEN and advisory locks need no
 -- privilege.)
 --
@@ -30,7 +31,7 @@ GRANT SELECT ON TABLE :"schema".outbox_paused TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_relays TO :"role";
 GRANT SELECT ON TABLE :"schema".outbox_endpoints TO :"role";
 GRANT UPDATE (failing_since, last_success_at, enabled, disabled_at, disabled_reason, updated_at,
-              circuit_open_until)
+              circuit_open_until, previous_secret, previous_secret_until)
     ON TABLE :"schema".outbox_endpoints TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_deliveries TO :"role";
 GRANT SELECT, INSERT, DELETE ON TABLE :"schema".outbox_attempts TO :"role";

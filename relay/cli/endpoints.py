@@ -1,7 +1,7 @@
 """``outbox-relay endpoints``: the webhook endpoints registered at runtime for destinations of
-kind ``endpoints`` (see :mod:`outbox.endpoints`). Each change is one transaction; each
-command prints its result as text or ``--json``; a signing secret is printed only by ``add``,
-``rotate-secret`` and ``show --show-secret``.
+kind ``endpoints`` (see :mod:`outbox.endpoints`). Each change is one transaction (``reencrypt``:
+one per batch); each command prints its result as text or ``--json``; a signing secret is
+printed only by ``add``, ``rotate-secret`` and ``show --show-secret``.
 
 SQLAlchemy and outbox.endpoints are imported when a command runs, not when ``--help`` lists
 it, so that the operations commands keep starting fast (tests/test_imports.py).
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,9 +39,9 @@ from relay.cli.options import (
 from relay.ops import queries
 
 if TYPE_CHECKING:
-    from sqlalchemy.ext.asyncio import AsyncConnection
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-    from outbox.endpoints import Endpoint, Endpoints
+    from outbox.endpoints import Endpoint, Endpoints, Reencrypted
 
 T = TypeVar("T")
 Action = Callable[["Endpoints", "AsyncConnection"], Awaitable[T]]
@@ -53,17 +53,45 @@ RECENT_ATTEMPTS = 10
 # Longer is no longer a rotation; and timedelta and PostgreSQL intervals have limits.
 MAX_KEEP_PREVIOUS_HOURS = 24 * 366
 DELIVERY_STATUSES = ("pending", "running", "delivered", "failed", "cancelled")
+MAX_SECRET_FILE = 1024  # bytes: a whsec_ secret is 50; more is the wrong file
+REENCRYPT_BATCH = 500
+
+UNENCRYPTED = (
+    "outbox-relay: warning: the secret is stored unencrypted, as OUTBOX_ENDPOINT_SECRET_KEY is "
+    "not set here (set it as the relays have it to store secrets encrypted, then run "
+    "`outbox-relay endpoints reencrypt`)"
+)
+ARGV_WARNING = (
+    "outbox-relay: warning: --secret is visible to other users of this machine while the "
+    "command runs (ps, /proc); pass it with --secret-file PATH, or --secret-file - to read it "
+    "from standard input"
+)
 
 
 def run(database_url: str, schema: str, action: Action[T]) -> T:
     """Run ``action`` in one transaction of its own; errors become one clear message, worded
     as the other operations commands word them."""
+    return _guarded(database_url, schema, lambda e: _transaction(database_url, e, action))
+
+
+def _guarded(
+    database_url: str, schema: str, work: Callable[[Endpoints], Coroutine[Any, Any, T]]
+) -> T:
+    """``work`` on the schema's endpoints; a secret it stored unencrypted is said on stderr
+    once it is committed, as the command's last line (rather than as the library's log
+    event)."""
     from sqlalchemy.exc import DBAPIError
 
     from outbox.endpoints import Endpoints
 
+    unencrypted: list[int] = []
+
+    class CommandEndpoints(Endpoints):
+        def _unencrypted(self, ep: Endpoint) -> None:
+            unencrypted.append(ep.id)
+
     try:
-        return asyncio.run(_transaction(database_url, Endpoints(schema), action))
+        result = asyncio.run(work(CommandEndpoints(schema)))
     except OutboxError as exc:  # EndpointNotFound, OutboxValidationError, a secret key problem
         raise click.ClickException(str(exc)) from exc
     except DBAPIError as exc:
@@ -74,13 +102,17 @@ def run(database_url: str, schema: str, action: Action[T]) -> T:
         raise _database_error(database_url, schema, exc) from exc
     except ValueError as exc:  # a URL that is not PostgreSQL
         raise click.ClickException(str(exc)) from exc
+    if unencrypted:
+        # Last, after what the command prints, where it is seen.
+        click.get_current_context().call_on_close(lambda: echo(UNENCRYPTED, err=True))
+    return result
 
 
-async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T]) -> T:
+def _engine(database_url: str) -> AsyncEngine:
     from sqlalchemy.ext.asyncio import create_async_engine
     from sqlalchemy.pool import NullPool
 
-    engine = create_async_engine(
+    return create_async_engine(
         to_sqlalchemy_async_url(database_url),
         poolclass=NullPool,
         hide_parameters=True,  # a secret is a parameter, and errors quote parameters
@@ -89,6 +121,10 @@ async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T
             "server_settings": {"application_name": "outbox-relay-cli"},
         },
     )
+
+
+async def _transaction(database_url: str, endpoints: Endpoints, action: Action[T]) -> T:
+    engine = _engine(database_url)
     try:
         async with engine.begin() as conn:
             return await action(endpoints, conn)
@@ -147,6 +183,46 @@ def _register_secret(ctx: click.Context, param: click.Parameter, value: str | No
     if value:
         secrets.register([value])
     return value
+
+
+def _read_secret_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The secret in the file (``-``: standard input), without the line break that ends it;
+    known from here on as --secret's is."""
+    if value is None:
+        return None
+    try:
+        text: str
+        if value == "-":
+            text = sys.stdin.read(MAX_SECRET_FILE + 1)
+        else:
+            with open(value, encoding="utf-8") as f:
+                text = f.read(MAX_SECRET_FILE + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise click.BadParameter(f"cannot read {value}: {reason}", ctx, param) from None
+    secret = text.strip()
+    if secret:
+        secrets.register([secret])
+    if len(text) > MAX_SECRET_FILE:
+        raise click.BadParameter(
+            f"{value} holds more than {MAX_SECRET_FILE} bytes: give a file that holds the "
+            "whsec_… secret alone",
+            ctx,
+            param,
+        )
+    if not secret:
+        raise click.BadParameter(f"{value} is empty: it must hold the whsec_… secret", ctx, param)
+    return secret
+
+
+def secret_file_option(func: Any) -> Any:
+    return click.option(
+        "--secret-file",
+        metavar="PATH",
+        callback=_read_secret_file,
+        help="Sign with the secret (Standard Webhooks format) in this file; - reads it from "
+        "standard input. Unlike --secret, it is not shown to other users by ps.",
+    )(func)
 
 
 def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
@@ -256,7 +332,8 @@ def endpoints() -> None:
     """Webhook endpoints registered at runtime.
 
     The receivers of destinations of kind `endpoints`: add, list, show, update, disable,
-    enable, rotate-secret, delete. Relays see each change at their next claim."""
+    enable, rotate-secret, delete; reencrypt moves their secrets under a new key. Relays see
+    each change at their next claim."""
 
 
 @endpoints.command(short_help="Register an endpoint; prints its secret.")
@@ -278,8 +355,10 @@ def endpoints() -> None:
     "--secret",
     metavar="whsec_…",
     callback=_register_secret,
-    help="Sign with this secret (Standard Webhooks format) instead of a generated one.",
+    help="Sign with this secret (Standard Webhooks format) instead of a generated one; "
+    "visible to other users while the command runs: prefer --secret-file.",
 )
+@secret_file_option
 @url_check_options
 def add(
     database_url: str,
@@ -292,6 +371,7 @@ def add(
     rate_limit: int | None,
     description: str,
     secret: str | None,
+    secret_file: str | None,
     allow_private_networks: bool,
     no_dns_check: bool,
 ) -> None:
@@ -299,6 +379,11 @@ def add(
 
     URL becomes an endpoint of DESTINATION (a destination of kind `endpoints`); the signing
     secret printed is shown again only by `show --show-secret`."""
+    if secret is not None and secret_file is not None:
+        raise click.UsageError("--secret and --secret-file contradict each other: give one")
+    if secret is not None:
+        echo(ARGV_WARNING, err=True)
+    secret = secret if secret is not None else secret_file
     ep = run(
         database_url,
         schema,
@@ -540,18 +625,31 @@ def enable(database_url: str, schema: str, as_json: bool, endpoint_id: int) -> N
     callback=_finite,
     help="How long the previous secret still signs too, so the receiver can switch.",
 )
+@secret_file_option
 def rotate_secret(
-    database_url: str, schema: str, as_json: bool, endpoint_id: int, keep_previous_hours: float
+    database_url: str,
+    schema: str,
+    as_json: bool,
+    endpoint_id: int,
+    keep_previous_hours: float,
+    secret_file: str | None,
 ) -> None:
     """Give an endpoint a new secret; prints it.
 
     The previous secret signs too for --keep-previous-hours, while the receiver switches."""
     keep = timedelta(hours=keep_previous_hours)
-    ep = run(database_url, schema, lambda e, c: e.rotate_secret(c, endpoint_id, keep_previous=keep))
+    ep = run(
+        database_url,
+        schema,
+        lambda e, c: e.rotate_secret(c, endpoint_id, keep_previous=keep, secret=secret_file),
+    )
     if as_json:
         echo_json(ep.as_dict())
         return
-    echo(f"new secret of endpoint {ep.id}: {ep.secret}")
+    if secret_file is None:
+        echo(f"new secret of endpoint {ep.id}: {ep.secret}")
+    else:
+        echo(f"endpoint {ep.id} now signs with the secret of --secret-file")
     until = ep.previous_secret_until
     echo(
         f"the previous secret stays valid until {until:%Y-%m-%d %H:%M:%S %Z}"
@@ -601,3 +699,83 @@ def delete(database_url: str, schema: str, as_json: bool, endpoint_id: int, yes:
         echo_json({"id": endpoint_id, "deleted": True, "cancelled": cancelled})
         return
     echo(f"deleted endpoint {endpoint_id}; cancelled {cancelled} unfinished deliveries")
+
+
+@endpoints.command(short_help="Re-encrypt every secret under the first key.")
+@database_options
+@json_option
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1, 10_000),
+    default=REENCRYPT_BATCH,
+    show_default=True,
+    metavar="N",
+    help="Endpoints per transaction.",
+)
+def reencrypt(database_url: str, schema: str, as_json: bool, batch_size: int) -> None:
+    """Re-encrypt every secret under the first key.
+
+    With OUTBOX_ENDPOINT_SECRET_KEY=new,old, every endpoint's secret and previous secret are
+    rewritten under the new key (those stored unencrypted are encrypted), a batch per
+    transaction; previous secrets past their window are cleared. Running it again is safe.
+    An endpoint whose secret opens with none of the keys is left as it is, and named."""
+    passes = _guarded(database_url, schema, lambda e: _reencrypt_all(database_url, e, batch_size))
+    done = [b for p in passes for b in p]
+    # Each change is made once (then it is under the first key), so they add up over passes;
+    # the endpoints are those the last pass read.
+    total = {
+        "endpoints": sum(b.endpoints for b in passes[-1]),
+        "encrypted": sum(b.encrypted for b in done),
+        "rewritten": sum(b.rewritten for b in done),
+        "expired_cleared": sum(b.expired for b in done),
+    }
+    unreadable = list(dict.fromkeys(i for b in passes[-1] for i in b.unreadable))
+    if as_json:
+        echo_json({**total, "unreadable": unreadable})
+    elif total["encrypted"] or total["rewritten"] or total["expired_cleared"]:
+        echo(
+            f"{total['endpoints']} endpoint(s): {total['encrypted']} unencrypted secret(s) "
+            f"encrypted and {total['rewritten']} moved from an older key to the first key of "
+            f"OUTBOX_ENDPOINT_SECRET_KEY; {total['expired_cleared']} expired previous "
+            "secret(s) cleared"
+        )
+    else:
+        echo(
+            f"{total['endpoints']} endpoint(s): nothing to change, every secret is under the "
+            "first key of OUTBOX_ENDPOINT_SECRET_KEY" + (" (but those below)" if unreadable else "")
+        )
+    if unreadable:
+        ids = ", ".join(map(str, unreadable))
+        raise click.ClickException(
+            f"the secrets of endpoint(s) {ids} open with none of the keys in "
+            "OUTBOX_ENDPOINT_SECRET_KEY and were left as they are: add the key they were "
+            "encrypted with (after the new one) and run `outbox-relay endpoints reencrypt` again"
+        )
+
+
+async def _reencrypt_all(
+    database_url: str, endpoints: Endpoints, batch_size: int
+) -> list[list[Reencrypted]]:
+    """Passes over the endpoints, each batch in a transaction of its own, on one connection.
+    A second pass only if the first encrypted secrets that were unencrypted: until its first
+    batch committed, a writer without the key could still add one, and it may have done so
+    behind the pass."""
+    engine = _engine(database_url)
+    passes: list[list[Reencrypted]] = []
+    try:
+        while len(passes) < 2:
+            batches: list[Reencrypted] = []
+            after = 0
+            while True:
+                async with engine.begin() as conn:
+                    batch = await endpoints.reencrypt(conn, after_id=after, limit=batch_size)
+                batches.append(batch)
+                if batch.last_id is None or batch.endpoints < batch_size:
+                    break
+                after = batch.last_id
+            passes.append(batches)
+            if not any(b.encrypted for b in batches):
+                break
+    finally:
+        await engine.dispose()
+    return passes

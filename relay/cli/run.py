@@ -107,6 +107,7 @@ def _load(config: Path | None) -> Settings:
 def run(config: Path | None, check: bool) -> None:
     """Run the relay until SIGTERM/SIGINT."""
     settings = _load(config)
+    _check_endpoint_secrets(settings)
     unknown = unknown_environment(top_level_keys(), named_variables(settings))
     if check:
         for name in unknown:
@@ -134,6 +135,22 @@ def run(config: Path | None, check: bool) -> None:
     except loop.LoopUnavailable as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(status)
+
+
+def _check_endpoint_secrets(settings: Settings) -> None:
+    """With endpoints destinations, the secrets' key and requirement (environment variables
+    the relay shares with the applications) are part of the configuration: a bad one stops
+    `run --check` and `run` as a bad setting does, with what to set."""
+    if not any(d.kind == "endpoints" for d in settings.destinations.values()):
+        return
+    from outbox.errors import OutboxError
+    from relay.sinks.endpoints.at_rest import secret_box
+
+    try:
+        secret_box()
+    except OutboxError as exc:
+        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        sys.exit(2)
 
 
 async def _run(settings: Settings) -> int:

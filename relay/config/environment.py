@@ -12,6 +12,7 @@ from contextvars import ContextVar
 
 from pydantic_settings import EnvSettingsSource
 
+from outbox.endpoint_secrets import KEY_VARIABLE, REQUIRE_VARIABLE
 from relay.config.base import ConfigError
 
 # Variables Kubernetes adds for every Service in the namespace: a Service named outbox-relay
@@ -39,6 +40,10 @@ class OurEnvironment(EnvSettingsSource):
 # OUTBOX_* variables that are not settings of `run` but are read by the command line (and
 # the test suite's report file).
 COMMAND_VARIABLES = frozenset({"OUTBOX_CONFIG", "OUTBOX_SCHEMA", "OUTBOX_FAULT_REPORT"})
+
+# Read by outbox.endpoint_secrets, in the relay (the endpoints sink opens the secrets) as in
+# every application and command that writes them: one value for all, so not a relay setting.
+LIBRARY_VARIABLES = frozenset({KEY_VARIABLE, REQUIRE_VARIABLE})
 
 
 SCHEMA_VARIABLE = "OUTBOX_SCHEMA"
@@ -114,10 +119,14 @@ def unknown_environment(
     for name in sorted(env):
         if not name.startswith("OUTBOX_") or name in known or name in COMMAND_VARIABLES:
             continue
+        if name in LIBRARY_VARIABLES:
+            continue
         if name in named or is_service_link(name, env[name]):
             continue
         if name.startswith("OUTBOX_TEST_") or any(name.startswith(p) for p in sections):
             continue
-        close = difflib.get_close_matches(name, [*known, *COMMAND_VARIABLES], n=1)
+        close = difflib.get_close_matches(
+            name, [*known, *COMMAND_VARIABLES, *LIBRARY_VARIABLES], n=1
+        )
         found.append(f"{name} (did you mean {close[0]}?)" if close else name)
     return found

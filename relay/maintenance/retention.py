@@ -1,5 +1,6 @@
 """Retention: delivered and skipped rows older than ``relay.retention`` are deleted, a batch
-per transaction, by one relay at a time; registrations of relays long gone too."""
+per transaction, by one relay at a time; the message log after ``message_log_retention``;
+registrations of relays long gone, and endpoints' previous secrets past their window, too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import structlog
 
 from relay.config import RelaySettings
 from relay.metrics import Metrics
+from relay.sinks.endpoints.at_rest import clear_expired_previous_secrets
 from relay.store import Store
 
 log = structlog.get_logger("relay")
@@ -30,6 +32,9 @@ class Retention:
         rs = self.settings
         total = 0
         await self.store.forget_relays(FORGET_RELAYS_AFTER)
+        # An endpoint's previous secret signs nothing once its window has passed: not kept.
+        if cleared := await clear_expired_previous_secrets(self.store):
+            log.info("relay.endpoints.previous_secrets_cleared", endpoints=cleared)
         cursor = None
         while not self.stopping.is_set():
             batch = await self.store.delete_finished(

@@ -20,6 +20,7 @@ from outbox.errors import describe
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import misrouted
+from relay.sinks.endpoints import at_rest
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
 from relay.sinks.endpoints.store import DeliveryStore
@@ -39,7 +40,11 @@ class EndpointsSink:
     ) -> None:
         self.destinations = dict(destinations)
         self.sender = Sender(http, {})
-        self.dispatcher = Dispatcher(self.sender, self.destinations)
+        # A key that is not one, or encryption required without a key: refused here, before
+        # the relay connects (OutboxError, saying what to set).
+        self.dispatcher = Dispatcher(
+            self.sender, self.destinations, secret_box=at_rest.secret_box()
+        )
         self._store: DeliveryStore | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -69,6 +74,10 @@ class EndpointsSink:
     async def start(self) -> None:
         await self.sender.start()
         if self._store is not None and self._task is None:
+            try:
+                await at_rest.warn_unencrypted(self._store.store, self.dispatcher.secret_box)
+            except DB_ERRORS as exc:  # only a check: never what stops the relay
+                log.warning("relay.endpoints.secrets_check_failed", error=describe(exc))
             self._task = asyncio.create_task(
                 self.dispatcher.run(self._store, self._store.store.lease),
                 name="endpoint-deliveries",
