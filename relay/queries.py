@@ -691,19 +691,22 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 # The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 # the cursor $7 (NULL: from the first), at most $6 of them, with a loose index scan of the
 # claim index. From each enabled endpoint of this relay's destinations ($1, with each one's
-# max_concurrency in $2), but those it skips ($5: circuit open), it takes due deliveries of
-# the endpoint's own destination, oldest first: as many as the endpoint has room for (its
-# max_concurrency less the requests this relay has in hand for it: $9 endpoints, $10
-# counts), and fewer for a rate-limited one: its limit less its attempts in the last second
-# and its deliveries in flight (claimed by any relay). A dead endpoint's backlog is never
-# scanned past: the claim reads one endpoint's due rows at a time. At most $3 rows in all,
-# marked running under this relay's lease ($4 relay, $8 seconds). The rows come with what
-# sending needs: the event (NULL if it was deleted) and the endpoint's URL and secrets.
-# Pending deliveries of an endpoint met on the walk that no longer exists (deleted while its
-# events were being fanned out) or that now belongs to another destination are cancelled,
-# saying so. The last row (id -1) carries the cursor for the next claim in endpoint_id: the
-# last endpoint examined when the scan limit cut the walk short, the last one claimed from
-# when the batch filled up, NULL when the walk reached the end.
+# max_concurrency in $2), but those it skips ($5: circuit open, answered 410, or at their fair
+# share; $11: tenants at their fair share, see relay/sinks/endpoints/fairness.py), it takes
+# due deliveries of the endpoint's own destination, oldest first: as many as the endpoint has
+# room for, and fewer for a rate-limited one. Its room is its max_concurrency, or the lower
+# cap this relay gives it ($9 endpoints, $10 caps: a slow endpoint's), less its deliveries in
+# flight claimed by ANY relay (the running index: one probe), so that max_concurrency holds
+# across relays; a rate-limited endpoint's is also at most its limit less its attempts in the
+# last second and its deliveries in flight. A dead endpoint's backlog is never scanned past:
+# the claim reads one endpoint's due rows at a time. At most $3 rows in all, marked running
+# under this relay's lease ($4 relay, $8 seconds). The rows come with what sending needs: the
+# event (NULL if it was deleted) and the endpoint's URL, secrets and tenant. Pending
+# deliveries of an endpoint met on the walk that no longer exists (deleted while its events
+# were being fanned out) or that now belongs to another destination are cancelled, saying
+# so. The last row (id -1) carries the cursor for the next claim in endpoint_id: the last
+# endpoint examined when the scan limit cut the walk short, the last one claimed from when
+# the batch filled up, NULL when the walk reached the end.
 DELIVERY_CLAIM = """
 WITH RECURSIVE eps AS (
     (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
@@ -723,8 +726,8 @@ WITH RECURSIVE eps AS (
 conc AS (
     SELECT * FROM unnest($1::text[], $2::int[]) AS c(destination, max_concurrency)
 ),
-hand AS (
-    SELECT * FROM unnest($9::bigint[], $10::int[]) AS h(endpoint_id, n)
+caps AS (
+    SELECT * FROM unnest($9::bigint[], $10::int[]) AS h(endpoint_id, cap)
 ),
 picked AS (
     SELECT d.id, e.id AS endpoint_id
@@ -732,11 +735,16 @@ picked AS (
     -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
     -- the endpoints registered.
     CROSS JOIN LATERAL (
-        SELECT e.*, c.max_concurrency
-                    - coalesce((SELECT h.n FROM hand AS h WHERE h.endpoint_id = e.id), 0) AS room
+        SELECT e.id, e.destination, e.rate_limit,
+               least(c.max_concurrency,
+                     coalesce((SELECT h.cap FROM caps AS h WHERE h.endpoint_id = e.id),
+                              c.max_concurrency)) AS limit_,
+               (SELECT count(*) FROM {deliveries} AS r
+                WHERE r.endpoint_id = e.id AND r.status = 'running') AS running
         FROM {endpoints} AS e
         JOIN conc AS c ON c.destination = e.destination
         WHERE e.id = eps.endpoint_id AND e.enabled AND NOT (e.id = ANY($5::bigint[]))
+          AND (e.tenant IS NULL OR NOT (e.tenant = ANY($11::text[])))
         OFFSET 0
     ) AS e
     CROSS JOIN LATERAL (
@@ -744,12 +752,11 @@ picked AS (
         WHERE d.endpoint_id = e.id AND d.destination = e.destination
           AND d.status = 'pending' AND d.run_after <= now()
         ORDER BY d.run_after, d.id
-        LIMIT greatest(0, CASE WHEN e.rate_limit IS NULL THEN e.room
-                   ELSE least(e.room, e.rate_limit
+        LIMIT greatest(0, CASE WHEN e.rate_limit IS NULL THEN e.limit_ - e.running
+                   ELSE least(e.limit_, e.rate_limit
                        - (SELECT count(*) FROM {attempts} AS a
-                          WHERE a.endpoint_id = e.id AND a.at > now() - interval '1 second')
-                       - (SELECT count(*) FROM {deliveries} AS r
-                          WHERE r.endpoint_id = e.id AND r.status = 'running'))
+                          WHERE a.endpoint_id = e.id AND a.at > now() - interval '1 second'))
+                        - e.running
               END)
     ) AS d
     LIMIT $3
@@ -799,7 +806,7 @@ SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.r
        o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
        extract(epoch FROM o.created_at)::float8 AS created_at,
        e.url, e.secret, CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END
-           AS previous_secret, e.rate_limit, o.event_type
+           AS previous_secret, e.rate_limit, o.event_type, e.tenant
 FROM claimed AS c
 JOIN {endpoints} AS e ON e.id = c.endpoint_id
 LEFT JOIN {table} AS o ON o.id = c.event_id
@@ -809,7 +816,7 @@ SELECT -1, (SELECT count(*) FROM orphaned), CASE
            WHEN (SELECT count(*) FROM eps) >= $6
                THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
        END,
-       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 """
 
 # The outcomes of deliveries, in one statement: each delivery still held under its claim's

@@ -328,8 +328,9 @@ async def test_an_unreadable_secret_counts_attempts_fails_the_endpoint_and_loses
     from cryptography.fernet import Fernet
 
     monkeypatch.delenv("OUTBOX_ENDPOINT_SECRET_KEY", raising=False)  # the relay has none
-    ep = await add_endpoint(aengine, receiver.url, key=Fernet.generate_key().decode())
+    # Plaintext first: none may be written once a secret of the table is encrypted.
     healthy = await add_endpoint(aengine, receiver.url + "?healthy")
+    ep = await add_endpoint(aengine, receiver.url, key=Fernet.generate_key().decode())
     # Failing for two hours already: one more failure past disable_after disables it.
     await fetch(
         db_url,
@@ -961,3 +962,74 @@ async def _log_gone(db_url: str, event: int) -> bool:
         event,
     )
     return not rows
+
+
+def fair_settings(db_url: str, **dest: Any) -> Any:
+    """The issue's case: room for 40 deliveries in flight, slow endpoints at 4 each."""
+    d: dict[str, Any] = {
+        "kind": "endpoints",
+        "allow_private_networks": True,
+        "timeout": 5,
+        "max_concurrency": 4,
+        "circuit": {"threshold": 50},
+        **dest,
+    }
+    return settings(
+        db_url,
+        "127.0.0.1:9",
+        destinations={DEST: d},
+        relay={
+            "poll_interval": 0.2,
+            "batch_size": 40,
+            "max_in_flight": 40,
+            "shutdown_timeout": 0.5,
+        },
+    )
+
+
+@pytest.mark.parametrize("tenants", [False, True], ids=["ten-slow-endpoints", "one-slow-tenant"])
+async def test_slow_endpoints_and_tenants_leave_healthy_ones_their_share(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver], tenants: bool
+) -> None:
+    """Endpoints that answer 200 just under their timeout never open a circuit. Ten of them
+    at max_concurrency 4 (or twelve of one tenant) could hold all 40 deliveries in flight;
+    the healthy endpoint, registered last, must be served within its fair share meanwhile,
+    in the first seconds as later on."""
+    slow = [make_receiver() for _ in range(12 if tenants else 10)]
+    for r in slow:
+        r.respond(200, delay=4.0)
+        await add_endpoint(aengine, r.url, tenant="big" if tenants else None)
+    healthy = make_receiver()
+    await add_endpoint(aengine, healthy.url, tenant="small" if tenants else None)
+    small = {"tenant": "small"} if tenants else {}
+    async with running(fair_settings(db_url)):
+        if tenants:
+            await enqueue(db_url, [{"payload": {"n": i}, "tenant": "big"} for i in range(20)])
+        started = time.monotonic()
+        first = await enqueue(db_url, [{"payload": {"n": i}, **small} for i in range(20)])
+        await wait_until(lambda: delivered_to(healthy) == first, timeout=10, what="first wave")
+        first_wave = time.monotonic() - started
+        await asyncio.sleep(1.0)  # the slow ones are past their latency budget, still sending
+        started = time.monotonic()
+        second = await enqueue(db_url, [{"payload": {"n": i}, **small} for i in range(20)])
+        await wait_until(
+            lambda: delivered_to(healthy) == first + second, timeout=10, what="second wave"
+        )
+        second_wave = time.monotonic() - started
+        assert max(r.max_in_flight for r in slow) <= 4
+    # Without a share, the healthy endpoint waited for the slow ones' 4 s requests.
+    assert first_wave < 2.0, first_wave
+    assert second_wave < 2.0, second_wave
+
+
+async def test_max_concurrency_holds_across_relays(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    receiver.respond(200, delay=0.5)
+    await add_endpoint(aengine, receiver.url)
+    s = fair_settings(db_url, max_concurrency=2, latency_budget=10)
+    ids = await enqueue(db_url, [{"payload": {"n": i}} for i in range(12)])
+    other = s.model_copy(update={"relay": s.relay.model_copy(update={"relay_id": "second"})})
+    async with running(s), running(other):
+        await wait_until(lambda: delivered_to(receiver) == ids, timeout=20, what="delivered")
+    assert receiver.max_in_flight == 2  # not 2 per relay

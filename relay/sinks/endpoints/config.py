@@ -31,6 +31,23 @@ class EndpointsDestination(WebhookDelivery):
         '(seconds, or e.g. "5d"); a 410 Gone disables it at once',
     )
 
+    latency_budget: Duration | None = Field(
+        None,
+        gt=0,
+        description="an endpoint whose requests take longer than this (on average, or one "
+        "still in flight) is slow: it gets at most slow_concurrency requests in flight and no "
+        "share of the last quarter of the relay's capacity (seconds; default a third of "
+        "timeout)",
+    )
+    slow_concurrency: int = Field(
+        1, ge=1, le=1000, description="in-flight requests of a slow endpoint, at most"
+    )
+
+    @property
+    def budget(self) -> float:
+        """Seconds past which an endpoint's requests make it slow."""
+        return self.latency_budget if self.latency_budget is not None else self.timeout / 3
+
     @model_validator(mode="after")
     def _unordered(self) -> EndpointsDestination:
         if self.ordering == "key":

@@ -29,6 +29,9 @@ from relay.breaker import State
 from relay.metrics import Metrics
 from relay.model import Envelope, Outcome, Result, epoch, header_problem, truncate_error
 from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.endpoints.fairness import Holding, Plan, is_slow
+from relay.sinks.endpoints.fairness import average as latency_average
+from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
 from relay.sinks.webhook.answers import class_of
 from relay.sinks.webhook.signing import decode_secret
@@ -80,6 +83,21 @@ class EndpointState:
     # Answered 410, not yet disabled in the table: this relay claims nothing more for it.
     gone: bool = False
     last_claimed: float = 0.0
+    tenant: str | None = None  # the endpoint's, as its last claim read it
+    latency: float | None = None  # its requests' moving average, seconds (fairness.average)
+    started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
+
+    def holding(self, now: float) -> Holding:
+        """What the fair share plan needs to know of it now."""
+        slow = is_slow(self.latency, self.started, now, self.config.budget)
+        return Holding(
+            self.id,
+            self.tenant,
+            self.in_hand,
+            slow,
+            self.config.slow_concurrency,
+            known=self.latency is not None,
+        )
 
     @property
     def circuit_open(self) -> bool:
@@ -179,8 +197,9 @@ class Dispatcher:
                 self._wake.clear()
                 await _wait(self._wake, self.poll_interval)
                 continue
+            share = self._plan()  # room is left: it allows at least one delivery
             skip = [s.id for s in self.states.values() if s.circuit_open or s.gone]
-            in_hand = {s.id: s.in_hand for s in self.states.values() if s.in_hand}
+            skip.extend(share.skip_endpoints)
             self._wake.clear()
             # Held until the claimed rows have their tasks: a drain waits for it, so that no
             # row claimed while stopping is left unreleased.
@@ -191,11 +210,12 @@ class Dispatcher:
                     claimed, self._cursor, orphans = await self.store.claim(
                         serving,
                         [self.destinations[d].max_concurrency for d in serving],
-                        room,
+                        share.limit,
                         skip,
                         self.scan,
                         self._cursor,
-                        in_hand,
+                        share.caps,
+                        sorted(share.skip_tenants),
                     )
                 except DB_ERRORS as exc:
                     log.warning("relay.endpoints.claim_failed", error=describe(exc))
@@ -214,6 +234,17 @@ class Dispatcher:
                 await asyncio.sleep(0)
             elif self._cursor is None:
                 await _wait(self._wake, self.poll_interval)
+
+    def _plan(self) -> Plan:
+        """The next claim's fair share plan (fairness.py): from the endpoints this relay
+        holds deliveries of, and those it knows to be slow."""
+        now = time.monotonic()
+        holdings = []
+        for state in self.states.values():
+            h = state.holding(now)
+            if h.in_hand or h.slow:
+                holdings.append(h)
+        return fairness_plan(self.max_in_flight, len(self.held), holdings)
 
     async def _record_loop(self) -> None:
         assert self.store is not None
@@ -254,6 +285,9 @@ class Dispatcher:
                     self.stats["lost"] += 1
             self.stats["recorded"] += len(written)
             self._capacity.set()
+            # The claim counts an endpoint's deliveries in flight from the table, across
+            # relays: these no longer are.
+            self._wake_soon()
             await self._write_health()
 
     def _release_hold(self, r: DeliveryRecord) -> None:
@@ -321,6 +355,7 @@ class Dispatcher:
                 config,
                 semaphore=asyncio.Semaphore(config.max_concurrency),
             )
+        state.tenant = c.tenant
         version = (c.url, c.secret, c.previous_secret)
         if version != state.version:
             # New, or changed at runtime: the URL and keys of this claim apply from now on;
@@ -412,8 +447,14 @@ class Dispatcher:
             breaker = state.endpoint.breaker
             was = breaker.state
             started = time.monotonic()
-            outcome = await self.sender.attempt(state.endpoint, env)
-            took = (time.monotonic() - started) * 1000
+            state.started.append(started)  # slow while in flight past the budget
+            try:
+                outcome = await self.sender.attempt(state.endpoint, env)
+            finally:
+                state.started.remove(started)
+            seconds = time.monotonic() - started
+            state.latency = latency_average(state.latency, seconds)
+            took = seconds * 1000
             now_state = breaker.state
             if now_state is State.OPEN and was is not State.OPEN:
                 self._circuits[c.endpoint_id] = breaker.retry_in()  # for `status`

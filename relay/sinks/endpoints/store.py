@@ -35,6 +35,7 @@ class Claimed:
     lease_started: float = 0.0  # monotonic time just before the claim statement
     sending: bool = False  # its request started (a stop cuts it short: counted)
     event_type: str | None = None  # the event's (None: it has none, or was deleted)
+    tenant: str | None = None  # the endpoint's (None: it takes every tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +88,13 @@ class DeliveryStore:
         skip: Sequence[int],
         scan: int,
         cursor: int | None,
-        in_hand: Mapping[int, int],
+        caps: Mapping[int, int],
+        skip_tenants: Sequence[str] = (),
     ) -> tuple[list[Claimed], int | None, int]:
-        """Due deliveries (see DELIVERY_CLAIM); the cursor for the next claim; and how many
-        deliveries of deleted or moved endpoints were cancelled on the way."""
+        """Due deliveries (see DELIVERY_CLAIM: ``caps`` are endpoints held below their
+        max_concurrency, ``skip_tenants`` tenants that take nothing now); the cursor for the
+        next claim; and how many deliveries of deleted or moved endpoints were cancelled on
+        the way."""
         self.store.statements["delivery_claim"] += 1
         lease = self.store.lease
         started = time.monotonic()
@@ -106,8 +110,9 @@ class DeliveryStore:
             scan,
             cursor,
             lease,
-            list(in_hand),
-            list(in_hand.values()),
+            list(caps),
+            list(caps.values()),
+            list(skip_tenants),
         )
         claimed = [
             Claimed(
@@ -130,6 +135,7 @@ class DeliveryStore:
                 lease=Lease(until),
                 lease_started=started,
                 event_type=r[16],
+                tenant=r[17],
             )
             for r in rows[:-1]
         ]

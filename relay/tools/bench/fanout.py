@@ -746,7 +746,9 @@ async def statement_probe(
                 "scan": SCAN,
                 "cursor": cursor,
             }
-            if "in_hand" in names:
+            if "caps" in names:
+                args.update(max_concurrency=[per_endpoint], caps={})
+            elif "in_hand" in names:
                 args.update(max_concurrency=[per_endpoint], in_hand={})
             else:
                 args["per_endpoint"] = per_endpoint
