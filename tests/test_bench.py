@@ -196,6 +196,38 @@ def test_fanout_accounts_for_every_delivery(pg_admin_url: str) -> None:
     assert "relay_cpu_us_per_delivery registered_vs_matching_only" in out["ratios"]
 
 
+def test_fanout_with_slow_endpoints_beside_a_small_max_in_flight(pg_admin_url: str) -> None:
+    """The fair share's case, bounded: several endpoints answering 2xx slowly (under the
+    timeout) beside a max_in_flight they could fill; every healthy delivery accounted."""
+    out = bench(
+        "fanout",
+        "--compare",
+        "--endpoints",
+        "1",
+        "--slow-endpoints",
+        "3",
+        "--slow-delay",
+        "0.5",
+        "--timeout",
+        "1",
+        "--max-in-flight",
+        "8",
+        "--max-concurrency",
+        "4",
+        "--rate",
+        "50",
+        "--seconds",
+        "1",
+        admin=pg_admin_url,
+    )
+    s = out["steady slow+dead"]
+    assert s["complete"] is True and s["accounted"] is True, s
+    assert (s["slow_endpoints"], s["max_in_flight"], s["timeout_s"]) == (3, 8, 1.0)
+    assert s["endpoints_matching"] == 5 and s["healthy_delivered"] == 50
+    assert out["steady"]["max_in_flight"] == 8
+    assert "target_p99_within_2x" in out["ratios"]
+
+
 def test_console_pages_over_a_small_and_an_estimated_outbox(pg_admin_url: str) -> None:
     """`bench console`, bounded: every page answers 200 (the run fails otherwise); 20,000 rows
     are counted exactly, 150,000 (more than 100,000 delivered) estimated, within a few %."""

@@ -355,6 +355,25 @@ def history_cmd(**opts: Any) -> None:
 )
 @click.option("--slow-delay", default=2.0, show_default=True, type=click.FloatRange(0, 30))
 @click.option(
+    "--slow-endpoints",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 500),
+    help="Slow endpoints in the slow+dead set (each answers 2xx after --slow-delay).",
+)
+@click.option(
+    "--timeout",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 300),
+    help="The destination's request timeout (set it above --slow-delay: slow, not failing).",
+)
+@click.option(
+    "--max-in-flight",
+    type=click.IntRange(1, 100_000),
+    help="The relay's max_in_flight (default: 4 x --batch-size).",
+)
+@click.option(
     "--rate", default=500.0, show_default=True, type=click.FloatRange(1, 5000), help="Events/s."
 )
 @click.option("--seconds", default=10.0, show_default=True, type=click.FloatRange(0.1, 120))
@@ -428,7 +447,9 @@ def fanout_cmd(**opts: Any) -> None:
         raise click.UsageError("--registered must be more than --fan-out")
     if scenario == "steady" and opts["rate"] * opts["seconds"] > MAX_EVENTS:
         raise click.UsageError(f"--rate x --seconds is at most {MAX_EVENTS:,} events")
-    per_event = opts["fan_out"] if scenario == "scale" else opts["endpoints"] + 2
+    per_event = (
+        opts["fan_out"] if scenario == "scale" else opts["endpoints"] + opts["slow_endpoints"] + 1
+    )
     events = opts["rate"] * opts["seconds"] if scenario == "steady" else opts["events"]
     if events * per_event > MAX_DELIVERIES:
         raise click.UsageError(f"at most {MAX_DELIVERIES:,} deliveries per run")

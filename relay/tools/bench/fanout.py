@@ -4,11 +4,14 @@ Three scenarios, each in scratch databases of its own, with a real relay in this
 its endpoints served on loopback ports by one receiver process (receiver.local_receivers):
 
 * ``steady`` (isolation): N healthy endpoints, and by default one that answers after 2 s and
-  one that refuses connections (a closed port). Events are committed at a fixed rate by a
-  writer process (as steady.py's) and each matches every endpoint. Reported: events/s fanned
-  out, deliveries/s to the healthy endpoints, and their commit-to-delivery latency: the time
-  the receiver read the request less the time the writer's COMMIT returned (both this
-  machine's wall clock). ``--compare`` runs with and without the slow and dead pair.
+  one that refuses connections (a closed port); ``--slow-endpoints`` makes it several slow
+  ones, answering 2xx after ``--slow-delay`` (under ``--timeout``: they never fail, so no
+  circuit opens), beside a small ``--max-in-flight``: the fair share's case. Events are
+  committed at a fixed rate by a writer process (as steady.py's) and each matches every
+  endpoint. Reported: events/s fanned out, deliveries/s to the healthy endpoints, and their
+  commit-to-delivery latency: the time the receiver read the request less the time the
+  writer's COMMIT returned (both this machine's wall clock). ``--compare`` runs with and
+  without the slow and dead ones.
 * ``drain``: the same endpoints; ``--events`` committed first (one statement), then the time
   until every healthy endpoint's deliveries are recorded delivered.
 * ``scale``: ``--fan-out`` endpoints match each event's tenant, beside ``--registered`` in all
@@ -191,6 +194,9 @@ def _isolation_run(opts: dict[str, Any], mode: str, pair: bool) -> Callable[[str
         batch_size=opts["batch_size"],
         max_seconds=opts["max_seconds"],
         dead_backlog=opts["dead_backlog"],
+        slow_endpoints=opts["slow_endpoints"],
+        max_in_flight=opts["max_in_flight"],
+        timeout=opts["timeout"],
     )
 
 
@@ -212,15 +218,23 @@ def _scale_run(opts: dict[str, Any], registered: int) -> Callable[[str, Path], A
 
 
 def relay_settings(
-    db_url: str, *, batch_size: int, max_concurrency: int, endpoints: int, shutdown: float
+    db_url: str,
+    *,
+    batch_size: int,
+    max_concurrency: int,
+    endpoints: int,
+    shutdown: float,
+    max_in_flight: int | None = None,
+    timeout: float = 15.0,
 ) -> Settings:
+    in_flight = max_in_flight or batch_size * 4
     return load_settings(
         None,
         database_url=db_url,
         log_level="warning",
         relay={
-            "batch_size": batch_size,
-            "max_in_flight": batch_size * 4,
+            "batch_size": min(batch_size, in_flight),
+            "max_in_flight": in_flight,
             "poll_interval": 0.5,
             "shutdown_timeout": shutdown,
         },
@@ -230,6 +244,7 @@ def relay_settings(
                 # The receivers are on loopback.
                 "allow_private_networks": True,
                 "max_concurrency": max_concurrency,
+                "timeout": timeout,
             }
         },
         # Room for every endpoint's requests, so they never wait on each other's connections.
@@ -425,10 +440,14 @@ async def isolation(
     batch_size: int,
     max_seconds: float,
     dead_backlog: int = 0,
+    slow_endpoints: int = 1,
+    max_in_flight: int | None = None,
+    timeout: float = 15.0,
 ) -> dict[str, Any]:
     backlog = dead_backlog if slow_dead else 0
-    delays = [0.0] * healthy + ([slow_delay] if slow_dead else [])
-    total = healthy + (2 if slow_dead else 0)
+    slow = slow_endpoints if slow_dead else 0
+    delays = [0.0] * healthy + [slow_delay] * slow
+    total = healthy + (slow + 1 if slow_dead else 0)
     settings = relay_settings(
         db_url,
         batch_size=batch_size,
@@ -436,6 +455,8 @@ async def isolation(
         endpoints=total,
         # Room for the slow endpoint's requests in flight to end and be recorded.
         shutdown=slow_delay + 2.0,
+        max_in_flight=max_in_flight,
+        timeout=timeout,
     )
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
@@ -464,9 +485,12 @@ async def isolation(
         "slow_and_dead": slow_dead,
     }
     if slow_dead:
+        head["slow_endpoints"] = slow
         head["slow_delay_s"] = slow_delay
         head["dead_backlog"] = backlog
     head["max_concurrency"] = max_concurrency
+    head["max_in_flight"] = settings.relay.max_in_flight
+    head["timeout_s"] = timeout
     return {**head, **report}
 
 
