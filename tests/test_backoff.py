@@ -81,3 +81,23 @@ def test_without_jitter_nothing_random_is_drawn() -> None:
 
     assert delay(policy(base=3, factor=2, max=100), 2, Exploding()) == 6.0
     assert math.isfinite(delay(policy(base=3, factor=2, max=100), 10**9))
+
+
+def test_a_tiny_base_and_a_huge_factor_neither_overflow_nor_skip_the_first_delays() -> None:
+    p = policy(base=1e-303, factor=1000, max=86400)
+    assert delay(p, 1) == 1e-303 and delay(p, 2) == pytest.approx(1e-300)
+    delays = [delay(p, n) for n in range(1, 400)]  # 1000.0**103 overflows a float
+    assert all(math.isfinite(d) and d <= 86400 for d in delays)
+    assert delays[-1] == 86400 and delays == sorted(delays)
+
+
+def test_jitter_applies_to_delays_under_a_second_but_draws_nothing_for_zero() -> None:
+    p = Backoff(base=0.5, factor=1, max=1, jitter=0.5)
+    seen = {delay(p, 1, random.Random(n)) for n in range(50)}
+    assert len(seen) == 50 and all(0.25 <= d <= 0.75 for d in seen)
+
+    class Exploding(random.Random):
+        def uniform(self, a: float, b: float) -> float:
+            raise AssertionError("drew a random number for a zero delay")
+
+    assert delay(Backoff(schedule=[0.0], jitter=0.5), 1, Exploding()) == 0.0

@@ -35,6 +35,15 @@ def test_the_reserve_is_a_quarter() -> None:
 def test_a_full_relay_claims_nothing() -> None:
     assert plan(40, 40, [h(1, 40)]).limit == 0
     assert plan(40, 41, []).limit == 0  # more held than the capacity (a stale claim)
+    assert plan(40, 39, []).limit == 1
+    assert plan(40, 41, [h(1, 2, slow=True)]).caps == {1: 1}  # caps whatever is free
+
+
+def test_the_reserve_begins_where_only_a_quarter_is_free() -> None:
+    holdings = [h(1, 30)]
+    assert plan(40, 29, holdings).skip_endpoints == frozenset()  # 11 free: not yet
+    at = plan(40, 30, holdings)  # 10 free: the reserve
+    assert at.skip_endpoints == {1} and at.limit == 10  # share 40 // 2 = 20
 
 
 def test_while_more_than_the_reserve_is_free_anyone_claims_all_but_the_reserve() -> None:

@@ -66,9 +66,7 @@ def plan(capacity: int, held: int, holdings: Iterable[Holding]) -> Plan:
     the endpoints holding some of them, and those known to be slow."""
     holdings = list(holdings)
     caps = {h.endpoint_id: h.slow_concurrency for h in holdings if h.slow}
-    free = capacity - held
-    if free <= 0:
-        return Plan(0, frozenset(), frozenset(), caps)
+    free = max(0, capacity - held)
     reserve = int(capacity * RESERVE)
     if free > reserve:
         return Plan(free - reserve, frozenset(), frozenset(), caps)
