@@ -149,7 +149,7 @@ def _check_endpoint_secrets(settings: Settings) -> None:
     try:
         secret_box()
     except OutboxError as exc:
-        click.echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
         sys.exit(2)
 
 
