@@ -126,7 +126,7 @@ class Leases:
             return
         alive = await store.heartbeat(held)
         until = started + lease
-        lost = []
+        missed = []
         for i, token in held:
             env = self._held.get(i)
             if env is None or env.token != token:
@@ -134,8 +134,13 @@ class Leases:
             if i in alive:
                 env.lease.until = max(env.lease.until, until)
             elif self._handed.get(i, (None,))[0] != token:
-                # Its outcome is not being written: the row was reaped, maybe claimed again.
-                lost.append(env)
+                missed.append(env)
+        if not missed:
+            return
+        # Its outcome is not being written: the row was reaped, maybe claimed again; unless
+        # its sink recorded it in its own statement, before the hand-over (FAN_OUT).
+        settled = await store.settled([(e.id, e.token) for e in missed])
+        lost = [e for e in missed if e.id not in settled and self._held.get(e.id) is e]
         if lost:
             self.lose(lost, "lease not renewed: the row was taken back after the lease expired")
 

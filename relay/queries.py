@@ -98,6 +98,16 @@ WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_b
 RETURNING o.id
 """
 
+# Of (id, token) pairs a heartbeat could not renew, those recorded as delivered under that very
+# claim: a sink that records in its own statement (the endpoints sink's FAN_OUT) did so before
+# the relay handed the outcome over. They are settled, not lost. (A reaped row is pending, or
+# failed, or claimed again under a newer token.) Rare: only rows the heartbeat missed.
+SETTLED = """
+SELECT o.id FROM {table} AS o
+JOIN unnest($1::bigint[], $2::int[]) AS u(id, token) ON o.id = u.id AND o.claims = u.token
+WHERE o.status = 'delivered'
+"""
+
 # Rows whose relay stopped heartbeating go back to pending (or to failed once they have used
 # every attempt: a row that crashes its relay each time must not loop for ever). $3/$4 give
 # per-destination attempt limits; $1 is the limit for any other destination.

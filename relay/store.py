@@ -115,6 +115,7 @@ class Store:
             queries.RECORD_DELIVERED_DELETING if delete_delivered else queries.RECORD_DELIVERED
         )
         self._heartbeat = sql(queries.HEARTBEAT)
+        self._settled = sql(queries.SETTLED)
         self._reap = sql(queries.REAP)
         self._expired = sql(queries.EXPIRED)
         self._release = sql(queries.RELEASE)
@@ -329,6 +330,13 @@ class Store:
             args += [[r.id for r in delivered], [r.token for r in delivered]]
         rows = await self._call("fetch", self._record, *args)
         return {(r[0], r[1]) for r in rows}
+
+    async def settled(self, leases: Sequence[tuple[int, int]]) -> set[int]:
+        """Of (id, token) pairs, the ids recorded as delivered under that claim."""
+        rows = await self._call(
+            "fetch", self._settled, [i for i, _ in leases], [t for _, t in leases]
+        )
+        return {r[0] for r in rows}
 
     async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
         """Extend the leases of (id, token) pairs; returns the ids still held."""

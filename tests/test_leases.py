@@ -32,3 +32,50 @@ async def test_a_row_claimed_again_replaces_its_earlier_claim() -> None:
     leases.claimed([again])
     assert leases.tokens() == [(42, 2)]
     assert 42 in first.lease.lost  # the earlier claim can no longer send or record
+
+
+async def test_a_row_its_sink_recorded_is_not_lost_to_a_heartbeat(db_url: str) -> None:
+    """The endpoints sink records an event in its fan-out's statement, before the relay has
+    handed the outcome over: a heartbeat in between must not take the row for one reaped
+    (relay.lease.lost, the metric) while a row reaped meanwhile still is."""
+    import asyncpg
+
+    from outbox.dburl import to_asyncpg_dsn
+    from relay.store import Store, create_pool
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await conn.execute(
+            "INSERT INTO outbox (destination, payload) SELECT 'd', '\\x00'::bytea "
+            "FROM generate_series(1, 3)"
+        )
+    finally:
+        await conn.close()
+    pool = await create_pool(to_asyncpg_dsn(db_url), "r1", 2)
+    try:
+        store = Store(pool, "public", "r1", 30.0)
+        recorded, reaped, kept = await store.claim("d", 10)
+        conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+        try:
+            # As FAN_OUT records an event, and as the reaper of another relay takes one back.
+            await conn.execute(
+                "UPDATE outbox SET status = 'delivered', delivered_at = now(), locked_by = NULL,"
+                " locked_until = NULL WHERE id = $1",
+                recorded.id,
+            )
+            await conn.execute(
+                "UPDATE outbox SET status = 'pending', locked_by = NULL, locked_until = NULL "
+                "WHERE id = $1",
+                reaped.id,
+            )
+        finally:
+            await conn.close()
+        stats: Counter[str] = Counter()
+        leases = Leases(Metrics(), stats)
+        leases.claimed([recorded, reaped, kept])
+        await leases.heartbeat(store, 30.0)
+        assert recorded.id not in recorded.lease.lost
+        assert reaped.id in reaped.lease.lost and stats["lease_lost"] == 1
+        assert leases.tokens() == sorted([(recorded.id, recorded.token), (kept.id, kept.token)])
+    finally:
+        await pool.close()
