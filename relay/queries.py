@@ -349,35 +349,66 @@ UPDATE {relays} SET stopped_at = now(), seen_at = now(), circuits = '{}' WHERE r
 
 FORGET_RELAYS = "DELETE FROM {relays} WHERE seen_at < now() - make_interval(secs => $1)"
 
-# The batch is picked in a CTE, which runs once: as `id IN (SELECT … LIMIT n)` the planner
-# may choose a nested loop that re-runs the LIMIT subquery and deletes more than n rows. An
-# event fanned out to endpoints stays while a delivery needs it (_OPEN_DELIVERY).
+# Purging is two statements in one transaction, for every purge (retention, `outbox-relay
+# purge`, the console): one locks a batch of candidates (FOR UPDATE SKIP LOCKED, passing over
+# rows a delivery still needs as the statement's snapshot shows them), then DELETE_LOCKED
+# deletes those of them no delivery needs, in a snapshot of its own. In one statement a replay
+# that committed after the snapshot, adding or reopening a delivery of an event, would go
+# unseen, and the event be deleted under it: a replay locks the event first (FOR KEY SHARE),
+# so once the candidates are locked no replay of them can begin, and one that committed
+# before is seen by the DELETE.
 PURGE_DELIVERED = (
     """
-WITH doomed AS (
-    SELECT id FROM {table} AS o
-    WHERE status = 'delivered' AND delivered_at < now() - make_interval(secs => $1)
-      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-      AND NOT """
+SELECT id FROM {table} AS o
+WHERE status = 'delivered' AND delivered_at < now() - make_interval(secs => $1)
+  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+  AND NOT """
     + _OPEN_DELIVERY
     + """
-    ORDER BY delivered_at
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {table} AS o
-USING doomed
-WHERE o.id = doomed.id AND o.status = 'delivered'
+ORDER BY delivered_at
+LIMIT $3
+FOR UPDATE SKIP LOCKED
 """
 )
 
-# Retention's batch of delivered rows older than $1 seconds: it examines at most $2 of them,
-# oldest first, resuming after the last row the previous batch of the same run examined ($3
-# and $4, its delivered_at and id; NULL: from the oldest), and deletes those no open delivery
-# needs (_OPEN_DELIVERY). An event kept for a delivery (its endpoint failing or disabled) is
-# examined once per retention run, not once per batch: PURGE_DELIVERED's filter would walk
-# every kept event again in each batch. Returns how many it deleted, how many it examined
-# (fewer than $2: the run is over) and where it stopped.
+# Failed or skipped rows ($4: which of the two) that ended more than $1 seconds ago, but
+# those a delivery still needs (an event fanned out, then failed by the reaper): the first
+# statement of a purge, as PURGE_DELIVERED.
+PURGE_FINISHED = (
+    """
+SELECT id FROM {table} AS o
+WHERE status IN ('failed', 'skipped') AND status = ANY($4::text[])
+  AND coalesce(finished_at, created_at) < now() - make_interval(secs => $1)
+  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+  AND NOT """
+    + _OPEN_DELIVERY
+    + """
+ORDER BY coalesce(finished_at, created_at)
+LIMIT $3
+FOR UPDATE SKIP LOCKED
+"""
+)
+
+# The second statement of a purge: of the rows ($1) the first locked, those still of a status
+# of $2 and needed by no delivery, seen afresh.
+DELETE_LOCKED = (
+    """
+DELETE FROM {table} AS o
+WHERE o.id = ANY($1::bigint[]) AND o.status = ANY($2::text[])
+  AND NOT """
+    + _OPEN_DELIVERY
+    + """
+"""
+)
+
+# Retention's batch of delivered rows older than $1 seconds, the first statement of its purge
+# (then DELETE_LOCKED): it examines at most $2 of them, oldest first, resuming after the last
+# row the previous batch of the same run examined ($3 and $4, its delivered_at and id; NULL:
+# from the oldest), and locks those no open delivery needs (_OPEN_DELIVERY). An event kept
+# for a delivery (its endpoint failing or disabled) is examined once per retention run, not
+# once per batch: PURGE_DELIVERED's filter walks every kept event again in each batch.
+# Returns the ids locked, how many it examined (fewer than $2: the run is over) and where it
+# stopped.
 RETENTION_DELIVERED = (
     """
 WITH examined AS MATERIALIZED (
@@ -392,46 +423,20 @@ WITH examined AS MATERIALIZED (
     ORDER BY o.delivered_at, o.id
     LIMIT $2
 ),
-doomed AS (
+locked AS (
     SELECT o.id FROM {table} AS o
-    WHERE o.id = ANY(ARRAY(SELECT id FROM examined WHERE NOT kept))
+    WHERE o.id = ANY(ARRAY(SELECT id FROM examined WHERE NOT kept)) AND o.status = 'delivered'
     FOR UPDATE SKIP LOCKED
-),
-gone AS (
-    DELETE FROM {table} AS o USING doomed
-    WHERE o.id = doomed.id AND o.status = 'delivered'
-    RETURNING 1
 ),
 last AS (
     SELECT delivered_at, id FROM examined ORDER BY delivered_at DESC, id DESC LIMIT 1
 )
-SELECT (SELECT count(*) FROM gone)::int AS deleted,
+SELECT ARRAY(SELECT id FROM locked) AS ids,
        (SELECT count(*) FROM examined)::int AS examined,
        (SELECT delivered_at FROM last) AS at, (SELECT id FROM last) AS id
 """
 )
 
-# Failed or skipped rows ($4: which of the two) that ended more than $1 seconds ago, but
-# those a delivery still needs (an event fanned out, then failed by the reaper).
-PURGE_FINISHED = (
-    """
-WITH doomed AS (
-    SELECT id FROM {table} AS o
-    WHERE status IN ('failed', 'skipped') AND status = ANY($4::text[])
-      AND coalesce(finished_at, created_at) < now() - make_interval(secs => $1)
-      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-      AND NOT """
-    + _OPEN_DELIVERY
-    + """
-    ORDER BY coalesce(finished_at, created_at)
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {table} AS o
-USING doomed
-WHERE o.id = doomed.id AND o.status = ANY($4::text[])
-"""
-)
 
 # The visibility fence (see migrations/0003), read in a statement of its own *before* the
 # ordered claim, whose snapshot must be younger than this reading: a transaction that commits
@@ -701,22 +706,25 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 # The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 # the cursor $7 (NULL: from the first), at most $6 of them, with a loose index scan of the
 # claim index. From each enabled endpoint of this relay's destinations ($1, with each one's
-# max_concurrency in $2), but those it skips ($5: circuit open, answered 410, or at their fair
-# share; $11: tenants at their fair share, see relay/sinks/endpoints/fairness.py), it takes
-# due deliveries of the endpoint's own destination, oldest first: as many as the endpoint has
-# room for, and fewer for a rate-limited one. Its room is its max_concurrency, or the lower
-# cap this relay gives it ($9 endpoints, $10 caps: a slow endpoint's), less its deliveries in
-# flight claimed by ANY relay (the running index: one probe), so that max_concurrency holds
-# across relays; a rate-limited endpoint's is also at most its limit less its attempts in the
-# last second and its deliveries in flight. A dead endpoint's backlog is never scanned past:
-# the claim reads one endpoint's due rows at a time. At most $3 rows in all, marked running
-# under this relay's lease ($4 relay, $8 seconds). The rows come with what sending needs: the
-# event (NULL if it was deleted) and the endpoint's URL, secrets and tenant. Pending
-# deliveries of an endpoint met on the walk that no longer exists (deleted while its events
-# were being fanned out) or that now belongs to another destination are cancelled, saying
-# so. The last row (id -1) carries the cursor for the next claim in endpoint_id: the last
-# endpoint examined when the scan limit cut the walk short, the last one claimed from when
-# the batch filled up, NULL when the walk reached the end.
+# max_concurrency in $2), but those it skips ($5: circuit open, answered 410, or at their
+# fair share; $11: tenants at their fair share, see relay/sinks/endpoints/fairness.py), it
+# takes due deliveries of the endpoint's own destination, oldest first: as many as the
+# endpoint has room for, fewer for a rate-limited one. Its room is its max_concurrency, or
+# the cap this relay gives it ($9 endpoints, $10 caps: a slow endpoint's; one this relay
+# knows nothing of starts at its destination's slow_concurrency, $12), less its deliveries
+# in flight claimed by ANY relay under a live lease (the running index: one probe), so that
+# max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit
+# less its attempts in the last second. A dead endpoint's backlog is never scanned past: the
+# claim reads one endpoint's due rows at a time. At most $3 rows in all, marked running under
+# this relay's lease ($4 relay, $8 seconds). The rows come with what sending needs: the event
+# (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
+# and event types, all of one snapshot, so that the relay checks the endpoint still takes the
+# event before it sends it to that URL. Pending deliveries of an endpoint met on the walk
+# that no longer exists (deleted while its events were being fanned out) or that now belongs
+# to another destination are cancelled, saying so. The last row (id -1) carries the cursor
+# for the next claim in endpoint_id: the last endpoint examined when the scan limit cut the
+# walk short, the last one claimed from when the batch filled up, NULL when the walk reached
+# the end.
 DELIVERY_CLAIM = """
 WITH RECURSIVE eps AS (
     (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
@@ -734,7 +742,8 @@ WITH RECURSIVE eps AS (
     WHERE eps.n < $6
 ),
 conc AS (
-    SELECT * FROM unnest($1::text[], $2::int[]) AS c(destination, max_concurrency)
+    SELECT * FROM unnest($1::text[], $2::int[], $12::int[])
+        AS c(destination, max_concurrency, start_cap)
 ),
 caps AS (
     SELECT * FROM unnest($9::bigint[], $10::int[]) AS h(endpoint_id, cap)
@@ -748,9 +757,12 @@ picked AS (
         SELECT e.id, e.destination, e.rate_limit,
                least(c.max_concurrency,
                      coalesce((SELECT h.cap FROM caps AS h WHERE h.endpoint_id = e.id),
-                              c.max_concurrency)) AS limit_,
+                              c.start_cap)) AS limit_,
+               -- Leases expired count no more: a dead relay's rows wait for the reaper,
+               -- and must not hold the endpoint meanwhile.
                (SELECT count(*) FROM {deliveries} AS r
-                WHERE r.endpoint_id = e.id AND r.status = 'running') AS running
+                WHERE r.endpoint_id = e.id AND r.status = 'running'
+                  AND r.locked_until > now()) AS running
         FROM {endpoints} AS e
         JOIN conc AS c ON c.destination = e.destination
         WHERE e.id = eps.endpoint_id AND e.enabled AND NOT (e.id = ANY($5::bigint[]))
@@ -816,7 +828,8 @@ SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.r
        o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
        extract(epoch FROM o.created_at)::float8 AS created_at,
        e.url, e.secret, CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END
-           AS previous_secret, e.rate_limit, o.event_type, e.tenant
+           AS previous_secret, e.rate_limit, o.event_type, e.tenant, e.event_types,
+       o.tenant AS event_tenant
 FROM claimed AS c
 JOIN {endpoints} AS e ON e.id = c.endpoint_id
 LEFT JOIN {table} AS o ON o.id = c.event_id
@@ -826,7 +839,8 @@ SELECT -1, (SELECT count(*) FROM orphaned), CASE
            WHEN (SELECT count(*) FROM eps) >= $6
                THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
        END,
-       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL
 """
 
 # The outcomes of deliveries, in one statement: each delivery still held under its claim's

@@ -124,6 +124,7 @@ class Store:
         self._paused = sql(queries.PAUSED)
         self._pending = sql(queries.PENDING_BY_DESTINATION)
         self._retention_delivered = sql(queries.RETENTION_DELIVERED)
+        self._delete_locked = sql(queries.DELETE_LOCKED)
         self._purge_finished = sql(queries.PURGE_FINISHED)
         self._register = sql(queries.REGISTER)
         self._unregister = sql(queries.UNREGISTER)
@@ -247,14 +248,18 @@ class Store:
                 return None
             at, last_id = after if after is not None else (None, None)
             row = await conn.fetchrow(self._retention_delivered, retention, batch_size, at, last_id)
-            deleted, more = row["deleted"], row["examined"] >= batch_size
+            deleted = await self._delete_locked_rows(conn, row["ids"], Status.DELIVERED)
+            more = row["examined"] >= batch_size
             cursor = (row["at"], row["id"]) if row["examined"] else after
             if not more:
-                status = await conn.execute(
-                    self._purge_finished, retention, None, batch_size, [Status.SKIPPED]
-                )
-                n = int(status.split()[-1])
-                deleted, more = deleted + n, n >= batch_size
+                ids = [
+                    r[0]
+                    for r in await conn.fetch(
+                        self._purge_finished, retention, None, batch_size, [Status.SKIPPED]
+                    )
+                ]
+                deleted += await self._delete_locked_rows(conn, ids, Status.SKIPPED)
+                more = len(ids) >= batch_size
             # The message log and ended deliveries have a retention of their own (counted
             # apart: the batch size bounds each).
             for statement in (self._purge_deliveries, self._purge_attempts):
@@ -262,6 +267,15 @@ class Store:
                 n = int(status.split()[-1])
                 deleted, more = deleted + n, more or n >= batch_size
         return RetentionBatch(deleted, more, cursor)
+
+    async def _delete_locked_rows(
+        self, conn: asyncpg.Connection, ids: Sequence[int], status: Status
+    ) -> int:
+        """The second statement of a purge (queries.DELETE_LOCKED): how many it deleted."""
+        if not ids:
+            return 0
+        done = await conn.execute(self._delete_locked, list(ids), [status])
+        return int(done.split()[-1])
 
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
         self.statements["claim"] += 1

@@ -621,3 +621,24 @@ async def test_a_replay_window_confirmed_replays_only_the_previewed_deliveries(
     assert sorted(r["id"] for r in rows) == sorted(later)
     replayed = await sql(db_url, "SELECT id FROM outbox_deliveries WHERE replay")
     assert sorted(r["id"] for r in replayed) == sorted(shown)
+
+
+async def test_a_replay_window_confirmed_twice_replays_once(
+    db_url: str, operator: Operator
+) -> None:
+    """A replay leaves its deliveries in the window (pending, due; then delivered again once
+    the relay sends them): the same form posted again must be refused, not send them twice."""
+    endpoint, _ = await an_endpoint_with_a_delivered_event(db_url)
+    preview = await operator.act("replay", endpoint=str(endpoint), since="1h", next="/endpoints")
+    assert "<strong>1</strong>" in preview.text, preview.text[:2000]
+    done = await operator.confirm("replay", preview)
+    assert done.status_code == 303, done.text[:500]
+    # The relay sends it again and records it, before the form is posted a second time.
+    await sql(
+        db_url,
+        "UPDATE outbox_deliveries SET status = 'delivered', finished_at = now(), replay = false",
+    )
+    again = await operator.confirm("replay", preview)
+    assert again.status_code == 409, again.text[:500]
+    [d] = await sql(db_url, "SELECT status, replay FROM outbox_deliveries")
+    assert (d["status"], d["replay"]) == ("delivered", False)  # not replayed a second time

@@ -337,7 +337,9 @@ async def test_an_unreadable_secret_counts_attempts_fails_the_endpoint_and_loses
         "UPDATE outbox_endpoints SET failing_since = now() - interval '2 hours' WHERE id = $1",
         ep.id,
     )
-    async with running(endpoints_settings(db_url, disable_after="1h")):
+    # One attempt allowed: this relay's missing key must not fail the delivery (it would let
+    # its event go), only count the attempt and fail the endpoint's health.
+    async with running(endpoints_settings(db_url, disable_after="1h", max_attempts=1)):
         [a] = await enqueue(db_url, [{"payload": {}}])
         await wait_until(
             lambda: fetch(db_url, "SELECT 1 FROM outbox_endpoints WHERE NOT enabled"),
@@ -508,6 +510,7 @@ async def test_fan_out_records_only_events_it_holds_and_never_twice(
             {"payload": {}, "tenant": "acme"},
             {"payload": {}, "tenant": "globex"},  # no endpoint takes it
             {"payload": {}, "tenant": "acme"},  # claimed by another relay
+            {"payload": {}, "tenant": "acme"},  # claimed again by r1 since: a newer token
         ],
     )
     claim = (
@@ -515,9 +518,13 @@ async def test_fan_out_records_only_events_it_holds_and_never_twice(
         "locked_until = now() + interval '1 minute' WHERE id = ANY($2) RETURNING id, claims"
     )
     mine = sorted((r["id"], r["claims"]) for r in await fetch(db_url, claim, "r1", ids[:3]))
-    [(theirs, token)] = [(r["id"], r["claims"]) for r in await fetch(db_url, claim, "r2", ids[3:])]
+    [(theirs, token)] = [(r["id"], r["claims"]) for r in await fetch(db_url, claim, "r2", ids[3:4])]
+    [(stale, old_token)] = [
+        (r["id"], r["claims"]) for r in await fetch(db_url, claim, "r1", ids[4:])
+    ]
+    await fetch(db_url, claim, "r1", ids[4:])  # reaped and claimed again: token + 1
     sql = render_ops(FAN_OUT, "public")
-    pairs = [*mine, (theirs, token)]
+    pairs = [*mine, (theirs, token), (stale, old_token)]
     args = ([i for i, _ in pairs], [t for _, t in pairs], "r1", "none matched")
     first = {r["id"]: r["endpoints"] for r in await fetch(db_url, sql, *args)}
     assert first == {ids[0]: 2, ids[1]: 1, ids[2]: 0}  # not the row r2 holds
@@ -527,6 +534,7 @@ async def test_fan_out_records_only_events_it_holds_and_never_twice(
         assert events[i]["attempts"] == 1 and events[i]["delivered_at"] is not None
     assert events[ids[2]]["last_error"] == "none matched" and events[ids[0]]["last_error"] is None
     assert events[theirs]["status"] == "running" and events[theirs]["locked_by"] == "r2"
+    assert events[stale]["status"] == "running" and events[stale]["claims"] == old_token + 1
     # Run again (a relay whose answer was lost): its events are recorded, nothing is added.
     assert await fetch(db_url, sql, *args) == []
     deliveries = await fetch(db_url, "SELECT event_id FROM outbox_deliveries ORDER BY event_id")
@@ -1033,3 +1041,63 @@ async def test_max_concurrency_holds_across_relays(
     async with running(s), running(other):
         await wait_until(lambda: delivered_to(receiver) == ids, timeout=20, what="delivered")
     assert receiver.max_in_flight == 2  # not 2 per relay
+
+
+async def test_an_endpoint_handed_to_another_tenant_is_not_sent_the_old_tenants_queue(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    """Disable, point at another customer's URL and tenant, enable: the queue kept while it
+    was disabled belongs to the old tenant, and is cancelled, never sent to the new one. So
+    is an event of a type the endpoint no longer takes."""
+    acme, globex = make_receiver(), make_receiver()
+    acme.respond(503)
+    ep = await add_endpoint(aengine, acme.url, tenant="acme")
+    s = endpoints_settings(db_url, backoff={"schedule": [3600]})
+    async with running(s):
+        ids = await enqueue(
+            db_url, [{"payload": {"secret": i}, "tenant": "acme"} for i in range(3)]
+        )
+        await wait_until(lambda: len(acme.requests) == 3, what="tried once each")
+        async with aengine.begin() as conn:
+            await outbox.endpoints.disable(conn, ep.id)
+            await outbox.endpoints.update(
+                conn, ep.id, url=globex.url, tenant="globex", allow_private_networks=True
+            )
+            await outbox.endpoints.enable(conn, ep.id)
+
+        async def settled() -> bool:
+            return bool(globex.requests) or await deliveries_done(db_url, 3)
+
+        await wait_until(settled, what="settled")
+        [later] = await enqueue(db_url, [{"payload": {"n": 1}, "tenant": "globex"}])
+        await wait_until(lambda: later in delivered_to(globex), what="its own tenant's")
+    assert [int(r.headers["webhook-id"]) for r in globex.requests] == [later]
+    rows = await fetch(db_url, "SELECT * FROM outbox_deliveries WHERE event_id = ANY($1)", ids)
+    assert {r["status"] for r in rows} == {"cancelled"}
+    assert all("no longer takes event" in r["last_error"] for r in rows)
+
+
+async def test_an_endpoint_starts_slow_and_a_slow_one_stays_at_slow_concurrency(
+    db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
+) -> None:
+    """A new endpoint gets one request at a time until one ends; past its latency budget it
+    keeps to slow_concurrency, under it to max_concurrency."""
+    slow, quick = make_receiver(), make_receiver()
+    slow.respond(200, delay=0.8)
+    quick.respond(200, delay=0.15)
+    await add_endpoint(aengine, slow.url, tenant="s")
+    await add_endpoint(aengine, quick.url, tenant="q")
+    s = fair_settings(db_url, latency_budget=0.4, max_concurrency=4, slow_concurrency=1)
+    async with running(s):
+        ids = await enqueue(
+            db_url,
+            [{"payload": {}, "tenant": "s"} for _ in range(5)]
+            + [{"payload": {}, "tenant": "q"} for _ in range(16)],
+        )
+        await wait_until(
+            lambda: len(delivered_to(slow) + delivered_to(quick)) == len(ids), timeout=15
+        )
+    assert slow.max_in_flight == 1
+    assert quick.max_in_flight == 4
+    first, second = sorted(quick.requests, key=lambda r: r.at)[:2]
+    assert first.done is not None and second.at >= first.done - 0.05  # it started alone

@@ -804,3 +804,73 @@ def test_status_fails_on_an_enabled_endpoints_old_pending_delivery(db_url: str) 
     assert result.exit_code == ops_cli.EXIT_CONDITION, result.output
     assert f"endpoint {stuck}" in result.output and f"endpoint {paused}" not in result.output
     assert cli(db_url, "status", "--fail-if-pending-older-than", "3h").exit_code == 0
+
+
+async def test_a_replay_that_commits_during_a_retention_run_keeps_its_event(db_url: str) -> None:
+    """Retention decides what a delivery still needs in a snapshot; a replay committing after
+    that snapshot reopens a delivery of an event retention was about to delete. The lock on
+    the candidates and a DELETE in a snapshot of its own keep it (one statement lost it)."""
+    import time
+
+    from relay.store import Store, create_pool
+
+    ep = endpoint(db_url)
+    sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, content_type, status, attempts, delivered_at)"
+        " SELECT %s, '{}', 'application/json', 'delivered', 1,"
+        " now() - interval '2 days' + g * interval '1 ms' FROM generate_series(1, 300000) g",
+        DEST,
+    )
+    [(target,)] = sql(db_url, "SELECT max(id) FROM outbox")
+    delivery(db_url, target, ep, "delivered")
+    sql(db_url, "ANALYZE")
+    pool = await create_pool(to_asyncpg_dsn(db_url), "r", 2)
+    replayer = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        store = Store(pool, "public", "r", 30.0)
+        replay = replayer.transaction()
+        await replay.start()
+        # What admin.replay_event does: the event locked, its delivery pending again.
+        await replayer.execute(render_ops(queries.REPLAY_EVENT_ROW, "public"), target)
+        await replayer.execute(
+            "UPDATE outbox_deliveries SET status = 'pending', replay = true, attempts = 0, "
+            "finished_at = NULL WHERE event_id = $1",
+            target,
+        )
+        started = time.monotonic()
+        retention = asyncio.create_task(store.delete_finished(3600, 400_000, 30 * 86400, None))
+        await asyncio.sleep(0.15)  # its statement has its snapshot, and reads the old rows
+        await replay.commit()
+        batch = await retention
+        took = time.monotonic() - started
+    finally:
+        await replayer.close()
+        await pool.close()
+    assert took > 0.3, f"retention ended before the replay committed ({took:.2f} s)"
+    assert batch is not None and batch.deleted == 300_000 - 1
+    assert sql(db_url, "SELECT id FROM outbox") == [(target,)]
+
+
+async def test_a_dead_relays_expired_rows_do_not_hold_their_endpoints_room(db_url: str) -> None:
+    """max_concurrency counts deliveries in flight on every relay, but not those of a relay
+    that died (lease expired, not reaped yet): they would hold the endpoint until the
+    reaper came round. Live ones count."""
+    from relay.sinks.endpoints.store import DeliveryStore
+    from relay.store import Store, create_pool
+
+    ep = endpoint(db_url)
+    events = [event(db_url) for _ in range(9)]
+    for e in events[:3]:
+        delivery(db_url, e, ep, "running", locked_by="dead-relay")
+    sql(db_url, "UPDATE outbox_deliveries SET locked_until = now() - interval '10 s'")
+    delivery(db_url, events[3], ep, "running", locked_by="live-relay")  # leased 30 s
+    for e in events[4:]:
+        delivery(db_url, e, ep, "pending")
+    pool = await create_pool(to_asyncpg_dsn(db_url), "alive", 2)
+    try:
+        store = DeliveryStore(Store(pool, "public", "alive", 30.0))
+        claimed, _, _ = await store.claim([DEST], [4], [4], 100, [], 1000, None, {ep: 4})
+    finally:
+        await pool.close()
+    assert len(claimed) == 3  # 4 less the live relay's one

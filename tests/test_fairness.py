@@ -8,11 +8,13 @@ import pytest
 from relay.sinks.endpoints.fairness import (
     LATENCY_WEIGHT,
     RESERVE,
+    UNCAPPED,
     Holding,
     average,
     group,
     is_slow,
     plan,
+    share,
 )
 
 
@@ -53,41 +55,54 @@ def test_while_more_than_the_reserve_is_free_anyone_claims_all_but_the_reserve()
     assert (p.limit, p.skip_endpoints, p.skip_tenants) == (1, frozenset(), frozenset())
 
 
-def test_slow_endpoints_are_capped_in_both_phases() -> None:
-    holdings = [h(1, 3, slow=True, cap=2), h(2, 0, slow=True), h(3, 1)]
-    assert plan(40, 4, holdings).caps == {1: 2, 2: 1}
+def test_known_endpoints_are_capped_by_their_latency_and_new_ones_start_slow() -> None:
+    holdings = [h(1, 3, slow=True, cap=2), h(2, 0, slow=True), h(3, 1), h(4, 1, known=False)]
+    p = plan(40, 5, holdings)
+    # 4 is missing: the claim starts it at its destination's slow_concurrency.
+    assert p.caps == {1: 2, 2: 1, 3: UNCAPPED}
     reserve = plan(40, 35, holdings)
-    assert reserve.caps == {1: 2, 2: 1}
-    assert reserve.skip_endpoints == {1, 2}  # and none of the reserve
+    assert reserve.caps == p.caps
+    assert reserve.skip_endpoints == {1, 2, 4}  # slow, or not yet known: none of the reserve
+
+
+def test_the_share_is_filled_like_water() -> None:
+    assert share(40, []) == 40.0  # a newcomer alone may have it all
+    assert share(40, [30]) == 20.0
+    # The four holders of one slot leave theirs to the rest: (40 - 4) / 2.
+    assert share(40, [1, 1, 1, 30]) == pytest.approx(18.5)
+    assert share(10, [5, 5]) == pytest.approx(10 / 3)
+    assert share(40, [1] * 37) == pytest.approx(3.0)  # all below: the free slots
+    assert share(40, [30, 1, 1, 1]) == share(40, [1, 1, 30, 1])  # order does not matter
 
 
 def test_in_the_reserve_holders_at_their_share_take_nothing() -> None:
-    # 30 held by 8 endpoints taking every tenant, 2 by two endpoints of tenant t: 9 holders
-    # (the tenant's two endpoints are one, u holds nothing), share 40 // 10 = 4.
-    holdings = [h(i, 4) for i in range(1, 8)] + [h(8, 2)]
-    holdings += [h(9, 1, tenant="t"), h(10, 1, tenant="t"), h(11, 0, tenant="u")]
+    # Tenant t holds 30 over two endpoints, four endpoints one each: share 18.
+    holdings = [h(1, 20, tenant="t"), h(2, 10, tenant="t")]
+    holdings += [h(i, 1) for i in range(3, 7)] + [h(7, 0, tenant="u")]
     p = plan(40, 34, holdings)
-    assert p.limit == 4  # at most one share, fewer than the 6 free
-    assert p.skip_endpoints == frozenset(range(1, 8))  # 8 holds 2 < 4
-    assert p.skip_tenants == frozenset()  # t holds 2 < 4
-    p = plan(40, 36, [*holdings, h(12, 2, tenant="t")])  # t now holds 4, its share
-    assert p.skip_tenants == {"t"} and 12 not in p.skip_endpoints
+    assert p.skip_tenants == {"t"} and p.skip_endpoints == frozenset()
+    assert p.limit == 6  # the free slots, fewer than a share
+    # An endpoint taking every tenant is a group of its own.
+    q = plan(40, 34, [h(1, 30), *holdings[2:]])
+    assert q.skip_endpoints == {1} and q.skip_tenants == frozenset()
 
 
 def test_the_share_counts_holders_not_endpoints_known() -> None:
     idle = [h(i, 0) for i in range(100)]
     p = plan(40, 32, [h(500, 32, tenant="big"), *idle])
-    # One holder: share 40 // 2 = 20; big holds 32.
+    # One holder: share 40 / 2 = 20; big holds 32.
     assert p.skip_tenants == {"big"} and p.limit == 8
     p = plan(40, 32, [h(500, 19, tenant="big"), h(501, 13)])
-    # Two holders: share 13; both at it.
-    assert p.skip_tenants == {"big"} and p.skip_endpoints == {501} and p.limit == 8
+    # Two holders: share (40 - 13) / 2 = 13.5; big is past it, 501 below.
+    assert p.skip_tenants == {"big"} and p.skip_endpoints == frozenset() and p.limit == 8
 
 
-def test_the_share_is_at_least_one() -> None:
-    holdings = [h(i, 1) for i in range(50)]
-    p = plan(40, 40 - 3, holdings[:37])
-    assert p.limit == 1 and p.skip_endpoints == frozenset(range(37))
+def test_a_claim_in_the_reserve_takes_at_most_a_share() -> None:
+    p = plan(40, 33, [h(1, 30, tenant="t"), h(2, 3, tenant="u")])
+    # share: 3 < 40/3, then (40 - 3) / 2 = 18.5; the claim takes at most 19, here the 7 free.
+    assert p.limit == 7
+    p = plan(10, 8, [h(i, 1) for i in range(8)])  # share (10 - 8) / 1 = 2
+    assert p.limit == 2
 
 
 def test_endpoints_with_requests_in_flight_and_none_ended_wait_in_the_reserve() -> None:

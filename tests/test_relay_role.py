@@ -175,7 +175,7 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
     held = [(e.id, e.token) for e in await store.claim("customers", 10)]
     assert sorted(i for i, _ in held) == sorted(events)
     assert await deliveries.fan_out(held, "no endpoint matched") == dict.fromkeys(events, 1)
-    first, second = (await deliveries.claim(["customers"], [10], 10, [], 100, None, {}))[0]
+    first, second = (await deliveries.claim(["customers"], [10], [10], 10, [], 100, None, {}))[0]
     assert await deliveries.heartbeat([first, second]) == {first.id, second.id}
     rec = DeliveryRecord(
         first.id,

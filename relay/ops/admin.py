@@ -1001,13 +1001,14 @@ async def purge(
     for status_name, sql, extra in statements:
         rendered = _sql(sql, schema)
         while True:
-            result = await conn.execute(rendered, older_than, destinations, batch_size, *extra)
-            n = int(result.split()[-1])
+            taken, n = await _purge_batch(
+                conn, schema, rendered, status_name, older_than, destinations, batch_size, *extra
+            )
             deleted[status_name] += n
             batches += 1
             if progress is not None:
                 progress(sum(deleted.values()), total)
-            if n < batch_size:
+            if taken < batch_size:
                 break
     return {
         "dry_run": False,
@@ -1015,6 +1016,20 @@ async def purge(
         "deleted": deleted,
         "batches": batches,
     }
+
+
+async def _purge_batch(
+    conn: asyncpg.Connection, schema: str, lock: str, status: str, *args: Any
+) -> tuple[int, int]:
+    """One batch of a purge, in a transaction of its own: the candidates locked by ``lock``,
+    then deleted unless a delivery needs them (queries.DELETE_LOCKED says why in two
+    statements); how many it took, and how many it deleted."""
+    async with conn.transaction():
+        ids = [r[0] for r in await conn.fetch(lock, *args)]
+        if not ids:
+            return 0, 0
+        done = await conn.execute(_sql(queries.DELETE_LOCKED, schema), ids, [status])
+    return len(ids), int(done.split()[-1])
 
 
 async def _purge_within(
@@ -1046,15 +1061,22 @@ async def _purge_within(
     for status_name, sql, extra in statements:
         rendered = _sql(sql, schema)
         while True:
-            result = await conn.execute(
-                rendered, older_than, destinations, batch_size, *bound, *extra
+            taken, n = await _purge_batch(
+                conn,
+                schema,
+                rendered,
+                status_name,
+                older_than,
+                destinations,
+                batch_size,
+                *bound,
+                *extra,
             )
-            n = int(result.split()[-1])
             deleted[status_name] += n
             batches += 1
             if progress is not None:
                 progress(sum(deleted.values()), within.rows)
-            if n < batch_size:
+            if taken < batch_size:
                 break
     return {
         "dry_run": False,

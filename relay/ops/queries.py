@@ -10,6 +10,7 @@ from relay.queries import _OPEN_DELIVERY as OPEN_DELIVERY
 # The relay's statements the commands run too.
 from relay.queries import BLOCKED_KEYS as BLOCKED_KEYS
 from relay.queries import COLUMN_EXISTS as COLUMN_EXISTS
+from relay.queries import DELETE_LOCKED as DELETE_LOCKED
 from relay.queries import NOTIFY as NOTIFY
 from relay.queries import PAUSED_TABLE as PAUSED_TABLE
 from relay.queries import PURGE_DELIVERED as PURGE_DELIVERED
@@ -245,49 +246,40 @@ WHERE ((status = 'delivered'
 """
 )
 
-# A confirmed preview's purge, in batches as the relay's (PURGE_DELIVERED, PURGE_FINISHED:
-# change them together), within its selection: aged as of the preview's clock ($4 with the
-# seconds $1), ids up to its highest ($5). Rows only leave that set (their timestamps are
-# set when they end, to a later time), so no batch deletes a row the preview did not count.
+# A confirmed preview's purge, in batches as the relay's (PURGE_DELIVERED, PURGE_FINISHED,
+# each followed by DELETE_LOCKED: change them together), within its selection: aged as of
+# the preview's clock ($4 with the seconds $1), ids up to its highest ($5). Rows only leave
+# that set (their timestamps are set when they end, to a later time), so no batch deletes a
+# row the preview did not count.
 PURGE_SELECTED_DELIVERED = (
     """
-WITH doomed AS (
-    SELECT id FROM {table} AS o
-    WHERE status = 'delivered' AND delivered_at < $4::timestamptz - make_interval(secs => $1)
-      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-      AND id <= $5::bigint
-      AND NOT """
+SELECT id FROM {table} AS o
+WHERE status = 'delivered' AND delivered_at < $4::timestamptz - make_interval(secs => $1)
+  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+  AND id <= $5::bigint
+  AND NOT """
     + OPEN_DELIVERY
     + """
-    ORDER BY delivered_at
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {table} AS o
-USING doomed
-WHERE o.id = doomed.id AND o.status = 'delivered'
+ORDER BY delivered_at
+LIMIT $3
+FOR UPDATE SKIP LOCKED
 """
 )
 
 # $6: which of failed and skipped.
 PURGE_SELECTED_FINISHED = (
     """
-WITH doomed AS (
-    SELECT id FROM {table} AS o
-    WHERE status IN ('failed', 'skipped') AND status = ANY($6::text[])
-      AND coalesce(finished_at, created_at) < $4::timestamptz - make_interval(secs => $1)
-      AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-      AND id <= $5::bigint
-      AND NOT """
+SELECT id FROM {table} AS o
+WHERE status IN ('failed', 'skipped') AND status = ANY($6::text[])
+  AND coalesce(finished_at, created_at) < $4::timestamptz - make_interval(secs => $1)
+  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+  AND id <= $5::bigint
+  AND NOT """
     + OPEN_DELIVERY
     + """
-    ORDER BY coalesce(finished_at, created_at)
-    LIMIT $3
-    FOR UPDATE SKIP LOCKED
-)
-DELETE FROM {table} AS o
-USING doomed
-WHERE o.id = doomed.id AND o.status = ANY($6::text[])
+ORDER BY coalesce(finished_at, created_at)
+LIMIT $3
+FOR UPDATE SKIP LOCKED
 """
 )
 
@@ -501,14 +493,17 @@ WHERE d.endpoint_id = $1
   AND ($4::bigint IS NULL OR d.id <= $4::bigint)
 """
 
-# The deliveries of the window as a selection (see _SELECTION); whether each one's event is
-# still there is part of the digest (the seed of its hash), as it decides what is sent.
+# The deliveries of the window as a selection (see _SELECTION). Whether each one's event is
+# still there is part of the digest (the seed of its hash), as it decides what is sent; so is
+# where the delivery stands (status, attempts, when it ended or is due): a replay leaves its
+# deliveries in the window (pending, due), and a preview confirmed twice (a form posted again)
+# must not send them twice, nor again once the relay has sent them.
 REPLAY_ENDPOINT_SELECTION = (
     """
 SELECT count(*) AS rows, coalesce(max(d.id), 0) AS max_id,
-       coalesce(sum(hashint8extended(d.id, CASE WHEN EXISTS (
-           SELECT 1 FROM {table} AS o WHERE o.id = d.event_id) THEN 1 ELSE 0 END)::numeric),
-           0)::text AS digest,
+       coalesce(sum(hashint8extended(d.id, hashtextextended(concat_ws(',',
+           EXISTS (SELECT 1 FROM {table} AS o WHERE o.id = d.event_id), d.status, d.attempts,
+           d.finished_at, d.run_after, d.replay), 0))::numeric), 0)::text AS digest,
        now() AS at
 FROM {deliveries} AS d
 """

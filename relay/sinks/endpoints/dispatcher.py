@@ -24,15 +24,15 @@ import structlog
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import OutboxError, describe
 from outbox.status import Status
-from relay import outcomes
+from relay import backoff, outcomes
 from relay.breaker import State
 from relay.metrics import Metrics
-from relay.model import Envelope, Outcome, Result, epoch, header_problem, truncate_error
+from relay.model import Envelope, Result, epoch, header_problem, truncate_error
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import Holding, Plan, is_slow
 from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.fairness import plan as fairness_plan
-from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
+from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, takes
 from relay.sinks.webhook.answers import class_of
 from relay.sinks.webhook.signing import decode_secret
 from relay.sinks.webhook.sink import Endpoint, WebhookSink
@@ -84,6 +84,7 @@ class EndpointState:
     gone: bool = False
     last_claimed: float = 0.0
     tenant: str | None = None  # the endpoint's, as its last claim read it
+    event_types: tuple[str, ...] = ()  # the endpoint's, as its last claim read it
     latency: float | None = None  # its requests' moving average, seconds (fairness.average)
     started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
 
@@ -210,6 +211,7 @@ class Dispatcher:
                     claimed, self._cursor, orphans = await self.store.claim(
                         serving,
                         [self.destinations[d].max_concurrency for d in serving],
+                        [self.destinations[d].slow_concurrency for d in serving],
                         share.limit,
                         skip,
                         self.scan,
@@ -242,7 +244,7 @@ class Dispatcher:
         holdings = []
         for state in self.states.values():
             h = state.holding(now)
-            if h.in_hand or h.slow:
+            if h.in_hand or h.known:
                 holdings.append(h)
         return fairness_plan(self.max_in_flight, len(self.held), holdings)
 
@@ -355,7 +357,7 @@ class Dispatcher:
                 config,
                 semaphore=asyncio.Semaphore(config.max_concurrency),
             )
-        state.tenant = c.tenant
+        state.tenant, state.event_types = c.tenant, c.event_types
         version = (c.url, c.secret, c.previous_secret)
         if version != state.version:
             # New, or changed at runtime: the URL and keys of this claim apply from now on;
@@ -442,6 +444,18 @@ class Dispatcher:
                 return self._record(
                     c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
                 )
+            if not takes(state.tenant, state.event_types, c.event_tenant, c.event_type):
+                # Never sent to an endpoint that no longer takes the event: one handed over to
+                # another tenant, or narrowed to other types, since the fan-out. Checked
+                # against the endpoint as the latest claim read it, whose URL this would use.
+                return self._record(
+                    c,
+                    "cancelled",
+                    0,
+                    0.0,
+                    f"endpoint {c.endpoint_id} no longer takes event {c.event_id} (its tenant "
+                    "or event types changed since the fan-out); not sent",
+                )
             await self._pace(state, c.rate_limit)
             c.sending = True
             breaker = state.endpoint.breaker
@@ -508,37 +522,29 @@ class Dispatcher:
     def _unusable(
         self, c: Claimed, state: EndpointState, config: EndpointsDestination
     ) -> DeliveryRecord:
-        """A delivery whose endpoint cannot be used (its secret cannot be opened: the key is
-        missing or wrong). Counted and logged as a failed attempt, with the destination's
-        backoff and attempt limit, and a failure of the endpoint's health: it shows as
-        failing with the reason in `status`, `endpoints show` and the console, and
-        disable_after applies, rather than the delivery waiting unseen for ever."""
-        env = Envelope(
-            id=c.event_id,
-            destination=c.destination,
-            key=None,
-            payload=b"",
-            content_type="",
-            headers={},
-            attempts=c.attempts,
-            created=0.0,
-            token=c.token,
-            lease=c.lease,
-        )
+        """A delivery whose endpoint cannot be used by this relay (its secret cannot be
+        opened: the key is missing or wrong). Counted and logged as an attempt that sent
+        nothing, with the destination's backoff (at least UNUSABLE_RETRY), and a failure of
+        the endpoint's health: it shows as failing with the reason in `status`, `endpoints
+        show` and the console, and disable_after applies (its queue is then kept), rather
+        than the delivery waiting unseen for ever. It never fails for it: the message was not
+        refused, this relay's configuration is wrong, and another relay (or this one, once
+        the key is set) can send it."""
         problem = state.problem or f"endpoint {c.endpoint_id} cannot be used"
-        rec = outcomes.to_record(
-            env, Outcome.retry(c.event_id, problem), config.max_attempts, config.backoff
-        )
+        try:
+            wait = backoff.delay(config.backoff, c.attempts + 1)
+        except Exception:
+            wait = UNUSABLE_RETRY
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False)
         if self.metrics is not None:
-            self.metrics.endpoint_attempts.labels(c.destination, "retry", "none").inc()
+            self.metrics.endpoint_attempts.labels(c.destination, "not_sent", "none").inc()
         return DeliveryRecord(
             id=c.id,
             token=c.token,
-            status=str(rec.status),
+            status="pending",
             counted=1,
-            delay=max(rec.delay, UNUSABLE_RETRY) if rec.status is Status.PENDING else 0.0,
-            error=rec.error,
+            delay=outcomes.clamp_delay(max(wait, UNUSABLE_RETRY), UNUSABLE_RETRY),
+            error=truncate_error(f"not sent: {problem}"),
             http_status=None,
             event_id=c.event_id,
             endpoint_id=c.endpoint_id,

@@ -7,10 +7,11 @@ tenant at the defaults) hold every slot while healthy endpoints wait. The claim 
 follows a plan made from what the relay holds:
 
 * While more than a quarter of the capacity is free, any endpoint may take slots, up to
-  its max_concurrency (counted across relays by the claim) and, if it is slow, up to its
-  destination's ``slow_concurrency``: the last quarter is kept back.
+  its max_concurrency (counted across relays by the claim) and, while it is slow or not yet
+  known (no request of it ended on this relay: it starts slow), up to its destination's
+  ``slow_concurrency``: the last quarter is kept back.
 * Once only that reserve is left, it goes to those below their fair share: a tenant (or an
-  endpoint that takes every tenant) holding as much as ``capacity / (holders + 1)`` takes
+  endpoint that takes every tenant) holding its share (max-min: :func:`share`) takes
   nothing more, and neither do slow endpoints, nor those with requests in flight and none
   ended yet (slow ones in the making, as far as anyone knows). A claim then takes at most
   one share.
@@ -25,11 +26,13 @@ Pure: the dispatcher passes what it holds and applies the plan to its claim stat
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 RESERVE = 0.25  # of the capacity, kept for holders below their share
+UNCAPPED = 100_000  # the cap of an endpoint known to be fast: its max_concurrency applies
 # The weight of the newest request in an endpoint's latency average.
 LATENCY_WEIGHT = 0.3
 
@@ -53,7 +56,9 @@ class Plan:
     limit: int  # deliveries in all
     skip_endpoints: frozenset[int]  # endpoints that take nothing this claim
     skip_tenants: frozenset[str]  # tenants none of whose endpoints takes anything
-    caps: dict[int, int]  # endpoints held below their max_concurrency (the slow ones)
+    # Each known endpoint's cap on requests in flight (UNCAPPED: its max_concurrency); one
+    # missing starts at its destination's slow_concurrency.
+    caps: dict[int, int]
 
 
 def group(h: Holding) -> str:
@@ -63,9 +68,11 @@ def group(h: Holding) -> str:
 
 def plan(capacity: int, held: int, holdings: Iterable[Holding]) -> Plan:
     """The next claim's plan, with ``held`` deliveries of ``capacity`` held now; ``holdings``
-    the endpoints holding some of them, and those known to be slow."""
+    the endpoints this relay holds deliveries of or knows the latency of."""
     holdings = list(holdings)
-    caps = {h.endpoint_id: h.slow_concurrency for h in holdings if h.slow}
+    # An endpoint missing from the caps starts slow (its destination's slow_concurrency)
+    # until one of its requests ends: what it costs is unknown until then.
+    caps = {h.endpoint_id: h.slow_concurrency if h.slow else UNCAPPED for h in holdings if h.known}
     free = max(0, capacity - held)
     reserve = int(capacity * RESERVE)
     if free > reserve:
@@ -73,9 +80,8 @@ def plan(capacity: int, held: int, holdings: Iterable[Holding]) -> Plan:
     usage: Counter[str] = Counter()
     for h in holdings:
         usage[group(h)] += h.in_hand
-    holders = sum(1 for n in usage.values() if n > 0)
-    share = max(1, capacity // (holders + 1))
-    full = {g for g, n in usage.items() if n >= share}
+    level = share(capacity, [n for n in usage.values() if n > 0])
+    full = {g for g, n in usage.items() if n >= level}
     skip_endpoints = frozenset(
         h.endpoint_id
         for h in holdings
@@ -87,7 +93,23 @@ def plan(capacity: int, held: int, holdings: Iterable[Holding]) -> Plan:
     skip_tenants = frozenset(
         h.tenant for h in holdings if h.tenant is not None and group(h) in full
     )
-    return Plan(min(free, share), skip_endpoints, skip_tenants, caps)
+    return Plan(min(free, max(1, math.ceil(level))), skip_endpoints, skip_tenants, caps)
+
+
+def share(capacity: int, usage: Iterable[int]) -> float:
+    """The fair share of ``capacity`` between holders using ``usage`` and one more that may
+    want some (max-min fairness, filled like water): a holder using less than an equal
+    share leaves the rest to the others, so holders of a slot or two do not shrink the
+    share of those that need more."""
+    left, waiting = float(capacity), 1
+    ordered = sorted(usage)
+    waiting += len(ordered)
+    for used in ordered:
+        if used >= left / waiting:
+            break
+        left -= used
+        waiting -= 1
+    return left / waiting
 
 
 def average(previous: float | None, seconds: float) -> float:

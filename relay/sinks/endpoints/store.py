@@ -36,6 +36,8 @@ class Claimed:
     sending: bool = False  # its request started (a stop cuts it short: counted)
     event_type: str | None = None  # the event's (None: it has none, or was deleted)
     tenant: str | None = None  # the endpoint's (None: it takes every tenant)
+    event_types: tuple[str, ...] = ()  # the endpoint's (none: every type)
+    event_tenant: str | None = None  # the event's
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,19 @@ class DeliveryRecord:
     duration_ms: float | None
     response: str | None
     replay: bool
+
+
+def takes(
+    tenant: str | None,
+    event_types: Sequence[str],
+    event_tenant: str | None,
+    event_type: str | None,
+) -> bool:
+    """Whether an endpoint of ``tenant`` and ``event_types`` takes an event of
+    ``event_tenant`` and ``event_type``: the rule of the fan-out (FAN_OUT)."""
+    if tenant is not None and tenant != event_tenant:
+        return False
+    return not event_types or event_type in event_types
 
 
 class DeliveryStore:
@@ -84,6 +99,7 @@ class DeliveryStore:
         self,
         destinations: Sequence[str],
         max_concurrency: Sequence[int],
+        start: Sequence[int],
         limit: int,
         skip: Sequence[int],
         scan: int,
@@ -91,8 +107,9 @@ class DeliveryStore:
         caps: Mapping[int, int],
         skip_tenants: Sequence[str] = (),
     ) -> tuple[list[Claimed], int | None, int]:
-        """Due deliveries (see DELIVERY_CLAIM: ``caps`` are endpoints held below their
-        max_concurrency, ``skip_tenants`` tenants that take nothing now); the cursor for the
+        """Due deliveries (see DELIVERY_CLAIM: ``caps`` are the known endpoints' caps on
+        requests in flight, ``start`` each destination's cap for the others, ``skip_tenants``
+        tenants that take nothing now); the cursor for the
         next claim; and how many deliveries of deleted or moved endpoints were cancelled on
         the way."""
         self.store.statements["delivery_claim"] += 1
@@ -113,6 +130,7 @@ class DeliveryStore:
             list(caps),
             list(caps.values()),
             list(skip_tenants),
+            list(start),
         )
         claimed = [
             Claimed(
@@ -136,6 +154,8 @@ class DeliveryStore:
                 lease_started=started,
                 event_type=r[16],
                 tenant=r[17],
+                event_types=tuple(r[18] or ()),
+                event_tenant=r[19],
             )
             for r in rows[:-1]
         ]
@@ -219,4 +239,4 @@ class DeliveryStore:
         return row is not None
 
 
-__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore"]
+__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore", "takes"]

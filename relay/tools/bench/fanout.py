@@ -770,7 +770,9 @@ async def statement_probe(
                 "scan": SCAN,
                 "cursor": cursor,
             }
-            if "caps" in names:
+            if "start" in names:
+                args.update(max_concurrency=[per_endpoint], start=[per_endpoint], caps={})
+            elif "caps" in names:
                 args.update(max_concurrency=[per_endpoint], caps={})
             elif "in_hand" in names:
                 args.update(max_concurrency=[per_endpoint], in_hand={})
