@@ -757,8 +757,9 @@ def _on_terminal() -> bool:
     "endpoint_id",
     type=ROW_ID,
     metavar="EID",
-    help="With ID: only to this endpoint (added if the event never went to it). With "
-    "--since: the endpoint whose deliveries to replay.",
+    help="With ID: only to this endpoint (added if the event never went to it; refused "
+    "unless its tenant and event types take the event). With --since: the endpoint whose "
+    "deliveries to replay.",
 )
 @click.option(
     "--since",
@@ -893,7 +894,8 @@ def _print_replayed_endpoint(r: dict[str, Any]) -> None:
             f"{window} ({_by_status(r)}): relays send them now, with their events' webhook-ids"
         )
     else:
-        echo(f"no {what} deliveries of {name} created in the last {window} to replay")
+        none = "failed deliveries" if r["failed_only"] else "deliveries (other than running ones)"
+        echo(f"no {none} of {name} created in the last {window} to replay")
     if r["skipped_event_gone"]:
         echo(
             f"skipped {r['skipped_event_gone']} whose event is gone (deleted by retention or "
