@@ -706,25 +706,25 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 # The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 # the cursor $7 (NULL: from the first), at most $6 of them, with a loose index scan of the
 # claim index. From each enabled endpoint of this relay's destinations ($1, with each one's
-# max_concurrency in $2), but those it skips ($5: circuit open, answered 410, or at their
-# fair share; $11: tenants at their fair share, see relay/sinks/endpoints/fairness.py), it
-# takes due deliveries of the endpoint's own destination, oldest first: as many as the
-# endpoint has room for, fewer for a rate-limited one. Its room is its max_concurrency, or
-# the cap this relay gives it ($9 endpoints, $10 caps: a slow endpoint's; one this relay
-# knows nothing of starts at its destination's slow_concurrency, $12), less its deliveries
-# in flight claimed by ANY relay under a live lease (the running index: one probe), so that
-# max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit
-# less its attempts in the last second. A dead endpoint's backlog is never scanned past: the
-# claim reads one endpoint's due rows at a time. At most $3 rows in all, marked running under
-# this relay's lease ($4 relay, $8 seconds). The rows come with what sending needs: the event
-# (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
-# and event types, all of one snapshot, so that the relay checks the endpoint still takes the
-# event before it sends it to that URL. Pending deliveries of an endpoint met on the walk
-# that no longer exists (deleted while its events were being fanned out) or that now belongs
-# to another destination are cancelled, saying so. The last row (id -1) carries the cursor
-# for the next claim in endpoint_id: the last endpoint examined when the scan limit cut the
-# walk short, the last one claimed from when the batch filled up, NULL when the walk reached
-# the end.
+# max_concurrency in $2) but those of the tenants it skips ($9: at their fair share, see
+# relay/sinks/endpoints/fairness.py), it takes due deliveries of the endpoint's own
+# destination, oldest first: as many as the endpoint has room for, fewer for a rate-limited
+# one. Its room is its max_concurrency, or the cap this relay gives it ($5, a JSON object of
+# endpoint id to cap: 0 for one it skips, circuit open, answered 410 or at its fair share; a
+# slow endpoint's slow_concurrency; one this relay knows nothing of starts at its
+# destination's slow_concurrency, $10), less its deliveries in flight claimed by ANY relay
+# under a live lease (the running index: one probe), so that max_concurrency holds across
+# relays; a rate-limited endpoint's is also at most its limit less its attempts in the last
+# second. A dead endpoint's backlog is never scanned past: the claim reads one endpoint's due
+# rows at a time. At most $3 rows in all, marked running under this relay's lease ($4 relay,
+# $8 seconds). The rows come with what sending needs: the event (NULL if it was deleted),
+# with its tenant and type, and the endpoint's URL, secrets, tenant and event types, all of
+# one snapshot, so that the relay checks the endpoint still takes the event before it sends
+# it to that URL. Pending deliveries of an endpoint met on the walk that no longer exists
+# (deleted while its events were being fanned out) or that now belongs to another
+# destination are cancelled, saying so. The last row (id -1) carries the cursor for the next
+# claim in endpoint_id: the last endpoint examined when the scan limit cut the walk short,
+# the last one claimed from when the batch filled up, NULL when the walk reached the end.
 DELIVERY_CLAIM = """
 WITH RECURSIVE eps AS (
     (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
@@ -742,11 +742,8 @@ WITH RECURSIVE eps AS (
     WHERE eps.n < $6
 ),
 conc AS (
-    SELECT * FROM unnest($1::text[], $2::int[], $12::int[])
+    SELECT * FROM unnest($1::text[], $2::int[], $10::int[])
         AS c(destination, max_concurrency, start_cap)
-),
-caps AS (
-    SELECT * FROM unnest($9::bigint[], $10::int[]) AS h(endpoint_id, cap)
 ),
 picked AS (
     SELECT d.id, e.id AS endpoint_id
@@ -755,9 +752,10 @@ picked AS (
     -- the endpoints registered.
     CROSS JOIN LATERAL (
         SELECT e.id, e.destination, e.rate_limit,
+               -- The caps are a JSON object, a lookup by key in it a binary search: an
+               -- array of thousands of endpoints would be scanned for each one walked.
                least(c.max_concurrency,
-                     coalesce((SELECT h.cap FROM caps AS h WHERE h.endpoint_id = e.id),
-                              c.start_cap)) AS limit_,
+                     coalesce(($5::jsonb ->> e.id::text)::int, c.start_cap)) AS limit_,
                -- Leases expired count no more: a dead relay's rows wait for the reaper,
                -- and must not hold the endpoint meanwhile.
                (SELECT count(*) FROM {deliveries} AS r
@@ -765,8 +763,8 @@ picked AS (
                   AND r.locked_until > now()) AS running
         FROM {endpoints} AS e
         JOIN conc AS c ON c.destination = e.destination
-        WHERE e.id = eps.endpoint_id AND e.enabled AND NOT (e.id = ANY($5::bigint[]))
-          AND (e.tenant IS NULL OR NOT (e.tenant = ANY($11::text[])))
+        WHERE e.id = eps.endpoint_id AND e.enabled
+          AND (e.tenant IS NULL OR NOT (e.tenant = ANY($9::text[])))
         OFFSET 0
     ) AS e
     CROSS JOIN LATERAL (
@@ -845,7 +843,9 @@ SELECT -1, (SELECT count(*) FROM orphaned), CASE
 
 # The outcomes of deliveries, in one statement: each delivery still held under its claim's
 # token ($2) is recorded, as RECORD does for events, and every attempt made ($4 counted = 1)
-# is logged, whether or not its delivery was still held: the request was sent. Returns the
+# is logged, whether or not its delivery was still held: the request was sent. A try that
+# sent nothing ($4 = 2: the relay could not open the endpoint's secret) is logged too, but
+# not counted among the delivery's attempts. Returns the
 # (id, token) pairs recorded.
 DELIVERY_RECORD = """
 WITH u AS (
@@ -858,14 +858,14 @@ WITH u AS (
 done AS (
     UPDATE {deliveries} AS d
     SET status = u.status,
-        attempts = d.attempts + u.counted,
+        attempts = d.attempts + CASE WHEN u.counted = 1 THEN 1 ELSE 0 END,
         run_after = CASE WHEN u.status = 'pending'
                          THEN now() + make_interval(secs => u.delay) ELSE d.run_after END,
         last_error = CASE WHEN u.status = 'delivered' THEN NULL
                           ELSE COALESCE(u.error, d.last_error) END,
         last_status = COALESCE(u.http_status, d.last_status),
         finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
-        replay = u.status = 'pending' AND u.counted = 0 AND d.replay,
+        replay = u.status = 'pending' AND u.counted <> 1 AND d.replay,
         locked_by = NULL,
         locked_until = NULL
     FROM u
@@ -878,7 +878,7 @@ logged AS (
     SELECT u.id, u.event_id, u.endpoint_id, u.http_status, u.duration_ms, u.response,
            u.error, u.replay
     FROM u
-    WHERE u.counted = 1
+    WHERE u.counted > 0
 )
 SELECT id, claims FROM done
 """
@@ -970,6 +970,8 @@ WITH doomed AS (
       AND finished_at < now() - make_interval(secs => $1)
     ORDER BY finished_at
     LIMIT $2
+    -- A delivery a replay holds is left for the next run, never waited for.
+    FOR UPDATE SKIP LOCKED
 )
 DELETE FROM {deliveries} AS d USING doomed
 -- Re-checked on the row itself: a delivery replayed since the snapshot is pending again.

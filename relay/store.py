@@ -260,12 +260,16 @@ class Store:
                 ]
                 deleted += await self._delete_locked_rows(conn, ids, Status.SKIPPED)
                 more = len(ids) >= batch_size
-            # The message log and ended deliveries have a retention of their own (counted
-            # apart: the batch size bounds each).
-            for statement in (self._purge_deliveries, self._purge_attempts):
-                status = await conn.execute(statement, log_retention, batch_size)
-                n = int(status.split()[-1])
-                deleted, more = deleted + n, more or n >= batch_size
+        # The message log and ended deliveries have a retention of their own (counted apart:
+        # the batch size bounds each), in a transaction of its own: holding the events' locks
+        # above while locking deliveries would deadlock with a replay, which locks a delivery
+        # and then its event.
+        async with self._connection() as conn, conn.transaction():
+            if await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
+                for statement in (self._purge_deliveries, self._purge_attempts):
+                    status = await conn.execute(statement, log_retention, batch_size)
+                    n = int(status.split()[-1])
+                    deleted, more = deleted + n, more or n >= batch_size
         return RetentionBatch(deleted, more, cursor)
 
     async def _delete_locked_rows(

@@ -338,7 +338,7 @@ async def test_an_unreadable_secret_counts_attempts_fails_the_endpoint_and_loses
         ep.id,
     )
     # One attempt allowed: this relay's missing key must not fail the delivery (it would let
-    # its event go), only count the attempt and fail the endpoint's health.
+    # its event go), nor use up its attempts; it logs the try and fails the endpoint's health.
     async with running(endpoints_settings(db_url, disable_after="1h", max_attempts=1)):
         [a] = await enqueue(db_url, [{"payload": {}}])
         await wait_until(
@@ -347,7 +347,8 @@ async def test_an_unreadable_secret_counts_attempts_fails_the_endpoint_and_loses
         )
     q = "SELECT * FROM outbox_deliveries WHERE endpoint_id = $1"
     [d] = await fetch(db_url, q, ep.id)
-    assert d["status"] == "pending" and d["attempts"] == 1  # counted, and kept
+    # Kept, with every attempt still its own: nothing was sent.
+    assert d["status"] == "pending" and d["attempts"] == 0
     assert "OUTBOX_ENDPOINT_SECRET_KEY" in d["last_error"]
     [attempt] = await fetch(db_url, "SELECT * FROM outbox_attempts WHERE endpoint_id = $1", ep.id)
     assert attempt["http_status"] is None and "OUTBOX_ENDPOINT_SECRET_KEY" in attempt["error"]
@@ -1048,33 +1049,47 @@ async def test_an_endpoint_handed_to_another_tenant_is_not_sent_the_old_tenants_
 ) -> None:
     """Disable, point at another customer's URL and tenant, enable: the queue kept while it
     was disabled belongs to the old tenant, and is cancelled, never sent to the new one. So
-    is an event of a type the endpoint no longer takes."""
-    acme, globex = make_receiver(), make_receiver()
+    is the queue of an endpoint narrowed to event types its queued events are not of."""
+    acme, globex, narrowed = make_receiver(), make_receiver(), make_receiver()
     acme.respond(503)
+    narrowed.respond(503, times=3)
     ep = await add_endpoint(aengine, acme.url, tenant="acme")
+    narrow = await add_endpoint(aengine, narrowed.url, tenant="acme")
     s = endpoints_settings(db_url, backoff={"schedule": [3600]})
-    async with running(s):
+    async with running(s) as relay:
         ids = await enqueue(
-            db_url, [{"payload": {"secret": i}, "tenant": "acme"} for i in range(3)]
+            db_url,
+            [{"payload": {"secret": i}, "tenant": "acme", "event_type": "x"} for i in range(3)],
         )
-        await wait_until(lambda: len(acme.requests) == 3, what="tried once each")
+        await wait_until(
+            lambda: len(acme.requests) == 3 and len(narrowed.requests) == 3, what="tried once"
+        )
         async with aengine.begin() as conn:
-            await outbox.endpoints.disable(conn, ep.id)
+            for e in (ep, narrow):
+                await outbox.endpoints.disable(conn, e.id)
             await outbox.endpoints.update(
                 conn, ep.id, url=globex.url, tenant="globex", allow_private_networks=True
             )
-            await outbox.endpoints.enable(conn, ep.id)
+            await outbox.endpoints.update(conn, narrow.id, event_types=["y"])
+            for e in (ep, narrow):
+                await outbox.endpoints.enable(conn, e.id)
 
         async def settled() -> bool:
-            return bool(globex.requests) or await deliveries_done(db_url, 3)
+            return bool(globex.requests) or await deliveries_done(db_url, 6)
 
         await wait_until(settled, what="settled")
         [later] = await enqueue(db_url, [{"payload": {"n": 1}, "tenant": "globex"}])
         await wait_until(lambda: later in delivered_to(globex), what="its own tenant's")
+        sample = relay.metrics.registry.get_sample_value(
+            "outbox_endpoint_delivery_attempts_total",
+            {"destination": DEST, "outcome": "not_taken", "status_class": "none"},
+        )
     assert [int(r.headers["webhook-id"]) for r in globex.requests] == [later]
+    assert len(narrowed.requests) == 3  # its first tries only
     rows = await fetch(db_url, "SELECT * FROM outbox_deliveries WHERE event_id = ANY($1)", ids)
-    assert {r["status"] for r in rows} == {"cancelled"}
+    assert len(rows) == 6 and {r["status"] for r in rows} == {"cancelled"}
     assert all("no longer takes event" in r["last_error"] for r in rows)
+    assert sample == 6
 
 
 async def test_an_endpoint_starts_slow_and_a_slow_one_stays_at_slow_concurrency(

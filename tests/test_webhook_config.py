@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -224,3 +225,20 @@ def test_an_unknown_kind_names_the_kinds(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="got 'carrier-pigeon'") as caught:
         load_settings(path)
     assert '"endpoints"' in str(caught.value)
+
+
+def test_an_endpoints_latency_budget_is_under_its_timeout() -> None:
+    def load(**dest: object) -> object:
+        return load_settings(
+            None,
+            database_url="postgresql://x@127.0.0.1/x",
+            destinations={"c": {"kind": "endpoints", **dest}},
+        )
+
+    s: Any = load(timeout=6)
+    assert s.destinations["c"].budget == 2.0  # a third of the timeout
+    assert load(timeout=6, latency_budget=1.5).destinations["c"].budget == 1.5  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match=r"latency_budget \(6 s\) must be under timeout \(5 s\)"):
+        load(timeout=5, latency_budget=6)
+    with pytest.raises(ConfigError, match="slow_concurrency"):
+        load(slow_concurrency=0)

@@ -49,6 +49,16 @@ class EndpointsDestination(WebhookDelivery):
         return self.latency_budget if self.latency_budget is not None else self.timeout / 3
 
     @model_validator(mode="after")
+    def _budget_under_timeout(self) -> EndpointsDestination:
+        if self.latency_budget is not None and self.latency_budget >= self.timeout:
+            raise ValueError(
+                f"latency_budget ({self.latency_budget:g} s) must be under timeout "
+                f"({self.timeout:g} s): requests that run to their timeout would never count "
+                "as slow; lower latency_budget or leave it out (a third of timeout)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _unordered(self) -> EndpointsDestination:
         if self.ordering == "key":
             raise ValueError(

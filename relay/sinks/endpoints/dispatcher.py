@@ -24,7 +24,7 @@ import structlog
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import OutboxError, describe
 from outbox.status import Status
-from relay import backoff, outcomes
+from relay import outcomes
 from relay.breaker import State
 from relay.metrics import Metrics
 from relay.model import Envelope, Result, epoch, header_problem, truncate_error
@@ -44,6 +44,9 @@ RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
 # At least this long between attempts of a delivery whose endpoint cannot be used (its secret
 # cannot be opened): each is logged, and the cause is an operator's to fix.
 UNUSABLE_RETRY = 60.0
+# DeliveryRecord.counted of a try that sent nothing: logged in the message log, not counted
+# among the delivery's attempts (DELIVERY_RECORD).
+NOT_SENT = 2
 CRASH_RETRY = 5.0
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
@@ -444,10 +447,25 @@ class Dispatcher:
                 return self._record(
                     c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
                 )
+            await self._pace(state, c.rate_limit)
+            # The endpoint as the latest claim read it (a claim made while this one waited
+            # for its slot or its pace may have changed its URL, secret or tenant), taken
+            # with no await before the request starts.
+            endpoint = state.endpoint
+            if endpoint is None:
+                return self._unusable(c, state, config)
             if not takes(state.tenant, state.event_types, c.event_tenant, c.event_type):
                 # Never sent to an endpoint that no longer takes the event: one handed over to
-                # another tenant, or narrowed to other types, since the fan-out. Checked
-                # against the endpoint as the latest claim read it, whose URL this would use.
+                # another tenant, or narrowed to other types, since the fan-out.
+                log.warning(
+                    "relay.endpoints.not_taken",
+                    endpoint=c.endpoint_id,
+                    event_id=c.event_id,
+                    action="cancelled, not sent; `outbox-relay replay` sends it again to an "
+                    "endpoint that takes it",
+                )
+                if self.metrics is not None:
+                    self.metrics.endpoint_attempts.labels(c.destination, "not_taken", "none").inc()
                 return self._record(
                     c,
                     "cancelled",
@@ -456,14 +474,13 @@ class Dispatcher:
                     f"endpoint {c.endpoint_id} no longer takes event {c.event_id} (its tenant "
                     "or event types changed since the fan-out); not sent",
                 )
-            await self._pace(state, c.rate_limit)
             c.sending = True
-            breaker = state.endpoint.breaker
+            breaker = endpoint.breaker
             was = breaker.state
             started = time.monotonic()
             state.started.append(started)  # slow while in flight past the budget
             try:
-                outcome = await self.sender.attempt(state.endpoint, env)
+                outcome = await self.sender.attempt(endpoint, env)
             finally:
                 state.started.remove(started)
             seconds = time.monotonic() - started
@@ -523,18 +540,15 @@ class Dispatcher:
         self, c: Claimed, state: EndpointState, config: EndpointsDestination
     ) -> DeliveryRecord:
         """A delivery whose endpoint cannot be used by this relay (its secret cannot be
-        opened: the key is missing or wrong). Counted and logged as an attempt that sent
-        nothing, with the destination's backoff (at least UNUSABLE_RETRY), and a failure of
-        the endpoint's health: it shows as failing with the reason in `status`, `endpoints
-        show` and the console, and disable_after applies (its queue is then kept), rather
-        than the delivery waiting unseen for ever. It never fails for it: the message was not
-        refused, this relay's configuration is wrong, and another relay (or this one, once
-        the key is set) can send it."""
+        opened: the key is missing or wrong). Logged as a try that sent nothing (NOT_SENT: in
+        the message log, not among its attempts, so that it has all of them once the key is
+        set), tried again after UNUSABLE_RETRY, and a failure of the endpoint's health: it
+        shows as failing with the reason in `status`, `endpoints show` and the console, and
+        disable_after applies (its queue is then kept), rather than the delivery waiting
+        unseen for ever. It never fails for it: the message was not refused, this relay's
+        configuration is wrong, and another relay (or this one, once the key is set) can
+        send it."""
         problem = state.problem or f"endpoint {c.endpoint_id} cannot be used"
-        try:
-            wait = backoff.delay(config.backoff, c.attempts + 1)
-        except Exception:
-            wait = UNUSABLE_RETRY
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False)
         if self.metrics is not None:
             self.metrics.endpoint_attempts.labels(c.destination, "not_sent", "none").inc()
@@ -542,8 +556,8 @@ class Dispatcher:
             id=c.id,
             token=c.token,
             status="pending",
-            counted=1,
-            delay=outcomes.clamp_delay(max(wait, UNUSABLE_RETRY), UNUSABLE_RETRY),
+            counted=NOT_SENT,
+            delay=UNUSABLE_RETRY,
             error=truncate_error(f"not sent: {problem}"),
             http_status=None,
             event_id=c.event_id,

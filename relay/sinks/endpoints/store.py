@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ class DeliveryRecord:
     id: int
     token: int
     status: str  # delivered, pending, failed, cancelled
-    counted: int  # 1: an attempt was made (logged); 0: not attempted
+    counted: (
+        int  # 1: an attempt was made (logged); 0: not attempted; 2: tried, nothing sent (logged)
+    )
     delay: float
     error: str | None
     http_status: int | None
@@ -108,11 +111,13 @@ class DeliveryStore:
         skip_tenants: Sequence[str] = (),
     ) -> tuple[list[Claimed], int | None, int]:
         """Due deliveries (see DELIVERY_CLAIM: ``caps`` are the known endpoints' caps on
-        requests in flight, ``start`` each destination's cap for the others, ``skip_tenants``
-        tenants that take nothing now); the cursor for the
-        next claim; and how many deliveries of deleted or moved endpoints were cancelled on
-        the way."""
+        requests in flight, ``start`` each destination's cap for the others, ``skip`` and
+        ``skip_tenants`` endpoints and tenants that take nothing now); the cursor for the next
+        claim; and how many deliveries of deleted or moved endpoints were cancelled on the
+        way."""
         self.store.statements["delivery_claim"] += 1
+        limits = {str(k): v for k, v in caps.items()}
+        limits.update((str(k), 0) for k in skip)
         lease = self.store.lease
         started = time.monotonic()
         until = started + lease  # before the statement: never later than its now()
@@ -123,12 +128,10 @@ class DeliveryStore:
             list(max_concurrency),
             limit,
             self.relay_id,
-            list(skip),
+            json.dumps(limits, separators=(",", ":")),
             scan,
             cursor,
             lease,
-            list(caps),
-            list(caps.values()),
             list(skip_tenants),
             list(start),
         )
