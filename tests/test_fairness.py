@@ -131,3 +131,16 @@ def test_slow_on_average_or_with_a_request_in_flight_past_the_budget() -> None:
     assert not is_slow(0.1, [98.0], 100.0, 2.0)
     assert is_slow(0.1, [99.0, 97.9], 100.0, 2.0)
     assert is_slow(None, [97.0], 100.0, 2.0)
+
+
+def test_holders_of_one_slot_leave_theirs_to_the_others() -> None:
+    # Eight endpoints holding one each and tenant A eight: share (20 - 8) / 2 = 6.
+    holdings = [h(i, 1) for i in range(8)] + [h(100, 8, tenant="A")]
+    p = plan(20, 16, holdings)
+    assert p.skip_tenants == {"A"} and p.skip_endpoints == frozenset()
+
+
+def test_a_holder_exactly_at_its_share_is_full() -> None:
+    holdings = [h(1, 10, tenant="a"), h(2, 10, tenant="b"), h(3, 10, tenant="c")]
+    p = plan(40, 30, holdings)  # share 40 / 4 = 10, each at it
+    assert p.skip_tenants == {"a", "b", "c"} and p.limit == 10
