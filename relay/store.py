@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
+import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
@@ -21,6 +22,8 @@ from relay.model import Envelope, Lease, UnreadableHeaders, epoch
 # InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
 # statement ("cannot switch to state …; another operation is in progress", MagicStack/asyncpg
 # issue 1069); Store discards such a connection, so the retry gets a fresh one.
+log = structlog.get_logger("relay")
+
 DB_ERRORS: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
@@ -264,12 +267,17 @@ class Store:
         # the batch size bounds each), in a transaction of its own: holding the events' locks
         # above while locking deliveries would deadlock with a replay, which locks a delivery
         # and then its event.
-        async with self._connection() as conn, conn.transaction():
-            if await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
-                for statement in (self._purge_deliveries, self._purge_attempts):
-                    status = await conn.execute(statement, log_retention, batch_size)
-                    n = int(status.split()[-1])
-                    deleted, more = deleted + n, more or n >= batch_size
+        # (If another relay took the job meanwhile, it purges the log in its own batch.)
+        try:
+            async with self._connection() as conn, conn.transaction():
+                if await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:retention"):
+                    for statement in (self._purge_deliveries, self._purge_attempts):
+                        status = await conn.execute(statement, log_retention, batch_size)
+                        n = int(status.split()[-1])
+                        deleted, more = deleted + n, more or n >= batch_size
+        except DB_ERRORS as exc:
+            # The events' batch is committed: counted, and the log purged by the next run.
+            log.warning("relay.retention.message_log_failed", error=describe(exc))
         return RetentionBatch(deleted, more, cursor)
 
     async def _delete_locked_rows(

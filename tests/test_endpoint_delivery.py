@@ -322,7 +322,7 @@ async def test_secrets_encrypted_at_rest_are_opened_with_the_key(
     verify(ep.secret, receiver.requests[0].body, receiver.requests[0].headers)
 
 
-async def test_an_unreadable_secret_counts_attempts_fails_the_endpoint_and_loses_nothing(
+async def test_an_unreadable_secret_logs_its_tries_fails_the_endpoint_and_loses_nothing(
     db_url: str, aengine: AsyncEngine, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from cryptography.fernet import Fernet
@@ -1036,7 +1036,7 @@ async def test_max_concurrency_holds_across_relays(
 ) -> None:
     receiver.respond(200, delay=0.5)
     await add_endpoint(aengine, receiver.url)
-    s = fair_settings(db_url, max_concurrency=2, latency_budget=10)
+    s = fair_settings(db_url, max_concurrency=2, latency_budget=4)
     ids = await enqueue(db_url, [{"payload": {"n": i}} for i in range(12)])
     other = s.model_copy(update={"relay": s.relay.model_copy(update={"relay_id": "second"})})
     async with running(s), running(other):

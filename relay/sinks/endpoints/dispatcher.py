@@ -44,6 +44,7 @@ RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
 # At least this long between attempts of a delivery whose endpoint cannot be used (its secret
 # cannot be opened): each is logged, and the cause is an operator's to fix.
 UNUSABLE_RETRY = 60.0
+NOT_TAKEN_LOG_EVERY = 60.0  # seconds between relay.endpoints.not_taken lines per endpoint
 # DeliveryRecord.counted of a try that sent nothing: logged in the message log, not counted
 # among the delivery's attempts (DELIVERY_RECORD).
 NOT_SENT = 2
@@ -90,6 +91,8 @@ class EndpointState:
     event_types: tuple[str, ...] = ()  # the endpoint's, as its last claim read it
     latency: float | None = None  # its requests' moving average, seconds (fairness.average)
     started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
+    not_taken: int = 0  # deliveries cancelled as not taken since the last log line
+    not_taken_logged: float = -NOT_TAKEN_LOG_EVERY
 
     def holding(self, now: float) -> Holding:
         """What the fair share plan needs to know of it now."""
@@ -439,50 +442,38 @@ class Dispatcher:
             event_type=c.event_type,
         )
         async with state.semaphore:
-            if state.disabled_at is not None and c.lease_started <= state.disabled_at:
-                # Claimed before this relay disabled the endpoint (checked once a request
-                # slot is free: it may have waited behind the request that got the 410).
-                # Not sent; it waits, as the endpoint's other deliveries do, until the
-                # endpoint is enabled again.
-                return self._record(
-                    c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
-                )
+            # Checked before the pace (a delivery that will not be sent takes no turn of a
+            # rate limit), and again once every wait is over, just before the request.
+            if (stop := self._not_sendable(c, state, None)) is not None:
+                return stop
             await self._pace(state, c.rate_limit)
-            # The endpoint as the latest claim read it (a claim made while this one waited
-            # for its slot or its pace may have changed its URL, secret or tenant), taken
-            # with no await before the request starts.
+            # The endpoint as the latest claim read it: a claim made while this one waited
+            # for its slot, its pace or a circuit's probe may have changed its URL, secret or
+            # tenant; the request uses this one, and the check below holds it to it.
             endpoint = state.endpoint
             if endpoint is None:
                 return self._unusable(c, state, config)
-            if not takes(state.tenant, state.event_types, c.event_tenant, c.event_type):
-                # Never sent to an endpoint that no longer takes the event: one handed over to
-                # another tenant, or narrowed to other types, since the fan-out.
-                log.warning(
-                    "relay.endpoints.not_taken",
-                    endpoint=c.endpoint_id,
-                    event_id=c.event_id,
-                    action="cancelled, not sent; `outbox-relay replay` sends it again to an "
-                    "endpoint that takes it",
-                )
-                if self.metrics is not None:
-                    self.metrics.endpoint_attempts.labels(c.destination, "not_taken", "none").inc()
-                return self._record(
-                    c,
-                    "cancelled",
-                    0,
-                    0.0,
-                    f"endpoint {c.endpoint_id} no longer takes event {c.event_id} (its tenant "
-                    "or event types changed since the fan-out); not sent",
-                )
+            stopped: list[DeliveryRecord] = []
+
+            def check() -> str | None:
+                rec = self._not_sendable(c, state, endpoint)
+                if rec is None:
+                    return None
+                stopped.append(rec)
+                return rec.error or "not sent"
+
             c.sending = True
             breaker = endpoint.breaker
             was = breaker.state
             started = time.monotonic()
             state.started.append(started)  # slow while in flight past the budget
             try:
-                outcome = await self.sender.attempt(endpoint, env)
+                outcome = await self.sender.attempt(endpoint, env, check)
             finally:
                 state.started.remove(started)
+            if stopped:  # nothing was sent
+                c.sending = False
+                return stopped[0]
             seconds = time.monotonic() - started
             state.latency = latency_average(state.latency, seconds)
             took = seconds * 1000
@@ -535,6 +526,56 @@ class Dispatcher:
             response=_text(body) if status is not None else None,
             replay=c.replay,
         )
+
+    def _not_sendable(
+        self, c: Claimed, state: EndpointState, endpoint: Endpoint | None
+    ) -> DeliveryRecord | None:
+        """Why a claimed delivery must not be sent now (its record), or None. ``endpoint``:
+        the one its request would use (None: before the pace, nothing picked yet)."""
+        if state.disabled_at is not None and c.lease_started <= state.disabled_at:
+            # Claimed before this relay disabled the endpoint (a 410 Gone while it waited).
+            # Not sent; it waits, as the endpoint's other deliveries do, until the endpoint
+            # is enabled again.
+            return self._record(
+                c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
+            )
+        if state.endpoint is None:
+            return self._unusable(c, state, self.destinations[c.destination])
+        if endpoint is not None and state.endpoint is not endpoint:
+            # Changed (URL, secrets) while it waited: claimed again, it goes with the new ones.
+            return self._record(
+                c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} changed while this waited"
+            )
+        if not takes(state.tenant, state.event_types, c.event_tenant, c.event_type):
+            # Never sent to an endpoint that no longer takes the event: one handed over to
+            # another tenant, or narrowed to other types, since the fan-out.
+            self._not_taken(c, state)
+            return self._record(
+                c,
+                "cancelled",
+                0,
+                0.0,
+                f"endpoint {c.endpoint_id} no longer takes event {c.event_id} (its tenant or "
+                "event types changed since the fan-out); not sent",
+            )
+        return None
+
+    def _not_taken(self, c: Claimed, state: EndpointState) -> None:
+        """Counted each time, logged at most once a minute per endpoint (a whole queue of
+        another tenant's events may end this way)."""
+        if self.metrics is not None:
+            self.metrics.endpoint_attempts.labels(c.destination, "not_taken", "none").inc()
+        state.not_taken += 1
+        now = time.monotonic()
+        if now - state.not_taken_logged >= NOT_TAKEN_LOG_EVERY:
+            log.warning(
+                "relay.endpoints.not_taken",
+                endpoint=c.endpoint_id,
+                deliveries=state.not_taken,
+                action="cancelled, not sent; `outbox-relay replay` sends them again to an "
+                "endpoint that takes them",
+            )
+            state.not_taken, state.not_taken_logged = 0, now
 
     def _unusable(
         self, c: Claimed, state: EndpointState, config: EndpointsDestination

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -37,6 +37,9 @@ from relay.sinks.webhook.signing import Signer
 from relay.sinks.webhook.ssrf import AddressPolicy, AddressRefused
 
 log = structlog.get_logger("relay.sink.webhook")
+
+# Called just before a request is sent: why it must not be after all, or None.
+Check = Callable[[], str | None]
 
 # An endpoint holding this many times its max_concurrency in rows is not offered more.
 CONGESTION_FACTOR = 4
@@ -274,7 +277,13 @@ class WebhookSink:
                 error=refused[0].error,
             )
 
-    async def _attempt(self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope) -> Outcome:
+    async def _attempt(
+        self,
+        client: aiohttp.ClientSession,
+        ep: Endpoint,
+        env: Envelope,
+        check: Check | None = None,
+    ) -> Outcome:
         """One row, with a request slot held."""
         try:
             # Checked after the wait for a slot: the circuit may have opened meanwhile.
@@ -284,29 +293,37 @@ class WebhookSink:
                 async with ep.probe:
                     state = ep.breaker.state
                     if state is State.HALF_OPEN:
-                        return await self._send_held(client, ep, env)
+                        return await self._send_held(client, ep, env, check)
             if state is State.OPEN:
                 return self._defer(ep, env)
             # It may have waited for a slot past the relay's lease: then not ours to send.
-            return await self._send_held(client, ep, env)
+            return await self._send_held(client, ep, env, check)
         except Exception as exc:
             # A bug in this sink: keep it to this row (retried later), loudly.
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
 
-    async def attempt(self, ep: Endpoint, env: Envelope) -> Outcome:
+    async def attempt(self, ep: Endpoint, env: Envelope, check: Check | None = None) -> Outcome:
         """Send one row to ``ep``, with one of its request slots held by the caller; one
-        outcome, never raises."""
-        return await self._attempt(self._ensure_sessions().get(ep.policy), ep, env)
+        outcome, never raises. ``check``, called once every wait (a circuit's probe) is over,
+        just before the request, may say why the row must not be sent after all: it is then
+        deferred, unattempted, with that reason."""
+        return await self._attempt(self._ensure_sessions().get(ep.policy), ep, env, check)
 
     def _answered(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
         """Called with each answer received; subclasses that keep a message log take it."""
 
     async def _send_held(
-        self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope
+        self,
+        client: aiohttp.ClientSession,
+        ep: Endpoint,
+        env: Envelope,
+        check: Check | None = None,
     ) -> Outcome:
         if not env.held():
             return Outcome.not_held(env.id)
+        if check is not None and (why := check()) is not None:
+            return Outcome.defer(env.id, why, 0.0)
         return await self._send(client, ep, env)
 
     def _defer(self, ep: Endpoint, env: Envelope) -> Outcome:
