@@ -917,6 +917,9 @@ async def replay_endpoint(
 # --- purge ----------------------------------------------------------------------------------
 
 
+PurgeStatements = list[tuple[str, str, tuple[Any, ...]]]  # (status, lock statement, its args)
+
+
 async def purge_preview(
     conn: asyncpg.Connection,
     schema: str,
@@ -987,23 +990,37 @@ async def purge(
             per.setdefault(r["destination"], {})[r["status"]] = r["rows"]
         total = sum(r["rows"] for r in preview_rows)
         return {"dry_run": True, "rows": total, "destinations": per}
-    deleted = {"delivered": 0, "skipped": 0, "failed": 0}
     total = sum(r["rows"] for r in preview_rows)
     if progress is not None:
         progress(0, total)
-    statements: list[tuple[str, str, tuple[Any, ...]]] = [
+    statements: PurgeStatements = [
         ("delivered", queries.PURGE_DELIVERED, ()),
         ("skipped", queries.PURGE_FINISHED, ([Status.SKIPPED],)),
     ]
     if failed:
         statements.append(("failed", queries.PURGE_FINISHED, ([Status.FAILED],)))
+    return await _purge_batches(
+        conn, schema, statements, (older_than, destinations, batch_size), total, progress
+    )
+
+
+async def _purge_batches(
+    conn: asyncpg.Connection,
+    schema: str,
+    statements: PurgeStatements,
+    args: tuple[Any, ...],
+    total: int,
+    progress: Callable[[int, int], None] | None,
+) -> dict[str, Any]:
+    """Each status's rows a batch at a time (``args``: the lock statements' first, the
+    batch size third), until a batch takes fewer than a batch size."""
+    batch_size = args[2]
+    deleted = {"delivered": 0, "skipped": 0, "failed": 0}
     batches = 0
     for status_name, sql, extra in statements:
         rendered = _sql(sql, schema)
         while True:
-            taken, n = await _purge_batch(
-                conn, schema, rendered, status_name, older_than, destinations, batch_size, *extra
-            )
+            taken, n = await _purge_batch(conn, schema, rendered, status_name, *args, *extra)
             deleted[status_name] += n
             batches += 1
             if progress is not None:
@@ -1048,42 +1065,16 @@ async def _purge_within(
         conn, queries.PURGE_SELECTION, schema, older_than, destinations, failed, *bound
     )
     _same(found, within)
-    deleted = {"delivered": 0, "skipped": 0, "failed": 0}
     if progress is not None:
         progress(0, within.rows)
-    statements: list[tuple[str, str, tuple[Any, ...]]] = [
+    statements: PurgeStatements = [
         ("delivered", queries.PURGE_SELECTED_DELIVERED, ()),
         ("skipped", queries.PURGE_SELECTED_FINISHED, ([Status.SKIPPED],)),
     ]
     if failed:
         statements.append(("failed", queries.PURGE_SELECTED_FINISHED, ([Status.FAILED],)))
-    batches = 0
-    for status_name, sql, extra in statements:
-        rendered = _sql(sql, schema)
-        while True:
-            taken, n = await _purge_batch(
-                conn,
-                schema,
-                rendered,
-                status_name,
-                older_than,
-                destinations,
-                batch_size,
-                *bound,
-                *extra,
-            )
-            deleted[status_name] += n
-            batches += 1
-            if progress is not None:
-                progress(sum(deleted.values()), within.rows)
-            if taken < batch_size:
-                break
-    return {
-        "dry_run": False,
-        "rows": sum(deleted.values()),
-        "deleted": deleted,
-        "batches": batches,
-    }
+    args = (older_than, destinations, batch_size, *bound)
+    return await _purge_batches(conn, schema, statements, args, within.rows, progress)
 
 
 # --- pause / resume -------------------------------------------------------------------------
