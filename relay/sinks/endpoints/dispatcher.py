@@ -424,7 +424,7 @@ class Dispatcher:
                 "sent; nothing to deliver",
             )
         if state.endpoint is None:
-            return self._unusable(c, state, config)
+            return self._unusable(c, state)
 
         if (problem := header_problem(c.headers)) is not None:
             return self._record(c, "failed", 1, 0.0, problem)
@@ -452,7 +452,7 @@ class Dispatcher:
             # tenant; the request uses this one, and the check below holds it to it.
             endpoint = state.endpoint
             if endpoint is None:
-                return self._unusable(c, state, config)
+                return self._unusable(c, state)
             stopped: list[DeliveryRecord] = []
 
             def check() -> str | None:
@@ -540,7 +540,7 @@ class Dispatcher:
                 c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
             )
         if state.endpoint is None:
-            return self._unusable(c, state, self.destinations[c.destination])
+            return self._unusable(c, state)
         if endpoint is not None and state.endpoint is not endpoint:
             # Changed (URL, secrets) while it waited: claimed again, it goes with the new ones.
             return self._record(
@@ -577,9 +577,7 @@ class Dispatcher:
             )
             state.not_taken, state.not_taken_logged = 0, now
 
-    def _unusable(
-        self, c: Claimed, state: EndpointState, config: EndpointsDestination
-    ) -> DeliveryRecord:
+    def _unusable(self, c: Claimed, state: EndpointState) -> DeliveryRecord:
         """A delivery whose endpoint cannot be used by this relay (its secret cannot be
         opened: the key is missing or wrong). Logged as a try that sent nothing (NOT_SENT: in
         the message log, not among its attempts, so that it has all of them once the key is
@@ -593,20 +591,7 @@ class Dispatcher:
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False)
         if self.metrics is not None:
             self.metrics.endpoint_attempts.labels(c.destination, "not_sent", "none").inc()
-        return DeliveryRecord(
-            id=c.id,
-            token=c.token,
-            status="pending",
-            counted=NOT_SENT,
-            delay=UNUSABLE_RETRY,
-            error=truncate_error(f"not sent: {problem}"),
-            http_status=None,
-            event_id=c.event_id,
-            endpoint_id=c.endpoint_id,
-            duration_ms=None,
-            response=None,
-            replay=c.replay,
-        )
+        return self._record(c, "pending", NOT_SENT, UNUSABLE_RETRY, f"not sent: {problem}")
 
     @staticmethod
     async def _pace(state: EndpointState, rate: int | None) -> None:
