@@ -12,7 +12,7 @@ import click
 
 from outbox.migrate import migrate
 from relay import loop
-from relay.tools.bench.common import Target, emit, machine
+from relay.tools.bench.common import SNAPSHOT_APP, Target, emit, machine
 from relay.tools.bench.receiver import local_receiver
 from relay.tools.localbroker import LocalBroker
 from relay.tools.scratch import scratch_database
@@ -146,6 +146,7 @@ def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
             max_seconds=opts["max_seconds"],
             ordering=ordering,
             retention=opts["retention"],
+            hold_snapshot=opts["hold_snapshot"],
         )
 
     scenarios: dict[str, Scenario] = {}
@@ -213,6 +214,13 @@ def _ratios(results: dict[str, Any]) -> None:
     type=float,
     help="relay.retention in seconds (default: the relay's); 0 deletes rows as they are recorded.",
 )
+@click.option(
+    "--hold-snapshot",
+    is_flag=True,
+    help=f"Hold a snapshot open during the drain (a connection named {SNAPSHOT_APP!r} in a "
+    "REPEATABLE READ transaction, as a pg_dump holds one): opened after the prefill and before "
+    "the relay starts, so vacuum can remove none of the claims' and outcomes' dead versions.",
+)
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
 @click.option("--naive-events", default=3000, show_default=True)
 @click.option(
@@ -229,7 +237,13 @@ def drain_cmd(**opts: Any) -> None:
 @bench.command("steady", short_help="Commit-to-ack latency at a fixed rate.")
 @common
 @click.option("--rate", default=1000.0, show_default=True, help="Events offered per second.")
-@click.option("--seconds", default=10.0, show_default=True)
+@click.option(
+    "--seconds",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 24 * 3600),
+    help="How long the writers offer the rate; hours are fine (16 bytes of memory an event).",
+)
 @click.option("--writers", default=8, show_default=True, help="Connections per writer process.")
 @click.option(
     "--processes",
@@ -244,8 +258,51 @@ def drain_cmd(**opts: Any) -> None:
 )
 @click.option("--batch-size", default=500, show_default=True)
 @click.option("--idle-seconds", default=3.0, show_default=True, help="Idle CPU sample after.")
+@click.option(
+    "--ordering",
+    type=click.Choice(["none", "key"]),
+    default="none",
+    show_default=True,
+    help="Destination ordering.",
+)
+@click.option(
+    "--keys",
+    default=1000,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Distinct message keys, one per transaction (its events share it).",
+)
+@click.option(
+    "--retention",
+    type=float,
+    help="relay.retention in seconds (default: the relay's); 0 deletes rows as they are "
+    "recorded. Retention runs once a minute: a long run shows the table level off.",
+)
+@click.option(
+    "--hold-snapshot",
+    is_flag=True,
+    help=f"Hold a snapshot open for the whole run (a connection named {SNAPSHOT_APP!r} in a "
+    "REPEATABLE READ transaction, as a pg_dump or a long report holds one), opened before "
+    "the load starts: vacuum can remove none of the run's dead row versions.",
+)
+@click.option(
+    "--window",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(0.1, clamp=False),
+    help="Seconds of commit time per line of the latency-per-window table.",
+)
+@click.option(
+    "--warmup",
+    default=15.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Seconds after the first commit before first_minute starts.",
+)
 def steady_cmd(**opts: Any) -> None:
-    """Offer app transactions at a fixed rate; report commit-to-ack latency."""
+    """Offer app transactions at a fixed rate; report commit-to-ack latency: overall, per
+    --window of commit time, and in the first minute after --warmup against the last; then
+    the outbox table's row versions (dead ones per event) and sizes."""
     from relay.tools.bench.steady import load_shape, steady
 
     per_tx, processes = load_shape(opts["rate"], opts["per_tx"], opts["processes"])
@@ -265,6 +322,12 @@ def steady_cmd(**opts: Any) -> None:
                     tmp=Path(tmp),
                     processes=opts["processes"],
                     per_tx=opts["per_tx"],
+                    ordering=opts["ordering"],
+                    keys=opts["keys"],
+                    retention=opts["retention"],
+                    hold_snapshot=opts["hold_snapshot"],
+                    window=opts["window"],
+                    warmup=opts["warmup"],
                 )
             },
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -14,12 +15,15 @@ from relay.model import Envelope, Lease
 from relay.relay import Relay
 from relay.tools.bench.common import (
     DESTINATION,
+    HeldSnapshot,
     Target,
+    held_snapshot,
     machine_cpu,
     per_event_us,
     percentile,
     prefill,
     rss_mb,
+    table_stats,
 )
 
 # The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
@@ -69,8 +73,48 @@ async def drain(
     max_seconds: float,
     ordering: str = "none",
     retention: float | None = None,
+    hold_snapshot: bool = False,
 ) -> dict[str, Any]:
     await prefill(db_url, events, payload, keys)
+    held: HeldSnapshot | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        if hold_snapshot:
+            # After the prefill (and its VACUUM), before the relay claims anything: the
+            # claims' and the outcomes' updates leave versions no vacuum may remove.
+            held = await stack.enter_async_context(held_snapshot(db_url))
+        result = await _drain(
+            db_url,
+            target,
+            events,
+            payload,
+            keys,
+            batch_size,
+            relays,
+            max_in_flight,
+            max_seconds,
+            ordering,
+            retention,
+        )
+        result["hold_snapshot"] = hold_snapshot
+        result.update(await table_stats(db_url, result["delivered"]))
+    if held is not None:
+        result.update(held.figures())
+    return result
+
+
+async def _drain(
+    db_url: str,
+    target: Target,
+    events: int,
+    payload: int,
+    keys: int,
+    batch_size: int,
+    relays: int,
+    max_in_flight: int | None,
+    max_seconds: float,
+    ordering: str,
+    retention: float | None,
+) -> dict[str, Any]:
     settings = relay_settings(db_url, batch_size, max_in_flight, ordering, retention)
     running = [Relay(settings, sinks={DESTINATION: target.make_sink()}) for _ in range(relays)]
     target.latencies.clear()
@@ -98,7 +142,7 @@ async def drain(
     statements = sum(
         sum(r.store.statements[k] for k in ("claim", "record", "activate")) for r in running
     )
-    result = {
+    result: dict[str, Any] = {
         "events": events,
         "delivered": delivered,
         "complete": delivered == events,

@@ -53,7 +53,14 @@ from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.store import Store, create_pool
 from relay.tools.bench.common import DESTINATION, machine, percentile, rss_mb
 from relay.tools.bench.receiver import LocalReceiver, LocalReceivers, local_receivers
-from relay.tools.bench.steady import BUSINESS, REACHED, _read_commits, _writer_main, load_shape
+from relay.tools.bench.steady import (
+    BUSINESS,
+    REACHED,
+    WriterLoad,
+    _read_commits,
+    _writer_main,
+    load_shape,
+)
 from relay.tools.localbroker import free_port
 from relay.tools.scratch import scratch_database
 
@@ -566,13 +573,8 @@ class Load:
         self.started = time.time() + 2.0  # room for the processes to start and connect
         outs = [tmp / f"commits-{time.monotonic_ns()}-{i}.json" for i in range(processes)]
         ctx = multiprocessing.get_context("spawn")
-        procs = [
-            ctx.Process(
-                target=_writer_main,
-                args=(db_url, rate / processes, seconds, writers, per_tx, self.started, str(o)),
-            )
-            for o in outs
-        ]
+        load = WriterLoad(rate / processes, seconds, writers, per_tx, 1000, self.started)
+        procs = [ctx.Process(target=_writer_main, args=(db_url, load, str(o))) for o in outs]
         try:
             for proc in procs:
                 proc.start()
@@ -582,7 +584,11 @@ class Load:
                     raise click.ClickException(
                         f"the load generator failed (exit code {proc.exitcode})"
                     )
-            self.commits, elapsed = _read_commits(outs)
+            commits = _read_commits(outs)  # at most MAX_EVENTS: a dict is small enough
+            self.commits, elapsed = (
+                dict(zip(commits.ids, commits.times, strict=True)),
+                commits.elapsed,
+            )
             achieved = len(self.commits) / elapsed if elapsed else 0.0
             self.load_seconds = elapsed
             self.figures = {

@@ -3,16 +3,23 @@
 The load comes from a separate process (as an application would be), so its Python work does
 not share the relay's interpreter. Each transaction inserts a business row and its event;
 the writer notes the wall-clock time after COMMIT returned, the relay's sink the time the
-broker acknowledged, and the difference is the commit-to-ack latency.
+broker acknowledged, and the difference is the commit-to-ack latency: overall, per window of
+commit time, and in the first and the last minute, for runs long enough to show a drift.
+
+The writers keep their commits in arrays and hand them over as binary files (16 bytes an
+event), so runs of an hour at thousands of events a second fit in a few hundred MB.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import multiprocessing
 import time
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +30,50 @@ import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.errors import describe
 from relay.relay import Relay
-from relay.tools.bench.common import DESTINATION, Target, TimingSink, percentile, rss_mb
+from relay.tools.bench.common import (
+    DESTINATION,
+    HeldSnapshot,
+    Latencies,
+    Target,
+    TimingSink,
+    held_snapshot,
+    rss_mb,
+    table_stats,
+)
 from relay.tools.bench.drain import relay_settings
 
 REACHED = 0.95  # of the offered rate, for its latency figures to be printed
 TX_PER_S = 500  # transactions per second the writers keep up with, comfortably, on 2 cores
+MINUTE = 60.0
 
 BUSINESS = "CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, total int)"
 ORDER = "INSERT INTO bench_orders (total) VALUES ($1) RETURNING id"
 
 
-async def _write(
-    db_url: str, rate: float, seconds: float, conns: int, per_tx: int, start_at: float, out: str
-) -> None:
+@dataclass
+class WriterLoad:
+    """What each writer process offers."""
+
+    rate: float
+    seconds: float
+    conns: int
+    per_tx: int
+    keys: int
+    start_at: float
+
+
+def _files(out: Path) -> tuple[Path, Path]:
+    """Where a writer leaves its commits: the row ids (int64) and their commit times (double)."""
+    return out.with_suffix(".ids"), out.with_suffix(".times")
+
+
+async def _write(db_url: str, load: WriterLoad, out: Path) -> None:
+    conns, per_tx, keys = load.conns, load.per_tx, load.keys
+    rate, seconds, start_at = load.rate, load.seconds, load.start_at
     pool = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=conns, max_size=conns)
     assert pool is not None
-    commits: list[tuple[int, float]] = []
+    ids_out: array[int] = array("q")
+    times_out: array[float] = array("d")
     total = int(rate * seconds / per_tx)  # transactions of this process
     tx_rate = rate / per_tx
     # All writer processes start on the same wall-clock instant.
@@ -51,12 +86,14 @@ async def _write(
                 await asyncio.sleep(delay)
             async with pool.acquire() as conn, conn.transaction():
                 order = await conn.fetchval(ORDER, i)
+                # One key per transaction (an order's events), spread over --keys keys.
+                key = f"key-{order % keys}"
                 if per_tx == 1:
                     ids = [
                         await outbox.enqueue(
                             conn,
                             destination=DESTINATION,
-                            key=f"order-{order}",
+                            key=key,
                             payload={"order": order},
                         )
                     ]
@@ -66,34 +103,49 @@ async def _write(
                         [
                             {
                                 "destination": DESTINATION,
-                                "key": f"order-{order}",
+                                "key": key,
                                 "payload": {"order": order, "n": n},
                             }
                             for n in range(per_tx)
                         ],
                     )
             now = time.time()
-            commits.extend((eid, now) for eid in ids)
+            ids_out.extend(ids)
+            times_out.extend([now] * len(ids))
 
     await asyncio.gather(*(worker(j) for j in range(conns)))
     elapsed = time.monotonic() - start
     await pool.close()
-    Path(out).write_text(json.dumps({"commits": commits, "elapsed": elapsed}))
+    ids_file, times_file = _files(out)
+    with ids_file.open("wb") as f:
+        ids_out.tofile(f)
+    with times_file.open("wb") as f:
+        times_out.tofile(f)
+    out.write_text(json.dumps({"elapsed": elapsed, "events": len(ids_out)}))
 
 
-def _writer_main(
-    db_url: str, rate: float, seconds: float, conns: int, per_tx: int, start_at: float, out: str
-) -> None:
+def _writer_main(db_url: str, load: WriterLoad, out: str) -> None:
     try:
-        asyncio.run(_write(db_url, rate, seconds, conns, per_tx, start_at, out))
+        asyncio.run(_write(db_url, load, Path(out)))
     except Exception as exc:  # reported by the parent, which names what to change
         Path(out).write_text(json.dumps({"error": describe(exc)}))
 
 
-def _read_commits(outs: list[Path]) -> tuple[dict[int, float], float]:
-    """What the writer processes committed (row id -> when), and the longest run of them."""
-    commits: dict[int, float] = {}
-    elapsed = 0.0
+@dataclass
+class Commits:
+    """What the writer processes committed: row ids and their commit times (wall clock), side
+    by side, and the longest run of the processes."""
+
+    ids: array[int]
+    times: array[float]
+    elapsed: float
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _read_commits(outs: list[Path]) -> Commits:
+    commits = Commits(array("q"), array("d"), 0.0)
     for out in outs:
         data = json.loads(out.read_text())
         if "error" in data:
@@ -103,9 +155,13 @@ def _read_commits(outs: list[Path]) -> tuple[dict[int, float], float]:
                 else ""
             )
             raise click.ClickException(f"the load generator failed: {data['error']}{hint}")
-        commits.update(dict(data["commits"]))
-        elapsed = max(elapsed, data["elapsed"])
-    return commits, elapsed
+        ids_file, times_file = _files(out)
+        with ids_file.open("rb") as f:
+            commits.ids.fromfile(f, data["events"])
+        with times_file.open("rb") as f:
+            commits.times.fromfile(f, data["events"])
+        commits.elapsed = max(commits.elapsed, data["elapsed"])
+    return commits
 
 
 async def steady(
@@ -120,61 +176,122 @@ async def steady(
     tmp: Path,
     processes: int = 1,
     per_tx: int = 1,
+    ordering: str = "none",
+    keys: int = 1000,
+    retention: float | None = None,
+    hold_snapshot: bool = False,
+    window: float = 15.0,
+    warmup: float = 15.0,
 ) -> dict[str, Any]:
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
         await conn.execute(BUSINESS)
     finally:
         await conn.close()
-    sink = TimingSink(target.make_sink())
-    relay = Relay(relay_settings(db_url, batch_size, None), sinks={DESTINATION: sink})
-    task = asyncio.create_task(relay.run())
-    await relay.started.wait()
-    ctx = multiprocessing.get_context("spawn")
-    start_at = time.time() + 2.0  # room for the processes to start and connect
-    outs = [tmp / f"commits-{i}.json" for i in range(processes)]
-    procs = [
-        ctx.Process(
-            target=_writer_main,
-            args=(db_url, rate / processes, seconds, writers, per_tx, start_at, str(out)),
+    held: HeldSnapshot | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        if hold_snapshot:  # before the load, held until the figures below are taken
+            held = await stack.enter_async_context(held_snapshot(db_url))
+        sink = TimingSink(target.make_sink())
+        settings = relay_settings(db_url, batch_size, None, ordering, retention)
+        relay = Relay(settings, sinks={DESTINATION: sink})
+        task = asyncio.create_task(relay.run())
+        await relay.started.wait()
+        ctx = multiprocessing.get_context("spawn")
+        start_at = time.time() + 2.0  # room for the processes to start and connect
+        load = WriterLoad(rate / processes, seconds, writers, per_tx, keys, start_at)
+        outs = [tmp / f"commits-{i}.json" for i in range(processes)]
+        procs = [ctx.Process(target=_writer_main, args=(db_url, load, str(out))) for out in outs]
+        try:
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                # The writers stop on their own after --seconds (or as soon as they can after
+                # it, when they trail the rate): three times that is a bound, not a pace.
+                await asyncio.to_thread(proc.join, seconds * 3 + 60)
+                if proc.exitcode != 0:
+                    raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
+            commits = _read_commits(outs)
+            deadline = time.monotonic() + 30
+            while sink.acked < len(commits) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            # An idle relay should cost next to nothing: measure its CPU for a while.
+            cpu0, wall0 = time.process_time(), time.monotonic()
+            await asyncio.sleep(idle_seconds)
+            idle_cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            relay.stop()
+            await task
+        report = _report(
+            sink, commits, rate, per_tx, processes, idle_cpu, window=window, warmup=warmup
         )
-        for out in outs
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            await asyncio.to_thread(proc.join, seconds * 3 + 60)
-            if proc.exitcode != 0:
-                raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
-        commits, elapsed = _read_commits(outs)
-        deadline = time.monotonic() + 30
-        while len(sink.acked) < len(commits) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        # An idle relay should cost next to nothing: measure its CPU for a while.
-        cpu0, wall0 = time.process_time(), time.monotonic()
-        await asyncio.sleep(idle_seconds)
-        idle_cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-        relay.stop()
-        await task
-    return _report(sink, commits, elapsed, rate, per_tx, processes, idle_cpu)
+        report.update(ordering=ordering, keys=keys, hold_snapshot=hold_snapshot)
+        # While the snapshot is still held: what it kept is in the table.
+        report.update(await table_stats(db_url, report["acked"]))
+    if held is not None:
+        report.update(held.figures())
+    return report
+
+
+@dataclass
+class _Span:
+    """Latencies of the events committed in [start, end) seconds after the first commit."""
+
+    start: float
+    end: float
+    latencies: Latencies
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "from_s": _seconds(self.start),
+            "to_s": _seconds(self.end),
+            "events": self.latencies.count,
+            **self.latencies.figures(50, 99),
+        }
 
 
 def _report(
     sink: TimingSink,
-    commits: dict[int, float],
-    elapsed: float,
+    commits: Commits,
     rate: float,
     per_tx: int,
     processes: int,
     idle_cpu: float,
+    *,
+    window: float = 15.0,
+    warmup: float = 15.0,
 ) -> dict[str, Any]:
-    latencies = [(sink.acked[i] - t) * 1000 for i, t in commits.items() if i in sink.acked]
-    achieved = len(commits) / elapsed
+    overall = Latencies()
+    committed: dict[int, int] = {}  # window -> events committed in it
+    windows: dict[int, Latencies] = {}
+    first = last = None
+    if len(commits):
+        t0, length = min(commits.times), max(commits.times) - min(commits.times)
+        # The first minute after the warm-up, and the last minute of the run (not reaching
+        # back into the warm-up): they overlap in runs shorter than warm-up + two minutes.
+        if length > warmup:
+            first = _Span(warmup, min(warmup + MINUTE, length), Latencies())
+            last = _Span(max(warmup, length - MINUTE), length, Latencies())
+        base = min(commits.ids)
+        acks = sink.ack_times(base, max(commits.ids) - base + 1)
+        for i, t in zip(commits.ids, commits.times, strict=True):
+            at = t - t0
+            w = int(at // window)
+            committed[w] = committed.get(w, 0) + 1
+            acked = acks[i - base]
+            if math.isnan(acked):
+                continue
+            ms = (acked - t) * 1000
+            overall.add(ms)
+            windows.setdefault(w, Latencies()).add(ms)
+            for span in (first, last):
+                # The last commit is in the last minute: its end is the run's end, included.
+                if span is not None and span.start <= at and (at < span.end or at == length):
+                    span.latencies.add(ms)
+    achieved = len(commits) / commits.elapsed if commits.elapsed else 0.0
     report: dict[str, Any] = {
         "offered_per_s": rate,
         "achieved_per_s": round(achieved, 1),
@@ -182,15 +299,28 @@ def _report(
         "events_per_tx": per_tx,
         "writer_processes": processes,
         "events": len(commits),
-        "acked": len(latencies),
+        "acked": overall.count,
     }
+    rows: list[dict[str, Any]] = []
+    for w in range(max(committed, default=-1) + 1):
+        row: dict[str, Any] = {"from_s": _seconds(w * window), "events": committed.get(w, 0)}
+        if report["rate_reached"]:
+            row.update(windows.get(w, Latencies()).figures(50, 99))
+        rows.append(row)
     if report["rate_reached"]:
-        report.update(
-            p50_ms=round(percentile(latencies, 50), 2),
-            p95_ms=round(percentile(latencies, 95), 2),
-            p99_ms=round(percentile(latencies, 99), 2),
-            max_ms=round(max(latencies, default=float("nan")), 2),
-        )
+        report.update(overall.figures(50, 95, 99))
+        if first is not None and last is not None:
+            f, last_ = first.figures(), last.figures()
+            report.update(
+                first_minute=f,
+                last_minute=last_,
+                last_minute_p50_ratio=_ratio(last_["p50_ms"], f["p50_ms"]),
+                last_minute_p99_ratio=_ratio(last_["p99_ms"], f["p99_ms"]),
+            )
+        else:
+            report["first_minute"] = (
+                f"not reported: the run is not longer than --warmup {warmup:g} s"
+            )
     else:
         # Latencies of a lower rate than the one named would be read as the named rate's.
         report["latency"] = (
@@ -198,7 +328,19 @@ def _report(
             "raise --per-tx, --writers or --processes"
         )
     report.update(idle_cpu_percent=round(idle_cpu * 100, 2), max_rss_mb=round(rss_mb(), 1))
+    report["window_s"] = window
+    report["windows"] = rows
     return report
+
+
+def _seconds(s: float) -> float | int:
+    """Whole seconds as ints, so that the tables print 15, not 15.0 (nor 0.0000)."""
+    r = round(s, 1)
+    return int(r) if r.is_integer() else r
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if b and not math.isnan(a) and not math.isnan(b) else None
 
 
 def load_shape(rate: float, per_tx: int | None, processes: int | None) -> tuple[int, int]:
