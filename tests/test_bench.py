@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -75,14 +76,36 @@ def test_steady_reports_latency_and_idle_cost(pg_admin_url: str) -> None:
         "--rate",
         "200",
         "--seconds",
-        "1",
+        "2",
+        "--window",
+        "0.5",
+        "--warmup",
+        "0.5",
+        "--ordering",
+        "key",
+        "--keys",
+        "10",
+        "--hold-snapshot",
         "--idle-seconds",
         "0.5",
         admin=pg_admin_url,
     )
     s = out["steady 200/s"]
-    assert s["events"] == 200 and s["acked"] == 200
+    assert s["events"] == 400 and s["acked"] == 400
     assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
+    assert s["ordering"] == "key" and s["keys"] == 10
+    # Per window of commit time: every event in one of them.
+    windows = s["windows"]
+    assert len(windows) >= 4 and sum(w["events"] for w in windows) == 400
+    assert [w["from_s"] for w in windows] == [i * 0.5 for i in range(len(windows))]
+    assert s["first_minute"]["from_s"] == 0.5 and s["last_minute_p99_ratio"] > 0
+    # The snapshot was held by its own backend until the end of the run.
+    assert s["snapshot_xmin"] is not None and s["snapshot_xmin_at_end"] == s["snapshot_xmin"]
+    assert s["snapshot_held_seconds"] >= 2
+    # The happy path: the claim's UPDATE and the outcome's UPDATE, none of them removable.
+    assert s["outbox_inserts"] == 400 and s["row_versions_written_per_event"] == 2.0
+    assert s["dead_rows_per_event"] >= 1.5  # an autoanalyze may have estimated it since
+    assert s["outbox_table_mb"] > 0 and s["outbox_indexes_mb"] > 0
 
 
 def test_enqueue_and_history(pg_admin_url: str) -> None:
@@ -114,35 +137,86 @@ def test_drain_ordered_vs_unordered_and_webhook_sink(pg_admin_url: str) -> None:
         "50",
         "--ordering",
         "both",
+        "--hold-snapshot",
         admin=pg_admin_url,
     )
     assert out["drain"]["complete"] is True and out["drain"]["ordering"] == "none"
     ordered = out["drain ordering=key"]
     assert ordered["complete"] is True and ordered["ordering"] == "key"
+    for d in (out["drain"], ordered):
+        # Held from after the prefill: the drain's updates are all still there, dead.
+        assert d["snapshot_xmin_at_end"] is not None and d["outbox_updates"] >= 6000
+        assert d["row_versions_written_per_event"] >= 2 and d["dead_rows_per_event"] >= 1.5
     assert out["ratios"]["ordered_vs_unordered"] > 0
     out = bench("drain", "--sink", "webhook", "--events", "1000", admin=pg_admin_url)
     assert out["drain"]["complete"] is True and out["drain"]["delivered"] == 1000
     assert out["sink"].startswith("webhook to http://127.0.0.1:")
 
 
-def test_steady_prints_no_latency_for_a_rate_it_did_not_offer() -> None:
-    """Latencies measured at 6k/s must not be printed as the latencies of 10k/s."""
+def _commits(times: list[float], elapsed: float) -> Any:
+    from array import array
+
+    from relay.tools.bench.steady import Commits
+
+    return Commits(array("q", range(1, len(times) + 1)), array("d", times), elapsed)
+
+
+def _acked(commits: Any, latency: Callable[[float], float]) -> Any:
     from relay.sinks.null import NullSink
     from relay.tools.bench.common import TimingSink
-    from relay.tools.bench.steady import _report, load_shape
 
     sink = TimingSink(NullSink())
-    sink.acked = {i: 100.0 + 0.01 for i in range(600)}
-    commits = {i: 100.0 for i in range(600)}
-    short = _report(sink, commits, 0.1, 10_000, 10, 2, 0.0)  # 6,000/s of 10,000/s
+    sink.acked_ids.extend(commits.ids)
+    sink.acked_at.extend(t + latency(t) for t in commits.times)
+    return sink
+
+
+def test_steady_prints_no_latency_for_a_rate_it_did_not_offer() -> None:
+    """Latencies measured at 6k/s must not be printed as the latencies of 10k/s."""
+    from relay.tools.bench.steady import _report, load_shape
+
+    commits = _commits([100.0] * 600, 0.1)  # 6,000/s of 10,000/s
+    short = _report(_acked(commits, lambda t: 0.01), commits, 10_000, 10, 2, 0.0)
     assert short["rate_reached"] is False
     assert "p99_ms" not in short and "6,000/s of 10,000/s" in short["latency"]
-    full = _report(sink, commits, 0.0605, 10_000, 10, 2, 0.0)  # 9,917/s
+    assert "p99_ms" not in short["windows"][0] and short["windows"][0]["events"] == 600
+    commits.elapsed = 0.0605  # 9,917/s
+    full = _report(_acked(commits, lambda t: 0.01), commits, 10_000, 10, 2, 0.0)
     assert full["rate_reached"] is True and full["p99_ms"] > 0
     assert load_shape(1000, None, None) == (1, 1)
     assert load_shape(3000, None, None) == (6, 2)
     assert load_shape(10_000, None, None) == (20, 2)
     assert load_shape(10_000, 5, 3) == (5, 3)  # what the user says wins
+
+
+def test_steady_windows_and_the_last_minute_against_the_first() -> None:
+    """Three minutes at 10 events/s whose latency grows from 10 to 190 ms: a window per 15 s
+    of commit time, the minute after the warm-up against the last minute."""
+    from relay.tools.bench.common import Latencies, percentile
+    from relay.tools.bench.steady import _report
+
+    times = [1000.0 + i / 10 for i in range(1800)]
+    commits = _commits(times, 180.0)
+    sink = _acked(commits, lambda t: 0.01 + (t - 1000.0) / 1000)
+    sink.acked_ids.append(5)  # delivered twice: the first acknowledgement counts
+    sink.acked_at.append(2000.0)
+    r = _report(sink, commits, 10, 1, 1, 0.0, window=15, warmup=15)
+    assert r["events"] == r["acked"] == 1800
+    assert [w["from_s"] for w in r["windows"]] == list(range(0, 180, 15))
+    assert all(w["events"] == 150 for w in r["windows"])
+    assert r["windows"][0]["max_ms"] == 24.9 and r["windows"][-1]["p50_ms"] == 182.4
+    assert r["first_minute"]["from_s"] == 15 and r["first_minute"]["to_s"] == 75
+    assert r["first_minute"]["events"] == 600 and r["first_minute"]["p50_ms"] == 55.0
+    assert r["last_minute"]["from_s"] == 119.9 and r["last_minute"]["events"] == 601
+    assert r["last_minute_p50_ratio"] == round(r["last_minute"]["p50_ms"] / 55.0, 2)
+    assert r["max_ms"] == 189.9
+    # The binned percentiles are the exact ones, to the 0.01 ms the report rounds to.
+    values = [3.14159 * (i % 97) for i in range(5000)]
+    lat = Latencies()
+    for v in values:
+        lat.add(v)
+    for p in (50, 95, 99):
+        assert abs(lat.percentile(p) - percentile(values, p)) <= 0.005
 
 
 STATUSES = ("delivered", "pending", "running", "failed", "cancelled")

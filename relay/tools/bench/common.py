@@ -264,7 +264,9 @@ async def table_stats(db_url: str, events: int, settle: float = 5.0) -> dict[str
     its counts to the statistics on exit (and otherwise at most once a second, or ten
     seconds after going idle), so this waits up to ``settle`` seconds for the others to be
     gone. ``n_dead_tup`` is what the last (auto)vacuum left plus what died since: a vacuum
-    during the run lowers it; ``autovacuum_runs`` says whether one ran."""
+    during the run lowers it; ``autovacuum_runs`` says whether one ran. Page pruning frees
+    a dead version's space but leaves its line pointer, which PostgreSQL 15 still counts, so
+    the table's size shows a held snapshot before this count does."""
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
         deadline = time.monotonic() + settle

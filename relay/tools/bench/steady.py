@@ -274,7 +274,10 @@ def _report(
         # back into the warm-up): they overlap in runs shorter than warm-up + two minutes.
         if length > warmup:
             first = _Span(warmup, min(warmup + MINUTE, length), Latencies())
-            last = _Span(max(warmup, length - MINUTE), length, Latencies())
+            # Up to and including the last commit.
+            last = _Span(
+                max(warmup, length - MINUTE), math.nextafter(length, math.inf), Latencies()
+            )
         base = min(commits.ids)
         acks = sink.ack_times(base, max(commits.ids) - base + 1)
         for i, t in zip(commits.ids, commits.times, strict=True):
@@ -288,8 +291,7 @@ def _report(
             overall.add(ms)
             windows.setdefault(w, Latencies()).add(ms)
             for span in (first, last):
-                # The last commit is in the last minute: its end is the run's end, included.
-                if span is not None and span.start <= at and (at < span.end or at == length):
+                if span is not None and span.start <= at < span.end:
                     span.latencies.add(ms)
     achieved = len(commits) / commits.elapsed if commits.elapsed else 0.0
     report: dict[str, Any] = {
@@ -335,7 +337,7 @@ def _report(
 
 def _seconds(s: float) -> float | int:
     """Whole seconds as ints, so that the tables print 15, not 15.0 (nor 0.0000)."""
-    r = round(s, 1)
+    r = round(float(s), 1)
     return int(r) if r.is_integer() else r
 
 
