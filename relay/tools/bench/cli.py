@@ -242,7 +242,7 @@ def drain_cmd(**opts: Any) -> None:
     default=10.0,
     show_default=True,
     type=click.FloatRange(0.1, 24 * 3600),
-    help="How long the writers offer the rate; hours are fine (16 bytes of memory an event).",
+    help="How long the writers offer the rate; hours are fine (about 40 bytes of memory an event).",
 )
 @click.option("--writers", default=8, show_default=True, help="Connections per writer process.")
 @click.option(
