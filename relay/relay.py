@@ -273,6 +273,7 @@ class Relay:
             schema=self.settings.relay.db_schema,
             read_only=ui.read_only,
             operators=operators,
+            snapshot_warning=self.settings.relay.snapshot_warning,
         )
         return self.console
 
