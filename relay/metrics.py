@@ -220,6 +220,17 @@ class Metrics:
             ["destination"],
             registry=r,
         )
+        self.oldest_snapshot = Gauge(
+            "outbox_oldest_snapshot_age_seconds",
+            "How long the oldest snapshot or transaction holding back VACUUM of this database "
+            "has been held; 0 when none (see outbox_oldest_snapshot_xid_age)",
+            registry=r,
+        )
+        self.oldest_snapshot_xids = Gauge(
+            "outbox_oldest_snapshot_xid_age",
+            "Transactions since the xid the oldest holder of VACUUM's horizon keeps; 0 when none",
+            registry=r,
+        )
         self.blocked_keys = Gauge(
             "outbox_blocked_keys",
             "Keys of ordered destinations held by a failed row (poison_policy = block)",

@@ -320,6 +320,59 @@ WHERE status = 'pending'
 GROUP BY destination
 """
 
+# The oldest holder of the xmin horizon VACUUM of this database's tables must keep to: dead
+# row versions of the outbox newer than it stay until it lets go, and the claim reads past
+# them. Holders, and what of them the horizon of this database's tables depends on:
+# - backends of this database: their snapshot (backend_xmin) and their transaction's xid;
+# - backends of other databases: only their xid (every snapshot taken here counts it as
+#   running, so it drags back the xmin of this database's own snapshots); since PostgreSQL 14
+#   a snapshot alone in another database holds back only that database;
+# - backends of no database (a walsender with hot_standby_feedback and no slot);
+# - prepared transactions, of any database, for their xid (as any transaction's xid);
+# - replication slots' xmin (a standby's hot_standby_feedback); their catalog_xmin (logical
+#   decoding) holds back only the system catalogs, not the outbox, and is left out.
+# Not this statement's own backend, nor autovacuum's VACUUM (PostgreSQL leaves a vacuuming
+# backend's xmin out of the horizon). The holder with the oldest xid wins (it is the
+# horizon); age_s is known for a visible backend (its transaction's start) and a prepared
+# transaction, never for a slot. Without pg_read_all_stats, another role's backends show
+# their pid, user, application name and xids but not their state, times or query: visible
+# is false. Of the query, only its first word (COPY, SELECT) is read: its text may hold
+# literals with secrets, and the relay prints and logs what it reads.
+SNAPSHOT_HOLDER = r"""
+WITH holders AS (
+    SELECT 'backend' AS kind, a.pid, NULL::text AS name, a.datname::text AS database,
+           a.application_name, a.usename::text AS "user", host(a.client_addr) AS client_addr,
+           a.state, a.backend_type, a.xact_start, a.query_start,
+           upper(substring(a.query FROM '^\s*([A-Za-z]+)')) AS command,
+           extract(epoch FROM now() - a.xact_start)::float8 AS age_s,
+           CASE WHEN a.datname = current_database() OR a.datid IS NULL
+                THEN greatest(age(a.backend_xmin), age(a.backend_xid))
+                ELSE age(a.backend_xid) END AS xid_age,
+           CASE WHEN a.datname = current_database() OR a.datid IS NULL
+                THEN coalesce(a.backend_xid, a.backend_xmin)
+                ELSE a.backend_xid END::text AS horizon,
+           a.backend_type IS NOT NULL AS visible
+    FROM pg_stat_activity AS a
+    WHERE a.pid <> pg_backend_pid()
+      AND NOT (a.backend_type = 'autovacuum worker' AND a.query LIKE 'autovacuum: VACUUM%')
+      AND (a.backend_xid IS NOT NULL
+           OR (a.backend_xmin IS NOT NULL
+               AND (a.datname = current_database() OR a.datid IS NULL)))
+    UNION ALL
+    SELECT 'prepared transaction', NULL, p.gid, p.database::text, NULL, p.owner::text, NULL,
+           NULL, NULL, p.prepared, NULL, NULL, extract(epoch FROM now() - p.prepared)::float8,
+           age(p.transaction), p.transaction::text, true
+    FROM pg_prepared_xacts AS p
+    UNION ALL
+    SELECT 'replication slot', s.active_pid, s.slot_name::text, s.database::text, NULL, NULL,
+           NULL, CASE WHEN s.active THEN 'active' ELSE 'inactive' END, NULL, NULL, NULL, NULL,
+           NULL, age(s.xmin), s.xmin::text, true
+    FROM pg_replication_slots AS s
+    WHERE s.xmin IS NOT NULL
+)
+SELECT * FROM holders ORDER BY xid_age DESC, age_s DESC NULLS LAST LIMIT 1
+"""
+
 PING = "SELECT 1"
 
 # pg_attribute, not information_schema: the latter hides columns the role has no privilege

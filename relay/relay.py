@@ -29,6 +29,7 @@ from relay.delivery import Deliveries
 from relay.leases import Leases
 from relay.listener import Listener
 from relay.maintenance import every
+from relay.maintenance.horizon import Horizon
 from relay.maintenance.pauses import Pauses
 from relay.maintenance.reaper import Reaper
 from relay.maintenance.reporter import Reporter
@@ -245,6 +246,9 @@ class Relay:
             ("progress", self._progress, 10.0, 10.0),
             ("pauses", self.pauses, rs.poll_interval, rs.poll_interval),
             ("stats", reporter.pending, rs.stats_interval, 0.0),
+            # Every relay reads it (one look at pg_stat_activity and two small views), as
+            # often as the pending gauges: a snapshot matters after a minute, not a second.
+            ("horizon", Horizon(store, self.metrics, rs.snapshot_warning), rs.stats_interval, 0.0),
             ("retention", retention, rs.retention_interval, min(5.0, rs.poll_interval)),
         ]
         tasks = {
@@ -269,6 +273,7 @@ class Relay:
             schema=self.settings.relay.db_schema,
             read_only=ui.read_only,
             operators=operators,
+            snapshot_warning=self.settings.relay.snapshot_warning,
         )
         return self.console
 

@@ -17,6 +17,7 @@ from outbox.errors import describe
 from outbox.status import Status
 from relay import queries
 from relay.model import Envelope, Lease, UnreadableHeaders, epoch
+from relay.snapshots import SnapshotHolder, oldest_holder
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
 # InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
@@ -233,6 +234,11 @@ class Store:
         if rows is None:
             return None
         return {r["destination"]: (r["rows"], r["oldest_age"]) for r in rows}
+
+    async def snapshot_holder(self) -> SnapshotHolder | None:
+        """The oldest snapshot or transaction holding back VACUUM of this database."""
+        async with self._connection() as conn:
+            return await oldest_holder(conn)
 
     async def delete_finished(
         self,

@@ -60,6 +60,8 @@ MORE: dict[str, str] = {
     "[Retention](operations.md#retention)).",
     "relay.retention_batch_size": "each statement is its own transaction.",
     "relay.unknown_destinations": "see *Unknown destinations* in [How it works](how-it-works.md).",
+    "relay.snapshot_warning": "see [A snapshot that holds back VACUUM]"
+    "(operations.md#a-snapshot-that-holds-back-vacuum).",
     "relay.backoff.schedule": "e.g. `[0, 5, 300, …]`.",
     "http.host": "`127.0.0.1` to keep it local.",
     "http.port": "in use at start-up: exit 1 naming `http.port`.",

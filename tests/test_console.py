@@ -701,3 +701,35 @@ async def test_an_open_circuit_shows_on_the_overview_and_in_status(
         async with httpx.AsyncClient(base_url=console_url) as client:
             page = await client.get("/", headers=bearer())
         assert 'data-circuit="open"' in page.text
+
+
+async def test_a_snapshot_held_past_the_threshold_is_named_on_the_pages(db_url: str) -> None:
+    """The banner names the holder (its application name escaped: another session wrote it)
+    on the overview, its live part and the other pages that read status; gone once closed."""
+    import asyncio
+
+    from tests.test_snapshots import held_snapshot, oldest_is
+
+    await sql(db_url, "INSERT INTO outbox (destination, payload) VALUES ('orders', '\\x00')")
+    async with (
+        serve(build_console(db_url, TOKEN, snapshot_warning=0.2)) as url,
+        httpx.AsyncClient(base_url=url, headers=bearer()) as client,
+    ):
+        async with held_snapshot(db_url, "<b>report</b>") as holder:
+            pid = holder.get_server_pid()
+            conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+            try:
+                await oldest_is(conn, pid)
+            finally:
+                await conn.close()
+            await asyncio.sleep(0.3)
+            for path in ("/", "/fragments/overview", "/destinations/orders", "/blocked"):
+                page = await client.get(path)
+                assert page.status_code == 200, path
+                assert 'id="snapshot" role="alert"' in page.text, path
+                assert f"by pid {pid} (&lt;b&gt;report&lt;/b&gt;, user root, idle in" in page.text
+                assert f"SELECT pg_terminate_backend({pid}) if it is not needed" in page.text
+                assert "<b>report</b>" not in page.text
+            assert (await client.get("/api/status")).json()["snapshot"]["pid"] == pid
+        page = await client.get("/")
+        assert f"pid {pid}" not in page.text

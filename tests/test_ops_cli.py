@@ -726,3 +726,42 @@ def test_a_circuit_is_reported_under_its_own_destination(db_url: str) -> None:
     for _ in range(breaker.threshold):
         breaker.failure()
     assert relay._circuit_states() == {"billing eu": "open"}
+
+
+def test_status_names_the_snapshot_that_holds_back_vacuum(db_url: str) -> None:
+    """A held snapshot older than --snapshot-warning: a line naming it and how to end it, and
+    `snapshot` in --json (always, over the threshold or not); none once it is closed."""
+    import time
+
+    from relay.queries import SNAPSHOT_HOLDER
+
+    app = "nightly-report"
+    with psycopg.connect(db_url, application_name=app, autocommit=True) as holder:
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM outbox")
+        pid = holder.info.backend_pid
+        deadline = time.monotonic() + 10
+        # Transactions of other sessions begun before it are older until they end.
+        while sql(db_url, SNAPSHOT_HOLDER)[0][1] != pid:
+            assert time.monotonic() < deadline, "never the oldest holder"
+            time.sleep(0.05)
+        young = cli_json(db_url, "status", "--snapshot-warning", "1h")["snapshot"]
+        assert young["pid"] == pid and young["kind"] == "backend" and young["visible"]
+        assert young["over_threshold"] is False and young["threshold_s"] == 3600
+        assert young["application_name"] == app
+        assert "snapshot held" not in cli(db_url, "status", "--snapshot-warning", "1h").output
+        time.sleep(0.3)
+        data = cli_json(db_url, "status", "--snapshot-warning", "0.2")["snapshot"]
+        assert data["over_threshold"] is True and data["age_s"] > 0.2
+        assert data["state"] == "idle in transaction" and data["xid_age"] >= 1
+        res = CliRunner().invoke(
+            main,
+            ["status", "--database-url", db_url],
+            env={"OUTBOX_RELAY_SNAPSHOT_WARNING": "200ms"},
+        )
+        assert res.exit_code == 0, res.output
+        line = next(x for x in res.output.splitlines() if "snapshot held" in x)
+        assert f"by pid {pid} (nightly-report, user root, idle in transaction" in line
+        assert f"end it: SELECT pg_terminate_backend({pid}) if it is not needed" in res.output
+    after = cli_json(db_url, "status", "--snapshot-warning", "0.2")["snapshot"]
+    assert after is None or after["pid"] != pid

@@ -41,6 +41,7 @@ from relay.cli.options import (
 )
 from relay.durations import FORMS, format_duration
 from relay.ops import admin
+from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 
 T = TypeVar("T")
 
@@ -71,6 +72,16 @@ WATCH_MAX = 3600.0
     help=f"Exit {EXIT_CONDITION} if the oldest pending row, or an enabled endpoint's oldest "
     "pending delivery, is older than this (e.g. 5m).",
 )
+@click.option(
+    "--snapshot-warning",
+    type=Duration(),
+    default=DEFAULT_SNAPSHOT_WARNING,
+    envvar="OUTBOX_RELAY_SNAPSHOT_WARNING",
+    show_envvar=True,
+    metavar="DURATION",
+    help="Name the snapshot or transaction holding back VACUUM when it is older than this "
+    f"(relay.snapshot_warning; default {format_duration(DEFAULT_SNAPSHOT_WARNING)}, 0: never).",
+)
 def status(
     database_url: str,
     schema: str,
@@ -78,6 +89,7 @@ def status(
     watch: float | None,
     fail_if_failed: bool,
     fail_if_pending_older_than: float | None,
+    snapshot_warning: float,
 ) -> None:
     """Per destination: pending, due now, oldest pending age, in flight, delivered, failed.
 
@@ -85,9 +97,11 @@ def status(
     if watch is not None:
         if fail_if_failed or fail_if_pending_older_than is not None:
             raise click.UsageError("--fail-if-… judge one snapshot: not with --watch")
-        _watch(database_url, schema, as_json, watch)
+        _watch(database_url, schema, as_json, watch, snapshot_warning)
         return
-    data = with_db(database_url, lambda c: admin.status(c, schema))
+    data = with_db(
+        database_url, lambda c: admin.status(c, schema, snapshot_warning=snapshot_warning)
+    )
     dests = data["destinations"]
     problems = []
     if fail_if_failed and data["totals"]["failed"]:
@@ -126,7 +140,9 @@ def status(
         sys.exit(EXIT_CONDITION)
 
 
-def _watch(database_url: str, schema: str, as_json: bool, interval: float) -> None:
+def _watch(
+    database_url: str, schema: str, as_json: bool, interval: float, snapshot_warning: float
+) -> None:
     """Status snapshots every ``interval`` seconds (from the end of one to the start of the
     next) until Ctrl-C. On a terminal each replaces the last on a cleared screen; elsewhere
     they follow one another, each after a line with its time. With ``as_json``: one compact
@@ -135,7 +151,10 @@ def _watch(database_url: str, schema: str, as_json: bool, interval: float) -> No
     shown = 0
     try:
         while True:
-            data = with_db(database_url, lambda c: admin.status(c, schema))
+            data = with_db(
+                database_url,
+                lambda c: admin.status(c, schema, snapshot_warning=snapshot_warning),
+            )
             data["problems"] = []
             if as_json:
                 echo(json.dumps(data, default=str))
@@ -207,11 +226,33 @@ def _print_status(data: dict[str, Any]) -> None:
         echo(f"the outbox in schema {data['schema']!r} is empty")
         _print_relays(data["relays"])
         _print_endpoints(data)
+        _print_snapshot(data.get("snapshot"))
         return
     print_table([STATUS_COLUMNS, *(_status_row(d) for d in dests)], numbers=True)
     _print_relays(data["relays"])
     _print_details(dests)
     _print_endpoints(data)
+    _print_snapshot(data.get("snapshot"))
+
+
+def _print_snapshot(s: dict[str, Any] | None) -> None:
+    """The snapshot holding back VACUUM: when older than the threshold, or when this role
+    cannot tell how old it is (the grant that would tell)."""
+    if s is None or not (s["over_threshold"] or not s["visible"]):
+        return
+    echo()
+    if s["over_threshold"]:
+        echo(
+            Tint(f"snapshot held for {age(s['age_s'])} by {s['holder']}", BAD),
+            f" ({s['xid_age']} transactions): VACUUM cannot clean the outbox of the rows it "
+            "still sees, and claims slow down while it is held",
+        )
+        echo(f"  end it: {s['action']}")
+    else:
+        echo(
+            f"oldest snapshot: {s['holder']}, {s['xid_age']} transactions old, held for a "
+            f"time hidden from this role: {s['hint']}"
+        )
 
 
 def _status_row(d: dict[str, Any]) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ import os
 import click
 
 from relay import secrets
-from relay.cli.options import database_options, echo
+from relay.cli.options import Duration, database_options, echo
+from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 
 
 @click.command(short_help="Serve the operator console (a web page).")
@@ -28,6 +29,16 @@ from relay.cli.options import database_options, echo
     "their actions (or OUTBOX_UI_OPERATORS, a JSON object), instead of the shared token.",
 )
 @click.option("--read-only", is_flag=True, help="Show everything, refuse every action.")
+@click.option(
+    "--snapshot-warning",
+    type=Duration(),
+    default=DEFAULT_SNAPSHOT_WARNING,
+    envvar="OUTBOX_RELAY_SNAPSHOT_WARNING",
+    show_envvar=True,
+    metavar="DURATION",
+    help="Name the snapshot holding back VACUUM on every page once it is older than this "
+    "(relay.snapshot_warning; 0: never).",
+)
 def ui(
     database_url: str,
     schema: str,
@@ -36,6 +47,7 @@ def ui(
     token_file: str | None,
     operators_file: str | None,
     read_only: bool,
+    snapshot_warning: float,
 ) -> None:
     """Serve the operator console: destinations, rows, endpoints, blocked keys, and the
     actions of the operations commands. Every request needs the token (OUTBOX_UI_TOKEN), or
@@ -62,7 +74,12 @@ def ui(
     secrets.register([token] if token is not None else (operators or {}).values())
     configure()
     app = build_console(
-        database_url, token, schema=schema, read_only=read_only, operators=operators
+        database_url,
+        token,
+        schema=schema,
+        read_only=read_only,
+        operators=operators,
+        snapshot_warning=snapshot_warning,
     )
     mode = " (read-only)" if read_only else ""
     echo(f"console{mode} on http://{host}:{port}/ for schema {schema!r}", err=True)

@@ -42,6 +42,7 @@ from relay import secrets
 from relay.config.base import MAX_SECONDS, Backoff, ConfigError, Delivery, Duration, Section
 from relay.config.environment import OurEnvironment, schema_from_environment
 from relay.config.errors import echoable_fields, format_errors
+from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 
 # Delivered rows are kept this long by default: long enough to answer "was event 123
 # delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
@@ -132,6 +133,13 @@ class RelaySettings(Section):
     )
     stats_interval: Duration = Field(
         15.0, ge=0.05, description="seconds between pending-row gauge queries"
+    )
+    snapshot_warning: Duration = Field(
+        DEFAULT_SNAPSHOT_WARNING,
+        ge=0,
+        description="log relay.snapshot.held (and name it in `status` and the console) when "
+        "a snapshot or transaction has held back VACUUM of the outbox longer than this; 0: "
+        "never (the oldest_snapshot gauges are kept anyway)",
     )
 
     @property

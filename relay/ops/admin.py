@@ -16,6 +16,7 @@ import asyncpg
 
 from outbox.status import Status
 from relay.ops import queries
+from relay.snapshots import DEFAULT_WARNING, oldest_holder
 
 T = TypeVar("T")
 
@@ -88,9 +89,13 @@ DELIVERED_EXACT_UP_TO = 100_000
 LATEST_DELIVERIES_READ = 10_000
 
 
-async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
+async def status(
+    conn: asyncpg.Connection, schema: str, *, snapshot_warning: float = DEFAULT_WARNING
+) -> dict[str, Any]:
     """Per destination: row counts, leases held, failures by error, blocked keys, whether it
-    is paused; and the relays. One snapshot (repeatable read), so the parts agree.
+    is paused; and the relays. One snapshot (repeatable read), so the parts agree. Then the
+    oldest snapshot holding back VACUUM (``snapshot``, None if none), over ``snapshot_warning``
+    seconds or not.
 
     Every count is exact but ``delivered`` when the table keeps more than
     DELIVERED_EXACT_UP_TO delivered rows: it is then estimated (three significant digits,
@@ -116,6 +121,8 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
             if has_endpoints
             else []
         )
+    # Once the snapshot of the counts is let go: the holders' own ages, not this one's.
+    holder = await oldest_holder(conn)
     dests: dict[str, dict[str, Any]] = {}
 
     def dest(name: str) -> dict[str, Any]:
@@ -170,6 +177,7 @@ async def status(conn: asyncpg.Connection, schema: str) -> dict[str, Any]:
         "endpoints": [_endpoint_status(r) for r in endpoints],
         "endpoints_total": endpoints[0]["total"] if endpoints else 0,
         "endpoints_needing_attention": endpoints[0]["needing_attention"] if endpoints else 0,
+        "snapshot": holder.as_json(snapshot_warning) if holder is not None else None,
     }
 
 

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from outbox.dburl import to_asyncpg_dsn
 from outbox.errors import describe
 from relay.ops.admin import AdminError
+from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 from relay.store import UNAVAILABLE
 from relay.ui import actions, pages
 from relay.ui.security import COOKIE, CSRF_FIELD, HEADERS, MAX_FORM_BYTES, Caller, Guard
@@ -51,6 +52,8 @@ class Console:
     guard: Guard
     read_only: bool
     templates: Environment
+    # Seconds past which the snapshot holding back VACUUM is named on the pages.
+    snapshot_warning: float = DEFAULT_SNAPSHOT_WARNING
     pool: asyncpg.Pool | None = None
     engine: Any = None  # SQLAlchemy AsyncEngine, for outbox.endpoints (made on first use)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -138,10 +141,12 @@ def build_console(
     schema: str = "public",
     read_only: bool = False,
     operators: Mapping[str, str] | None = None,
+    snapshot_warning: float = DEFAULT_SNAPSHOT_WARNING,
 ) -> Starlette:
     """The console as an ASGI app, for the holders of ``token`` or, with ``operators``
     (name: token), for each operator under their own name (the shared token is then not
-    accepted). It opens a small pool of its own on first use (its statements never take the
+    accepted); the pages name a snapshot holding back VACUUM past ``snapshot_warning``
+    seconds. It opens a small pool of its own on first use (its statements never take the
     relay's connections) and closes it with its lifespan or ``app.state.console.close()``."""
     templates = Environment(
         loader=PackageLoader("relay.ui", "templates"),
@@ -151,7 +156,14 @@ def build_console(
     )
     templates.filters["age"] = pages.age
     templates.filters["short"] = pages.short
-    console = Console(database_url, schema, Guard(token, operators), read_only, templates)
+    console = Console(
+        database_url,
+        schema,
+        Guard(token, operators),
+        read_only,
+        templates,
+        snapshot_warning=snapshot_warning,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

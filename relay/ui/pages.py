@@ -64,7 +64,7 @@ async def login_form(request: Request) -> Response:
 async def _status(request: Request) -> dict[str, Any]:
     console = console_of(request)
     async with console.connection() as conn:
-        return await admin.status(conn, console.schema)
+        return await admin.status(conn, console.schema, snapshot_warning=console.snapshot_warning)
 
 
 async def overview(request: Request) -> Response:
@@ -119,7 +119,9 @@ async def destination(request: Request) -> Response:
             title="No such destination",
             text=f"no rows and no pause for destination {name!r}",
         )
-    return console.render(request, "destination.html", d=found, status=data)
+    return console.render(
+        request, "destination.html", d=found, status=data, snapshot=data["snapshot"]
+    )
 
 
 # --- rows ------------------------------------------------------------------------------------
@@ -276,7 +278,7 @@ async def blocked(request: Request) -> Response:
         for d in data["destinations"]
         for k in d["blocked_keys"]
     ]
-    return console_of(request).render(request, "blocked.html", keys=keys)
+    return console_of(request).render(request, "blocked.html", keys=keys, snapshot=data["snapshot"])
 
 
 def _quoted(schema: str) -> str:
