@@ -176,6 +176,19 @@ def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
             "id",
             postgresql_where=text("status = 'pending' AND key IS NULL"),
         ),
+        Index(
+            "outbox_fresh_idx",
+            "destination",
+            "id",
+            postgresql_where=text("status = 'pending' AND claims = 0 AND run_after <= created_at"),
+        ),
+        Index(
+            "outbox_waiting_idx",
+            "destination",
+            "run_after",
+            "id",
+            postgresql_where=text("status = 'pending' AND (claims > 0 OR run_after > created_at)"),
+        ),
     ]
 
 

@@ -109,6 +109,8 @@ class Store:
             return queries.render_ops(statement, schema)
 
         self._claim = sql(queries.CLAIM)
+        # Per unordered destination, where its next claim of fresh rows starts (see CLAIM).
+        self._cursors: dict[str, int] = {}
         self._claim_ordered = sql(queries.CLAIM_ORDERED)
         self._fence = sql(queries.FENCE)
         self._blocked_keys = sql(queries.BLOCKED_KEYS)
@@ -296,10 +298,30 @@ class Store:
         return int(done.split()[-1])
 
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
+        """Claim up to ``limit`` rows of an unordered ``destination`` (see queries.CLAIM): its
+        rows due again, then its fresh rows after the cursor the previous claim returned."""
+        # Two statements, in this order: the claim's snapshot must be younger than the fence.
+        self.statements["fence"] += 1
+        safe_id = await self._call("fetchval", self._fence, self._table)
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
-        rows = await self._call("fetch", self._claim, destination, limit, self.relay_id, self.lease)
-        return self._envelopes(rows, until)
+        rows = await self._call(
+            "fetch",
+            self._claim,
+            destination,
+            limit,
+            self.relay_id,
+            self.lease,
+            self._cursors.get(destination, 0),
+            safe_id,
+        )
+        self._cursors[destination] = int(rows[-1][2])
+        return self._envelopes(rows[:-1], until)
+
+    def fresh_cursor(self, destination: str) -> int:
+        """Every fresh row of ``destination`` at or below this id was claimed when the last
+        claim ran (0: no claim yet)."""
+        return self._cursors.get(destination, 0)
 
     @staticmethod
     def _envelopes(rows: Sequence[asyncpg.Record], until: float) -> list[Envelope]:

@@ -72,7 +72,10 @@ async def _claimed_events(
     # Statistics taken while rows were pending, database-wide as vacuumdb or autovacuum leave
     # them: the endpoint tables of a Kafka-only deployment are empty, and known to be.
     await conn.execute("VACUUM ANALYZE")
-    rows = await conn.fetch(queries.render_ops(queries.CLAIM, "public"), "d", n, RELAY, 60.0)
+    rows = await conn.fetch(
+        queries.render_ops(queries.CLAIM, "public"), "d", n, RELAY, 60.0, 0, 2**62
+    )
+    rows = rows[:-1]  # the last row carries the next cursor
     assert len(rows) == n
     return [r[0] for r in rows], [r[8] for r in rows]
 

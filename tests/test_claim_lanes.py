@@ -1,0 +1,179 @@
+"""The unordered claim's two lanes (migration 0012, queries.CLAIM): fresh rows are walked from
+where the previous claim ended, so a held snapshot's dead entries are not walked again, and yet
+no row is ever passed over: a transaction that commits late, another relay's claim that rolls
+back, a row due later, a row retried, a table truncated under a running relay."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import pytest
+
+import outbox
+from outbox.dburl import to_asyncpg_dsn
+from relay import queries
+from relay.store import Record, Store, create_pool
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[Store]:
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
+    try:
+        yield Store(pool, "public", "lanes", 30.0)
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
+    c = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+async def add(conn: asyncpg.Connection, n: int, **fields: Any) -> list[int]:
+    async with conn.transaction():
+        return await outbox.enqueue_many(
+            conn, [{"destination": "d", "payload": {"n": i}, **fields} for i in range(n)]
+        )
+
+
+async def claim_all(store: Store) -> list[int]:
+    return [e.id for e in await store.claim("d", 100)]
+
+
+async def deliver(store: Store, ids_tokens: list[tuple[int, int]]) -> None:
+    await store.record([Record(i, t, "delivered", 1, 0.0, None, "d") for i, t in ids_tokens])
+
+
+async def test_a_transaction_that_commits_late_is_not_passed_over(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Ids are drawn at insert, rows seen at commit: the claim takes the rows committed after
+    an open insert, and the cursor stays below the open one's ids, which come next."""
+    late = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = late.transaction()
+        await tx.start()
+        (early_id,) = await outbox.enqueue_many(late, [{"destination": "d", "payload": {}}])
+        later = await add(conn, 3)
+        assert await claim_all(store) == later
+        assert store.fresh_cursor("d") < early_id
+        await tx.commit()
+    finally:
+        await late.close()
+    assert await claim_all(store) == [early_id]
+
+
+async def test_another_relays_claim_that_rolls_back_leaves_its_rows_claimable(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    ids = await add(conn, 10)
+    other = conn.transaction()
+    await other.start()
+    # Another relay's claim in progress: it holds the first five rows' locks.
+    await conn.execute("SELECT id FROM outbox WHERE id = ANY($1) FOR UPDATE", ids[:5])
+    assert await claim_all(store) == ids[5:]
+    assert store.fresh_cursor("d") < ids[0]
+    await other.rollback()
+    assert await claim_all(store) == ids[:5]
+
+
+async def test_rows_due_later_and_retried_rows_come_back_after_the_cursor_passed(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    (delayed,) = await add(conn, 1, run_after=datetime.now(UTC) + timedelta(seconds=1.5))
+    fresh = await add(conn, 3)
+    claimed = await store.claim("d", 100)
+    assert [e.id for e in claimed] == fresh
+    assert store.fresh_cursor("d") >= fresh[-1]
+    # One of them fails and is retried at once; the others are delivered.
+    await store.record([Record(fresh[0], claimed[0].token, "pending", 1, 0.0, "503", "d")])
+    await deliver(store, [(e.id, e.token) for e in claimed[1:]])
+    assert await claim_all(store) == [fresh[0]]
+    await asyncio.sleep(1.6)
+    assert await claim_all(store) == [delayed]
+
+
+async def test_a_table_truncated_with_restart_identity_is_claimed_from_the_start(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    await add(conn, 5)
+    assert len(await claim_all(store)) == 5
+    await conn.execute("TRUNCATE outbox RESTART IDENTITY")
+    again = await add(conn, 2)
+    assert again == [1, 2]
+    got = await claim_all(store)  # this one finds the cursor ahead of every id
+    got += await claim_all(store)
+    assert got == again
+
+
+async def test_a_full_claim_leaves_the_rest_for_the_next(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    ids = await add(conn, 7)
+    assert [e.id for e in await store.claim("d", 3)] == ids[:3]
+    assert [e.id for e in await store.claim("d", 3)] == ids[3:6]
+    assert [e.id for e in await store.claim("d", 3)] == ids[6:]
+
+
+def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
+
+
+async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_last(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """A snapshot held while 3,000 rows are claimed and delivered keeps their dead entries in
+    the fresh lane; the next claim from the cursor reads a few pages, from the start of the
+    range every dead entry's."""
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        for _ in range(6):
+            await add(conn, 500)
+            claimed = await store.claim("d", 500)
+            assert len(claimed) == 500
+            await deliver(store, [(e.id, e.token) for e in claimed])
+        await add(conn, 10)
+        claim = queries.render_ops(queries.CLAIM, "public")
+        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
+
+        async def pages_read(cursor: int) -> int:
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                raw = await conn.fetchval(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim,
+                    "d",
+                    100,
+                    "x",
+                    30.0,
+                    cursor,
+                    fence,
+                )
+            finally:
+                await tx.rollback()
+            plan = json.loads(raw) if isinstance(raw, str) else raw
+            scans = [
+                n
+                for n in _nodes(plan[0]["Plan"])
+                if n.get("Index Name") == "outbox_fresh_idx" and n["Node Type"] == "Index Scan"
+            ]
+            assert len(scans) == 1 and scans[0]["Actual Rows"] == 10
+            return int(scans[0]["Shared Hit Blocks"] + scans[0]["Shared Read Blocks"])
+
+        from_cursor, from_start = await pages_read(store.fresh_cursor("d")), await pages_read(0)
+        assert from_cursor < 10 < from_start // 4, (from_cursor, from_start)
+    finally:
+        await holder.close()
