@@ -154,10 +154,22 @@ WHERE o.status = 'delivered'
 # every attempt: a row that crashes its relay each time must not loop for ever). $3/$4 give
 # per-destination attempt limits; $1 is the limit for any other destination.
 # $5: only these rows (NULL: any); $6: never these (rows the database refused to reap).
+# $7: only leases that ended in the last $7 seconds, of the destinations this relay ($3) or
+# any registered relay serves (NULL: all of them): the reaper's earlier pass took the older
+# ones. A held snapshot keeps the dead entry of every row ever claimed in outbox_lease_idx,
+# each with the time its lease would have ended; a pass over all of them, every second, grew
+# with every row delivered (docs/performance.md). Within each destination the bounded pass
+# reads the index from the bound on. The reaper passes over all of them now and then, for what
+# a bounded pass cannot see (see relay/maintenance/reaper.py).
 REAP = """
 WITH expired AS (
     SELECT id FROM {table}
     WHERE status = 'running' AND locked_until < now()
+      AND ($7::float8 IS NULL OR (
+          locked_until >= now() - make_interval(secs => $7::float8)
+          AND destination = ANY(ARRAY(
+              SELECT DISTINCT d FROM {relays} AS r CROSS JOIN LATERAL unnest(r.destinations) AS d
+              UNION SELECT unnest($3::text[])))))
       AND ($5::bigint[] IS NULL OR id = ANY($5::bigint[]))
       AND NOT (id = ANY($6::bigint[]))
     ORDER BY locked_until

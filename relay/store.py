@@ -413,7 +413,10 @@ class Store:
         *,
         only: Sequence[int] | None = None,
         never: Sequence[int] = (),
+        within: float | None = None,
     ) -> list[asyncpg.Record]:
+        """Put rows whose lease expired back to pending (or failed); ``within``: only those
+        whose lease ended in the last so many seconds (None: whenever)."""
         self.statements["reap"] += 1
         return list(
             await self._call(
@@ -425,6 +428,7 @@ class Store:
                 list(per_destination.values()),
                 list(only) if only is not None else None,
                 list(never),
+                within,
             )
         )
 

@@ -177,3 +177,87 @@ async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_la
         assert from_cursor < 10 < from_start // 4, (from_cursor, from_start)
     finally:
         await holder.close()
+
+
+async def test_under_a_held_snapshot_the_reaper_passes_over_recent_leases_only(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Every claimed row leaves a dead entry in outbox_lease_idx with its lease's end: a
+    bounded pass (leases ended in the last seconds) reads a few pages, a full pass all of them;
+    both reap the row whose lease just expired."""
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        await add(conn, 10_000)
+        # Claimed and delivered long ago (their leases ended an hour back), as a held
+        # snapshot keeps them.
+        claimed = await store.claim("d", 10_000)
+        await conn.execute("UPDATE outbox SET locked_until = now() - interval '1 hour'")
+        await deliver(store, [(e.id, e.token) for e in claimed])
+        (stuck,) = await add(conn, 1)
+        await store.claim("d", 10)
+        await conn.execute(
+            "UPDATE outbox SET locked_until = now() - interval '1 s' WHERE id = $1", stuck
+        )
+        reap = queries.render_ops(queries.REAP, "public")
+
+        async def pages_read(within: float | None) -> int:
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                raw = await conn.fetchval(
+                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + reap,
+                    25,
+                    5000,
+                    [],
+                    [],
+                    None,
+                    [],
+                    within,
+                )
+            finally:
+                await tx.rollback()
+            plan = json.loads(raw) if isinstance(raw, str) else raw
+            top = plan[0]["Plan"]
+            assert top["Node Type"] == "ModifyTable" and top["Actual Rows"] == 1  # the stuck row
+            return int(top["Shared Hit Blocks"] + top["Shared Read Blocks"])
+
+        # The relay serves "d" (in the registry, or as the statement's own destinations).
+        await conn.execute("INSERT INTO outbox_relays (relay_id, destinations) VALUES ('r', '{d}')")
+        bounded, full = await pages_read(11.0), await pages_read(None)
+        assert bounded * 4 < full, (bounded, full)
+    finally:
+        await holder.close()
+
+
+class _Watching(Store):
+    """A store that notes the bound of each reaper pass."""
+
+    passes: list[float | None]
+
+    async def reap(self, *args: Any, within: float | None = None, **kw: Any) -> Any:
+        self.passes.append(within)
+        return await super().reap(*args, within=within, **kw)
+
+
+async def test_the_reaper_bounds_its_passes_after_a_complete_one_and_goes_full_now_and_then(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from relay.maintenance import reaper as reaper_module
+    from relay.metrics import Metrics
+
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 2)
+    try:
+        store = _Watching(pool, "public", "lanes", 30.0)
+        store.passes = []
+        reaper = reaper_module.Reaper(store, 25, {}, Metrics(), lambda: None)
+        await reaper()
+        await reaper()
+        monkeypatch.setattr(reaper_module, "FULL_EVERY", 0.0)
+        await reaper()
+    finally:
+        await pool.close()
+    first, second, third = store.passes
+    assert first is None and third is None
+    assert second is not None and reaper_module.MARGIN <= second < reaper_module.MARGIN + 5

@@ -20,6 +20,15 @@ log = structlog.get_logger("relay")
 # Rows the database refused to reap, even alone, are left out of reaping this long.
 UNREAPABLE_FOR = 600.0
 
+# A pass after a complete one looks only at leases that ended since it began, and this much
+# before: a claim or a heartbeat that began before a pass and committed after it (invisible to
+# it) set its lease to end at least a lease after it began, so only a statement slower than
+# this margin can leave a lease behind a bounded pass; a full pass finds it.
+MARGIN = 10.0
+# Between full passes (every lease ever ended, a held snapshot's dead entries included).
+FULL_EVERY = 300.0
+REAP_LIMIT = 5000
+
 
 class Reaper:
     def __init__(
@@ -36,17 +45,30 @@ class Reaper:
         self.metrics = metrics
         self.reaped = reaped  # rows are claimable again: claim them
         self._unreapable: dict[int, float] = {}  # row id -> until when it is left alone
+        # When the last complete pass began (it took every lease expired then) and the last
+        # full one (monotonic times; None: not yet).
+        self._complete: float | None = None
+        self._full: float | None = None
 
     async def __call__(self) -> None:
         now = time.monotonic()
         self._unreapable = {i: t for i, t in self._unreapable.items() if t > now}
         never = list(self._unreapable)
+        full = self._complete is None or self._full is None or now - self._full >= FULL_EVERY
+        within = None if full or self._complete is None else now - self._complete + MARGIN
         try:
-            rows = await self.store.reap(self.max_attempts, self.limits, never=never)
+            rows = await self.store.reap(
+                self.max_attempts, self.limits, REAP_LIMIT, never=never, within=within
+            )
         except UNAVAILABLE:
             raise
         except DB_ERRORS as exc:
             rows = await self._one_by_one(never, exc)
+        else:
+            if len(rows) < REAP_LIMIT:
+                self._complete = now
+                if full:
+                    self._full = now
         if rows:
             self.metrics.reaped.inc(len(rows))
             failed = [r["id"] for r in rows if r["status"] == Status.FAILED]
