@@ -436,6 +436,11 @@ SELECT EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)
 """
 
+# A usable index: an interrupted CREATE INDEX CONCURRENTLY leaves an invalid one behind.
+INDEX_VALID = """
+SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indisvalid)
+"""
+
 TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
 
 # A relay says it is alive, and what it serves, every few seconds (one row per relay).

@@ -186,6 +186,12 @@ class Store:
             "fetchval", queries.COLUMN_EXISTS, self._relays_table, "circuits"
         ):
             missing.append(f"{self._relays_table}.circuits (migration 0010)")
+        if not missing:
+            # The claim's lanes: without them it would read the whole table, claim after claim.
+            for index in ("outbox_fresh_idx", "outbox_waiting_idx"):
+                name = queries.qualified_table(self.schema, index)
+                if not await self._call("fetchval", queries.INDEX_VALID, name):
+                    missing.append(f"{name} (migration 0012)")
         return missing
 
     async def missing_privileges(self) -> list[str]:

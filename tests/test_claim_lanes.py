@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -261,3 +262,88 @@ async def test_the_reaper_bounds_its_passes_after_a_complete_one_and_goes_full_n
     first, second, third = store.passes
     assert first is None and third is None
     assert second is not None and reaper_module.MARGIN <= second < reaper_module.MARGIN + 5
+
+
+# The claim of the release before migration 0012 (one lane, outbox_claim_idx), as relays not yet
+# upgraded run it during a rolling upgrade.
+CLAIM_BEFORE_0012 = """
+WITH picked AS (
+    SELECT id FROM {table}
+    WHERE status = 'pending' AND run_after <= now() AND destination = $1
+    ORDER BY run_after, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {table} AS o
+SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
+    claims = o.claims + 1
+WHERE o.id = ANY(ARRAY(SELECT id FROM picked))
+RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text,
+          o.attempts, extract(epoch FROM o.created_at)::float8, o.claims, o.event_type
+"""
+
+
+async def test_relays_of_both_releases_share_a_table_each_row_claimed_once(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """A rolling upgrade: a relay of the earlier release claims with its one-lane statement
+    while a new relay claims with the lanes; rows come in, go back for a retry, and each
+    claim of a row is one relay's, never both."""
+    old_claim = queries.render_ops(CLAIM_BEFORE_0012, "public")
+    old = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    old_store = Store(store.pool, "public", "old", 30.0)
+    claims: dict[int, int] = {}
+    taken: Counter[str] = Counter()
+    try:
+        ids = await add(conn, 200)
+        for round_ in range(30):
+            if round_ % 3 == 0:
+                ids += await add(conn, 50)
+            new_rows = await store.claim("d", 20)
+            old_rows = await old.fetch(old_claim, "d", 20, "old", 30.0)
+            taken["new"] += len(new_rows)
+            taken["old"] += len(old_rows)
+            for i, token in [(e.id, e.token) for e in new_rows] + [(r[0], r[8]) for r in old_rows]:
+                assert claims.get(i, 0) < token, f"row {i} claimed twice under one token"
+                claims[i] = token
+            # Every fifth row goes back for a retry, the rest are delivered; each relay
+            # records its own (the outcome statement is the same in both releases).
+            for relay, rows in (
+                (store, [(e.id, e.token) for e in new_rows]),
+                (old_store, [(r[0], r[8]) for r in old_rows]),
+            ):
+                await relay.record(
+                    [
+                        Record(
+                            i,
+                            t,
+                            "pending" if i % 5 == 0 and t == 1 else "delivered",
+                            1,
+                            0.0,
+                            None,
+                            "d",
+                        )
+                        for i, t in rows
+                    ]
+                )
+        for _ in range(20):
+            more = await store.claim("d", 100)
+            await store.record(
+                [Record(e.id, e.token, "delivered", 1, 0.0, None, "d") for e in more]
+            )
+            if not more:
+                break
+    finally:
+        await old.close()
+    left = await conn.fetchval("SELECT count(*) FROM outbox WHERE status <> 'delivered'")
+    assert left == 0 and set(claims) == set(ids)
+    assert taken["old"] >= 200 and taken["new"] >= 200, taken
+    assert {i for i, t in claims.items() if t == 2} >= {i for i in ids if i % 5 == 0}
+
+
+async def test_a_relay_refuses_a_schema_without_the_lanes(
+    db_url: str, conn: asyncpg.Connection, store: Store
+) -> None:
+    assert await store.missing_tables() == []
+    await conn.execute("DROP INDEX outbox_fresh_idx")
+    assert await store.missing_tables() == ['"public"."outbox_fresh_idx" (migration 0012)']
