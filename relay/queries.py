@@ -366,12 +366,67 @@ PAUSED = "SELECT destination FROM {paused}"
 TRY_JOB_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay:' || $1, 0))"
 
 # Pending rows per destination, for the gauges: the partial claim index holds exactly them.
+# The pending gauges: rows and the oldest one's age per destination, read lane by lane (see
+# CLAIM). A held snapshot keeps a dead entry in outbox_fresh_idx for every row claimed since,
+# and counting a destination's pending rows from the start of its range read all of them every
+# stats_interval. Each destination's fresh rows are counted from its floor ($1/$2: what the
+# previous count found, the lowest fresh row then or the fence $3 past it: no fresh row can
+# appear below it, since every id up to the fence belongs to a finished transaction); a floor
+# past the fence (the table was truncated) counts from the start. The destinations counted:
+# those with a floor, and those of the relay registry; the others (rows of a destination nobody
+# serves, which nobody claims and which so leave no dead entries) are found in the gaps of the
+# index between them. Each destination's lowest fresh row comes back as its next floor.
+# tests/test_claim_lanes.py holds the floors.
 PENDING_BY_DESTINATION = """
-SELECT destination, count(*) AS rows,
-       extract(epoch FROM now() - min(created_at))::float8 AS oldest_age
-FROM {table}
-WHERE status = 'pending'
-GROUP BY destination
+WITH known AS (
+    SELECT k.destination, max(k.floor) AS floor FROM (
+        SELECT f.destination, f.floor FROM unnest($1::text[], $2::bigint[]) AS f(destination, floor)
+        UNION ALL
+        SELECT d, 0 FROM {relays} AS r CROSS JOIN LATERAL unnest(r.destinations) AS d
+    ) AS k
+    GROUP BY k.destination
+),
+gaps AS (
+    -- Between known destinations; past the last one, the last part of `fresh`.
+    SELECT lag(destination, 1, '') OVER (ORDER BY destination) AS lo, destination AS hi FROM known
+),
+fresh AS (
+    SELECT k.destination, s.n, s.lowest, s.oldest FROM known AS k
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS n, min(o.id) AS lowest, min(o.created_at) AS oldest FROM {table} AS o
+        WHERE o.destination = k.destination AND o.status = 'pending' AND o.claims = 0
+          AND o.run_after <= o.created_at
+          AND o.id >= CASE WHEN k.floor > $3::bigint + 1 THEN 0 ELSE k.floor END
+    ) AS s
+    UNION ALL
+    -- Aggregated inside each gap's LATERAL, so that each gap is a range of the index (the
+    -- planner flattens a plain subquery into one scan of the whole index).
+    SELECT s.* FROM gaps AS g
+    CROSS JOIN LATERAL (
+        SELECT o.destination, count(*) AS n, min(o.id) AS lowest, min(o.created_at) AS oldest
+        FROM {table} AS o
+        WHERE o.destination > g.lo AND o.destination < g.hi
+          AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+        GROUP BY o.destination
+    ) AS s
+    UNION ALL
+    SELECT o.destination, count(*), min(o.id), min(o.created_at) FROM {table} AS o
+    WHERE o.destination > (SELECT coalesce(max(destination), '') FROM known)
+      AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+    GROUP BY o.destination
+),
+waiting AS (
+    SELECT destination, count(*) AS n, min(created_at) AS oldest FROM {table}
+    WHERE status = 'pending' AND (claims > 0 OR run_after > created_at)
+    GROUP BY destination
+)
+SELECT a.destination, sum(a.n)::bigint AS rows,
+       coalesce(extract(epoch FROM now() - min(a.oldest))::float8, 0) AS oldest_age,
+       least(min(a.lowest), $3::bigint + 1) AS floor
+FROM (SELECT destination, n, lowest, oldest FROM fresh
+      UNION ALL
+      SELECT destination, n, NULL, oldest FROM waiting) AS a
+GROUP BY a.destination
 """
 
 # The oldest holder of the xmin horizon VACUUM of this database's tables must keep to: dead

@@ -111,6 +111,9 @@ class Store:
         self._claim = sql(queries.CLAIM)
         # Per unordered destination, where its next claim of fresh rows starts (see CLAIM).
         self._cursors: dict[str, int] = {}
+        # Per destination, below which the pending gauges need not count (see
+        # PENDING_BY_DESTINATION).
+        self._stats_floors: dict[str, int] = {}
         self._claim_ordered = sql(queries.CLAIM_ORDERED)
         self._fence = sql(queries.FENCE)
         self._blocked_keys = sql(queries.BLOCKED_KEYS)
@@ -238,10 +241,15 @@ class Store:
     async def pending_stats(self) -> dict[str, tuple[int, float]] | None:
         """Pending rows and oldest pending age per destination; None if another relay is
         computing them at this moment."""
-        rows = await self._as_only_runner("stats", self._pending)
-        if rows is None:
-            return None
-        return {r["destination"]: (r["rows"], r["oldest_age"]) for r in rows}
+        async with self._connection() as conn, conn.transaction():
+            if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:stats"):
+                return None
+            # Two statements, in this order: the count's snapshot must be younger than the fence.
+            safe_id = await conn.fetchval(self._fence, self._table)
+            floors = self._stats_floors
+            rows = await conn.fetch(self._pending, list(floors), list(floors.values()), safe_id)
+        self._stats_floors = {r["destination"]: r["floor"] for r in rows}
+        return {r["destination"]: (r["rows"], r["oldest_age"]) for r in rows if r["rows"]}
 
     async def snapshot_holder(self) -> SnapshotHolder | None:
         """The oldest snapshot or transaction holding back VACUUM of this database."""
