@@ -433,3 +433,106 @@ async def test_under_a_held_snapshot_the_pending_gauges_read_only_past_their_flo
         assert from_floor * 4 < from_start, (from_floor, from_start)
     finally:
         await holder.close()
+# --- review (i27-review): tests that fail on the code as it stands -------------------------
+
+
+async def _claim_until_empty(store: Store, rounds: int = 5) -> list[int]:
+    got: list[int] = []
+    for _ in range(rounds):
+        more = await store.claim("d", 100)
+        await deliver(store, [(e.id, e.token) for e in more])
+        got += [e.id for e in more]
+    return got
+
+
+async def test_review_ids_reissued_below_the_cursor_before_the_next_claim_are_stranded(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    """TRUNCATE … RESTART IDENTITY (or a sequence set back: a restore, an async failover
+    whose promoted standby lost the last commits and hands their ids out again) while the
+    destination is not being claimed (paused, circuit open, relay reconnecting with backoff):
+    by its next claim the new ids have passed the old cursor, so `$6 < $5` never fires and
+    every reissued id at or below the cursor is never claimed again by this relay."""
+    first = await add(conn, 50)
+    assert await _claim_until_empty(store) == first
+    cursor = store.fresh_cursor("d")
+    assert cursor >= 50
+    await conn.execute("TRUNCATE outbox RESTART IDENTITY")
+    again = await add(conn, 60)  # ids 1..60, more than the cursor, before the next claim
+    got = await _claim_until_empty(store)
+    pending = await conn.fetchval("SELECT count(*) FROM outbox WHERE status = 'pending'")
+    assert got == again and pending == 0, (len(got), pending, cursor)
+
+
+async def test_review_failover_reissued_ids_are_stranded(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    """The async-failover form of the above without TRUNCATE: rows 41..50 were committed on
+    the old primary (the relay claimed them, its cursor is past them) and lost with it; the
+    promoted standby's sequence stands at 40 and reissues 41..50 to new events."""
+    ids = await add(conn, 50)
+    assert await _claim_until_empty(store) == ids
+    await conn.execute("DELETE FROM outbox WHERE id > 40")
+    await conn.execute("SELECT setval(pg_get_serial_sequence('outbox', 'id'), 40)")
+    new = await add(conn, 20)  # ids 41..60
+    got = await _claim_until_empty(store)
+    assert got == new, sorted(set(new) - set(got))
+
+
+async def test_review_an_open_inserting_transaction_makes_every_claim_walk_the_dead_entries(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """An application transaction that inserted an outbox row and stays open (idle in
+    transaction: the docs' own example of a held snapshot) holds both the xmin horizon and
+    the fence: the cursor cannot pass its id, so each claim walks every dead entry claimed
+    since it began, as before migration 0012 — the lanes buy nothing in that case."""
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = holder.transaction()
+        await tx.start()
+        await outbox.enqueue_many(holder, [{"destination": "other", "payload": {}}])
+        for _ in range(6):
+            await add(conn, 500)
+            claimed = await store.claim("d", 500)
+            assert len(claimed) == 500
+            await deliver(store, [(e.id, e.token) for e in claimed])
+        await add(conn, 10)
+        claim = queries.render_ops(queries.CLAIM, "public")
+        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
+        cursor = store.fresh_cursor("d")
+        t = conn.transaction()
+        await t.start()
+        try:
+            raw = await conn.fetchval(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim, "d", 100, "x", 30.0,
+                cursor, fence,
+            )
+        finally:
+            await t.rollback()
+        plan = json.loads(raw) if isinstance(raw, str) else raw
+        blocks = sum(
+            int(n["Shared Hit Blocks"] + n["Shared Read Blocks"])
+            for n in _nodes(plan[0]["Plan"])
+            if n.get("Index Name") == "outbox_fresh_idx"
+        )
+        # Both the fresh CTE and the next-cursor subquery walk ~3,000 dead entries.
+        assert blocks < 10, (cursor, fence, blocks)
+    finally:
+        await holder.close()
+
+
+async def test_review_rows_due_again_starve_an_older_fresh_row(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    """Due rows of the waiting lane always go first, whatever their run_after: a fresh row
+    written before them waits behind every due retry. With a sink that has a few free slots
+    per claim and a steady supply of due retries, a fresh row is never claimed (before 0012,
+    run_after order: it came first)."""
+    (fresh,) = await add(conn, 1)
+    await asyncio.sleep(0.05)
+    waiting = await add(conn, 3, run_after=datetime.now(UTC) + timedelta(seconds=0.2))
+    await asyncio.sleep(0.3)
+    order = []
+    for _ in range(4):
+        order += [e.id for e in await store.claim("d", 1)]
+    assert order[0] == fresh, order
