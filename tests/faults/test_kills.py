@@ -34,6 +34,7 @@ from tests.support.relays import wait_until
 pytestmark = pytest.mark.slow
 
 HOLDS = "SELECT EXISTS (SELECT FROM outbox WHERE status = 'running' AND locked_by = $1)"
+SESSIONS = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1)"
 LEASE = 4.0
 POLL = 0.25
 
@@ -89,6 +90,13 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
             kill(victim)
             sigkills += 1
             killed_at = time.monotonic()
+
+            # Its sessions outlive it by a statement: one it had sent still commits (an
+            # outcome recorded after all). What it holds is known once they have ended.
+            async def ended(rid: str = victim_id) -> bool:
+                return not await watch.fetchval(SESSIONS, f"outbox-relay:{rid}")
+
+            await wait_until(ended, timeout=10, interval=0.01, what=f"{victim_id}'s sessions end")
             held = [
                 r["id"]
                 for r in await fetch(
