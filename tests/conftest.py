@@ -111,6 +111,25 @@ def long_run(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--long"))
 
 
+def _soak_seconds() -> float:
+    return float(os.environ.get("OUTBOX_FAULT_SOAK_S", "1800"))
+
+
+@pytest.fixture
+def soak_seconds() -> float:
+    """How long a test marked ``soak`` runs under ``--long``: 30 minutes, or
+    ``$OUTBOX_FAULT_SOAK_S`` seconds (to try one out)."""
+    return _soak_seconds()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under --long a soak's timeout grows with it (pytest-timeout reads the first marker).
+    if config.getoption("--long"):
+        for item in items:
+            if item.get_closest_marker("soak"):
+                item.add_marker(pytest.mark.timeout(_soak_seconds() + 900), append=False)
+
+
 @pytest.fixture
 def fault_report(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
     """A dict the test fills with its figures; published in the terminal summary and in

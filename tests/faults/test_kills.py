@@ -1,6 +1,7 @@
 """Relay kills: SIGKILL one of three relay processes at random moments, mid-batch, while the
 application keeps committing; nothing is lost and duplicates come only from rows the killed
-relay held."""
+relay held. Again with a snapshot held for the whole run (issue #27: VACUUM removes no dead
+row version, the claim and the reaper walk past them all); under --long that run is a soak."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import asyncpg
@@ -30,23 +31,55 @@ from tests.support.faults import (
     relay_config,
 )
 from tests.support.relays import wait_until
+from tests.test_snapshots import held_snapshot
 
 pytestmark = pytest.mark.slow
 
 HOLDS = "SELECT EXISTS (SELECT FROM outbox WHERE status = 'running' AND locked_by = $1)"
+SESSIONS = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1)"
 LEASE = 4.0
 POLL = 0.25
+# The soak (--long, with a held snapshot): a sustained rate, a relay killed about this often.
+SOAK_RATE = 250.0
+SOAK_KILL_EVERY = 30.0
+BACKEND_XMIN = "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = $1"
+
+
+@pytest.fixture
+async def snapshot(
+    request: pytest.FixtureRequest, db_url: str
+) -> AsyncIterator[asyncpg.Connection | None]:
+    """With param True, a snapshot held on the test's database from before the run to its
+    end, as a pg_dump or a long report holds one (None: no snapshot)."""
+    if not request.param:
+        yield None
+        return
+    async with held_snapshot(db_url, "fault-held-snapshot") as holder:
+        yield holder
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "snapshot",
+    [False, pytest.param(True, marks=pytest.mark.soak)],
+    ids=["no-snapshot", "held-snapshot"],
+    indirect=True,
+)
 async def test_sigkill_a_relay_repeatedly_loses_nothing(
     db_url: str,
     kafka_bootstrap: str,
     tmp_path: Path,
     long_run: bool,
+    soak_seconds: float,
     fault_report: dict[str, object],
+    snapshot: asyncpg.Connection | None,
 ) -> None:
     total, kills = (50_000, 5) if long_run else (15_000, 3)
+    span, every, chunk = 4.0 * kills, 0.0, max(1000, total // (kills * 3))
+    if long_run and snapshot is not None:  # the soak: kills spread over its whole span
+        span, chunk = soak_seconds, 1000
+        total, kills = int(SOAK_RATE * span), max(1, int(span / SOAK_KILL_EVERY))
+        every = span / (kills + 1)
     topic = f"kills-{uuid.uuid4().hex[:8]}"
 
     def cfg(relay_id: str) -> dict[str, object]:
@@ -57,11 +90,16 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
     # The application commits throughout the kills (about 4 s per kill and restart), in
     # large transactions: each one is a backlog that keeps the relays holding rows for a while
     # (three relays drain a trickle in milliseconds per batch, too fast to kill mid-batch).
-    chunk = max(1000, total // (kills * 3))
-    writer = Writer(db_url, total, keys=200, chunk=chunk, rate=total / (4.0 * kills))
+    writer = Writer(db_url, total, keys=200, chunk=chunk, rate=total / span)
     held_at_kills: set[int] = set()
     sigkills = 0
     await install_audit(db_url)
+    if snapshot is not None:
+        # It has read the outbox, as a pg_dump does (and holds a lock only DDL waits for).
+        await snapshot.fetchval("SELECT count(*) FROM outbox")
+        xmin = await fetchval(db_url, BACKEND_XMIN, snapshot.get_server_pid())
+        assert xmin is not None
+    started = time.monotonic()
     with fleet(tmp_path) as relays, Sampler(db_url) as sampler:
         relays.start(cfg("steady-a"), "steady-a")
         relays.start(cfg("steady-b"), "steady-b")
@@ -84,11 +122,20 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
 
             # A random moment, then the first instant the victim holds rows: mid-batch. (A
             # batch is held for milliseconds, so poll on one open connection, tightly.)
-            await asyncio.sleep(random.uniform(0.2, 1.5))
+            # (In the soak, not before the next kill's turn.)
+            turn = started + (len(watchers) + 1) * every - time.monotonic()
+            await asyncio.sleep(max(0.0, turn) + random.uniform(0.2, 1.5))
             await wait_until(victim_busy, timeout=60, interval=0.0, what=f"{victim_id} busy")
             kill(victim)
             sigkills += 1
             killed_at = time.monotonic()
+
+            # Its sessions outlive it by a statement: one it had sent still commits (an
+            # outcome recorded after all). What it holds is known once they have ended.
+            async def ended(rid: str = victim_id) -> bool:
+                return not await watch.fetchval(SESSIONS, f"outbox-relay:{rid}")
+
+            await wait_until(ended, timeout=10, interval=0.01, what=f"{victim_id}'s sessions end")
             held = [
                 r["id"]
                 for r in await fetch(
@@ -125,7 +172,7 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
             lambda: all_delivered(db_url, total), timeout=180, interval=0.2, what="all delivered"
         )
         assert len(relays.alive()) == 3, "a relay that was not killed exited"
-    copies = await read_copies(kafka_bootstrap, topic, ids, timeout=120)
+    copies = await read_copies(kafka_bootstrap, topic, ids, timeout=max(120, total / 2000))
 
     # Only rows a killed relay held when it died can be delivered twice.
     assert copies.duplicated_ids <= held_at_kills, copies.duplicated_ids - held_at_kills
@@ -139,6 +186,16 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
     # A dead relay's row becomes claimable within one lease (and a poll interval) of the kill.
     assert max(recoveries) <= LEASE + POLL + 1.0, recoveries
     assert sampler.max_overrun <= POLL + 1.0, sampler.max_overrun
+    if snapshot is not None:
+        # It held the horizon all along: the same xmin, and VACUUM removes none of the run's
+        # dead row versions (each row was claimed and recorded since the snapshot).
+        assert await fetchval(db_url, BACKEND_XMIN, snapshot.get_server_pid()) == xmin
+        await fetchval(db_url, "VACUUM outbox")
+        dead = await fetchval(
+            db_url, "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass"
+        )
+        assert dead >= total, dead
+        fault_report.update(held_snapshot_s=round(time.monotonic() - started), dead_rows_kept=dead)
     fault_report.update(
         events=total,
         keys=200,
