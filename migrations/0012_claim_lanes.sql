@@ -20,4 +20,4 @@ CREATE INDEX CONCURRENTLY outbox_fresh_idx ON outbox (destination, id)
     WHERE status = 'pending' AND claims = 0 AND run_after <= created_at;
 DROP INDEX CONCURRENTLY IF EXISTS outbox_waiting_idx;
 CREATE INDEX CONCURRENTLY outbox_waiting_idx ON outbox (destination, run_after, id)
-    WHERE status = 'pending' AND (claims > 0 OR run_after > created_at);
+    WHERE status = 'pending' AND (claims <> 0 OR run_after > created_at);

@@ -187,7 +187,7 @@ def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
             "destination",
             "run_after",
             "id",
-            postgresql_where=text("status = 'pending' AND (claims > 0 OR run_after > created_at)"),
+            postgresql_where=text("status = 'pending' AND (claims <> 0 OR run_after > created_at)"),
         ),
     ]
 

@@ -33,60 +33,96 @@ def render_ops(sql: str, schema: str) -> str:
 # lease, return them. The index ranges are the destination's own, so other destinations'
 # backlogs cost nothing.
 #
-# Two lanes (migration 0012). Rows due again (retried, reaped, released, replayed, or written
-# with a later run_after) are taken first, in run_after order, from outbox_waiting_idx. Fresh
-# rows (never claimed, due when written: nearly all of them) are taken in id order from
-# outbox_fresh_idx, after the cursor $5: where the previous claim of this relay ended. A held
-# snapshot (a pg_dump, a report, an idle transaction) keeps every claimed row's dead entry in
-# the index; a walk from the start of the range would pass all of them, claim after claim
-# (the claim's cost grew by 0.1 ms per thousand rows delivered while a snapshot was held:
-# docs/performance.md). From the cursor it passes only those claimed since the last claim.
+# Two lanes (migration 0012). Fresh rows (never claimed, due when written: nearly all of them)
+# are read in id order from outbox_fresh_idx, after the cursor $5: where the previous claim of
+# this relay ended. A held snapshot (a pg_dump, a report, an idle transaction) keeps every
+# claimed row's dead entry in the index; a walk from the start of the range would pass all of
+# them, claim after claim (the claim's cost grew by 0.1 ms per thousand rows delivered while a
+# snapshot was held: docs/performance.md). From the cursor it passes only those claimed since
+# the last claim. Rows due again (retried, reaped, released, replayed, or written with a later
+# run_after) are read in run_after order from outbox_waiting_idx. Up to $2 rows are locked in
+# each lane, and the $2 first in run_after order are claimed: neither lane can starve the other.
 #
-# The last row of the result (id -1) carries the next cursor in `key`: below the first fresh
-# row this claim saw pending and did not take (rows other relays are claiming at this moment
-# are seen pending, so a claim that rolls back leaves its rows ahead of the cursor), and at
-# most the fence $6 (every id up to it belongs to a finished transaction, so a transaction
-# that commits late with lower ids than rows already claimed is never passed over). Ids below
-# the cursor (the table was truncated with RESTART IDENTITY): start again from the beginning.
-# tests/test_claim_lanes.py holds these rules and the plans.
-CLAIM = """
+# Ids are drawn at insert and seen at commit, so the cursor passes ids of transactions still
+# open, whose rows may commit later. $7 marks how far every fresh row has been seen: each one
+# at or below it was claimed, or taken by another relay (SKIP LOCKED), or never will be; it is
+# never past the fence $6 (every id up to the fence belongs to a finished transaction). Each
+# claim also reads the fresh rows between $7 and the fence, up to the cursor, once: those that
+# committed late. A transaction left open after an insert holds the fence back, not the cursor.
+#
+# The last row of the result (id -1) carries the next cursor in `key` (below the first fresh row
+# this claim saw pending and did not claim: rows other relays are claiming at this moment are
+# seen pending, so a claim that rolls back leaves its rows ahead of the cursor) and the next $7
+# in `content_type`. tests/test_claim_lanes.py holds these rules and the plans.
+_FRESH = "status = 'pending' AND claims = 0 AND run_after <= created_at"
+_FRESH_O = "o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at"
+CLAIM = f"""
 WITH waiting AS (
-    SELECT id FROM {table}
-    WHERE destination = $1 AND status = 'pending' AND (claims > 0 OR run_after > created_at)
+    SELECT id, run_after FROM {{table}}
+    WHERE destination = $1 AND status = 'pending' AND (claims <> 0 OR run_after > created_at)
       AND run_after <= now()
     ORDER BY run_after, id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
-fresh AS (
-    SELECT id FROM {table}
-    WHERE destination = $1 AND status = 'pending' AND claims = 0 AND run_after <= created_at
-      AND id > $5
+late AS (
+    SELECT id, run_after FROM {{table}}
+    WHERE destination = $1 AND {_FRESH} AND id > $7::bigint AND id <= least($6::bigint, $5::bigint)
+      AND run_after <= now()
     ORDER BY id
-    LIMIT $2 - (SELECT count(*) FROM waiting)
+    LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
+fresh AS (
+    SELECT id, run_after FROM {{table}}
+    WHERE destination = $1 AND {_FRESH} AND id > $5::bigint AND run_after <= now()
+    ORDER BY id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+),
+chosen AS (
+    SELECT c.id FROM (
+        SELECT * FROM waiting UNION ALL SELECT * FROM late UNION ALL SELECT * FROM fresh
+    ) AS c
+    ORDER BY c.run_after, c.id
+    LIMIT $2
+),
 claimed AS (
-    UPDATE {table} AS o
+    UPDATE {{table}} AS o
     SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
         claims = o.claims + 1
-    WHERE o.id = ANY(ARRAY(SELECT id FROM waiting UNION ALL SELECT id FROM fresh))
+    WHERE o.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
               o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
               o.event_type
+),
+next_cursor AS MATERIALIZED (
+    SELECT coalesce(
+        (SELECT min(o.id) - 1 FROM {{table}} AS o
+         WHERE o.destination = $1 AND {_FRESH_O} AND o.id > $5::bigint
+           AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
+        (SELECT max(c.id) FROM chosen AS c WHERE c.id > $5::bigint),
+        $5::bigint) AS cursor
 )
 SELECT * FROM claimed
 UNION ALL
-SELECT -1, NULL, (CASE
-           WHEN $6 < $5 THEN 0
-           ELSE least($6, coalesce(
-               (SELECT min(o.id) - 1 FROM {table} AS o
-                WHERE o.destination = $1 AND o.status = 'pending' AND o.claims = 0
-                  AND o.run_after <= o.created_at AND o.id > $5
-                  AND o.id NOT IN (SELECT f.id FROM fresh AS f)),
-               $6))
-       END)::text,
-       NULL, NULL, NULL, 0, NULL, 0, NULL
+SELECT -1, NULL, n.cursor::text,
+       NULL, least($6::bigint, n.cursor, coalesce(
+           (SELECT min(o.id) - 1 FROM {{table}} AS o
+            WHERE o.destination = $1 AND {_FRESH_O}
+              AND o.id > $7::bigint AND o.id <= least($6::bigint, $5::bigint)
+              AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
+           n.cursor))::text,
+       NULL, 0, NULL, 0, NULL
+FROM next_cursor AS n
+"""
+
+# Fresh rows of a destination at or below where its claims have seen every one ($2): none, but
+# for ids handed out again (a sequence set back by hand; a table truncated, or a failover, are
+# noticed by FENCE's epoch). The relay looks now and then, off the claim's path: under a held
+# snapshot this reads every dead entry below $2.
+FRESH_BELOW = f"""
+SELECT min(id) FROM {{table}} WHERE destination = $1 AND {_FRESH} AND id <= $2
 """
 
 # All outcomes of a batch in one statement. Only rows this relay still holds under the claim
@@ -417,7 +453,7 @@ fresh AS (
 ),
 waiting AS (
     SELECT destination, count(*) AS n, min(created_at) AS oldest FROM {table}
-    WHERE status = 'pending' AND (claims > 0 OR run_after > created_at)
+    WHERE status = 'pending' AND (claims <> 0 OR run_after > created_at)
     GROUP BY destination
 )
 SELECT a.destination, sum(a.n)::bigint AS rows,
@@ -634,7 +670,11 @@ SELECT least(
         OR (a.tag = 0 AND NOT EXISTS (SELECT 1 FROM fence_keys AS b
                                       WHERE b.vxid = a.vxid AND b.tag > 0 AND b.v = a.v))),
     (SELECT coalesce(max(id), 0) FROM {table})
-)
+),
+-- The table's epoch: a TRUNCATE gives it a new file, a restart or a failover a new server
+-- start; either may hand out ids again that the fresh lane's cursor has passed (see CLAIM).
+pg_relation_filenode($1::regclass)::bigint,
+extract(epoch FROM pg_postmaster_start_time())::float8
 """
 
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's keys

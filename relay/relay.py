@@ -44,6 +44,9 @@ from relay.store import Record, Store
 
 log = structlog.get_logger("relay")
 
+# Between sweeps for fresh rows below the claims' cursors (see Store.sweep).
+SWEEP_INTERVAL = 300.0
+
 __all__ = ["FINAL_BUDGET", "Relay", "RelayStartupError"]
 
 
@@ -250,6 +253,9 @@ class Relay:
             # often as the pending gauges: a snapshot matters after a minute, not a second.
             ("horizon", Horizon(store, self.metrics, rs.snapshot_warning), rs.stats_interval, 0.0),
             ("retention", retention, rs.retention_interval, min(5.0, rs.poll_interval)),
+            # Fresh rows below the claims' cursors (ids handed out again by a sequence set
+            # back): rare, and under a held snapshot a read of every dead entry below them.
+            ("sweep", self._sweep, SWEEP_INTERVAL, SWEEP_INTERVAL),
         ]
         tasks = {
             asyncio.create_task(self.completer.run(), name="completer"),
@@ -258,6 +264,15 @@ class Relay:
         for name, job, interval, first in jobs:
             tasks.add(asyncio.create_task(every(interval, job, name, first), name=name))
         return tasks
+
+    async def _sweep(self) -> None:
+        if await self.store.sweep():
+            log.warning(
+                "relay.claim.rewound",
+                action="fresh rows were found below where the claims had seen every one (ids "
+                "handed out again: the outbox sequence set back?); claiming them now",
+            )
+            self.wake()
 
     def _console_app(self) -> Any:
         """The operator console, when [ui] enabled = true: served at /ui by the listener."""

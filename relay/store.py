@@ -109,8 +109,11 @@ class Store:
             return queries.render_ops(statement, schema)
 
         self._claim = sql(queries.CLAIM)
-        # Per unordered destination, where its next claim of fresh rows starts (see CLAIM).
-        self._cursors: dict[str, int] = {}
+        # Per unordered destination, where its next claim of fresh rows starts and up to where
+        # every fresh row has been seen (see CLAIM), and the table's epoch they hold for.
+        self._cursors: dict[str, tuple[int, int]] = {}
+        self._epoch: tuple[object, ...] = ()
+        self._fresh_below = sql(queries.FRESH_BELOW)
         # Per destination, below which the pending gauges need not count (see
         # PENDING_BY_DESTINATION).
         self._stats_floors: dict[str, int] = {}
@@ -312,11 +315,18 @@ class Store:
         return int(done.split()[-1])
 
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
-        """Claim up to ``limit`` rows of an unordered ``destination`` (see queries.CLAIM): its
-        rows due again, then its fresh rows after the cursor the previous claim returned."""
+        """Claim up to ``limit`` rows of an unordered ``destination`` (see queries.CLAIM), its
+        fresh rows from where its previous claim ended."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         self.statements["fence"] += 1
-        safe_id = await self._call("fetchval", self._fence, self._table)
+        safe_id, *epoch = await self._call("fetchrow", self._fence, self._table)
+        if tuple(epoch) != self._epoch:
+            # A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
+            # handed out again below where the cursors stand.
+            self._epoch = tuple(epoch)
+            self._cursors.clear()
+            self._stats_floors.clear()
+        cursor, seen = self._cursors.get(destination, (0, 0))
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
         rows = await self._call(
@@ -326,16 +336,36 @@ class Store:
             limit,
             self.relay_id,
             self.lease,
-            self._cursors.get(destination, 0),
+            cursor,
             safe_id,
+            seen,
         )
-        self._cursors[destination] = int(rows[-1][2])
-        return self._envelopes(rows[:-1], until)
+        # The marker row comes last (UNION ALL keeps its branches' order); found by its id.
+        marker = rows[-1] if rows[-1][0] == -1 else next(r for r in rows if r[0] == -1)
+        self._cursors[destination] = (int(marker[2]), int(marker[4]))
+        return self._envelopes([r for r in rows if r[0] != -1], until)
 
     def fresh_cursor(self, destination: str) -> int:
-        """Every fresh row of ``destination`` at or below this id was claimed when the last
-        claim ran (0: no claim yet)."""
-        return self._cursors.get(destination, 0)
+        """Where the next claim of ``destination``'s fresh rows starts (0: no claim yet)."""
+        return self._cursors.get(destination, (0, 0))[0]
+
+    async def sweep(self) -> int:
+        """Look below each destination's cursor for fresh rows its claims will not reach
+        (ids handed out again: see queries.FRESH_BELOW) and walk from them again; returns how
+        many destinations had some. Under a held snapshot this reads every dead entry below
+        the cursors: the relay runs it every few minutes, off the claim's path."""
+        found = 0
+        for destination, (_, seen) in list(self._cursors.items()):
+            self.statements["sweep"] += 1
+            lowest = await self._call("fetchval", self._fresh_below, destination, seen)
+            if lowest is not None and destination in self._cursors:
+                cursor, now_seen = self._cursors[destination]
+                start = lowest - 1
+                self._cursors[destination] = (min(cursor, start), min(now_seen, start))
+                found += 1
+        # The gauges' floors, likewise: the next count reads from the start.
+        self._stats_floors.clear()
+        return found
 
     @staticmethod
     def _envelopes(rows: Sequence[asyncpg.Record], until: float) -> list[Envelope]:

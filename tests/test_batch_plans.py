@@ -73,7 +73,7 @@ async def _claimed_events(
     # them: the endpoint tables of a Kafka-only deployment are empty, and known to be.
     await conn.execute("VACUUM ANALYZE")
     rows = await conn.fetch(
-        queries.render_ops(queries.CLAIM, "public"), "d", n, RELAY, 60.0, 0, 2**62
+        queries.render_ops(queries.CLAIM, "public"), "d", n, RELAY, 60.0, 0, 2**62, 0
     )
     rows = rows[:-1]  # the last row carries the next cursor
     assert len(rows) == n

@@ -66,7 +66,9 @@ async def test_a_transaction_that_commits_late_is_not_passed_over(
         (early_id,) = await outbox.enqueue_many(late, [{"destination": "d", "payload": {}}])
         later = await add(conn, 3)
         assert await claim_all(store) == later
-        assert store.fresh_cursor("d") < early_id
+        # The cursor passed the open insert's id; what the claims have seen every row of has not.
+        cursor, seen = store._cursors["d"]
+        assert seen < early_id < cursor
         await tx.commit()
     finally:
         await late.close()
@@ -131,6 +133,38 @@ def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
+async def fresh_pages(
+    conn: asyncpg.Connection, state: tuple[int, int], claimable: int, limit: int = 100
+) -> int:
+    """The pages of outbox_fresh_idx a claim of "d" from ``state`` (cursor, seen) reads, in a
+    transaction rolled back (nothing claimed); ``claimable``: the rows it must find."""
+    claim = queries.render_ops(queries.CLAIM, "public")
+    fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        raw = await conn.fetchval(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim,
+            "d",
+            limit,
+            "x",
+            30.0,
+            state[0],
+            fence,
+            state[1],
+        )
+    finally:
+        await tx.rollback()
+    plan = json.loads(raw) if isinstance(raw, str) else raw
+    (update,) = [n for n in _nodes(plan[0]["Plan"]) if n["Node Type"] == "ModifyTable"]
+    assert update["Actual Rows"] == claimable
+    return sum(
+        int(n["Shared Hit Blocks"] + n["Shared Read Blocks"])
+        for n in _nodes(plan[0]["Plan"])
+        if n.get("Index Name") == "outbox_fresh_idx"
+    )
+
+
 async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_last(
     db_url: str, store: Store, conn: asyncpg.Connection
 ) -> None:
@@ -147,35 +181,9 @@ async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_la
             assert len(claimed) == 500
             await deliver(store, [(e.id, e.token) for e in claimed])
         await add(conn, 10)
-        claim = queries.render_ops(queries.CLAIM, "public")
-        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
-
-        async def pages_read(cursor: int) -> int:
-            tx = conn.transaction()
-            await tx.start()
-            try:
-                raw = await conn.fetchval(
-                    "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim,
-                    "d",
-                    100,
-                    "x",
-                    30.0,
-                    cursor,
-                    fence,
-                )
-            finally:
-                await tx.rollback()
-            plan = json.loads(raw) if isinstance(raw, str) else raw
-            scans = [
-                n
-                for n in _nodes(plan[0]["Plan"])
-                if n.get("Index Name") == "outbox_fresh_idx" and n["Node Type"] == "Index Scan"
-            ]
-            assert len(scans) == 1 and scans[0]["Actual Rows"] == 10
-            return int(scans[0]["Shared Hit Blocks"] + scans[0]["Shared Read Blocks"])
-
-        from_cursor, from_start = await pages_read(store.fresh_cursor("d")), await pages_read(0)
-        assert from_cursor < 10 < from_start // 4, (from_cursor, from_start)
+        from_cursor = await fresh_pages(conn, store._cursors["d"], 10)
+        from_start = await fresh_pages(conn, (0, 0), 10)
+        assert from_cursor < 20 and from_cursor * 6 < from_start, (from_cursor, from_start)
     finally:
         await holder.close()
 
@@ -248,20 +256,41 @@ async def test_the_reaper_bounds_its_passes_after_a_complete_one_and_goes_full_n
     from relay.maintenance import reaper as reaper_module
     from relay.metrics import Metrics
 
+    margin = reaper_module.MARGIN  # before it is patched below
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 2)
     try:
         store = _Watching(pool, "public", "lanes", 30.0)
         store.passes = []
-        reaper = reaper_module.Reaper(store, 25, {}, Metrics(), lambda: None)
+        reaper = reaper_module.Reaper(store, 25, {"d": 25}, Metrics(), lambda: None)
         await reaper()
+        await asyncio.sleep(0.3)
         await reaper()
         monkeypatch.setattr(reaper_module, "FULL_EVERY", 0.0)
         await reaper()
+        # A pass that reaps as many rows as it may is not complete: the next one still
+        # reaches back to the last complete pass, where the rows it left behind are.
+        monkeypatch.setattr(reaper_module, "FULL_EVERY", 300.0)
+        monkeypatch.setattr(reaper_module, "REAP_LIMIT", 2)
+        monkeypatch.setattr(reaper_module, "MARGIN", 0.2)
+        async with pool.acquire() as c:
+            await c.execute(
+                "INSERT INTO outbox (destination, payload, status, locked_by, locked_until, "
+                "claims) SELECT 'd', '\\x00', 'running', 'gone', now() - interval '0.1 s', 1 "
+                "FROM generate_series(1, 3)"
+            )
+        await asyncio.sleep(1.0)
+        await reaper()  # two of the three
+        await reaper()  # the third, though its lease ended before this pass's margin
+        async with pool.acquire() as c:
+            left = await c.fetchval("SELECT count(*) FROM outbox WHERE status = 'running'")
     finally:
         await pool.close()
-    first, second, third = store.passes
+    first, second, third, *limited = store.passes
     assert first is None and third is None
-    assert second is not None and reaper_module.MARGIN <= second < reaper_module.MARGIN + 5
+    # The bound reaches back to when the previous pass began, and the margin before it.
+    assert second is not None and margin + 0.3 <= second < margin + 5
+    assert len(limited) == 2 and all(w is not None and w >= 1.2 for w in limited)
+    assert left == 0
 
 
 # The claim of the release before migration 0012 (one lane, outbox_claim_idx), as relays not yet
@@ -299,8 +328,11 @@ async def test_relays_of_both_releases_share_a_table_each_row_claimed_once(
         for round_ in range(30):
             if round_ % 3 == 0:
                 ids += await add(conn, 50)
-            new_rows = await store.claim("d", 20)
-            old_rows = await old.fetch(old_claim, "d", 20, "old", 30.0)
+            # At once, on two connections: SKIP LOCKED between the two releases' claims.
+            new_rows, old_rows = await asyncio.gather(
+                store.claim("d", 20), old.fetch(old_claim, "d", 20, "old", 30.0)
+            )
+            assert len(new_rows) <= 20 and len(old_rows) <= 20
             taken["new"] += len(new_rows)
             taken["old"] += len(old_rows)
             for i, token in [(e.id, e.token) for e in new_rows] + [(r[0], r[8]) for r in old_rows]:
@@ -433,6 +465,8 @@ async def test_under_a_held_snapshot_the_pending_gauges_read_only_past_their_flo
         assert from_floor * 4 < from_start, (from_floor, from_start)
     finally:
         await holder.close()
+
+
 # --- review (i27-review): tests that fail on the code as it stands -------------------------
 
 
@@ -445,14 +479,14 @@ async def _claim_until_empty(store: Store, rounds: int = 5) -> list[int]:
     return got
 
 
-async def test_review_ids_reissued_below_the_cursor_before_the_next_claim_are_stranded(
+async def test_ids_handed_out_again_after_a_truncate_are_claimed_though_past_the_cursor(
     store: Store, conn: asyncpg.Connection
 ) -> None:
-    """TRUNCATE … RESTART IDENTITY (or a sequence set back: a restore, an async failover
-    whose promoted standby lost the last commits and hands their ids out again) while the
-    destination is not being claimed (paused, circuit open, relay reconnecting with backoff):
-    by its next claim the new ids have passed the old cursor, so `$6 < $5` never fires and
-    every reissued id at or below the cursor is never claimed again by this relay."""
+    """TRUNCATE … RESTART IDENTITY while the destination is not being claimed (paused, its
+    circuit open, the relay reconnecting): by its next claim the new ids have passed the old
+    cursor. The table's new file tells the relay to walk from the start again (a failover's
+    new server likewise: FENCE's epoch). Found by a review: every id at or below the old
+    cursor stayed pending."""
     first = await add(conn, 50)
     assert await _claim_until_empty(store) == first
     cursor = store.fresh_cursor("d")
@@ -464,28 +498,31 @@ async def test_review_ids_reissued_below_the_cursor_before_the_next_claim_are_st
     assert got == again and pending == 0, (len(got), pending, cursor)
 
 
-async def test_review_failover_reissued_ids_are_stranded(
+async def test_ids_handed_out_again_by_a_sequence_set_back_are_found_by_the_sweep(
     store: Store, conn: asyncpg.Connection
 ) -> None:
-    """The async-failover form of the above without TRUNCATE: rows 41..50 were committed on
-    the old primary (the relay claimed them, its cursor is past them) and lost with it; the
-    promoted standby's sequence stands at 40 and reissues 41..50 to new events."""
+    """A sequence set back by hand (rows 41..50 gone, their ids handed out again) leaves no
+    mark on the table or the server: the sweep, every few minutes, finds the fresh rows below
+    the cursor and the claims walk from them again. Found by a review: they stayed pending."""
     ids = await add(conn, 50)
     assert await _claim_until_empty(store) == ids
     await conn.execute("DELETE FROM outbox WHERE id > 40")
     await conn.execute("SELECT setval(pg_get_serial_sequence('outbox', 'id'), 40)")
     new = await add(conn, 20)  # ids 41..60
     got = await _claim_until_empty(store)
-    assert got == new, sorted(set(new) - set(got))
+    assert await store.sweep() == 1
+    got += await _claim_until_empty(store)
+    assert sorted(got) == new, sorted(set(new) - set(got))
+    assert await store.sweep() == 0
 
 
-async def test_review_an_open_inserting_transaction_makes_every_claim_walk_the_dead_entries(
+async def test_an_open_inserting_transaction_holds_back_the_fence_not_the_cursor(
     db_url: str, store: Store, conn: asyncpg.Connection
 ) -> None:
     """An application transaction that inserted an outbox row and stays open (idle in
-    transaction: the docs' own example of a held snapshot) holds both the xmin horizon and
-    the fence: the cursor cannot pass its id, so each claim walks every dead entry claimed
-    since it began, as before migration 0012 — the lanes buy nothing in that case."""
+    transaction) holds both the xmin horizon and the fence. Found by a review: the cursor
+    could not pass the fence, so each claim walked every dead entry claimed since it began,
+    as before migration 0012."""
     holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
         tx = holder.transaction()
@@ -497,42 +534,104 @@ async def test_review_an_open_inserting_transaction_makes_every_claim_walk_the_d
             assert len(claimed) == 500
             await deliver(store, [(e.id, e.token) for e in claimed])
         await add(conn, 10)
-        claim = queries.render_ops(queries.CLAIM, "public")
-        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
-        cursor = store.fresh_cursor("d")
-        t = conn.transaction()
-        await t.start()
-        try:
-            raw = await conn.fetchval(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim, "d", 100, "x", 30.0,
-                cursor, fence,
-            )
-        finally:
-            await t.rollback()
-        plan = json.loads(raw) if isinstance(raw, str) else raw
-        blocks = sum(
-            int(n["Shared Hit Blocks"] + n["Shared Read Blocks"])
-            for n in _nodes(plan[0]["Plan"])
-            if n.get("Index Name") == "outbox_fresh_idx"
-        )
-        # Both the fresh CTE and the next-cursor subquery walk ~3,000 dead entries.
-        assert blocks < 10, (cursor, fence, blocks)
+        blocks = await fresh_pages(conn, store._cursors["d"], 10)
+        # Before: the fresh CTE and the next cursor's subquery each walked 3,000 dead entries.
+        assert blocks < 15, (store._cursors["d"], blocks)
     finally:
         await holder.close()
 
 
-async def test_review_rows_due_again_starve_an_older_fresh_row(
+async def test_rows_due_again_do_not_go_ahead_of_an_older_fresh_row(
     store: Store, conn: asyncpg.Connection
 ) -> None:
-    """Due rows of the waiting lane always go first, whatever their run_after: a fresh row
-    written before them waits behind every due retry. With a sink that has a few free slots
-    per claim and a steady supply of due retries, a fresh row is never claimed (before 0012,
-    run_after order: it came first)."""
+    """Both lanes are read and their rows claimed in run_after order. Found by a review: the
+    waiting lane went first, whatever its run_after, so with a sink that has a few free slots
+    per claim and a steady supply of due retries, a fresh row was never claimed."""
     (fresh,) = await add(conn, 1)
     await asyncio.sleep(0.05)
-    waiting = await add(conn, 3, run_after=datetime.now(UTC) + timedelta(seconds=0.2))
+    await add(conn, 3, run_after=datetime.now(UTC) + timedelta(seconds=0.2))
     await asyncio.sleep(0.3)
     order = []
     for _ in range(4):
         order += [e.id for e in await store.claim("d", 1)]
     assert order[0] == fresh, order
+
+
+async def test_a_claim_cut_by_its_limit_while_an_insert_is_open_leaves_its_row_for_later(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    late = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = late.transaction()
+        await tx.start()
+        (early,) = await outbox.enqueue_many(late, [{"destination": "d", "payload": {}}])
+        later = await add(conn, 5)
+        got = [e.id for e in await store.claim("d", 2)]
+        got += [e.id for e in await store.claim("d", 2)]
+        await tx.commit()
+    finally:
+        await late.close()
+    for _ in range(4):
+        got += [e.id for e in await store.claim("d", 2)]
+    assert sorted(got) == sorted([early, *later])
+
+
+async def test_a_claim_takes_at_most_its_limit_from_both_lanes(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    await add(conn, 3, run_after=datetime.now(UTC) + timedelta(seconds=0.1))
+    await asyncio.sleep(0.2)
+    await add(conn, 3)
+    assert len(await store.claim("d", 2)) == 2
+    assert len(await store.claim("d", 5)) == 4
+
+
+async def test_a_relay_refuses_a_lane_left_invalid_by_an_interrupted_build(
+    conn: asyncpg.Connection, store: Store
+) -> None:
+    await conn.execute(
+        "UPDATE pg_index SET indisvalid = false WHERE indexrelid = 'outbox_waiting_idx'::regclass"
+    )
+    assert await store.missing_tables() == ['"public"."outbox_waiting_idx" (migration 0012)']
+
+
+async def flush_stats(pool: asyncpg.Pool) -> None:
+    """Make every connection of ``pool`` send its statistics now (they wait up to 10 s)."""
+    conns = [await pool.acquire() for _ in range(pool.get_size())]
+    try:
+        for c in conns:
+            await c.execute("SELECT pg_stat_force_next_flush()")
+    finally:
+        for c in conns:
+            await pool.release(c)
+
+
+async def test_under_a_held_snapshot_the_relays_claims_read_what_came_since_the_last(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Through the store, as the relay claims: the index entries its claim reads, counted by
+    PostgreSQL (idx_tup_read), are a few from its cursor and thousands from the start."""
+    read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_fresh_idx'"
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        for _ in range(6):
+            await add(conn, 500)
+            claimed = await store.claim("d", 500)
+            await deliver(store, [(e.id, e.token) for e in claimed])
+
+        async def entries_read() -> int:
+            await add(conn, 10)
+            await flush_stats(store.pool)
+            before = await conn.fetchval(read)
+            assert len(await store.claim("d", 100)) == 10
+            await flush_stats(store.pool)
+            return int(await conn.fetchval(read) - before)
+
+        from_cursor = await entries_read()
+        store._cursors.clear()  # as after a restart
+        from_start = await entries_read()
+        assert from_cursor < 100 < 3000 < from_start, (from_cursor, from_start)
+    finally:
+        await holder.close()

@@ -19,7 +19,7 @@ async def _claims(conn: asyncpg.Connection, claim: str, rounds: int, batch: int)
         tx = conn.transaction()
         await tx.start()
         started = time.perf_counter()
-        await conn.fetch(claim, DESTINATION, batch, "bench", 30.0, 0, 2**62)
+        await conn.fetch(claim, DESTINATION, batch, "bench", 30.0, 0, 2**62, 0)
         times.append((time.perf_counter() - started) * 1000)
         await tx.rollback()  # leave the pending rows for the next round
     return times
