@@ -635,3 +635,244 @@ async def test_under_a_held_snapshot_the_relays_claims_read_what_came_since_the_
         assert from_cursor < 100 < 3000 < from_start, (from_cursor, from_start)
     finally:
         await holder.close()
+
+
+# --- second review (i27-review2): tests that fail on a72004a --------------------------------
+
+
+async def test_review2_a_late_commit_is_claimed_while_another_insert_holds_the_fence(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Commit order is not id order: row x commits after x + 1, which the claim took, so the
+    cursor passed x. An application session left idle in transaction after an outbox insert of
+    another destination holds the fence below x; the late lane reads only up to the fence, so
+    x waits for that unrelated session to end (for ever, with no idle timeout). Before 0012 the
+    unordered claim took it at once."""
+    idle = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await idle.execute("BEGIN")
+        await outbox.enqueue_many(idle, [{"destination": "other", "payload": {}}])
+        tx = slow.transaction()
+        await tx.start()
+        (x,) = await outbox.enqueue_many(slow, [{"destination": "d", "payload": {}}])
+        (after,) = await add(conn, 1)
+        assert await claim_all(store) == [after]
+        await tx.commit()
+        got: list[int] = []
+        for _ in range(3):
+            got += await claim_all(store)
+        assert got == [x], (got, store._cursors["d"])
+    finally:
+        await idle.close()
+        await slow.close()
+
+
+async def test_review2_with_retention_zero_an_empty_table_sends_no_claim_through_dead_entries(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """retention = 0 deletes delivered rows as they are recorded: a relay that has caught up
+    polls an empty table, FENCE's max(id) is 0, and the claim sets `seen` to 0. The next claim's
+    late lane then reads (0, cursor]: every dead entry a held snapshot kept, after every idle
+    poll, as before migration 0012."""
+    read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_fresh_idx'"
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
+    store = Store(pool, "public", "lanes", 30.0, delete_delivered=True)
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        for _ in range(6):
+            await add(conn, 500)
+            claimed = await store.claim("d", 500)
+            await deliver(store, [(e.id, e.token) for e in claimed])
+        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+        assert await store.claim("d", 100) == []  # an idle poll
+        await add(conn, 10)
+        await flush_stats(pool)
+        before = await conn.fetchval(read)
+        assert len(await store.claim("d", 100)) == 10
+        await flush_stats(pool)
+        entries = int(await conn.fetchval(read) - before)
+        assert entries < 100, (entries, store._cursors["d"])
+    finally:
+        await holder.close()
+        await pool.close()
+
+
+async def test_review2_under_a_held_snapshot_the_waiting_lane_reads_only_what_came_since(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Every row retried (or reaped, released, enqueued for later) and claimed again leaves a
+    dead entry in outbox_waiting_idx at its old run_after; the waiting lane reads from the start
+    of the destination's due range every claim, so under a held snapshot each claim reads every
+    retry claimed since the snapshot began."""
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        for _ in range(6):
+            await add(conn, 500)
+            claimed = await store.claim("d", 500)
+            await store.record(
+                [Record(e.id, e.token, "pending", 1, 0.0, "503", "d") for e in claimed]
+            )
+            again = await store.claim("d", 500)
+            assert len(again) == 500
+            await deliver(store, [(e.id, e.token) for e in again])
+        await add(conn, 10)
+        claim = queries.render_ops(queries.CLAIM, "public")
+        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
+        cursor, seen = store._cursors["d"]
+        tx = conn.transaction()
+        await tx.start()
+        try:
+            raw = await conn.fetchval(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim,
+                "d",
+                100,
+                "x",
+                30.0,
+                cursor,
+                fence,
+                seen,
+            )
+        finally:
+            await tx.rollback()
+        plan = json.loads(raw) if isinstance(raw, str) else raw
+        waiting = sum(
+            int(n["Shared Hit Blocks"] + n["Shared Read Blocks"])
+            for n in _nodes(plan[0]["Plan"])
+            if n.get("Index Name") == "outbox_waiting_idx"
+        )
+        assert waiting < 20, waiting
+    finally:
+        await holder.close()
+
+
+class _Paused(Store):
+    """A store whose claim statement waits for ``go`` once it has read its cursor."""
+
+    go: asyncio.Event
+    entered: asyncio.Event
+
+    async def _call(self, method: str, sql: str, *args: Any) -> Any:
+        if sql == self._claim and not self.go.is_set():
+            self.entered.set()
+            await self.go.wait()
+        return await super()._call(method, sql, *args)
+
+
+async def test_review2_a_sweep_that_runs_during_a_claim_is_not_undone_by_it(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """The sweep is a job of its own, beside the claim loop: a claim in flight when the sweep
+    rewinds a destination writes back the cursor it computed from the old one, and the rows the
+    sweep found wait for the next sweep (5 minutes), though it logged "claiming them now"."""
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
+    store = _Paused(pool, "public", "lanes", 30.0)
+    store.go, store.entered = asyncio.Event(), asyncio.Event()
+    store.go.set()
+    try:
+        ids = await add(conn, 50)
+        assert await _claim_until_empty(store) == ids
+        await conn.execute("DELETE FROM outbox WHERE id > 40")
+        await conn.execute("SELECT setval(pg_get_serial_sequence('outbox', 'id'), 40)")
+        new = await add(conn, 5)  # ids 41..45, below `seen`
+        store.go.clear()
+        store.entered.clear()
+        claiming = asyncio.create_task(store.claim("d", 100))
+        await store.entered.wait()
+        assert await store.sweep() == 1
+        store.go.set()
+        got = [e.id for e in await claiming]
+        got += await _claim_until_empty(store)
+        assert sorted(got) == new, (got, store._cursors["d"])
+    finally:
+        await pool.close()
+
+
+async def test_review2_a_waiting_lane_built_by_the_first_0012_is_used_or_refused(
+    conn: asyncpg.Connection, store: Store
+) -> None:
+    """0012 was edited in place (claims > 0 became claims <> 0); a schema migrated by the first
+    version keeps its index (the migration is recorded, never run again). The claim's predicate
+    `claims <> 0` does not imply `claims > 0`, so the waiting lane cannot use that index, and
+    the relay starts anyway (missing_tables checks only that the index is valid)."""
+    await conn.execute("DROP INDEX outbox_waiting_idx")
+    await conn.execute(
+        "CREATE INDEX outbox_waiting_idx ON outbox (destination, run_after, id) "
+        "WHERE status = 'pending' AND (claims > 0 OR run_after > created_at)"
+    )
+    if await store.missing_tables():
+        return  # refused: fine
+    claim = queries.render_ops(queries.CLAIM, "public")
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        await conn.execute("SET LOCAL enable_seqscan = off")
+        raw = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim, "d", 100, "x", 30.0, 0, 0, 0)
+    finally:
+        await tx.rollback()
+    plan = json.loads(raw) if isinstance(raw, str) else raw
+    used = [n.get("Index Name") for n in _nodes(plan[0]["Plan"]) if n.get("Index Name")]
+    # With 0012 as it is now: outbox_waiting_idx, outbox_fresh_idx (the three reads of each).
+    assert "outbox_waiting_idx" in used and "outbox_claim_idx" not in used, used
+
+
+async def test_review2_with_retention_zero_the_fence_of_an_idle_poll_reads_few_entries(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """FENCE's max(id) reads the primary key from its end: with retention = 0 and a held
+    snapshot, a caught-up relay's every poll (a fence per claim) walks back over every deleted
+    row's entry to find that the table is empty."""
+    read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_pkey'"
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
+    store = Store(pool, "public", "lanes", 30.0, delete_delivered=True)
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        for _ in range(6):
+            await add(conn, 500)
+            claimed = await store.claim("d", 500)
+            await deliver(store, [(e.id, e.token) for e in claimed])
+        await flush_stats(pool)
+        before = await conn.fetchval(read)
+        assert await store.claim("d", 100) == []  # an idle poll
+        await flush_stats(pool)
+        entries = int(await conn.fetchval(read) - before)
+        assert entries < 100, entries
+    finally:
+        await holder.close()
+        await pool.close()
+
+
+async def test_review2_late_rows_the_claim_does_not_take_stay_above_seen(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Late commits the claim's late lane does not take (its limit, another relay's claim in
+    progress that rolls back) must keep `seen` below them. No earlier test has a late row the
+    claim leaves: with the next `seen` taken as least(fence, cursor) every test still passes."""
+    slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = slow.transaction()
+        await tx.start()
+        early = await outbox.enqueue_many(
+            slow, [{"destination": "d", "payload": {"n": i}} for i in range(3)]
+        )
+        later = await add(conn, 2)
+        assert await claim_all(store) == later
+        await tx.commit()
+    finally:
+        await slow.close()
+    other = conn.transaction()
+    await other.start()
+    # Another relay's claim in progress holds the last late row.
+    await conn.execute("SELECT id FROM outbox WHERE id = $1 FOR UPDATE", early[2])
+    got = [e.id for e in await store.claim("d", 1)]  # the late lane's limit cuts it
+    got += [e.id for e in await store.claim("d", 1)]
+    await other.rollback()
+    for _ in range(3):
+        got += await claim_all(store)
+    assert got == early, (got, store._cursors["d"])
