@@ -28,7 +28,7 @@ def render_ops(sql: str, schema: str) -> str:
     )
 
 
-# The claim: one statement per destination ($1), read right after FENCE ($6, see below). Pick
+# The claim: one statement per destination ($1), right after FENCE (see below). Pick
 # its claimable rows, skip rows other relays are locking, mark them running under this relay's
 # lease, return them. The index ranges are the destination's own, so other destinations'
 # backlogs cost nothing.
@@ -44,16 +44,19 @@ def render_ops(sql: str, schema: str) -> str:
 # each lane, and the $2 first in run_after order are claimed: neither lane can starve the other.
 #
 # Ids are drawn at insert and seen at commit, so the cursor passes ids of transactions still
-# open, whose rows may commit later. $7 marks how far every fresh row has been seen: each one
-# at or below it was claimed, or taken by another relay (SKIP LOCKED), or never will be; it is
-# never past the fence $6 (every id up to the fence belongs to a finished transaction). Each
-# claim also reads the fresh rows between $7 and the fence, up to the cursor, once: those that
-# committed late. A transaction left open after an insert holds the fence back, not the cursor.
+# open, whose rows may commit later. Each claim also reads the fresh rows after $7 up to the
+# cursor: those that may have committed late since the previous claim. The relay computes $7
+# from what FENCE read before this claim and the one before (see Store.claim): the keys of the
+# inserting transactions that were open then and have ended since (each one's ids are above
+# its key), the highest id visible at the previous reading ($6 now: a transaction that began
+# after a reading takes a key above it) and the first row the previous claim left in that
+# range. A transaction left open after an insert holds back none of this: its rows are read
+# once, when it ends.
 #
 # The last row of the result (id -1) carries the next cursor in `key` (below the first fresh row
 # this claim saw pending and did not claim: rows other relays are claiming at this moment are
-# seen pending, so a claim that rolls back leaves its rows ahead of the cursor) and the next $7
-# in `content_type`. tests/test_claim_lanes.py holds these rules and the plans.
+# seen pending, so a claim that rolls back leaves its rows ahead of the cursor) and the next
+# $7 in `content_type`. tests/test_claim_lanes.py holds these rules and the plans.
 _FRESH = "status = 'pending' AND claims = 0 AND run_after <= created_at"
 _FRESH_O = "o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at"
 CLAIM = f"""
@@ -67,7 +70,7 @@ WITH waiting AS (
 ),
 late AS (
     SELECT id, run_after FROM {{table}}
-    WHERE destination = $1 AND {_FRESH} AND id > $7::bigint AND id <= least($6::bigint, $5::bigint)
+    WHERE destination = $1 AND {_FRESH} AND id > $7::bigint AND id <= $5::bigint
       AND run_after <= now()
     ORDER BY id
     LIMIT $2
@@ -110,7 +113,7 @@ SELECT -1, NULL, n.cursor::text,
        NULL, least($6::bigint, n.cursor, coalesce(
            (SELECT min(o.id) - 1 FROM {{table}} AS o
             WHERE o.destination = $1 AND {_FRESH_O}
-              AND o.id > $7::bigint AND o.id <= least($6::bigint, $5::bigint)
+              AND o.id > $7::bigint AND o.id <= $5::bigint
               AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
            n.cursor))::text,
        NULL, 0, NULL, 0, NULL
@@ -407,8 +410,9 @@ TRY_JOB_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay:
 # and counting a destination's pending rows from the start of its range read all of them every
 # stats_interval. Each destination's fresh rows are counted from its floor ($1/$2: what the
 # previous count found, the lowest fresh row then or the fence $3 past it: no fresh row can
-# appear below it, since every id up to the fence belongs to a finished transaction); a floor
-# past the fence (the table was truncated) counts from the start. The destinations counted:
+# appear below it, since every id up to the fence belongs to a finished transaction; a fence
+# that falls, as it does when retention deletes every row, leaves the floor where it was; a
+# truncated table is a new epoch, and the relay counts from the start). The destinations counted:
 # those with a floor, and those of the relay registry; the others (rows of a destination nobody
 # serves, which nobody claims and which so leave no dead entries) are found in the gaps of the
 # index between them. Each destination's lowest fresh row comes back as its next floor.
@@ -427,17 +431,17 @@ gaps AS (
     SELECT lag(destination, 1, '') OVER (ORDER BY destination) AS lo, destination AS hi FROM known
 ),
 fresh AS (
-    SELECT k.destination, s.n, s.lowest, s.oldest FROM known AS k
+    SELECT k.destination, s.n, s.lowest, s.oldest, k.floor FROM known AS k
     CROSS JOIN LATERAL (
         SELECT count(*) AS n, min(o.id) AS lowest, min(o.created_at) AS oldest FROM {table} AS o
         WHERE o.destination = k.destination AND o.status = 'pending' AND o.claims = 0
           AND o.run_after <= o.created_at
-          AND o.id >= CASE WHEN k.floor > $3::bigint + 1 THEN 0 ELSE k.floor END
+          AND o.id >= k.floor
     ) AS s
     UNION ALL
     -- Aggregated inside each gap's LATERAL, so that each gap is a range of the index (the
     -- planner flattens a plain subquery into one scan of the whole index).
-    SELECT s.* FROM gaps AS g
+    SELECT s.*, 0 FROM gaps AS g
     CROSS JOIN LATERAL (
         SELECT o.destination, count(*) AS n, min(o.id) AS lowest, min(o.created_at) AS oldest
         FROM {table} AS o
@@ -446,7 +450,7 @@ fresh AS (
         GROUP BY o.destination
     ) AS s
     UNION ALL
-    SELECT o.destination, count(*), min(o.id), min(o.created_at) FROM {table} AS o
+    SELECT o.destination, count(*), min(o.id), min(o.created_at), 0 FROM {table} AS o
     WHERE o.destination > (SELECT coalesce(max(destination), '') FROM known)
       AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
     GROUP BY o.destination
@@ -458,10 +462,10 @@ waiting AS (
 )
 SELECT a.destination, sum(a.n)::bigint AS rows,
        coalesce(extract(epoch FROM now() - min(a.oldest))::float8, 0) AS oldest_age,
-       least(min(a.lowest), $3::bigint + 1) AS floor
-FROM (SELECT destination, n, lowest, oldest FROM fresh
+       least(min(a.lowest), greatest($3::bigint + 1, max(a.floor))) AS floor
+FROM (SELECT destination, n, lowest, oldest, floor FROM fresh
       UNION ALL
-      SELECT destination, n, NULL, oldest FROM waiting) AS a
+      SELECT destination, n, NULL, oldest, 0 FROM waiting) AS a
 GROUP BY a.destination
 """
 
@@ -527,9 +531,11 @@ SELECT EXISTS (SELECT 1 FROM pg_attribute
                WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)
 """
 
-# A usable index: an interrupted CREATE INDEX CONCURRENTLY leaves an invalid one behind.
+# A usable index (an interrupted CREATE INDEX CONCURRENTLY leaves an invalid one behind) and
+# its predicate, as PostgreSQL prints it.
 INDEX_VALID = """
-SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) AND indisvalid)
+SELECT (SELECT pg_get_expr(indpred, indrelid) FROM pg_index
+        WHERE indexrelid = to_regclass($1) AND indisvalid)
 """
 
 TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
@@ -663,18 +669,28 @@ WITH held AS (
 ),
 fence_keys AS (
     SELECT vxid, k >> 48 AS tag, k & 281474976710655 AS v FROM held
-)
-SELECT least(
-    (SELECT coalesce(min(a.v), 9223372036854775807) FROM fence_keys AS a
-     WHERE a.tag = 1 + mod($1::regclass::oid::bigint, 16383)
-        OR (a.tag = 0 AND NOT EXISTS (SELECT 1 FROM fence_keys AS b
-                                      WHERE b.vxid = a.vxid AND b.tag > 0 AND b.v = a.v))),
-    (SELECT coalesce(max(id), 0) FROM {table})
 ),
+mine AS MATERIALIZED (
+    SELECT a.v FROM fence_keys AS a
+    WHERE a.tag = 1 + mod($1::regclass::oid::bigint, 16383)
+       OR (a.tag = 0 AND NOT EXISTS (SELECT 1 FROM fence_keys AS b
+                                     WHERE b.vxid = a.vxid AND b.tag > 0 AND b.v = a.v))
+),
+top AS MATERIALIZED (
+    -- From a highest id seen before ($2, or 0), which stays a valid cap (those ids were drawn
+    -- before), so that the walk back from the end of the primary key stops there: with
+    -- retention = 0 and a held snapshot, every deleted row's entry lies on that walk.
+    SELECT coalesce(max(id), $2::bigint) AS id FROM {table} WHERE id > $2::bigint
+)
+SELECT least((SELECT coalesce(min(v), 9223372036854775807) FROM mine), (SELECT id FROM top)),
 -- The table's epoch: a TRUNCATE gives it a new file, a restart or a failover a new server
 -- start; either may hand out ids again that the fresh lane's cursor has passed (see CLAIM).
 pg_relation_filenode($1::regclass)::bigint,
-extract(epoch FROM pg_postmaster_start_time())::float8
+extract(epoch FROM pg_postmaster_start_time())::float8,
+-- For the unordered claim (see CLAIM): the highest id visible, and the keys held (each open
+-- inserting transaction's: its ids are above its key).
+(SELECT id FROM top),
+ARRAY(SELECT DISTINCT v FROM mine ORDER BY v)
 """
 
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's keys

@@ -45,7 +45,7 @@ from relay.store import Record, Store
 log = structlog.get_logger("relay")
 
 # Between sweeps for fresh rows below the claims' cursors (see Store.sweep).
-SWEEP_INTERVAL = 300.0
+SWEEP_INTERVAL = 1800.0
 
 __all__ = ["FINAL_BUDGET", "Relay", "RelayStartupError"]
 
@@ -254,7 +254,8 @@ class Relay:
             ("horizon", Horizon(store, self.metrics, rs.snapshot_warning), rs.stats_interval, 0.0),
             ("retention", retention, rs.retention_interval, min(5.0, rs.poll_interval)),
             # Fresh rows below the claims' cursors (ids handed out again by a sequence set
-            # back): rare, and under a held snapshot a read of every dead entry below them.
+            # back): rare, and under a held snapshot a read of every dead entry below them,
+            # which loads the database while it runs.
             ("sweep", self._sweep, SWEEP_INTERVAL, SWEEP_INTERVAL),
         ]
         tasks = {

@@ -7,7 +7,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import asyncpg
@@ -76,6 +76,22 @@ class Record:
 RetentionCursor = tuple[Any, int]
 
 
+# The claim's lanes (migration 0012), and what each one's predicate must say.
+LANES = {"outbox_fresh_idx": "claims = 0", "outbox_waiting_idx": "claims <> 0"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Lane:
+    """Where an unordered destination's claims stand in its fresh rows (see queries.CLAIM):
+    the cursor, where the next claim's read of late commits begins, and what FENCE read before
+    the last claim (the highest id then visible, the open inserts' keys)."""
+
+    cursor: int = 0
+    recheck: int = 0
+    top: int = 0
+    held: frozenset[int] = frozenset()
+
+
 @dataclass(slots=True)
 class RetentionBatch:
     """What one retention batch did: rows deleted, whether more may be due, where it
@@ -111,8 +127,12 @@ class Store:
         self._claim = sql(queries.CLAIM)
         # Per unordered destination, where its next claim of fresh rows starts and up to where
         # every fresh row has been seen (see CLAIM), and the table's epoch they hold for.
-        self._cursors: dict[str, tuple[int, int]] = {}
+        self._cursors: dict[str, _Lane] = {}
+        self._rewinds: dict[str, int] = {}
+        self._claiming: set[str] = set()
         self._epoch: tuple[object, ...] = ()
+        self._stats_epoch: tuple[object, ...] = ()
+        self._stats_top = 0
         self._fresh_below = sql(queries.FRESH_BELOW)
         # Per destination, below which the pending gauges need not count (see
         # PENDING_BY_DESTINATION).
@@ -194,10 +214,19 @@ class Store:
             missing.append(f"{self._relays_table}.circuits (migration 0010)")
         if not missing:
             # The claim's lanes: without them it would read the whole table, claim after claim.
-            for index in ("outbox_fresh_idx", "outbox_waiting_idx"):
+            for index, holds in LANES.items():
                 name = queries.qualified_table(self.schema, index)
-                if not await self._call("fetchval", queries.INDEX_VALID, name):
+                predicate = await self._call("fetchval", queries.INDEX_VALID, name)
+                if predicate is None:
                     missing.append(f"{name} (migration 0012)")
+                elif holds not in predicate:
+                    # Built by a first version of 0012 (on main for a day, never released),
+                    # which `migrate` does not run again.
+                    missing.append(
+                        f"{name} as migration 0012 builds it now (it holds {predicate}): "
+                        f"DROP INDEX CONCURRENTLY {name}; then run its CREATE INDEX from "
+                        "migrations/0012_claim_lanes.sql"
+                    )
         return missing
 
     async def missing_privileges(self) -> list[str]:
@@ -248,7 +277,13 @@ class Store:
             if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:stats"):
                 return None
             # Two statements, in this order: the count's snapshot must be younger than the fence.
-            safe_id = await conn.fetchval(self._fence, self._table)
+            safe_id, *epoch, self._stats_top, _ = await conn.fetchrow(
+                self._fence, self._table, self._stats_top
+            )
+            if tuple(epoch) != self._stats_epoch:  # see claim
+                self._stats_epoch = tuple(epoch)
+                self._stats_floors.clear()
+                safe_id, *_, self._stats_top, _ = await conn.fetchrow(self._fence, self._table, 0)
             floors = self._stats_floors
             rows = await conn.fetch(self._pending, list(floors), list(floors.values()), safe_id)
         self._stats_floors = {r["destination"]: r["floor"] for r in rows}
@@ -319,35 +354,52 @@ class Store:
         fresh rows from where its previous claim ended."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         self.statements["fence"] += 1
-        safe_id, *epoch = await self._call("fetchrow", self._fence, self._table)
+        state = self._cursors.get(destination, _Lane())
+        _, *epoch, top, held = await self._call("fetchrow", self._fence, self._table, state.top)
         if tuple(epoch) != self._epoch:
             # A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
-            # handed out again below where the cursors stand.
+            # handed out again below where the cursors stand, and the fence is read again from
+            # the start.
             self._epoch = tuple(epoch)
             self._cursors.clear()
             self._stats_floors.clear()
-        cursor, seen = self._cursors.get(destination, (0, 0))
+            state = _Lane()
+            _, *epoch, top, held = await self._call("fetchrow", self._fence, self._table, 0)
+        state = self._cursors.get(destination, state)
+        # Inserting transactions open at the previous reading and ended since: their rows
+        # may have committed behind the cursor.
+        ended = state.held.difference(held)
+        recheck = min(state.recheck, *ended) if ended else state.recheck
+        above = max(state.top, top)  # never lower: rows deleted since are no new ids
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
-        rows = await self._call(
-            "fetch",
-            self._claim,
-            destination,
-            limit,
-            self.relay_id,
-            self.lease,
-            cursor,
-            safe_id,
-            seen,
-        )
+        self._claiming.add(destination)
+        try:
+            rows = await self._call(
+                "fetch",
+                self._claim,
+                destination,
+                limit,
+                self.relay_id,
+                self.lease,
+                state.cursor,
+                above,
+                recheck,
+            )
+        finally:
+            self._claiming.discard(destination)
         # The marker row comes last (UNION ALL keeps its branches' order); found by its id.
         marker = rows[-1] if rows[-1][0] == -1 else next(r for r in rows if r[0] == -1)
-        self._cursors[destination] = (int(marker[2]), int(marker[4]))
+        cursor, recheck = int(marker[2]), int(marker[4])
+        rewind = self._rewinds.pop(destination, None)
+        if rewind is not None:  # the sweep found rows below while this claim ran
+            cursor, recheck = min(cursor, rewind), min(recheck, rewind)
+        self._cursors[destination] = _Lane(cursor, recheck, above, frozenset(held))
         return self._envelopes([r for r in rows if r[0] != -1], until)
 
     def fresh_cursor(self, destination: str) -> int:
         """Where the next claim of ``destination``'s fresh rows starts (0: no claim yet)."""
-        return self._cursors.get(destination, (0, 0))[0]
+        return self._cursors.get(destination, _Lane()).cursor
 
     async def sweep(self) -> int:
         """Look below each destination's cursor for fresh rows its claims will not reach
@@ -355,16 +407,19 @@ class Store:
         many destinations had some. Under a held snapshot this reads every dead entry below
         the cursors: the relay runs it every few minutes, off the claim's path."""
         found = 0
-        for destination, (_, seen) in list(self._cursors.items()):
+        for destination, lane in list(self._cursors.items()):
             self.statements["sweep"] += 1
-            lowest = await self._call("fetchval", self._fresh_below, destination, seen)
-            if lowest is not None and destination in self._cursors:
-                cursor, now_seen = self._cursors[destination]
+            lowest = await self._call("fetchval", self._fresh_below, destination, lane.recheck)
+            if lowest is not None:
                 start = lowest - 1
-                self._cursors[destination] = (min(cursor, start), min(now_seen, start))
+                now = self._cursors.get(destination, lane)
+                self._cursors[destination] = replace(
+                    now, cursor=min(now.cursor, start), recheck=min(now.recheck, start)
+                )
+                if destination in self._claiming:
+                    # The claim running now would write its own answer back over this.
+                    self._rewinds[destination] = min(self._rewinds.get(destination, start), start)
                 found += 1
-        # The gauges' floors, likewise: the next count reads from the start.
-        self._stats_floors.clear()
         return found
 
     @staticmethod
@@ -494,7 +549,7 @@ class Store:
         cursor for the next claim (None when the round is over)."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         self.statements["fence"] += 1
-        safe_id = await self._call("fetchval", self._fence, self._table)
+        safe_id = await self._call("fetchval", self._fence, self._table, 0)
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease
         rows = await self._call(

@@ -66,9 +66,9 @@ async def test_a_transaction_that_commits_late_is_not_passed_over(
         (early_id,) = await outbox.enqueue_many(late, [{"destination": "d", "payload": {}}])
         later = await add(conn, 3)
         assert await claim_all(store) == later
-        # The cursor passed the open insert's id; what the claims have seen every row of has not.
-        cursor, seen = store._cursors["d"]
-        assert seen < early_id < cursor
+        # The cursor passed the open insert's id, and its key is among those held.
+        lane = store._cursors["d"]
+        assert early_id < lane.cursor and any(k < early_id for k in lane.held)
         await tx.commit()
     finally:
         await late.close()
@@ -133,13 +133,12 @@ def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
-async def fresh_pages(
-    conn: asyncpg.Connection, state: tuple[int, int], claimable: int, limit: int = 100
-) -> int:
-    """The pages of outbox_fresh_idx a claim of "d" from ``state`` (cursor, seen) reads, in a
-    transaction rolled back (nothing claimed); ``claimable``: the rows it must find."""
+async def fresh_pages(conn: asyncpg.Connection, lane: Any, claimable: int, limit: int = 100) -> int:
+    """The pages of outbox_fresh_idx a claim of "d" from ``lane`` (a store's, or None: from the
+    start) reads, in a transaction rolled back (nothing claimed); ``claimable``: the rows it
+    must find."""
     claim = queries.render_ops(queries.CLAIM, "public")
-    fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
+    cursor, above, recheck = (0, 0, 0) if lane is None else (lane.cursor, lane.top, lane.recheck)
     tx = conn.transaction()
     await tx.start()
     try:
@@ -149,9 +148,9 @@ async def fresh_pages(
             limit,
             "x",
             30.0,
-            state[0],
-            fence,
-            state[1],
+            cursor,
+            above,
+            recheck,
         )
     finally:
         await tx.rollback()
@@ -182,7 +181,7 @@ async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_la
             await deliver(store, [(e.id, e.token) for e in claimed])
         await add(conn, 10)
         from_cursor = await fresh_pages(conn, store._cursors["d"], 10)
-        from_start = await fresh_pages(conn, (0, 0), 10)
+        from_start = await fresh_pages(conn, None, 10)
         assert from_cursor < 20 and from_cursor * 6 < from_start, (from_cursor, from_start)
     finally:
         await holder.close()
@@ -447,7 +446,7 @@ async def test_under_a_held_snapshot_the_pending_gauges_read_only_past_their_flo
         await add(conn, 3)
         assert await gauges(store) == {"d": 3}  # this count walks the dead entries once
         pending = queries.render_ops(queries.PENDING_BY_DESTINATION, "public")
-        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
+        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox", 0)
 
         async def pages_read(floors: dict[str, int]) -> int:
             raw = await conn.fetchval(
@@ -640,7 +639,7 @@ async def test_under_a_held_snapshot_the_relays_claims_read_what_came_since_the_
 # --- second review (i27-review2): tests that fail on a72004a --------------------------------
 
 
-async def test_review2_a_late_commit_is_claimed_while_another_insert_holds_the_fence(
+async def test_a_late_commit_is_claimed_while_another_insert_holds_the_fence(
     db_url: str, store: Store, conn: asyncpg.Connection
 ) -> None:
     """Commit order is not id order: row x commits after x + 1, which the claim took, so the
@@ -668,7 +667,7 @@ async def test_review2_a_late_commit_is_claimed_while_another_insert_holds_the_f
         await slow.close()
 
 
-async def test_review2_with_retention_zero_an_empty_table_sends_no_claim_through_dead_entries(
+async def test_with_retention_zero_an_empty_table_sends_no_claim_through_dead_entries(
     db_url: str, conn: asyncpg.Connection
 ) -> None:
     """retention = 0 deletes delivered rows as they are recorded: a relay that has caught up
@@ -700,56 +699,6 @@ async def test_review2_with_retention_zero_an_empty_table_sends_no_claim_through
         await pool.close()
 
 
-async def test_review2_under_a_held_snapshot_the_waiting_lane_reads_only_what_came_since(
-    db_url: str, store: Store, conn: asyncpg.Connection
-) -> None:
-    """Every row retried (or reaped, released, enqueued for later) and claimed again leaves a
-    dead entry in outbox_waiting_idx at its old run_after; the waiting lane reads from the start
-    of the destination's due range every claim, so under a held snapshot each claim reads every
-    retry claimed since the snapshot began."""
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
-        for _ in range(6):
-            await add(conn, 500)
-            claimed = await store.claim("d", 500)
-            await store.record(
-                [Record(e.id, e.token, "pending", 1, 0.0, "503", "d") for e in claimed]
-            )
-            again = await store.claim("d", 500)
-            assert len(again) == 500
-            await deliver(store, [(e.id, e.token) for e in again])
-        await add(conn, 10)
-        claim = queries.render_ops(queries.CLAIM, "public")
-        fence = await conn.fetchval(queries.render_ops(queries.FENCE, "public"), "outbox")
-        cursor, seen = store._cursors["d"]
-        tx = conn.transaction()
-        await tx.start()
-        try:
-            raw = await conn.fetchval(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + claim,
-                "d",
-                100,
-                "x",
-                30.0,
-                cursor,
-                fence,
-                seen,
-            )
-        finally:
-            await tx.rollback()
-        plan = json.loads(raw) if isinstance(raw, str) else raw
-        waiting = sum(
-            int(n["Shared Hit Blocks"] + n["Shared Read Blocks"])
-            for n in _nodes(plan[0]["Plan"])
-            if n.get("Index Name") == "outbox_waiting_idx"
-        )
-        assert waiting < 20, waiting
-    finally:
-        await holder.close()
-
-
 class _Paused(Store):
     """A store whose claim statement waits for ``go`` once it has read its cursor."""
 
@@ -763,7 +712,7 @@ class _Paused(Store):
         return await super()._call(method, sql, *args)
 
 
-async def test_review2_a_sweep_that_runs_during_a_claim_is_not_undone_by_it(
+async def test_a_sweep_that_runs_during_a_claim_is_not_undone_by_it(
     db_url: str, conn: asyncpg.Connection
 ) -> None:
     """The sweep is a job of its own, beside the claim loop: a claim in flight when the sweep
@@ -792,35 +741,23 @@ async def test_review2_a_sweep_that_runs_during_a_claim_is_not_undone_by_it(
         await pool.close()
 
 
-async def test_review2_a_waiting_lane_built_by_the_first_0012_is_used_or_refused(
+async def test_a_waiting_lane_built_by_the_first_0012_is_refused(
     conn: asyncpg.Connection, store: Store
 ) -> None:
     """0012 was edited in place (claims > 0 became claims <> 0); a schema migrated by the first
-    version keeps its index (the migration is recorded, never run again). The claim's predicate
-    `claims <> 0` does not imply `claims > 0`, so the waiting lane cannot use that index, and
-    the relay starts anyway (missing_tables checks only that the index is valid)."""
+    version keeps its index (the migration is recorded, never run again), which the claim's
+    predicate cannot use. Found by a review: the relay started anyway, and its waiting lane
+    read outbox_claim_idx. It refuses now, saying how to rebuild it."""
     await conn.execute("DROP INDEX outbox_waiting_idx")
     await conn.execute(
         "CREATE INDEX outbox_waiting_idx ON outbox (destination, run_after, id) "
         "WHERE status = 'pending' AND (claims > 0 OR run_after > created_at)"
     )
-    if await store.missing_tables():
-        return  # refused: fine
-    claim = queries.render_ops(queries.CLAIM, "public")
-    tx = conn.transaction()
-    await tx.start()
-    try:
-        await conn.execute("SET LOCAL enable_seqscan = off")
-        raw = await conn.fetchval("EXPLAIN (FORMAT JSON) " + claim, "d", 100, "x", 30.0, 0, 0, 0)
-    finally:
-        await tx.rollback()
-    plan = json.loads(raw) if isinstance(raw, str) else raw
-    used = [n.get("Index Name") for n in _nodes(plan[0]["Plan"]) if n.get("Index Name")]
-    # With 0012 as it is now: outbox_waiting_idx, outbox_fresh_idx (the three reads of each).
-    assert "outbox_waiting_idx" in used and "outbox_claim_idx" not in used, used
+    (missing,) = await store.missing_tables()
+    assert "as migration 0012 builds it now" in missing and "DROP INDEX CONCURRENTLY" in missing
 
 
-async def test_review2_with_retention_zero_the_fence_of_an_idle_poll_reads_few_entries(
+async def test_with_retention_zero_the_fence_of_an_idle_poll_reads_few_entries(
     db_url: str, conn: asyncpg.Connection
 ) -> None:
     """FENCE's max(id) reads the primary key from its end: with retention = 0 and a held
@@ -848,7 +785,7 @@ async def test_review2_with_retention_zero_the_fence_of_an_idle_poll_reads_few_e
         await pool.close()
 
 
-async def test_review2_late_rows_the_claim_does_not_take_stay_above_seen(
+async def test_late_rows_the_claim_does_not_take_are_read_again(
     db_url: str, store: Store, conn: asyncpg.Connection
 ) -> None:
     """Late commits the claim's late lane does not take (its limit, another relay's claim in

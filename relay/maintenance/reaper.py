@@ -26,7 +26,7 @@ UNREAPABLE_FOR = 600.0
 # this margin can leave a lease behind a bounded pass; a full pass finds it.
 MARGIN = 10.0
 # Between full passes (every lease ever ended, a held snapshot's dead entries included).
-FULL_EVERY = 300.0
+FULL_EVERY = 600.0
 REAP_LIMIT = 5000
 
 
