@@ -671,7 +671,7 @@ fence_keys AS (
     SELECT vxid, k >> 48 AS tag, k & 281474976710655 AS v FROM held
 ),
 mine AS MATERIALIZED (
-    SELECT a.v FROM fence_keys AS a
+    SELECT a.vxid, a.v FROM fence_keys AS a
     WHERE a.tag = 1 + mod($1::regclass::oid::bigint, 16383)
        OR (a.tag = 0 AND NOT EXISTS (SELECT 1 FROM fence_keys AS b
                                      WHERE b.vxid = a.vxid AND b.tag > 0 AND b.v = a.v))
@@ -687,10 +687,12 @@ SELECT least((SELECT coalesce(min(v), 9223372036854775807) FROM mine), (SELECT i
 -- start; either may hand out ids again that the fresh lane's cursor has passed (see CLAIM).
 pg_relation_filenode($1::regclass)::bigint,
 extract(epoch FROM pg_postmaster_start_time())::float8,
--- For the unordered claim (see CLAIM): the highest id visible, and the keys held (each open
--- inserting transaction's: its ids are above its key).
+-- For the unordered claim (see CLAIM): the highest id visible, and the keys held, each with its
+-- transaction ("<virtual transaction id>/<key>": two inserts that began together hold the same
+-- key, and one of them ending is news while the other is still open). A transaction's ids
+-- are above its key.
 (SELECT id FROM top),
-ARRAY(SELECT DISTINCT v FROM mine ORDER BY v)
+ARRAY(SELECT DISTINCT vxid || '/' || v FROM mine)
 """
 
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's keys

@@ -89,7 +89,7 @@ class _Lane:
     cursor: int = 0
     recheck: int = 0
     top: int = 0
-    held: frozenset[int] = frozenset()
+    held: frozenset[str] = frozenset()  # "<virtual transaction id>/<key>"
 
 
 @dataclass(slots=True)
@@ -369,7 +369,10 @@ class Store:
         # Inserting transactions open at the previous reading and ended since: their rows
         # may have committed behind the cursor.
         ended = state.held.difference(held)
-        recheck = min(state.recheck, *ended) if ended else state.recheck
+        if ended:
+            recheck = min(state.recheck, *(int(k.rsplit("/", 1)[1]) for k in ended))
+        else:
+            recheck = state.recheck
         above = max(state.top, top)  # never lower: rows deleted since are no new ids
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
