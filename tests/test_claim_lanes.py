@@ -6,6 +6,7 @@ back, a row due later, a row retried, a table truncated under a running relay.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -52,6 +53,27 @@ async def claim_all(store: Store) -> list[int]:
 
 async def deliver(store: Store, ids_tokens: list[tuple[int, int]]) -> None:
     await store.record([Record(i, t, "delivered", 1, 0.0, None, "d") for i, t in ids_tokens])
+
+
+@contextlib.asynccontextmanager
+async def held_snapshot(db_url: str) -> AsyncIterator[None]:
+    """A snapshot held for the block, as a pg_dump or a report holds one."""
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        await holder.fetchval("SELECT count(*) FROM outbox")
+        yield
+    finally:
+        await holder.close()
+
+
+async def churn(store: Store, conn: asyncpg.Connection, rounds: int = 6, n: int = 500) -> None:
+    """Rows enqueued, claimed and delivered: under a held snapshot, dead entries kept."""
+    for _ in range(rounds):
+        await add(conn, n)
+        claimed = await store.claim("d", n)
+        assert len(claimed) == n
+        await deliver(store, [(e.id, e.token) for e in claimed])
 
 
 async def test_a_transaction_that_commits_late_is_not_passed_over(
@@ -172,21 +194,12 @@ async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_la
     """A snapshot held while 3,000 rows are claimed and delivered keeps their dead entries in
     the fresh lane; the next claim from the cursor reads a few pages, from the start of the
     range every dead entry's."""
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
-        for _ in range(6):
-            await add(conn, 500)
-            claimed = await store.claim("d", 500)
-            assert len(claimed) == 500
-            await deliver(store, [(e.id, e.token) for e in claimed])
+    async with held_snapshot(db_url):
+        await churn(store, conn)
         await add(conn, 10)
         from_cursor = await fresh_pages(conn, store._cursors["d"], 10)
         from_start = await fresh_pages(conn, None, 10)
         assert from_cursor < 20 and from_cursor * 6 < from_start, (from_cursor, from_start)
-    finally:
-        await holder.close()
 
 
 async def test_under_a_held_snapshot_the_reaper_passes_over_recent_leases_only(
@@ -195,10 +208,7 @@ async def test_under_a_held_snapshot_the_reaper_passes_over_recent_leases_only(
     """Every claimed row leaves a dead entry in outbox_lease_idx with its lease's end: a
     bounded pass (leases ended in the last seconds) reads a few pages, a full pass all of them;
     both reap the row whose lease just expired."""
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
+    async with held_snapshot(db_url):
         await add(conn, 10_000)
         # Claimed and delivered long ago (their leases ended an hour back), as a held
         # snapshot keeps them.
@@ -237,8 +247,6 @@ async def test_under_a_held_snapshot_the_reaper_passes_over_recent_leases_only(
         await conn.execute("INSERT INTO outbox_relays (relay_id, destinations) VALUES ('r', '{d}')")
         bounded, full = await pages_read(11.0), await pages_read(None)
         assert bounded * 4 < full, (bounded, full)
-    finally:
-        await holder.close()
 
 
 class _Watching(Store):
@@ -437,10 +445,7 @@ async def test_the_pending_gauges_count_from_their_floors_what_a_full_count_coun
 async def test_under_a_held_snapshot_the_pending_gauges_read_only_past_their_floors(
     db_url: str, store: Store, conn: asyncpg.Connection
 ) -> None:
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
+    async with held_snapshot(db_url):
         assert await gauges(store) == {}
         await add(conn, 5000)
         claimed = await store.claim("d", 5000)
@@ -464,8 +469,6 @@ async def test_under_a_held_snapshot_the_pending_gauges_read_only_past_their_flo
         assert floors["d"] > claimed[-1].id
         from_floor, from_start = await pages_read(floors), await pages_read({"d": 0})
         assert from_floor * 4 < from_start, (from_floor, from_start)
-    finally:
-        await holder.close()
 
 
 # --- review (i27-review): tests that fail on the code as it stands -------------------------
@@ -529,11 +532,7 @@ async def test_an_open_inserting_transaction_holds_back_the_fence_not_the_cursor
         tx = holder.transaction()
         await tx.start()
         await outbox.enqueue_many(holder, [{"destination": "other", "payload": {}}])
-        for _ in range(6):
-            await add(conn, 500)
-            claimed = await store.claim("d", 500)
-            assert len(claimed) == 500
-            await deliver(store, [(e.id, e.token) for e in claimed])
+        await churn(store, conn)
         await add(conn, 10)
         blocks = await fresh_pages(conn, store._cursors["d"], 10)
         # Before: the fresh CTE and the next cursor's subquery each walked 3,000 dead entries.
@@ -613,14 +612,8 @@ async def test_under_a_held_snapshot_the_relays_claims_read_what_came_since_the_
     """Through the store, as the relay claims: the index entries its claim reads, counted by
     PostgreSQL (idx_tup_read), are a few from its cursor and thousands from the start."""
     read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_fresh_idx'"
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
-        for _ in range(6):
-            await add(conn, 500)
-            claimed = await store.claim("d", 500)
-            await deliver(store, [(e.id, e.token) for e in claimed])
+    async with held_snapshot(db_url):
+        await churn(store, conn)
 
         async def entries_read() -> int:
             await add(conn, 10)
@@ -634,8 +627,6 @@ async def test_under_a_held_snapshot_the_relays_claims_read_what_came_since_the_
         store._cursors.clear()  # as after a restart
         from_start = await entries_read()
         assert from_cursor < 100 < 3000 < from_start, (from_cursor, from_start)
-    finally:
-        await holder.close()
 
 
 # --- second review (i27-review2): tests that fail on a72004a --------------------------------
@@ -679,25 +670,19 @@ async def test_with_retention_zero_an_empty_table_sends_no_claim_through_dead_en
     read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_fresh_idx'"
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
     store = Store(pool, "public", "lanes", 30.0, delete_delivered=True)
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
-        for _ in range(6):
-            await add(conn, 500)
-            claimed = await store.claim("d", 500)
-            await deliver(store, [(e.id, e.token) for e in claimed])
-        assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
-        assert await store.claim("d", 100) == []  # an idle poll
-        await add(conn, 10)
-        await flush_stats(pool)
-        before = await conn.fetchval(read)
-        assert len(await store.claim("d", 100)) == 10
-        await flush_stats(pool)
-        entries = int(await conn.fetchval(read) - before)
-        assert entries < 100, (entries, store._cursors["d"])
+        async with held_snapshot(db_url):
+            await churn(store, conn)
+            assert await conn.fetchval("SELECT count(*) FROM outbox") == 0
+            assert await store.claim("d", 100) == []  # an idle poll
+            await add(conn, 10)
+            await flush_stats(pool)
+            before = await conn.fetchval(read)
+            assert len(await store.claim("d", 100)) == 10
+            await flush_stats(pool)
+            entries = int(await conn.fetchval(read) - before)
+            assert entries < 100, (entries, store._cursors["d"])
     finally:
-        await holder.close()
         await pool.close()
 
 
@@ -768,22 +753,16 @@ async def test_with_retention_zero_the_fence_of_an_idle_poll_reads_few_entries(
     read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_pkey'"
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
     store = Store(pool, "public", "lanes", 30.0, delete_delivered=True)
-    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
-        await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await holder.fetchval("SELECT count(*) FROM outbox")
-        for _ in range(6):
-            await add(conn, 500)
-            claimed = await store.claim("d", 500)
-            await deliver(store, [(e.id, e.token) for e in claimed])
-        await flush_stats(pool)
-        before = await conn.fetchval(read)
-        assert await store.claim("d", 100) == []  # an idle poll
-        await flush_stats(pool)
-        entries = int(await conn.fetchval(read) - before)
-        assert entries < 100, entries
+        async with held_snapshot(db_url):
+            await churn(store, conn)
+            await flush_stats(pool)
+            before = await conn.fetchval(read)
+            assert await store.claim("d", 100) == []  # an idle poll
+            await flush_stats(pool)
+            entries = int(await conn.fetchval(read) - before)
+            assert entries < 100, entries
     finally:
-        await holder.close()
         await pool.close()
 
 
