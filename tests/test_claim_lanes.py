@@ -826,3 +826,55 @@ async def test_a_late_commit_is_claimed_while_an_insert_that_began_with_it_stays
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_late_commit_is_claimed_while_another_insert_holds_an_equal_key(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """Two inserts whose triggers read the sequence before either draws take the same key
+    (any two concurrent inserts can; here a third session holds that key exclusively for a
+    moment so that both triggers read it first). `ended` is a difference of key *values*: when
+    the short insert commits, the long one (an unrelated session left idle in transaction,
+    another destination) still holds the value, so the short insert's row, which the cursor
+    passed, is not read again until the long one ends (or the sweep, every 30 minutes)."""
+    await add(conn, 1)  # the sequence has a value
+    key = await conn.fetchval(
+        "SELECT 4611686018427387904 + ((1 + mod('outbox'::regclass::oid::bigint, 16383)) << 48)"
+        " + pg_sequence_last_value(pg_get_serial_sequence('outbox', 'id')::regclass)"
+    )
+    gate = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    idle = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await gate.execute("SELECT pg_advisory_lock($1::bigint)", key)
+        await idle.execute("BEGIN")
+        await slow.execute("BEGIN")
+        held = asyncio.ensure_future(
+            outbox.enqueue_many(idle, [{"destination": "other", "payload": {}}])
+        )
+        short = asyncio.ensure_future(
+            outbox.enqueue_many(slow, [{"destination": "d", "payload": {}}])
+        )
+        for _ in range(100):  # both triggers have read the sequence and wait for the key
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            )
+            if waiting == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert waiting == 2
+        await gate.execute("SELECT pg_advisory_unlock($1::bigint)", key)
+        await held
+        (x,) = await short
+        (after,) = await add(conn, 1)
+        got = await claim_all(store)
+        assert after in got and x not in got
+        await slow.execute("COMMIT")
+        got = []
+        for _ in range(3):
+            got += await claim_all(store)
+        assert got == [x], (got, store._cursors["d"])
+    finally:
+        await gate.close()
+        await idle.close()
+        await slow.close()
