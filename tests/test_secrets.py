@@ -350,7 +350,7 @@ def test_unexpected_errors_are_scrubbed() -> None:
         import sys
         from relay import cli
         from relay.ops import admin
-        async def status(conn, schema):
+        async def status(conn, schema, **options):
             raise RuntimeError("bug while connected to " + sys.argv[-1])
         admin.status = status
         sys.argv = ["outbox-relay", "status", "--database-url",

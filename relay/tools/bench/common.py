@@ -36,6 +36,8 @@ DESTINATION = "bench"
 # The scratch database is migrated into the default schema.
 TABLE = qualified_table("public")
 SNAPSHOT_APP = "bench-held-snapshot"
+# What a pg_dump reads first: the table, in the snapshot it then holds.
+READ_OUTBOX = "SELECT count(*) FROM " + TABLE
 
 PREFILL = """
 INSERT INTO outbox (destination, key, payload, content_type)
@@ -222,7 +224,7 @@ async def held_snapshot(db_url: str) -> AsyncIterator[HeldSnapshot]:
     )
     try:
         await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await conn.fetchval(f"SELECT count(*) FROM {TABLE}")
+        await conn.fetchval(READ_OUTBOX)
         held.pid = conn.get_server_pid()
         held.xmin = await conn.fetchval(
             "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()"
