@@ -408,7 +408,7 @@ class Store:
         """Look below each destination's cursor for fresh rows its claims will not reach
         (ids handed out again: see queries.FRESH_BELOW) and walk from them again; returns how
         many destinations had some. Under a held snapshot this reads every dead entry below
-        the cursors: the relay runs it every few minutes, off the claim's path."""
+        the cursors: the relay runs it every 30 minutes, off the claim's path."""
         found = 0
         for destination, lane in list(self._cursors.items()):
             self.statements["sweep"] += 1

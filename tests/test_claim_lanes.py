@@ -506,7 +506,7 @@ async def test_ids_handed_out_again_by_a_sequence_set_back_are_found_by_the_swee
     store: Store, conn: asyncpg.Connection
 ) -> None:
     """A sequence set back by hand (rows 41..50 gone, their ids handed out again) leaves no
-    mark on the table or the server: the sweep, every few minutes, finds the fresh rows below
+    mark on the table or the server: the sweep (every 30 minutes) finds the fresh rows below
     the cursor and the claims walk from them again. Found by a review: they stayed pending."""
     ids = await add(conn, 50)
     assert await _claim_until_empty(store) == ids
@@ -664,9 +664,9 @@ async def test_with_retention_zero_an_empty_table_sends_no_claim_through_dead_en
     db_url: str, conn: asyncpg.Connection
 ) -> None:
     """retention = 0 deletes delivered rows as they are recorded: a relay that has caught up
-    polls an empty table, FENCE's max(id) is 0, and the claim sets `seen` to 0. The next claim's
-    late lane then reads (0, cursor]: every dead entry a held snapshot kept, after every idle
-    poll, as before migration 0012."""
+    polls an empty table. Found by a review: FENCE's max(id) was then 0, the mark of rows seen
+    fell to 0, and the next claim re-read (0, cursor]: every dead entry a held snapshot kept,
+    after every idle poll, as before migration 0012."""
     read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_fresh_idx'"
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
     store = Store(pool, "public", "lanes", 30.0, delete_delivered=True)
@@ -702,9 +702,10 @@ class _Paused(Store):
 async def test_a_sweep_that_runs_during_a_claim_is_not_undone_by_it(
     db_url: str, conn: asyncpg.Connection
 ) -> None:
-    """The sweep is a job of its own, beside the claim loop: a claim in flight when the sweep
-    rewinds a destination writes back the cursor it computed from the old one, and the rows the
-    sweep found wait for the next sweep (5 minutes), though it logged "claiming them now"."""
+    """The sweep is a job of its own, beside the claim loop. Found by a review: a claim in
+    flight when the sweep rewound a destination wrote back the cursor it computed from the old
+    one, and the rows the sweep found waited for the next sweep, though it logged "claiming
+    them now". The sweep's rewind now applies after the claim."""
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
     store = _Paused(pool, "public", "lanes", 30.0)
     store.go, store.entered = asyncio.Event(), asyncio.Event()
@@ -747,9 +748,9 @@ async def test_a_waiting_lane_built_by_the_first_0012_is_refused(
 async def test_with_retention_zero_the_fence_of_an_idle_poll_reads_few_entries(
     db_url: str, conn: asyncpg.Connection
 ) -> None:
-    """FENCE's max(id) reads the primary key from its end: with retention = 0 and a held
-    snapshot, a caught-up relay's every poll (a fence per claim) walks back over every deleted
-    row's entry to find that the table is empty."""
+    """FENCE's max(id) reads the primary key from the highest id it saw before. Found by a
+    review: read from the end, with retention = 0 and a held snapshot, a caught-up relay's
+    every poll walked back over every deleted row's entry to find the table empty."""
     read = "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'outbox_pkey'"
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
     store = Store(pool, "public", "lanes", 30.0, delete_delivered=True)

@@ -37,11 +37,11 @@ from relay.cli.options import (
     json_option,
     print_table,
     printable,
+    snapshot_warning_option,
     with_db,
 )
 from relay.durations import FORMS, format_duration
 from relay.ops import admin
-from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 
 T = TypeVar("T")
 
@@ -72,16 +72,7 @@ WATCH_MAX = 3600.0
     help=f"Exit {EXIT_CONDITION} if the oldest pending row, or an enabled endpoint's oldest "
     "pending delivery, is older than this (e.g. 5m).",
 )
-@click.option(
-    "--snapshot-warning",
-    type=Duration(),
-    default=DEFAULT_SNAPSHOT_WARNING,
-    envvar="OUTBOX_RELAY_SNAPSHOT_WARNING",
-    show_envvar=True,
-    metavar="DURATION",
-    help="Name the snapshot or transaction holding back VACUUM when it is older than this "
-    f"(relay.snapshot_warning; default {format_duration(DEFAULT_SNAPSHOT_WARNING)}, 0: never).",
-)
+@snapshot_warning_option
 def status(
     database_url: str,
     schema: str,

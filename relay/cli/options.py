@@ -57,6 +57,23 @@ def database_url_option(func: Any) -> Any:
     )(func)
 
 
+def snapshot_warning_option(func: Any) -> Any:
+    """--snapshot-warning: past this age the snapshot holding back VACUUM is named (status and
+    the console read it as the relay reads relay.snapshot_warning)."""
+    from relay.snapshots import DEFAULT_WARNING
+
+    return click.option(
+        "--snapshot-warning",
+        type=Duration(),
+        default=DEFAULT_WARNING,
+        envvar="OUTBOX_RELAY_SNAPSHOT_WARNING",
+        show_envvar=True,
+        metavar="DURATION",
+        help="Name the snapshot or transaction holding back VACUUM once it is older than this "
+        f"(relay.snapshot_warning; default {format_duration(DEFAULT_WARNING)}, 0: never).",
+    )(func)
+
+
 def warn_schema_deprecation() -> None:
     """Say on stderr that OUTBOX_RELAY_SCHEMA is deprecated, if it is set."""
     message = schema_deprecation()

@@ -7,8 +7,7 @@ import os
 import click
 
 from relay import secrets
-from relay.cli.options import Duration, database_options, echo
-from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
+from relay.cli.options import database_options, echo, snapshot_warning_option
 
 
 @click.command(short_help="Serve the operator console (a web page).")
@@ -29,16 +28,7 @@ from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
     "their actions (or OUTBOX_UI_OPERATORS, a JSON object), instead of the shared token.",
 )
 @click.option("--read-only", is_flag=True, help="Show everything, refuse every action.")
-@click.option(
-    "--snapshot-warning",
-    type=Duration(),
-    default=DEFAULT_SNAPSHOT_WARNING,
-    envvar="OUTBOX_RELAY_SNAPSHOT_WARNING",
-    show_envvar=True,
-    metavar="DURATION",
-    help="Name the snapshot holding back VACUUM on every page once it is older than this "
-    "(relay.snapshot_warning; 0: never).",
-)
+@snapshot_warning_option
 def ui(
     database_url: str,
     schema: str,
