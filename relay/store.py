@@ -17,6 +17,7 @@ from outbox.errors import describe
 from outbox.status import Status
 from relay import queries
 from relay.model import Envelope, Lease, UnreadableHeaders, epoch
+from relay.session import SESSION_SETTINGS
 from relay.snapshots import SnapshotHolder, oldest_holder
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
@@ -664,5 +665,6 @@ async def create_pool(
             # A plan cached while the table was empty turns into a seq scan + sort once it
             # fills up; plan every claim against current statistics instead.
             "plan_cache_mode": "force_custom_plan",
+            **SESSION_SETTINGS,
         },
     )

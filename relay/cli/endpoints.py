@@ -37,6 +37,7 @@ from relay.cli.options import (
     printable,
 )
 from relay.ops import queries
+from relay.session import SESSION_SETTINGS
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -118,7 +119,7 @@ def _engine(database_url: str) -> AsyncEngine:
         hide_parameters=True,  # a secret is a parameter, and errors quote parameters
         connect_args={
             "timeout": 10,
-            "server_settings": {"application_name": "outbox-relay-cli"},
+            "server_settings": {"application_name": "outbox-relay-cli", **SESSION_SETTINGS},
         },
     )
 

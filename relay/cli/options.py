@@ -30,6 +30,7 @@ from relay.config import ConfigError, schema_from_environment
 from relay.config.environment import log_schema_deprecation, schema_deprecation
 from relay.durations import format_duration, parse_duration, parse_since
 from relay.ops import admin
+from relay.session import SESSION_SETTINGS
 
 if TYPE_CHECKING:
     from relay.config import Settings
@@ -245,7 +246,7 @@ def with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[
     async def go() -> T:
         conn = await asyncpg.connect(
             to_asyncpg_dsn(database_url),
-            server_settings={"application_name": "outbox-relay-cli"},
+            server_settings={"application_name": "outbox-relay-cli", **SESSION_SETTINGS},
             timeout=10,
         )
         try:

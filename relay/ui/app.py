@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from outbox.dburl import to_asyncpg_dsn
 from outbox.errors import describe
 from relay.ops.admin import AdminError
+from relay.session import SESSION_SETTINGS
 from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 from relay.store import UNAVAILABLE
 from relay.ui import actions, pages
@@ -71,6 +72,7 @@ class Console:
                         server_settings={
                             "application_name": "outbox-relay console",
                             "statement_timeout": str(STATEMENT_TIMEOUT_MS),
+                            **SESSION_SETTINGS,
                         },
                     )
         async with self.pool.acquire() as conn:
@@ -101,6 +103,7 @@ class Console:
                     "server_settings": {
                         "application_name": "outbox-relay console",
                         "statement_timeout": str(STATEMENT_TIMEOUT_MS),
+                        **SESSION_SETTINGS,
                     }
                 },
             )
