@@ -28,7 +28,7 @@ def render_ops(sql: str, schema: str) -> str:
     )
 
 
-# The claim: one statement per destination ($1), right after FENCE (see below). Pick
+# The claim: one statement per destination ($1), after FENCE (see below). Pick
 # its claimable rows, skip rows other relays are locking, mark them running under this relay's
 # lease, return them. The index ranges are the destination's own, so other destinations'
 # backlogs cost nothing.
@@ -59,33 +59,45 @@ def render_ops(sql: str, schema: str) -> str:
 # $7 in `content_type`. tests/test_claim_lanes.py holds these rules and the plans.
 _FRESH = "status = 'pending' AND claims = 0 AND run_after <= created_at"
 _FRESH_O = "o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at"
-CLAIM = f"""
-WITH waiting AS (
-    SELECT id, run_after FROM {{table}}
-    WHERE destination = $1 AND status = 'pending' AND (claims <> 0 OR run_after > created_at)
-      AND run_after <= now()
-    ORDER BY run_after, id
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-),
+
+
+def _claim(late: bool) -> str:
+    """CLAIM, or CLAIM_FRESH without the read of late commits (see below)."""
+    late_cte = f"""
 late AS (
-    SELECT id, run_after FROM {{table}}
+    SELECT id, run_after, ctid FROM {{table}}
     WHERE destination = $1 AND {_FRESH} AND id > $7::bigint AND id <= $5::bigint
       AND run_after <= now()
     ORDER BY id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
-),
+),"""
+    late_union = "SELECT * FROM late UNION ALL "
+    late_rest = f"""coalesce(
+           (SELECT min(o.id) - 1 FROM {{table}} AS o
+            WHERE o.destination = $1 AND {_FRESH_O}
+              AND o.id > $7::bigint AND o.id <= $5::bigint
+              AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
+           n.cursor)"""
+    return f"""
+WITH waiting AS (
+    SELECT id, run_after, ctid FROM {{table}}
+    WHERE destination = $1 AND status = 'pending' AND (claims <> 0 OR run_after > created_at)
+      AND run_after <= now()
+    ORDER BY run_after, id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+),{late_cte if late else ""}
 fresh AS (
-    SELECT id, run_after FROM {{table}}
+    SELECT id, run_after, ctid FROM {{table}}
     WHERE destination = $1 AND {_FRESH} AND id > $5::bigint AND run_after <= now()
     ORDER BY id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
 chosen AS (
-    SELECT c.id FROM (
-        SELECT * FROM waiting UNION ALL SELECT * FROM late UNION ALL SELECT * FROM fresh
+    SELECT c.id, c.ctid FROM (
+        SELECT * FROM waiting UNION ALL {late_union if late else ""}SELECT * FROM fresh
     ) AS c
     ORDER BY c.run_after, c.id
     LIMIT $2
@@ -94,7 +106,7 @@ claimed AS (
     UPDATE {{table}} AS o
     SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
         claims = o.claims + 1
-    WHERE o.id = ANY(ARRAY(SELECT id FROM chosen))
+    WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM chosen))
     RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
               o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
               o.event_type
@@ -110,15 +122,17 @@ next_cursor AS MATERIALIZED (
 SELECT * FROM claimed
 UNION ALL
 SELECT -1, NULL, n.cursor::text,
-       NULL, least($6::bigint, n.cursor, coalesce(
-           (SELECT min(o.id) - 1 FROM {{table}} AS o
-            WHERE o.destination = $1 AND {_FRESH_O}
-              AND o.id > $7::bigint AND o.id <= $5::bigint
-              AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
-           n.cursor))::text,
+       NULL, least($6::bigint, n.cursor{", " + late_rest if late else ""})::text,
        NULL, 0, NULL, 0, NULL
 FROM next_cursor AS n
 """
+
+
+CLAIM = _claim(late=True)
+# CLAIM when the late commits' range ($7, $5] is empty, as it is on a drain (every row was
+# visible before the claim began): the same answer without two of its reads, whose planning
+# is a tenth of the claim's cost (force_custom_plan plans each claim anew). $7 is not passed.
+CLAIM_FRESH = _claim(late=False)
 
 # Fresh rows of a destination at or below where its claims have seen every one ($2): none, but
 # for ids handed out again (a sequence set back by hand; a table truncated, or a failover, are
@@ -648,8 +662,9 @@ SELECT ARRAY(SELECT id FROM locked) AS ids,
 
 
 # The visibility fence (see migrations/0003), read in a statement of its own *before* the
-# ordered claim, whose snapshot must be younger than this reading: a transaction that commits
-# between a claim's snapshot and its reading of pg_locks would release its lock while its
+# claims, whose snapshot must be younger than this reading (a claim that follows a full batch
+# at once may go on the previous reading, older still: see Store.claim): a transaction that
+# commits between a claim's snapshot and its reading of pg_locks would release its lock while its
 # rows stay invisible to that claim. Every id up to the result belongs to a transaction that
 # had finished when it was read: the smallest fence key still held (taken before its holder
 # drew any id), capped at the highest id then visible (ids are drawn in increasing order, so

@@ -693,7 +693,7 @@ class _Paused(Store):
     entered: asyncio.Event
 
     async def _call(self, method: str, sql: str, *args: Any) -> Any:
-        if sql == self._claim and not self.go.is_set():
+        if sql in (self._claim, self._claim_fresh) and not self.go.is_set():
             self.entered.set()
             await self.go.wait()
         return await super()._call(method, sql, *args)
@@ -879,3 +879,96 @@ async def test_a_late_commit_is_claimed_while_another_insert_holds_an_equal_key(
         await gate.close()
         await idle.close()
         await slow.close()
+
+
+# --- a drain's claims go on one FENCE reading (Store.claim, FENCE_REUSE) --------------------
+
+
+async def test_a_drains_claims_read_the_fence_once_while_its_rows_were_visible_then(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    """FENCE before every claim was about a twentieth of a drain's database time (planning,
+    mostly). A claim that follows a full batch goes on the previous reading while the cursor
+    is below the highest id that reading saw, and reads it again past it."""
+    first = await add(conn, 1000)
+    got = await claim_all(store)
+    read = store.statements["fence"]  # the first claim reads twice (it learns the epoch)
+    for _ in range(9):
+        got += await claim_all(store)
+    assert got == first
+    assert store.statements["fence"] == read, store.statements
+    assert store.statements["claim"] == 10
+    # Rows written since: the cursor has reached the reading's highest id, so the next
+    # claim reads the fence again (or the late range would reach from that id onwards).
+    second = await add(conn, 50)
+    assert await claim_all(store) == second
+    assert store.statements["fence"] == read + 1, store.statements
+
+
+async def test_a_partial_batch_ends_the_drain_and_the_next_claim_reads_the_fence(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    await add(conn, 150)
+    assert len(await claim_all(store)) == 100
+    read = store.statements["fence"]
+    assert len(await claim_all(store)) == 50  # went on the first reading
+    assert store.statements["fence"] == read
+    await add(conn, 10)
+    assert len(await claim_all(store)) == 10
+    assert store.statements["fence"] == read + 1, store.statements
+
+
+async def test_an_old_reading_is_not_reused(
+    store: Store, conn: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await add(conn, 300)
+    assert len(await claim_all(store)) == 100
+    read = store.statements["fence"]
+    monkeypatch.setattr("relay.store.FENCE_REUSE", 0.0)
+    assert len(await claim_all(store)) == 100
+    assert store.statements["fence"] == read + 1, store.statements
+
+
+async def test_a_late_commit_during_a_drain_on_one_reading_is_claimed(
+    db_url: str, store: Store, conn: asyncpg.Connection
+) -> None:
+    """An insert open while a drain's claims go on one reading, and committing in the middle:
+    the reading still counts it as open, so its end is seen at the next reading, and its row,
+    which the cursor passed, is claimed then, once."""
+    slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = slow.transaction()
+        await tx.start()
+        (x,) = await outbox.enqueue_many(slow, [{"destination": "d", "payload": {}}])
+        rest = await add(conn, 500)
+        got = await claim_all(store)
+        assert got == rest[:100] and store.fresh_cursor("d") > x
+        await tx.commit()
+        for _ in range(8):
+            got += await claim_all(store)
+        assert sorted(got) == sorted([x, *rest]), (len(got), x in got)
+        assert Counter(got).most_common(1)[0][1] == 1
+    finally:
+        await slow.close()
+
+
+async def test_the_claim_without_a_late_range_is_the_claim_with_an_empty_one(
+    store: Store, conn: asyncpg.Connection
+) -> None:
+    """CLAIM_FRESH is CLAIM without the read of late commits, for claims whose late range
+    ($7, $5] is empty; both answer alike there, the marker row included."""
+    ids = await add(conn, 30)
+    args = ("d", 10, "lanes", 30.0, ids[4], ids[-1])
+    answers = []
+    async with store.pool.acquire() as c:
+        for sql, extra in ((store._claim_fresh, ()), (store._claim, (ids[4],))):
+            tx = c.transaction()
+            await tx.start()
+            try:
+                answers.append([tuple(r) for r in await c.fetch(sql, *args, *extra)])
+            finally:
+                await tx.rollback()
+    fresh, full = answers
+    assert fresh == full
+    assert [r[0] for r in fresh[:-1]] == ids[5:15]
+    assert fresh[-1][0] == -1 and int(fresh[-1][2]) == ids[14] and int(fresh[-1][4]) == ids[14]

@@ -868,3 +868,26 @@ async def test_a_keys_head_behind_failed_rows(db_url: str, store: Store, park: b
     # row and k2 waits for its running one.
     assert got == (sorted([h1, p1]) if park else [h1])
     assert p2 not in got and q1 not in got
+
+
+async def test_an_ordered_drains_claims_read_the_fence_once(db_url: str, store: Store) -> None:
+    """As the unordered claim's (test_claim_lanes): a claim that follows a full batch at once
+    goes on the previous FENCE reading; a fence read earlier is no higher, so nothing behind an
+    insert still open can go. A batch that is not full ends it."""
+    conn = await connect(db_url)
+    try:
+        for i in range(25):
+            await add(conn, f"k{i:02}")
+        rows, cursor = await store.claim_ordered("o", 10, False, 40, None)
+        read = store.statements["fence"]
+        got = [e.id for e in rows]
+        while cursor is not None:
+            rows, cursor = await store.claim_ordered("o", 10, False, 40, cursor)
+            got += [e.id for e in rows]
+        assert len(got) == 25 and len(set(got)) == 25
+        assert store.statements["fence"] == read, store.statements  # full, full, then 5
+        await add(conn, "k99")
+        rows, _ = await store.claim_ordered("o", 10, False, 40, None)
+        assert len(rows) == 1 and store.statements["fence"] == read + 1
+    finally:
+        await conn.close()
