@@ -65,7 +65,7 @@ def _claim(late: bool) -> str:
     """CLAIM, or CLAIM_FRESH without the read of late commits (see below)."""
     late_cte = f"""
 late AS (
-    SELECT id, run_after, ctid FROM {{table}}
+    SELECT id, run_after FROM {{table}}
     WHERE destination = $1 AND {_FRESH} AND id > $7::bigint AND id <= $5::bigint
       AND run_after <= now()
     ORDER BY id
@@ -81,7 +81,7 @@ late AS (
            n.cursor)"""
     return f"""
 WITH waiting AS (
-    SELECT id, run_after, ctid FROM {{table}}
+    SELECT id, run_after FROM {{table}}
     WHERE destination = $1 AND status = 'pending' AND (claims <> 0 OR run_after > created_at)
       AND run_after <= now()
     ORDER BY run_after, id
@@ -89,14 +89,14 @@ WITH waiting AS (
     FOR UPDATE SKIP LOCKED
 ),{late_cte if late else ""}
 fresh AS (
-    SELECT id, run_after, ctid FROM {{table}}
+    SELECT id, run_after FROM {{table}}
     WHERE destination = $1 AND {_FRESH} AND id > $5::bigint AND run_after <= now()
     ORDER BY id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
 chosen AS (
-    SELECT c.id, c.ctid FROM (
+    SELECT c.id FROM (
         SELECT * FROM waiting UNION ALL {late_union if late else ""}SELECT * FROM fresh
     ) AS c
     ORDER BY c.run_after, c.id
@@ -106,7 +106,7 @@ claimed AS (
     UPDATE {{table}} AS o
     SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
         claims = o.claims + 1
-    WHERE o.ctid = ANY(ARRAY(SELECT ctid FROM chosen))
+    WHERE o.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
               o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
               o.event_type
@@ -661,18 +661,17 @@ SELECT ARRAY(SELECT id FROM locked) AS ids,
 )
 
 
-# The visibility fence (see migrations/0003), read in a statement of its own *before* the
-# claims, whose snapshot must be younger than this reading (a claim that follows a full batch
-# at once may go on the previous reading, older still: see Store.claim): a transaction that
-# commits between a claim's snapshot and its reading of pg_locks would release its lock while its
-# rows stay invisible to that claim. Every id up to the result belongs to a transaction that
-# had finished when it was read: the smallest fence key still held (taken before its holder
-# drew any id), capped at the highest id then visible (ids are drawn in increasing order, so
-# a row at or below it was drawn before this reading, and so were all lower ids). Only this
-# table's keys count ($1: the table; see migrations/0004 for the key's layout), and untagged
-# keys of inserts that began under the trigger of migration 0003: an untagged key is ignored
-# only when its transaction holds a tagged key of the same value (the pair the new trigger
-# takes together).
+# The visibility fence (see migrations/0003), read in a statement of its own *before* the claims,
+# whose snapshot must be younger than this reading (an unordered claim that follows a full batch at
+# once may go on the previous reading, older still: see Store.claim): a transaction that commits
+# between a claim's snapshot and its reading of pg_locks would release its lock while its rows stay
+# invisible to that claim. Every id up to the result belongs to a transaction that had finished
+# when it was read: the smallest fence key still held (taken before its holder drew any id), capped
+# at the highest id then visible (ids are drawn in increasing order, so a row at or below it was
+# drawn before this reading, and so were all lower ids). Only this table's keys count ($1: the
+# table; see migrations/0004 for the key's layout), and untagged keys of inserts that began under
+# the trigger of migration 0003: an untagged key is ignored only when its transaction holds a
+# tagged key of the same value (the pair the new trigger takes together).
 FENCE = """
 WITH held AS (
     SELECT l.virtualtransaction AS vxid,

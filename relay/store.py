@@ -131,9 +131,9 @@ class Store:
 
         self._claim = sql(queries.CLAIM)
         self._claim_fresh = sql(queries.CLAIM_FRESH)
-        # The last FENCE reading an unordered claim made (monotonic time, row), and the
-        # destinations whose last claim filled its batch: their next claim, at once, may go on
-        # that reading (see claim).
+        # The last FENCE reading an unordered claim made (monotonic time, row), of the epoch
+        # the cursors hold for, and the destinations whose last claim filled its batch: their
+        # next claim, at once, may go on that reading (see claim).
         self._reading: tuple[float, asyncpg.Record] | None = None
         self._draining: set[str] = set()
         # Per unordered destination, where its next claim of fresh rows starts and up to where
@@ -366,35 +366,42 @@ class Store:
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         state = self._cursors.get(destination, _Lane())
         reading = self._reading
-        if (
+        reuse = (
             reading is not None
             and destination in self._draining
             and state.cursor < reading[1][3]
             and time.monotonic() - reading[0] < FENCE_REUSE
-        ):
+        )
+        # Cleared before anything is awaited: a claim that fails reads the fence afresh.
+        self._draining.discard(destination)
+        if reuse:
+            assert reading is not None
             # A drain: the previous claim filled its batch, and rows visible at the last
             # reading are still ahead of the cursor. An older reading is as safe as a new one
             # (the claim's snapshot is younger still); what it would cost is a late range from
             # its highest id up to the cursor, empty while the cursor is below that id. FENCE
-            # was about a twentieth of a drain's database time, most of it planning.
-            _, *epoch, top, held = reading[1]
+            # was about a twentieth of a drain's database time, most of it planning. Only a
+            # reading of the current epoch is kept (below), and the unordered claims alone
+            # share it.
+            row = reading[1]
         else:
             self.statements["fence"] += 1
             row = await self._call("fetchrow", self._fence, self._table, state.top)
-            self._reading = (time.monotonic(), row)
-            _, *epoch, top, held = row
+        _, *epoch, top, held = row
         if tuple(epoch) != self._epoch:
             # A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
             # handed out again below where the cursors stand, and the fence is read again from
-            # the start.
+            # the start (the reading above capped its highest id with the old epoch's).
+            self._reading = None
             self._epoch = tuple(epoch)
             self._cursors.clear()
             self._stats_floors.clear()
             state = _Lane()
             self.statements["fence"] += 1
             row = await self._call("fetchrow", self._fence, self._table, 0)
-            self._reading = (time.monotonic(), row)
             _, *epoch, top, held = row
+        if not reuse:
+            self._reading = (time.monotonic(), row)
         state = self._cursors.get(destination, state)
         # Inserting transactions open at the previous reading and ended since: their rows
         # may have committed behind the cursor.
@@ -407,7 +414,6 @@ class Store:
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
         self._claiming.add(destination)
-        self._draining.discard(destination)
         args: tuple[object, ...] = (destination, limit, self.relay_id, self.lease, state.cursor)
         try:
             if recheck >= state.cursor:
@@ -579,23 +585,12 @@ class Store:
         (None: at the last key; the cursor's own key: once round); returns the rows and the
         cursor for the next claim (None when the round is over)."""
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
-        reading = self._reading
-        if (
-            reading is not None
-            and destination in self._draining
-            and time.monotonic() - reading[0] < FENCE_REUSE
-        ):
-            # As in claim: a claim that follows a full batch at once goes on the last reading
-            # (a fence read earlier is lower or the same: every id below it still belongs to
-            # a transaction that has ended).
-            safe_id = reading[1][0]
-        else:
-            self.statements["fence"] += 1
-            row = await self._call("fetchrow", self._fence, self._table, 0)
-            self._reading = (time.monotonic(), row)
-            safe_id = row[0]
+        # Read for every claim: an older reading (as an unordered drain reuses one) may come
+        # from before a TRUNCATE ... RESTART IDENTITY, and its fence would let a head through
+        # while a lower id of its key can still commit (found by a review).
+        self.statements["fence"] += 1
+        safe_id = await self._call("fetchval", self._fence, self._table, 0)
         self.statements["claim"] += 1
-        self._draining.discard(destination)
         until = time.monotonic() + self.lease
         rows = await self._call(
             "fetch",
@@ -610,8 +605,6 @@ class Store:
             safe_id,
             origin if cursor is not None else None,
         )
-        if len(rows) > limit:  # the marker and a full batch
-            self._draining.add(destination)
         return self._envelopes(rows[:-1], until), rows[-1][2]
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:

@@ -19,7 +19,7 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay import queries
-from relay.store import Record, Store, create_pool
+from relay.store import FENCE_REUSE, Record, Store, create_pool
 
 
 @pytest.fixture
@@ -972,3 +972,86 @@ async def test_the_claim_without_a_late_range_is_the_claim_with_an_empty_one(
     assert fresh == full
     assert [r[0] for r in fresh[:-1]] == ids[5:15]
     assert fresh[-1][0] == -1 and int(fresh[-1][2]) == ids[14] and int(fresh[-1][4]) == ids[14]
+
+
+async def test_a_row_updated_while_the_claim_runs_is_claimed_not_passed_over(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """Found by a review of a version whose UPDATE found the chosen rows by ctid: a fresh row
+    updated by the application or an operator after the claim's snapshot and before its lock
+    was locked in its new version, whose ctid the statement's snapshot cannot see: the UPDATE
+    missed it, and the cursor passed it (it was chosen), until the sweep. By id, the update
+    follows the row to its new version. The window is widened with a now() that sleeps once,
+    resolved through this database's search_path."""
+    await conn.execute(
+        """
+        CREATE TABLE slow_flag(x int);
+        CREATE FUNCTION public.now() RETURNS timestamptz LANGUAGE plpgsql VOLATILE AS $$
+        BEGIN
+          IF EXISTS (SELECT 1 FROM public.slow_flag) THEN
+            DELETE FROM public.slow_flag;
+            PERFORM pg_sleep(0.7);
+          END IF;
+          RETURN pg_catalog.now();
+        END $$;
+        """
+    )
+    db = await conn.fetchval("SELECT current_database()")
+    await conn.execute(f'ALTER DATABASE "{db}" SET search_path = public, pg_catalog')
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
+    store = Store(pool, "public", "lanes", 30.0)
+    try:
+        ids = await add(conn, 3)
+        await conn.execute("INSERT INTO slow_flag VALUES (1)")
+        claim = asyncio.ensure_future(store.claim("d", 100))
+        await asyncio.sleep(0.3)  # the claim is past its snapshot, in its fresh lane
+        await conn.execute("UPDATE outbox SET headers = headers WHERE id = $1", ids[1])
+        got = [e.id for e in await claim]
+        for _ in range(3):
+            got += await claim_all(store)
+        assert sorted(got) == ids, (got, store.fresh_cursor("d"))
+    finally:
+        await pool.close()
+
+
+class _FailsItsSecondFence(Store):
+    fail = False
+
+    async def _call(self, method: str, sql: str, *args: Any) -> Any:
+        if self.fail and sql == self._fence and args[-1] == 0:
+            self.fail = False
+            raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
+        return await super()._call(method, sql, *args)
+
+
+async def test_a_failed_reading_of_a_new_epoch_leaves_no_reading_to_reuse(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """Found by a review: after a TRUNCATE the first reading (its highest id capped by the old
+    epoch's) was kept before the epoch's own reading; when that second reading failed, the
+    claimer's retry went on the first one, and an insert that began after it, with ids below
+    the old highest id, was never read again behind the cursor."""
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 4)
+    store = _FailsItsSecondFence(pool, "public", "lanes", 30.0)
+    slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await add(conn, 300)
+        assert len(await claim_all(store)) == 100  # a full batch
+        await asyncio.sleep(FENCE_REUSE + 0.1)  # the next claim reads afresh
+        await conn.execute("TRUNCATE outbox RESTART IDENTITY")
+        store.fail = True
+        with pytest.raises(asyncpg.QueryCanceledError):
+            await store.claim("d", 100)
+        tx = slow.transaction()
+        await tx.start()
+        (x,) = await outbox.enqueue_many(slow, [{"destination": "d", "payload": {}}])
+        rest = await add(conn, 10)
+        got = await claim_all(store)  # the claimer's retry
+        assert got == rest and store.fresh_cursor("d") > x
+        await tx.commit()
+        for _ in range(3):
+            got += await claim_all(store)
+        assert x in got, (x, got, store.fresh_cursor("d"))
+    finally:
+        await slow.close()
+        await pool.close()

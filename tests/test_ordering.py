@@ -870,24 +870,30 @@ async def test_a_keys_head_behind_failed_rows(db_url: str, store: Store, park: b
     assert p2 not in got and q1 not in got
 
 
-async def test_an_ordered_drains_claims_read_the_fence_once(db_url: str, store: Store) -> None:
-    """As the unordered claim's (test_claim_lanes): a claim that follows a full batch at once
-    goes on the previous FENCE reading; a fence read earlier is no higher, so nothing behind an
-    insert still open can go. A batch that is not full ends it."""
-    conn = await connect(db_url)
+async def test_a_truncate_during_an_ordered_drain_does_not_let_a_head_through(
+    db_url: str, store: Store
+) -> None:
+    """Found by a review: the ordered claim went on the FENCE reading of the claim before
+    after a full batch, as the unordered drain does. After TRUNCATE ... RESTART IDENTITY that
+    reading's fence (the old highest id) let a key's second row through while its first, a
+    lower id, could still commit. The ordered claim reads the fence for every claim."""
+    conn, open_tx = await connect(db_url), await connect(db_url)
     try:
-        for i in range(25):
+        for i in range(20):
             await add(conn, f"k{i:02}")
-        rows, cursor = await store.claim_ordered("o", 10, False, 40, None)
-        read = store.statements["fence"]
-        got = [e.id for e in rows]
-        while cursor is not None:
-            rows, cursor = await store.claim_ordered("o", 10, False, 40, cursor)
-            got += [e.id for e in rows]
-        assert len(got) == 25 and len(set(got)) == 25
-        assert store.statements["fence"] == read, store.statements  # full, full, then 5
-        await add(conn, "k99")
         rows, _ = await store.claim_ordered("o", 10, False, 40, None)
-        assert len(rows) == 1 and store.statements["fence"] == read + 1
+        assert len(rows) == 10  # a full batch
+        await conn.execute("TRUNCATE outbox RESTART IDENTITY")
+        tx = open_tx.transaction()
+        await tx.start()
+        (first,) = await outbox.enqueue_many(
+            open_tx, [{"destination": "o", "key": "k", "payload": {}}]
+        )
+        (second,) = await add(conn, "k")  # a later id of the same key commits first
+        assert first < second
+        rows, _ = await store.claim_ordered("o", 10, False, 40, None)
+        await tx.rollback()
+        assert second not in [e.id for e in rows]
     finally:
+        await open_tx.close()
         await conn.close()
