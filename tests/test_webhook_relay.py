@@ -12,7 +12,7 @@ import outbox
 from outbox.dburl import to_asyncpg_dsn
 from tests.support.receiver import Receiver
 from tests.support.relays import running, settings, wait_until
-from tests.webhook_helpers import SECRET, closed_port, verify
+from tests.webhook_helpers import SECRET, closed_port, open_port, verify
 
 
 def hook(url: str, **kw: Any) -> dict[str, Any]:
@@ -96,7 +96,7 @@ async def test_flaky_endpoint_gets_every_event_in_the_end(
         await wait_until(
             lambda: _all_attempted(db_url, ids), timeout=20, what="a refused attempt each"
         )
-        receiver = make_receiver(port=port)
+        receiver = make_receiver(port=open_port(port))
         receiver.respond(reset=True, times=2)
         receiver.respond(200, delay=1.0, times=2)  # past the 0.5 s timeout
         receiver.respond(503, headers={"Retry-After": "1"}, times=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import base64
 import hashlib
 import hmac
@@ -73,8 +74,24 @@ def verify_bytes(secret: str, body: bytes, headers: dict[str, str], tolerance: f
     assert abs(time.time() - int(headers["webhook-timestamp"])) <= tolerance, "stale timestamp"
 
 
+_RESERVED: list[socket.socket] = []
+atexit.register(lambda: [s.close() for s in _RESERVED])
+
+
 def closed_port() -> int:
-    """A loopback port nothing listens on: connecting to it is refused at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on: connecting to it is refused at once. Its socket
+    stays bound, not listening, until the tests end: a port merely freed was handed again to
+    the next server bound to port 0 (a relay's own HTTP listener, which answered 404 where
+    the test expected a refusal and an open circuit)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    return int(s.getsockname()[1])
+
+
+def open_port(port: int) -> int:
+    """Let go of a port closed_port() holds, for a server the test starts on it now."""
+    for s in [s for s in _RESERVED if s.getsockname()[1] == port]:
+        _RESERVED.remove(s)
+        s.close()
+    return port
