@@ -943,9 +943,14 @@ async def test_a_late_commit_during_a_drain_on_one_reading_is_claimed(
         rest = await add(conn, 500)
         got = await claim_all(store)
         assert got == rest[:100] and store.fresh_cursor("d") > x
+        read = store.statements["fence"]
         await tx.commit()
+        got += await claim_all(store)
+        # This claim went on the reading that counts the insert as open: x waits for the next.
+        assert store.statements["fence"] == read and x not in got
         for _ in range(8):
             got += await claim_all(store)
+        assert store.statements["fence"] > read
         assert sorted(got) == sorted([x, *rest]), (len(got), x in got)
         assert Counter(got).most_common(1)[0][1] == 1
     finally:
