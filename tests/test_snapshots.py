@@ -230,13 +230,13 @@ async def test_the_relay_warns_once_a_minute_while_held_and_says_when_released(
     db_url: str, store: Store
 ) -> None:
     metrics, clock = Metrics(), Clock()
-    horizon = Horizon(store, metrics, warning=0.3, clock=clock)
+    horizon = Horizon(store, metrics, warning=2.0, clock=clock)
     async with held_snapshot(db_url) as holder:
         pid = holder.get_server_pid()
         async with store.pool.acquire() as conn:
             await oldest_is(conn, pid)
         with capture_logs() as logs:
-            await horizon()  # younger than the threshold: the gauges only
+            await horizon()  # younger than the threshold (2 s; 0.3 s went by on a busy machine)
             assert not events(logs, "relay.snapshot.held")
 
             async def warned() -> bool:
@@ -252,9 +252,9 @@ async def test_the_relay_warns_once_a_minute_while_held_and_says_when_released(
                 "nightly-report",
             )
             assert held["user"] == "root" and held["state"] == "idle in transaction"
-            assert held["age_s"] >= 0.3 and held["xid_age"] >= 1 and not held["age_observed"]
+            assert held["age_s"] >= 2.0 and held["xid_age"] >= 1 and not held["age_observed"]
             assert held["action"] == f"SELECT pg_terminate_backend({pid}) if it is not needed"
-            assert gauge(metrics, "outbox_oldest_snapshot_age_seconds") > 0.3
+            assert gauge(metrics, "outbox_oldest_snapshot_age_seconds") > 2.0
             assert gauge(metrics, "outbox_oldest_snapshot_xid_age") >= 1
 
             await horizon()  # the same holder, within the minute: not again
