@@ -1064,6 +1064,16 @@ async def test_an_endpoint_handed_to_another_tenant_is_not_sent_the_old_tenants_
         await wait_until(
             lambda: len(acme.requests) == 3 and len(narrowed.requests) == 3, what="tried once"
         )
+
+        async def recorded() -> bool:
+            # A request answered is not yet an outcome recorded: enabling makes only the
+            # pending queue due, and a delivery still running then waits out its backoff.
+            rows = await fetch(db_url, "SELECT status, attempts FROM outbox_deliveries")
+            return len(rows) == 6 and all(
+                r["status"] == "pending" and r["attempts"] == 1 for r in rows
+            )
+
+        await wait_until(recorded, what="first tries recorded")
         async with aengine.begin() as conn:
             for e in (ep, narrow):
                 await outbox.endpoints.disable(conn, e.id)
