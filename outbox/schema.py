@@ -189,6 +189,14 @@ def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
             "id",
             postgresql_where=text("status = 'pending' AND (claims <> 0 OR run_after > created_at)"),
         ),
+        # Failed rows of ordered keys (migration 0014): an ordered destination's owner reads them.
+        Index(
+            "outbox_failed_key_idx",
+            "destination",
+            "key",
+            "id",
+            postgresql_where=text("status = 'failed' AND key IS NOT NULL"),
+        ),
     ]
 
 
@@ -220,6 +228,8 @@ def define_relays_table(metadata: MetaData, schema: str | None = None) -> Table:
         Column("seen_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
         Column("stopped_at", DateTime(timezone=True), nullable=True),
         Column("circuits", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        # What the relay can do: 'ordered-owner' (migration 0013).
+        Column("features", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
         schema=schema,
     )
 

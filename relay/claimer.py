@@ -21,6 +21,7 @@ from relay.config import RelaySettings
 from relay.leases import Leases
 from relay.metrics import Metrics
 from relay.model import Envelope
+from relay.ordered import MEMORY_CAP, PEERS_SEEN_WITHIN, Mode, Ownership
 from relay.routes import Route
 from relay.store import DB_ERRORS, Store
 
@@ -73,6 +74,8 @@ class Claimer:
         # rest (monotonic time): not walked again before a wake-up or a poll interval, while
         # other destinations' claims go on.
         self._resting: dict[str, float] = {}
+        # Ordered destinations this relay owns (see relay/ordered.py).
+        self._owners: dict[str, Ownership] = {}
         self._turn = 0  # rotates which destination claims first
         self._waiting_for_room = False  # a destination was skipped because its sink is full
 
@@ -82,7 +85,7 @@ class Claimer:
     def key_finished(self) -> None:
         """A head of an ordered key was recorded: its key's next row is the head now, and is
         claimed at once, not at the next poll (nothing NOTIFYs for an update)."""
-        if self._walks:
+        if self._walks or self._owners:
             self.wake()
 
     def claimable(self) -> list[str]:
@@ -167,6 +170,75 @@ class Claimer:
     async def _claim_one(self, route: Route, limit: int) -> list[Envelope]:
         if not route.ordered:
             return await self.store.claim(route.name, limit)
+        owner = await self._ownership(route.name)
+        if owner is None:
+            # Another relay owns it: this one stands by, and tries again after a poll.
+            self._resting[route.name] = time.monotonic() + self.settings.poll_interval
+            return []
+        if owner.mode is Mode.OWNED:
+            return await self._claim_owned(route, limit, owner)
+        rows = await self._walk(route, limit)
+        round_over = self._walks[route.name] == (None, None)
+        if owner.capped and not owner.peers and round_over and len(rows) < limit:
+            owner.owned_again(route.name)  # the backlog is short again
+        return rows
+
+    async def _ownership(self, destination: str) -> Ownership | None:
+        """This relay's ownership of ordered ``destination`` (None: another relay's), taken
+        if free, with the mode its claims take now."""
+        store = self.store
+        owner = self._owners.get(destination)
+        if owner is not None and not store.owns(destination):
+            del self._owners[destination]  # its connection ended: taken again afresh
+            owner = None
+        if owner is None:
+            if not await store.own(destination):
+                return None
+            owner = self._owners[destination] = Ownership()
+        now = time.monotonic()
+        if owner.due_for_peers(now):
+            owner.peers_checked = now
+            peers = await store.unowned_peers(destination, PEERS_SEEN_WITHIN)
+            if peers and not owner.peers:
+                owner.walk("a relay of an earlier release serves it", destination)
+            elif owner.peers and not peers and not owner.capped:
+                owner.owned_again(destination)
+            owner.peers = peers
+        if owner.mode is Mode.OWNED and not owner.foreign_read:
+            owner.foreign = await store.running_keyed(destination)
+            owner.foreign_read = True
+        return owner
+
+    async def _claim_owned(self, route: Route, limit: int, owner: Ownership) -> list[Envelope]:
+        if owner.foreign:
+            alive = await self.store.still_running(
+                [(i, token) for i, (token, _) in owner.foreign.items()]
+            )
+            owner.foreign = {i: v for i, v in owner.foreign.items() if i in alive}
+        mine = (e.key for e in self.leases if e.destination == route.name and e.key is not None)
+        rows, more = await self.store.claim_owned(
+            route.name,
+            limit,
+            route.parks_poison,
+            self.settings.batch_size * 4,
+            owner.lane,
+            owner.busy(mine),
+            PEERS_SEEN_WITHIN,
+        )
+        if more is None:
+            owner.peers = True
+            owner.walk("a relay of an earlier release serves it", route.name)
+            return []
+        if owner.lane.count > MEMORY_CAP:
+            owner.capped = True
+            owner.walk(f"more than {MEMORY_CAP} rows wait behind their keys", route.name)
+        if more:
+            self._scan_progressed = True
+        elif len(rows) < limit:
+            self._resting[route.name] = time.monotonic() + self.settings.poll_interval
+        return rows
+
+    async def _walk(self, route: Route, limit: int) -> list[Envelope]:
         cursor, origin = self._walks.get(route.name, (None, None))
         # As many keys as a full batch's claim examines, whatever room is left: a round takes
         # as many claims with one free slot as with a free batch.

@@ -556,12 +556,12 @@ TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
 
 # A relay says it is alive, and what it serves, every few seconds (one row per relay).
 REGISTER = """
-INSERT INTO {relays} (relay_id, host, pid, version, destinations, circuits)
-VALUES ($1, $2, $3, $4, $5::text[], $6::jsonb)
+INSERT INTO {relays} (relay_id, host, pid, version, destinations, circuits, features)
+VALUES ($1, $2, $3, $4, $5::text[], $6::jsonb, ARRAY['ordered-owner'])
 ON CONFLICT (relay_id) DO UPDATE
 SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
-    destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits, seen_at = now(),
-    stopped_at = NULL
+    destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits,
+    features = EXCLUDED.features, seen_at = now(), stopped_at = NULL
 """
 
 # On a clean stop. The row stays: its destinations still count as served for a while, so a
@@ -840,10 +840,11 @@ unkeyed AS (
 ),
 locked AS (
     -- Another relay may have claimed a head since this statement's snapshot: the lock
-    -- re-reads the row and the status check drops it.
+    -- re-reads the row and the status check drops it. IS TRUE: read by id, never through
+    -- a partial index of pending rows (see CLAIM_OWNED).
     SELECT o.id FROM {table} AS o
     WHERE o.id = ANY(ARRAY(SELECT id FROM heads UNION ALL SELECT id FROM unkeyed))
-      AND o.status = 'pending'
+      AND (o.status = 'pending') IS TRUE
     ORDER BY o.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
@@ -867,6 +868,146 @@ SELECT -1, NULL, CASE
        END,
        NULL, NULL, NULL, 0, NULL, 0, NULL
 """
+
+# --- An ordered destination's owner (relay/ordered.py) ---------------------------------------
+
+# One relay at a time claims an ordered destination as its owner, on the connection that holds
+# this session lock: its claims stop with that connection, and the next owner takes the lock only
+# once no claim of the previous one can still commit. $1: the table, $2: the destination.
+OWN_ORDERED = """
+SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:ordered:' || $1 || ':' || $2, 0))
+"""
+
+# Keyed rows of the destination in flight when a relay becomes its owner (claimed by the owner
+# before it, or by a relay of an earlier release): their keys wait until they are not running.
+# Read once per ownership (outbox_lease_idx: under a held snapshot, every dead entry of it).
+RUNNING_KEYED = """
+SELECT id, claims, key FROM {table}
+WHERE destination = $1 AND status = 'running' AND key IS NOT NULL
+"""
+
+# Of (id, token) pairs read by RUNNING_KEYED, those still running under that claim.
+STILL_RUNNING = """
+SELECT o.id FROM {table} AS o
+JOIN unnest($1::bigint[], $2::int[]) AS u(id, token) ON o.id = u.id
+WHERE o.claims = u.token AND o.status = 'running'
+"""
+
+# Whether a relay other than $1, seen within $3 seconds and not stopped, serves destination $2
+# without claiming ordered destinations as their owner (a relay of an earlier release).
+UNOWNED_PEERS = """
+SELECT EXISTS (
+    SELECT 1 FROM {relays}
+    WHERE relay_id <> $1 AND $2 = ANY(destinations) AND stopped_at IS NULL
+      AND seen_at > now() - make_interval(secs => $3)
+      AND NOT ('ordered-owner' = ANY(features))
+)
+"""
+
+# The owner's claim of an ordered destination ($1). Its cost does not grow with rows already
+# delivered, whether or not VACUUM can remove them: fresh rows are read once each, in id order
+# from where the owner's reading stopped ($5) up to the fence ($6, read by FENCE just before),
+# at most $7 of them; the owner keeps those it cannot claim yet in memory, and passes each key's
+# lowest such row back ($9 ids, $10 keys: one per key not in flight). The other rows a key's
+# order depends on are read whole at each claim, from indexes that hold only them: the waiting
+# rows (retried, reaped, replayed, enqueued for later) and, where they block their keys ($8),
+# the failed ones. A key's head is its lowest row of these; it is claimed when it is pending and
+# due and no row of its key is in flight ($11: the owner's rows in flight, and those of the
+# owner before it still running). Rows without a key are claimed as they come ($12: those kept
+# in memory). Returns the claimed rows, then marker rows: id -2 for a row chosen from memory that
+# is no longer pending (skipped, purged: its id in content_type; the owner forgets it), id -3
+# for each fresh row read (its key in `key`, its id in content_type: the owner keeps those it
+# did not claim), id -4 when a relay of an earlier release serves the destination ($13: seen
+# within so many seconds), and nothing was claimed.
+CLAIM_OWNED = """
+WITH peers AS MATERIALIZED (
+    -- A relay of an earlier release that began to serve the destination (it registers before
+    -- its first claim): it cannot see the owner's memory, so the owner claims nothing here
+    -- and walks the keys from now on, as that relay does.
+    SELECT EXISTS (
+        SELECT 1 FROM {relays}
+        WHERE relay_id <> $3 AND $1 = ANY(destinations) AND stopped_at IS NULL
+          AND seen_at > now() - make_interval(secs => $13)
+          AND NOT ('ordered-owner' = ANY(features))
+    ) AS serving
+),
+scanned AS MATERIALIZED (
+    SELECT id, key FROM {table}
+    WHERE destination = $1 AND status = 'pending' AND claims = 0 AND run_after <= created_at
+      AND id > $5::bigint AND id <= $6::bigint
+    ORDER BY id
+    LIMIT $7
+),
+waiting AS MATERIALIZED (
+    SELECT id, key, run_after <= now() AS due FROM {table}
+    WHERE destination = $1 AND status = 'pending' AND (claims <> 0 OR run_after > created_at)
+    UNION ALL
+    SELECT id, key, false FROM {table}
+    WHERE $8::bool AND destination = $1 AND status = 'failed' AND key IS NOT NULL
+),
+blocking AS (
+    SELECT DISTINCT ON (w.key) w.key, w.id, w.due FROM waiting AS w
+    WHERE w.key IS NOT NULL
+    ORDER BY w.key, w.id
+),
+fresh AS (
+    SELECT DISTINCT ON (f.key) f.key, f.id FROM (
+        SELECT m.id, m.key FROM unnest($9::bigint[], $10::text[]) AS m(id, key)
+        UNION ALL
+        SELECT s.id, s.key FROM scanned AS s WHERE s.key IS NOT NULL
+    ) AS f
+    ORDER BY f.key, f.id
+),
+heads AS (
+    SELECT CASE WHEN b.id IS NULL OR f.id < b.id THEN f.id ELSE b.id END AS id
+    FROM fresh AS f FULL JOIN blocking AS b ON b.key = f.key
+    WHERE coalesce(f.key, b.key) <> ALL($11::text[])
+      AND (b.id IS NULL OR f.id < b.id OR b.due)
+),
+chosen AS (
+    SELECT c.id FROM (
+        SELECT id FROM heads
+        UNION ALL SELECT m.id FROM unnest($12::bigint[]) AS m(id)
+        UNION ALL SELECT s.id FROM scanned AS s WHERE s.key IS NULL
+        UNION ALL SELECT w.id FROM waiting AS w WHERE w.key IS NULL AND w.due
+    ) AS c
+    ORDER BY c.id
+    LIMIT $2
+),
+locked AS (
+    SELECT o.id FROM {table} AS o
+    -- IS TRUE: a condition the planner cannot match to a partial index's predicate, so
+    -- that it reads these rows by their ids. Estimating few pending rows, it chose to read
+    -- every entry of outbox_claim_idx for the destination instead, dead ones included: a
+    -- claim grew to 140 ms in two minutes of a held snapshot.
+    WHERE o.id = ANY(ARRAY(SELECT id FROM chosen)) AND o.destination = $1
+      AND (o.status = 'pending') IS TRUE AND NOT (SELECT serving FROM peers)
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {table} AS o
+    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
+        claims = o.claims + 1
+    WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
+    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
+              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
+              o.event_type
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT -2, NULL, NULL, NULL, c.id::text, NULL, 0, NULL, 0, NULL
+FROM chosen AS c
+WHERE c.id <= $5::bigint
+  AND NOT EXISTS (SELECT 1 FROM {table} AS o
+                  WHERE o.id = c.id AND o.destination = $1 AND (o.status = 'pending') IS TRUE)
+UNION ALL
+SELECT -3, NULL, s.key, NULL, s.id::text, NULL, 0, NULL, 0, NULL
+FROM scanned AS s
+UNION ALL
+SELECT -4, NULL, NULL, NULL, NULL, NULL, 0, NULL, 0, NULL
+FROM peers WHERE serving
+"""
+
 
 # Keys held up by a failed row: a key's first failed row with later rows of the key pending
 # behind it. For a destination with ordering = "key" and poison_policy = "block" those rows

@@ -138,6 +138,9 @@ async def _close(
                 await console.state.console.close()
         except Exception as exc:
             log.warning("relay.console.close_failed", error=describe(exc))
+    # The ordered destinations it owns: another relay takes them over now (their rows in
+    # flight are waited for), and the pool's close does not wait for that connection.
+    await store.disown()
     try:
         await asyncio.wait_for(store.pool.close(), 0 if stuck else left(2.0))
     except TimeoutError:

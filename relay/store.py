@@ -6,7 +6,7 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,6 +17,7 @@ from outbox.errors import describe
 from outbox.status import Status
 from relay import queries
 from relay.model import Envelope, Lease, UnreadableHeaders, epoch
+from relay.ordered import OwnedLane
 from relay.session import SESSION_SETTINGS
 from relay.snapshots import SnapshotHolder, oldest_holder
 
@@ -149,6 +150,15 @@ class Store:
         # PENDING_BY_DESTINATION).
         self._stats_floors: dict[str, int] = {}
         self._claim_ordered = sql(queries.CLAIM_ORDERED)
+        self._claim_owned = sql(queries.CLAIM_OWNED)
+        self._own = sql(queries.OWN_ORDERED)
+        self._running_keyed = sql(queries.RUNNING_KEYED)
+        self._still_running = sql(queries.STILL_RUNNING)
+        self._unowned_peers = sql(queries.UNOWNED_PEERS)
+        # The pooled connection that holds the session locks of the ordered destinations this
+        # relay owns, and runs their claims (see relay/ordered.py): when it ends, so do both.
+        self._owner: asyncpg.Connection | None = None
+        self._owned: set[str] = set()
         self._fence = sql(queries.FENCE)
         self._blocked_keys = sql(queries.BLOCKED_KEYS)
         # retention = 0: delivered rows are deleted by the statement that records them.
@@ -223,6 +233,10 @@ class Store:
             "fetchval", queries.COLUMN_EXISTS, self._relays_table, "circuits"
         ):
             missing.append(f"{self._relays_table}.circuits (migration 0010)")
+        elif not missing and not await self._call(
+            "fetchval", queries.COLUMN_EXISTS, self._relays_table, "features"
+        ):
+            missing.append(f"{self._relays_table}.features (migration 0013)")
         if not missing:
             # The claim's lanes: without them it would read the whole table, claim after claim.
             for index, holds in LANES.items():
@@ -238,6 +252,10 @@ class Store:
                         f"DROP INDEX CONCURRENTLY {name}; then run its CREATE INDEX from "
                         "migrations/0012_claim_lanes.sql"
                     )
+            # The owner's claim of an ordered destination reads the failed rows by it.
+            failed = queries.qualified_table(self.schema, "outbox_failed_key_idx")
+            if await self._call("fetchval", queries.INDEX_VALID, failed) is None:
+                missing.append(f"{failed} (migration 0014)")
         return missing
 
     async def missing_privileges(self) -> list[str]:
@@ -607,6 +625,124 @@ class Store:
         )
         return self._envelopes(rows[:-1], until), rows[-1][2]
 
+    # --- ordered destinations' owners (relay/ordered.py) ---------------------------------
+
+    def owns(self, destination: str) -> bool:
+        return destination in self._owned
+
+    async def own(self, destination: str) -> bool:
+        """Whether this relay owns ordered ``destination``, taking it if no relay does."""
+        if destination in self._owned:
+            return True
+        if self._owner is None:
+            self._owner = await _dedicated(self.pool)
+        try:
+            self.statements["own"] += 1
+            taken = bool(await self._owner.fetchval(self._own, self._table, destination))
+        except BaseException:
+            await self.disown()
+            raise
+        if taken:
+            self._owned.add(destination)
+            log.info("relay.ordered.owner", destination=destination)
+        return taken
+
+    async def disown(self) -> None:
+        """Let go of every ordered destination: the connection holding them is closed (its
+        session locks end with it)."""
+        conn, self._owner = self._owner, None
+        if self._owned:
+            log.info("relay.ordered.released", destinations=sorted(self._owned))
+        self._owned.clear()
+        if conn is not None:
+            conn.terminate()
+
+    async def running_keyed(self, destination: str) -> dict[int, tuple[int, str]]:
+        """Keyed rows of ``destination`` in flight: id -> (token, key)."""
+        rows = await self._call("fetch", self._running_keyed, destination)
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    async def still_running(self, leases: Collection[tuple[int, int]]) -> set[int]:
+        """Of (id, token) pairs, the ids still running under that claim."""
+        rows = await self._call(
+            "fetch", self._still_running, [i for i, _ in leases], [t for _, t in leases]
+        )
+        return {r[0] for r in rows}
+
+    async def unowned_peers(self, destination: str, seen_within: float) -> bool:
+        """Whether a relay of an earlier release serves ``destination``."""
+        return bool(
+            await self._call(
+                "fetchval", self._unowned_peers, self.relay_id, destination, seen_within
+            )
+        )
+
+    async def claim_owned(
+        self,
+        destination: str,
+        limit: int,
+        parks_poison: bool,
+        scan: int,
+        lane: OwnedLane,
+        busy: Collection[str],
+        peers_within: float,
+    ) -> tuple[list[Envelope], bool | None]:
+        """Claim heads of owned ``destination``'s keys (see queries.CLAIM_OWNED), reading at
+        most ``scan`` fresh rows after those ``lane`` holds; ``busy``: the keys in flight.
+        Returns the rows, and whether more may be claimable at once (the batch was full, or
+        the reading stopped at ``scan``); None instead when a relay of an earlier release,
+        seen within ``peers_within`` seconds, serves the destination: nothing was claimed."""
+        conn = self._owner
+        if conn is None or destination not in self._owned:
+            raise RuntimeError(f"ordered destination {destination!r} is not this relay's")
+        try:
+            # Two statements, in this order: the claim's snapshot must be younger than the
+            # fence. On the owner's connection: the lock is held while the claim commits.
+            self.statements["fence"] += 1
+            safe_id, *epoch, top, _ = await conn.fetchrow(self._fence, self._table, lane.top)
+            if tuple(epoch) != lane.epoch:
+                # A TRUNCATE or a new server: ids may be handed out again, and ids in memory
+                # may now be other rows.
+                lane.reset(tuple(epoch))
+                self.statements["fence"] += 1
+                safe_id, *_, top, _ = await conn.fetchrow(self._fence, self._table, 0)
+            lane.top = max(lane.top, top)
+            ids, keys, keyless = lane.candidates(busy, limit)
+            self.statements["claim"] += 1
+            until = time.monotonic() + self.lease
+            rows = await conn.fetch(
+                self._claim_owned,
+                destination,
+                limit,
+                self.relay_id,
+                self.lease,
+                lane.hw,
+                safe_id,
+                scan,
+                not parks_poison,
+                ids,
+                keys,
+                list(busy),
+                keyless,
+                peers_within,
+            )
+        except BaseException:
+            await self.disown()
+            raise
+        if rows and rows[-1][0] == -4:
+            return [], None
+        claimed = [r for r in rows if r[0] > 0]
+        ids_claimed = {r[0] for r in claimed}
+        scanned = sorted((int(r[4]), r[2]) for r in rows if r[0] == -3)
+        # -2 rows carry no key: found by id among the keys' first rows (or it has none).
+        firsts = {queue[0]: key for key, queue in lane.queues.items()}
+        taken = [(r[0], r[2]) for r in claimed]
+        taken += [(i, firsts.get(i)) for i in (int(r[4]) for r in rows if r[0] == -2)]
+        # Short of the limit, every fresh row up to the fence was visible, and read.
+        hw = scanned[-1][0] if len(scanned) >= scan else safe_id
+        lane.absorb(taken, [(i, k) for i, k in scanned if i not in ids_claimed], hw)
+        return self._envelopes(claimed, until), len(claimed) >= limit or len(scanned) >= scan
+
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
         return list(await self._call("fetch", self._blocked_keys, list(blocking)))
 
@@ -682,6 +818,15 @@ def is_plain_sql_error(exc: BaseException) -> bool:
 async def _no_reset(conn: asyncpg.Connection) -> None:
     """The relay never changes session state on pooled connections (no SET, no LISTEN, only
     transaction-scoped advisory locks), so skip asyncpg's reset round trip on every release."""
+
+
+async def _dedicated(pool: asyncpg.Pool) -> asyncpg.Connection:
+    """A connection like the pool's (its server, settings and statement timeout) outside it:
+    one held for as long as the relay owns ordered destinations must not hold up the pool's
+    close, nor take one of its connections for good."""
+    args: tuple[Any, ...] = pool._connect_args
+    kwargs: dict[str, Any] = pool._connect_kwargs
+    return await asyncpg.connect(*args, **kwargs)
 
 
 async def create_pool(

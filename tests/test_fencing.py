@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
+from relay.ordered import Mode, Ownership
 from relay.store import Record, Store, create_pool
 from tests.support.proxy import StallProxy
 from tests.support.receiver import Receiver
@@ -150,31 +151,52 @@ async def _delivered(db_url: str, row: int) -> bool:
     return bool(rows) and rows[0]["status"] == "delivered"
 
 
+@pytest.mark.parametrize("claim", ["walk", "owner"])
 async def test_stalled_ordered_claim_never_sends_a_late_copy(
-    db_url: str, receiver: Receiver
+    db_url: str, receiver: Receiver, claim: str
 ) -> None:
     """Relay A's claim of event N commits, but the answer reaches A only after its lease
     expired (the connection hung after the commit). Meanwhile B reaps N and delivers N and
-    N+1. A must not send its late copy of N after N+1."""
+    N+1. A must not send its late copy of N after N+1.
+
+    walk: B is a relay of an earlier release (it walks the keys whoever owns the
+    destination), and A, its owner, walks them too. owner: A owns the destination, and B
+    takes it over once A's connection that holds it ends (a server that ends a session it
+    found dead)."""
+    if claim == "walk":
+        await execute(
+            db_url,
+            "INSERT INTO outbox_relays (relay_id, destinations) VALUES ('before', '{hook}')",
+        )
     ordered = {"ordering": "key"}
     a_settings = hook_settings(db_url, receiver, "relay-a", **ordered)
     b_settings = hook_settings(db_url, receiver, "relay-b", **ordered)
     with capture_logs() as logs:
         async with running(a_settings) as a:
             gate, stalled = asyncio.Event(), asyncio.Event()
-            real = a.store.claim_ordered
+            name = "claim_ordered" if claim == "walk" else "claim_owned"
+            real = getattr(a.store, name)
 
             async def hanging_answer(*args: Any) -> Any:
-                rows, cursor = await real(*args)
+                rows, more = await real(*args)
                 if rows and not gate.is_set():
                     stalled.set()
                     await gate.wait()  # the claim committed; its answer is late
-                return rows, cursor
+                return rows, more
 
-            a.store.claim_ordered = hanging_answer  # type: ignore[method-assign]
+            setattr(a.store, name, hanging_answer)
             n, n1 = await add(db_url, 2, key="k")
             await asyncio.wait_for(stalled.wait(), 10)
-            async with running(b_settings):
+            if claim == "owner":
+                owner_pid = a.store._owner.get_server_pid()
+                await execute(db_url, "SELECT pg_terminate_backend($1)", owner_pid)
+            async with running(b_settings) as b:
+                if claim == "walk":
+
+                    async def earlier_release(destination: str) -> Ownership:
+                        return Ownership(mode=Mode.WALK)
+
+                    b.claimer._ownership = earlier_release
                 await asyncio.to_thread(receiver.wait_for, 2, LEASE + 10)
                 await wait_until(lambda: _delivered(db_url, n1), timeout=10, what="B done")
             gate.set()

@@ -29,9 +29,11 @@ from tests.support.sinks import MemorySink
 @pytest.fixture
 async def store(db_url: str) -> AsyncIterator[Store]:
     pool = await create_pool(to_asyncpg_dsn(db_url), "t", 4)
+    store = Store(pool, "public", "t", 30.0)
     try:
-        yield Store(pool, "public", "t", 30.0)
+        yield store
     finally:
+        await store.disown()
         await pool.close()
 
 
@@ -242,6 +244,20 @@ async def test_walk_from_a_cursor_goes_round_to_the_keys_before_it(
         await conn.close()
 
 
+@pytest.fixture
+async def earlier_release(db_url: str) -> None:
+    """A relay of an earlier release serves the ordered destinations of these tests: their
+    owner claims by walking the keys, as that relay does (see relay/ordered.py)."""
+    conn = await connect(db_url)
+    try:
+        await conn.execute(
+            "INSERT INTO outbox_relays (relay_id, destinations) VALUES ('before', $1)",
+            ["o", "x", "y", "u"],
+        )
+    finally:
+        await conn.close()
+
+
 class AlwaysAvailable:
     def available(self, destination: str) -> bool:
         return True
@@ -307,7 +323,7 @@ async def fill(conn: asyncpg.Connection, dest: str, keys: int, why: str) -> None
 
 @pytest.mark.parametrize("why", ["backing off", "blocked", "in flight"])
 async def test_a_round_that_claims_nothing_ends_and_waits(
-    db_url: str, store: Store, why: str
+    db_url: str, store: Store, earlier_release: None, why: str
 ) -> None:
     """Many more keys than a claim examines, none claimable: the claimer walks them all once,
     a claim per scan's worth of keys, then waits for a wake-up or the poll; it does not
@@ -326,7 +342,7 @@ async def test_a_round_that_claims_nothing_ends_and_waits(
 
 
 async def test_rounds_of_several_ordered_destinations_end_each_on_its_own(
-    db_url: str, store: Store
+    db_url: str, store: Store, earlier_release: None
 ) -> None:
     """Two ordered destinations whose rounds take different numbers of claims: each is walked
     once, then waits; the one still walking does not restart the other's round on every
@@ -346,7 +362,7 @@ async def test_rounds_of_several_ordered_destinations_end_each_on_its_own(
 
 
 async def test_a_small_free_capacity_still_walks_a_whole_claims_worth_of_keys(
-    db_url: str, store: Store
+    db_url: str, store: Store, earlier_release: None
 ) -> None:
     """With room for one more row in flight, a claim still examines as many keys as a full
     one: the round takes as many claims as ever, not one per four keys (500 for 2,000)."""
@@ -364,7 +380,9 @@ async def test_a_small_free_capacity_still_walks_a_whole_claims_worth_of_keys(
     assert claimed == [] and 3 <= store.statements["claim"] <= 4, store.statements
 
 
-async def test_a_round_whose_heads_are_locked_elsewhere_ends(db_url: str, store: Store) -> None:
+async def test_a_round_whose_heads_are_locked_elsewhere_ends(
+    db_url: str, store: Store, earlier_release: None
+) -> None:
     """A batch of heads another transaction holds locked: the claim selects a full batch and
     locks none of it. When the last head selected is the round's own key, the round is over
     all the same (a review found a claim every 2 ms for as long as the locks were held)."""
@@ -409,7 +427,7 @@ def wake_after_claims(store: Store, claimer: Claimer, first_only: bool = False) 
 
 @pytest.mark.parametrize("freed", ["a", "zz"])
 async def test_a_key_freed_during_a_round_is_claimed_at_the_wake_up(
-    db_url: str, store: Store, freed: str
+    db_url: str, store: Store, earlier_release: None, freed: str
 ) -> None:
     """A wake-up that comes while a round is on its way (an outcome recorded, a NOTIFY) is
     for a key the rest of the round may not reach (a): the claimer goes round again from
@@ -443,7 +461,7 @@ async def test_a_key_freed_during_a_round_is_claimed_at_the_wake_up(
     assert [e.key for e in claimed] == [freed] and took < 1.0, took
 
 
-async def test_a_wake_up_ends_a_rest(db_url: str, store: Store) -> None:
+async def test_a_wake_up_ends_a_rest(db_url: str, store: Store, earlier_release: None) -> None:
     """A destination resting after a round that claimed nothing is claimed at the next
     wake-up (a NOTIFY for its new row), not at the end of its rest."""
     conn = await connect(db_url)
@@ -465,7 +483,7 @@ async def test_a_wake_up_ends_a_rest(db_url: str, store: Store) -> None:
 
 
 async def test_a_rest_ends_after_a_poll_interval_while_another_destination_streams(
-    db_url: str, store: Store
+    db_url: str, store: Store, earlier_release: None
 ) -> None:
     """An ordered destination rests while another destination's backlog fills every batch
     (the loop never waits): its rows that come due without a wake-up (a backoff over) are
