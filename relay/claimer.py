@@ -21,7 +21,14 @@ from relay.config import RelaySettings
 from relay.leases import Leases
 from relay.metrics import Metrics
 from relay.model import Envelope
-from relay.ordered import MEMORY_CAP, PEERS_SEEN_WITHIN, Mode, Ownership
+from relay.ordered import (
+    MEMORY_CAP,
+    PEERS_SEEN_WITHIN,
+    WALK_AT_MOST,
+    WALK_FIRST,
+    Mode,
+    Ownership,
+)
 from relay.routes import Route
 from relay.store import DB_ERRORS, Store
 
@@ -178,9 +185,8 @@ class Claimer:
         if owner.mode is Mode.OWNED:
             return await self._claim_owned(route, limit, owner)
         rows = await self._walk(route, limit)
-        round_over = self._walks[route.name] == (None, None)
-        if owner.capped and not owner.peers and round_over and len(rows) < limit:
-            owner.owned_again(route.name)  # the backlog is short again
+        if owner.capped and not owner.peers and time.monotonic() >= owner.walk_until:
+            owner.owned_again(route.name)  # reads fresh rows again, from the start
         return rows
 
     async def _ownership(self, destination: str) -> Ownership | None:
@@ -231,7 +237,12 @@ class Claimer:
             return []
         if owner.lane.count > MEMORY_CAP:
             owner.capped = True
+            owner.walk_until = time.monotonic() + owner.walk_for
+            owner.walk_for = min(2 * owner.walk_for, WALK_AT_MOST)
             owner.walk(f"more than {MEMORY_CAP} rows wait behind their keys", route.name)
+            return rows
+        if owner.lane.count < MEMORY_CAP // 10:
+            owner.walk_for = WALK_FIRST
         if more:
             self._scan_progressed = True
         elif len(rows) < limit:

@@ -17,13 +17,13 @@ within a poll interval once the owner's connection ends.
 
 The owner claims as the walk does (and the walk's own rules hold) while a relay of an earlier
 release serves the destination, since only then does each see the other's rows in flight, and
-while more rows wait in memory than MEMORY_CAP (a long outage of the sink): until a round of
-the walk comes back short.
+for a while after more rows waited in memory than MEMORY_CAP (a long outage of the sink, a key
+held by a poison row with a backlog behind it): the walk never keeps a row, so no key starves
+for lack of room.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -36,6 +36,12 @@ log = structlog.get_logger("relay")
 # Rows an owner keeps in memory per destination (about 40 bytes each) before it claims by
 # walking the keys instead, until its backlog is short again.
 MEMORY_CAP = 200_000
+
+# How long an owner whose memory went past MEMORY_CAP walks the keys before it reads fresh rows
+# again (from the start of the destination): doubled each time the cap is hit again, up to
+# WALK_AT_MOST, and back to WALK_FIRST once fewer than a tenth of the cap are kept.
+WALK_FIRST = 60.0
+WALK_AT_MOST = 600.0
 
 # How often an owner looks for relays of an earlier release serving its destination, and how
 # recently such a relay must have said it is alive (relays register every 10 s at most).
@@ -61,6 +67,7 @@ class OwnedLane:
     queues: dict[str, deque[int]] = field(default_factory=dict)
     keyless: deque[int] = field(default_factory=deque)
     count: int = 0
+    full: bool = False  # the last claim filled its batch
 
     def reset(self, epoch: tuple[object, ...] = ()) -> None:
         """Forget every row read: the next claim reads from the start of the destination."""
@@ -69,6 +76,7 @@ class OwnedLane:
         self.queues.clear()
         self.keyless.clear()
         self.count = 0
+        self.full = False
 
     def candidates(
         self, busy: Collection[str], keyless_limit: int
@@ -143,6 +151,8 @@ class Ownership:
     peers: bool = False  # a relay of an earlier release serves the destination
     peers_checked: float = float("-inf")
     capped: bool = False  # walking because memory held more than MEMORY_CAP rows
+    walk_until: float = 0.0  # when capped: monotonic time to read fresh rows again
+    walk_for: float = WALK_FIRST
 
     def busy(self, mine: Iterable[str]) -> set[str]:
         keys = set(mine)
@@ -167,7 +177,3 @@ class Ownership:
         self.lane.reset()
         self.foreign.clear()
         self.foreign_read = False
-
-
-def now() -> float:
-    return time.monotonic()

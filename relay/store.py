@@ -708,6 +708,9 @@ class Store:
                 safe_id, *_, top, _ = await conn.fetchrow(self._fence, self._table, 0)
             lane.top = max(lane.top, top)
             ids, keys, keyless = lane.candidates(busy, limit)
+            # After a full batch the next one most likely fills from memory too: no reading
+            # ahead, so a drain keeps in memory about what it needs, in id order.
+            reading = 0 if lane.full else scan
             self.statements["claim"] += 1
             until = time.monotonic() + self.lease
             rows = await conn.fetch(
@@ -718,7 +721,7 @@ class Store:
                 self.lease,
                 lane.hw,
                 safe_id,
-                scan,
+                reading,
                 not parks_poison,
                 ids,
                 keys,
@@ -738,10 +741,15 @@ class Store:
         firsts = {queue[0]: key for key, queue in lane.queues.items()}
         taken = [(r[0], r[2]) for r in claimed]
         taken += [(i, firsts.get(i)) for i in (int(r[4]) for r in rows if r[0] == -2)]
-        # Short of the limit, every fresh row up to the fence was visible, and read.
-        hw = scanned[-1][0] if len(scanned) >= scan else safe_id
+        if not reading:
+            hw = lane.hw
+        elif len(scanned) >= reading:
+            hw = scanned[-1][0]
+        else:
+            hw = safe_id  # short of the limit: every fresh row up to the fence was read
         lane.absorb(taken, [(i, k) for i, k in scanned if i not in ids_claimed], hw)
-        return self._envelopes(claimed, until), len(claimed) >= limit or len(scanned) >= scan
+        lane.full = len(claimed) >= limit
+        return self._envelopes(claimed, until), lane.full or 0 < reading <= len(scanned)
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
         return list(await self._call("fetch", self._blocked_keys, list(blocking)))
