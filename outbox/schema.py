@@ -230,6 +230,7 @@ def define_relays_table(metadata: MetaData, schema: str | None = None) -> Table:
         Column("circuits", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
         # What the relay can do: 'ordered-owner' (migration 0013).
         Column("features", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
+        Column("features_at", DateTime(timezone=True), nullable=True),
         schema=schema,
     )
 

@@ -157,6 +157,7 @@ class Claimer:
 
         Returns what was claimed and the error that stopped it, if one did: rows already
         claimed for earlier destinations are committed and must still be delivered."""
+        self._take_dropped()
         self._turn += 1
         start = self._turn % len(destinations)
         batch: list[Envelope] = []
@@ -198,7 +199,19 @@ class Claimer:
             del self._owners[destination]  # its connection ended: taken again afresh
             owner = None
         if owner is None:
-            if not await store.own(destination):
+            try:
+                taken = await store.own(destination)
+            except DB_ERRORS as exc:
+                # No connection of its own to hold the lock with (max_connections, say): the
+                # relay stands by for this destination, and serves the others.
+                log.warning(
+                    "relay.ordered.own_failed",
+                    destination=destination,
+                    error=describe(exc),
+                    action="another relay owns it meanwhile; this one tries again after a poll",
+                )
+                return None
+            if not taken:
                 return None
             owner = self._owners[destination] = Ownership()
         now = time.monotonic()
@@ -214,6 +227,14 @@ class Claimer:
             owner.foreign = await store.running_keyed(destination)
             owner.foreign_read = True
         return owner
+
+    def _take_dropped(self) -> None:
+        """Rows this relay let go of without an outcome written may still be running: an
+        owner holds their keys as it holds those its predecessor left in flight."""
+        for env in self.leases.take_dropped():
+            owner = self._owners.get(env.destination)
+            if owner is not None and env.key is not None:
+                owner.foreign[env.id] = (env.token, env.key)
 
     async def _claim_owned(self, route: Route, limit: int, owner: Ownership) -> list[Envelope]:
         if owner.foreign:

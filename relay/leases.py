@@ -33,6 +33,9 @@ class Leases:
         self._held: dict[int, Envelope] = {}
         # Rows whose outcome is with the completer: id -> (token, when handed over).
         self._handed: dict[int, tuple[int, float]] = {}
+        # Rows let go without an outcome written (given up, lost, forgotten): they may still
+        # be running in the table. The claimer takes them (see take_dropped).
+        self._dropped: list[Envelope] = []
 
     def __len__(self) -> int:
         return len(self._held)
@@ -75,15 +78,19 @@ class Leases:
         held, handed = self._held, self._handed
         for r in records:
             env = held.get(r.id)
-            if env is not None and env.token == r.token:
+            mine = env is not None and env.token == r.token
+            if mine:
                 del held[r.id]
                 handed.pop(r.id, None)
             if (r.id, r.token) in written:
                 kind = r.status if r.counted else "deferred"
                 counts[kind] = counts.get(kind, 0) + 1
                 next_heads |= r.status is not Status.PENDING and r.key is not None
-            elif (r.id, r.token) not in abandoned:
-                stale.append(r.id)
+            else:
+                if mine:
+                    self._dropped.append(env)  # type: ignore[arg-type]
+                if (r.id, r.token) not in abandoned:
+                    stale.append(r.id)
         self.stats.update(counts)
         if stale:
             self._log_lost(stale, "outcome not recorded: the row is no longer this claim's")
@@ -98,6 +105,7 @@ class Leases:
             if self._held.get(env.id) is env:
                 del self._held[env.id]
                 self._handed.pop(env.id, None)
+                self._dropped.append(env)
             lost.append(env.id)
         if lost:
             self._log_lost(lost, why)
@@ -109,7 +117,14 @@ class Leases:
             if self._held.get(env.id) is env:
                 del self._held[env.id]
                 self._handed.pop(env.id, None)
+                self._dropped.append(env)
         self.capacity.set()
+
+    def take_dropped(self) -> list[Envelope]:
+        """The rows let go without an outcome written since the last call: the owner of an
+        ordered destination holds their keys until they are no longer running."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     async def heartbeat(self, store: Store, lease: float) -> None:
         """Renew the leases of the rows held; drop those the database says are gone."""

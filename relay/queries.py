@@ -556,12 +556,13 @@ TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
 
 # A relay says it is alive, and what it serves, every few seconds (one row per relay).
 REGISTER = """
-INSERT INTO {relays} (relay_id, host, pid, version, destinations, circuits, features)
-VALUES ($1, $2, $3, $4, $5::text[], $6::jsonb, ARRAY['ordered-owner'])
+INSERT INTO {relays}
+    (relay_id, host, pid, version, destinations, circuits, features, features_at)
+VALUES ($1, $2, $3, $4, $5::text[], $6::jsonb, ARRAY['ordered-owner'], now())
 ON CONFLICT (relay_id) DO UPDATE
 SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
     destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits,
-    features = EXCLUDED.features, seen_at = now(), stopped_at = NULL
+    features = EXCLUDED.features, features_at = now(), seen_at = now(), stopped_at = NULL
 """
 
 # On a clean stop. The row stays: its destinations still count as served for a while, so a
@@ -893,6 +894,12 @@ JOIN unnest($1::bigint[], $2::int[]) AS u(id, token) ON o.id = u.id
 WHERE o.claims = u.token AND o.status = 'running'
 """
 
+# A relay that claims ordered destinations as their owner: it says so at each registration,
+# with the time of that registration (features_at = seen_at). A relay of an earlier release
+# writes no feature, and one rolled back under the same relay_id updates seen_at but not
+# features_at: either way it counts as a relay of an earlier release.
+_OWNER_CAPABLE = "('ordered-owner' = ANY(features) AND features_at IS NOT DISTINCT FROM seen_at)"
+
 # Whether a relay other than $1, seen within $3 seconds and not stopped, serves destination $2
 # without claiming ordered destinations as their owner (a relay of an earlier release).
 UNOWNED_PEERS = """
@@ -900,9 +907,9 @@ SELECT EXISTS (
     SELECT 1 FROM {relays}
     WHERE relay_id <> $1 AND $2 = ANY(destinations) AND stopped_at IS NULL
       AND seen_at > now() - make_interval(secs => $3)
-      AND NOT ('ordered-owner' = ANY(features))
+      AND NOT {owner_capable}
 )
-"""
+""".replace("{owner_capable}", _OWNER_CAPABLE)
 
 # The owner's claim of an ordered destination ($1). Its cost does not grow with rows already
 # delivered, whether or not VACUUM can remove them: fresh rows are read once each, in id order
@@ -928,7 +935,7 @@ WITH peers AS MATERIALIZED (
         SELECT 1 FROM {relays}
         WHERE relay_id <> $3 AND $1 = ANY(destinations) AND stopped_at IS NULL
           AND seen_at > now() - make_interval(secs => $13)
-          AND NOT ('ordered-owner' = ANY(features))
+          AND NOT {owner_capable}
     ) AS serving
 ),
 scanned AS MATERIALIZED (
@@ -937,6 +944,14 @@ scanned AS MATERIALIZED (
       AND id > $5::bigint AND id <= $6::bigint
     ORDER BY id
     LIMIT $7
+),
+reach AS MATERIALIZED (
+    -- Up to where every fresh row has now been read, the memory's ($5) or this reading's. A
+    -- waiting or failed row above it may have a lower fresh row of its key not read yet, or
+    -- not yet committed (above the fence): it cannot be its key's head yet.
+    SELECT CASE WHEN $7 = 0 THEN $5::bigint
+                WHEN (SELECT count(*) FROM scanned) >= $7 THEN (SELECT max(id) FROM scanned)
+                ELSE $6::bigint END AS id
 ),
 waiting AS MATERIALIZED (
     SELECT id, key, run_after <= now() AS due FROM {table}
@@ -962,7 +977,7 @@ heads AS (
     SELECT CASE WHEN b.id IS NULL OR f.id < b.id THEN f.id ELSE b.id END AS id
     FROM fresh AS f FULL JOIN blocking AS b ON b.key = f.key
     WHERE coalesce(f.key, b.key) <> ALL($11::text[])
-      AND (b.id IS NULL OR f.id < b.id OR b.due)
+      AND (b.id IS NULL OR f.id < b.id OR (b.due AND b.id <= (SELECT id FROM reach)))
 ),
 chosen AS (
     SELECT c.id FROM (
@@ -1006,7 +1021,7 @@ FROM scanned AS s
 UNION ALL
 SELECT -4, NULL, NULL, NULL, NULL, NULL, 0, NULL, 0, NULL
 FROM peers WHERE serving
-"""
+""".replace("{owner_capable}", _OWNER_CAPABLE)
 
 
 # Keys held up by a failed row: a key's first failed row with later rows of the key pending

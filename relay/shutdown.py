@@ -101,6 +101,9 @@ async def _drain(
         await asyncio.wait_for(asyncio.shield(claimer), timeout=max(timeout, 1))
     except (TimeoutError, Exception):
         claimer.cancel()
+    # No more claims: the ordered destinations it owned go to another relay now, not after the
+    # rest of the shutdown (their rows still in flight here are waited for by that relay).
+    await relay.store.disown()
     tasks = relay.deliveries.tasks if relay.deliveries is not None else set()
     if tasks:
         _, late = await asyncio.wait(set(tasks), timeout=max(0.0, deadline - loop.time()))

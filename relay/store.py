@@ -234,9 +234,9 @@ class Store:
         ):
             missing.append(f"{self._relays_table}.circuits (migration 0010)")
         elif not missing and not await self._call(
-            "fetchval", queries.COLUMN_EXISTS, self._relays_table, "features"
+            "fetchval", queries.COLUMN_EXISTS, self._relays_table, "features_at"
         ):
-            missing.append(f"{self._relays_table}.features (migration 0013)")
+            missing.append(f"{self._relays_table}.features_at (migration 0013)")
         if not missing:
             # The claim's lanes: without them it would read the whole table, claim after claim.
             for index, holds in LANES.items():
@@ -607,10 +607,11 @@ class Store:
         # from before a TRUNCATE ... RESTART IDENTITY, and its fence would let a head through
         # while a lower id of its key can still commit (found by a review).
         self.statements["fence"] += 1
-        safe_id = await self._call("fetchval", self._fence, self._table, 0)
+        safe_id = await self._on_owner(destination, "fetchval", self._fence, self._table, 0)
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease
-        rows = await self._call(
+        rows = await self._on_owner(
+            destination,
             "fetch",
             self._claim_ordered,
             destination,
@@ -628,7 +629,26 @@ class Store:
     # --- ordered destinations' owners (relay/ordered.py) ---------------------------------
 
     def owns(self, destination: str) -> bool:
+        if self._owner is not None and self._owner.is_closed():
+            # Its session ended (the server closed it, idle or not): so did its locks.
+            self._owner = None
+            if self._owned:
+                log.info("relay.ordered.released", destinations=sorted(self._owned))
+            self._owned.clear()
         return destination in self._owned
+
+    async def _on_owner(self, destination: str, method: str, sql: str, *args: Any) -> Any:
+        """Run a statement of ``destination``'s claim: on the owner's connection if this relay
+        owns it (so that a claim fails once the lock is gone, in whichever mode the owner
+        claims), on the pool otherwise."""
+        conn = self._owner
+        if conn is None or destination not in self._owned:
+            return await self._call(method, sql, *args)
+        try:
+            return await getattr(conn, method)(sql, *args)
+        except BaseException:
+            await self.disown()
+            raise
 
     async def own(self, destination: str) -> bool:
         """Whether this relay owns ordered ``destination``, taking it if no relay does."""
@@ -732,7 +752,7 @@ class Store:
         except BaseException:
             await self.disown()
             raise
-        if rows and rows[-1][0] == -4:
+        if any(r[0] == -4 for r in rows):
             return [], None
         claimed = [r for r in rows if r[0] > 0]
         ids_claimed = {r[0] for r in claimed}
@@ -740,16 +760,19 @@ class Store:
         # -2 rows carry no key: found by id among the keys' first rows (or it has none).
         firsts = {queue[0]: key for key, queue in lane.queues.items()}
         taken = [(r[0], r[2]) for r in claimed]
-        taken += [(i, firsts.get(i)) for i in (int(r[4]) for r in rows if r[0] == -2)]
+        gone = [(i, firsts.get(i)) for i in (int(r[4]) for r in rows if r[0] == -2)]
         if not reading:
             hw = lane.hw
         elif len(scanned) >= reading:
             hw = scanned[-1][0]
         else:
             hw = safe_id  # short of the limit: every fresh row up to the fence was read
-        lane.absorb(taken, [(i, k) for i, k in scanned if i not in ids_claimed], hw)
+        lane.absorb(taken + gone, [(i, k) for i, k in scanned if i not in ids_claimed], hw)
         lane.full = len(claimed) >= limit
-        return self._envelopes(claimed, until), lane.full or 0 < reading <= len(scanned)
+        # Claim again at once: the batch was full, the reading stopped at its limit or did not
+        # read (the next one does), or rows found gone may have left heads behind them.
+        more = lane.full or not reading or len(scanned) >= reading or bool(gone)
+        return self._envelopes(claimed, until), more
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
         return list(await self._call("fetch", self._blocked_keys, list(blocking)))

@@ -4,6 +4,7 @@ in flight, the walk while a relay of an earlier release serves the destination."
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Collection
@@ -14,10 +15,11 @@ import pytest
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
+from outbox.status import Status
 from relay import claimer as claimer_module
 from relay import queries
 from relay.model import Envelope
-from relay.ordered import Mode, OwnedLane
+from relay.ordered import Mode, OwnedLane, Ownership
 from relay.store import DB_ERRORS, Record, Store, create_pool
 from tests.test_ordering import ordered_claimer, run_for
 
@@ -346,3 +348,131 @@ async def test_more_rows_in_memory_than_the_cap_walks_the_keys_for_a_while(
     for n in range(2, 11):
         await next_of_the_key(ids[n])
     assert [e.id for e in claimed] == ids
+
+
+# Found by a review of the owner's claim; each of these failed before its fix.
+
+LATER = (
+    "INSERT INTO outbox (destination, key, payload, run_after) "
+    "VALUES ('o', 'k', '\\x00', now() + interval '1 hour') RETURNING id"
+)
+
+
+async def enqueued_for_later_and_due(db_url: str) -> int:
+    """A row of key k enqueued for later (the waiting lane), and due now."""
+    row = int((await execute(db_url, LATER))[0]["id"])
+    await execute(db_url, "UPDATE outbox SET run_after = now() WHERE id = $1", row)
+    return row
+
+
+async def test_a_waiting_row_above_a_reading_cut_short_waits_for_its_key(
+    db_url: str, store: Store
+) -> None:
+    *_, k1 = await add(db_url, ["a", "b", "c", "d", "k"])
+    later = await enqueued_for_later_and_due(db_url)
+    lane = OwnedLane()
+    assert later not in await claim(store, lane, scan=4)  # k1 not read yet
+    assert await claim(store, lane, scan=4) == [k1]
+    await store.record(delivered(k1))
+    assert await claim(store, lane, scan=4) == [later]
+
+
+async def test_a_waiting_row_above_the_fence_waits_for_a_lower_id_still_open(
+    db_url: str, store: Store
+) -> None:
+    open_tx = await connect(db_url)
+    try:
+        await open_tx.execute("BEGIN")
+        k1 = await open_tx.fetchval(
+            "INSERT INTO outbox (destination, key, payload) VALUES ('o', 'k', '\\x00') RETURNING id"
+        )
+        later = await enqueued_for_later_and_due(db_url)
+        lane = OwnedLane()
+        assert await claim(store, lane) == []  # k1 may still commit
+        await open_tx.execute("COMMIT")
+    finally:
+        await open_tx.close()
+    assert await claim(store, lane) == [k1]
+    await store.record(delivered(k1))
+    assert await claim(store, lane) == [later]
+
+
+async def test_a_row_given_up_without_an_outcome_holds_its_key_while_it_runs(
+    db_url: str, store: Store
+) -> None:
+    """The completer gives up writing an outcome (the row stays running until reaped): the
+    key's next row must wait for it, as for a row the previous owner left in flight."""
+    k1, k2 = await add(db_url, ["k", "k"])
+    claimed: list[Envelope] = []
+    loop = ordered_claimer(store, ["o"], claimed, poll_interval=0.05)
+    await run_for(loop, 0.3)
+    assert [e.id for e in claimed] == [k1]
+    token = claimed[0].token
+    gave_up = Record(k1, token, Status.FAILED, 1, 0.0, "x", "o", "k")
+    loop.leases.recorded([gave_up], set(), {(k1, token)})
+    loop.stopping.clear()
+    await run_for(loop, 0.3)
+    assert [e.id for e in claimed] == [k1]
+    await execute(db_url, "UPDATE outbox SET status = 'pending' WHERE id = $1", k1)  # reaped
+    loop.stopping.clear()
+    await run_for(loop, 0.3)
+    assert [e.id for e in claimed] == [k1, k1]
+    await store.record([Record(k1, token + 1, Status.DELIVERED, 1, 0.0, None, "o", "k")])
+    loop.leases.forget([e for e in claimed if e.id == k1])
+    loop.stopping.clear()
+    await run_for(loop, 0.3)
+    assert [e.id for e in claimed] == [k1, k1, k2]
+
+
+OLD_REGISTER = """
+INSERT INTO {relays} (relay_id, host, pid, version, destinations, circuits)
+VALUES ($1, $2, $3, $4, $5::text[], $6::jsonb)
+ON CONFLICT (relay_id) DO UPDATE
+SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
+    destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits, seen_at = now(),
+    stopped_at = NULL
+"""
+
+
+async def test_a_relay_rolled_back_under_the_same_id_counts_as_an_earlier_release(
+    db_url: str, store: Store
+) -> None:
+    """The earlier release's registration (REGISTER before migration 0013) leaves features
+    alone: a relay with a fixed id (a StatefulSet's pod) rolled back must not pass for one
+    that claims as an owner."""
+    new = await open_store(db_url, "relay-1")
+    try:
+        await new.register("h", 1, "new", ["o"])
+        assert not await store.unowned_peers("o", 30.0)
+    finally:
+        await close_store(new)
+    await execute(
+        db_url, queries.render_ops(OLD_REGISTER, "public"), "relay-1", "h", 2, "old", ["o"], "{}"
+    )
+    assert await store.unowned_peers("o", 30.0)
+
+
+async def test_a_walking_owner_whose_lock_is_gone_claims_nothing(db_url: str) -> None:
+    """Walking (a relay of an earlier release serves it, or memory ran over), an owner runs
+    its claims on the connection that holds the lock too: once that connection ends and
+    another relay owns the destination, it claims nothing."""
+    a, b = await open_store(db_url, "a"), await open_store(db_url, "b")
+    try:
+        claimed: list[Envelope] = []
+        loop = ordered_claimer(a, ["o"], claimed, poll_interval=0.05)
+        assert await a.own("o")
+        loop._owners["o"] = Ownership(mode=Mode.WALK, capped=True, walk_until=float("inf"))
+        pid = a._owner.get_server_pid()  # type: ignore[union-attr]
+        await execute(db_url, "SELECT pg_terminate_backend($1)", pid)
+        for _ in range(100):
+            if await b.own("o"):
+                break
+            await asyncio.sleep(0.05)
+        assert b.owns("o")
+        await add(db_url, ["k"])
+        await run_for(loop, 0.3)
+        assert claimed == []
+        assert "o" not in loop._owners or not a.owns("o")
+    finally:
+        await close_store(a)
+        await close_store(b)
