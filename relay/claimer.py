@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
+import asyncpg
 import structlog
 
 from outbox.errors import describe
@@ -201,7 +202,7 @@ class Claimer:
         if owner is None:
             try:
                 taken = await store.own(destination)
-            except DB_ERRORS as exc:
+            except asyncpg.TooManyConnectionsError as exc:
                 # No connection of its own to hold the lock with (max_connections, say): the
                 # relay stands by for this destination, and serves the others.
                 log.warning(
@@ -233,7 +234,11 @@ class Claimer:
         owner holds their keys as it holds those its predecessor left in flight."""
         for env in self.leases.take_dropped():
             owner = self._owners.get(env.destination)
-            if owner is not None and env.key is not None:
+            if owner is None or env.key is None:
+                continue
+            # A newer claim of the row (read at a takeover) is the one that may still run.
+            known = owner.foreign.get(env.id)
+            if known is None or known[0] < env.token:
                 owner.foreign[env.id] = (env.token, env.key)
 
     async def _claim_owned(self, route: Route, limit: int, owner: Ownership) -> list[Envelope]:
@@ -242,6 +247,9 @@ class Claimer:
                 [(i, token) for i, (token, _) in owner.foreign.items()]
             )
             owner.foreign = {i: v for i, v in owner.foreign.items() if i in alive}
+        # Taken again just before the keys in flight are read: a row let go while this pass
+        # awaited (the completer giving up on it) is not held any more, and may still run.
+        self._take_dropped()
         mine = (e.key for e in self.leases if e.destination == route.name and e.key is not None)
         rows, more = await self.store.claim_owned(
             route.name,

@@ -646,8 +646,8 @@ class Store:
             return await self._call(method, sql, *args)
         try:
             return await getattr(conn, method)(sql, *args)
-        except BaseException:
-            await self.disown()
+        except BaseException as exc:
+            await self._owner_failed(exc)
             raise
 
     async def own(self, destination: str) -> bool:
@@ -659,13 +659,21 @@ class Store:
         try:
             self.statements["own"] += 1
             taken = bool(await self._owner.fetchval(self._own, self._table, destination))
-        except BaseException:
-            await self.disown()
+        except BaseException as exc:
+            await self._owner_failed(exc)
             raise
         if taken:
             self._owned.add(destination)
             log.info("relay.ordered.owner", destination=destination)
         return taken
+
+    async def _owner_failed(self, exc: BaseException) -> None:
+        """A statement on the owner's connection failed: the ownership ends with the
+        connection, unless the server merely refused the statement (the connection, and the
+        locks, are fine; the memory of what was read stays valid)."""
+        conn = self._owner
+        if conn is None or conn.is_closed() or not is_plain_sql_error(exc):
+            await self.disown()
 
     async def disown(self) -> None:
         """Let go of every ordered destination: the connection holding them is closed (its
@@ -749,8 +757,8 @@ class Store:
                 keyless,
                 peers_within,
             )
-        except BaseException:
-            await self.disown()
+        except BaseException as exc:
+            await self._owner_failed(exc)
             raise
         if any(r[0] == -4 for r in rows):
             return [], None
@@ -856,7 +864,17 @@ async def _dedicated(pool: asyncpg.Pool) -> asyncpg.Connection:
     one held for as long as the relay owns ordered destinations must not hold up the pool's
     close, nor take one of its connections for good."""
     args: tuple[Any, ...] = pool._connect_args
-    kwargs: dict[str, Any] = pool._connect_kwargs
+    kwargs: dict[str, Any] = dict(pool._connect_kwargs)
+    # A client gone without a word (a network cut, a frozen host) must not keep its session
+    # lock until the kernel's keepalives give up (two hours by default): the stand-bys could
+    # not take over. The server probes an idle connection after 10 s, and ends it after 3
+    # unanswered probes 5 s apart.
+    kwargs["server_settings"] = {
+        **kwargs.get("server_settings", {}),
+        "tcp_keepalives_idle": "10",
+        "tcp_keepalives_interval": "5",
+        "tcp_keepalives_count": "3",
+    }
     return await asyncpg.connect(*args, **kwargs)
 
 

@@ -476,3 +476,75 @@ async def test_a_walking_owner_whose_lock_is_gone_claims_nothing(db_url: str) ->
     finally:
         await close_store(a)
         await close_store(b)
+
+
+# Found by a second review; each of these failed before its fix.
+
+
+async def test_a_row_dropped_while_a_claim_pass_awaits_still_holds_its_key(
+    db_url: str, store: Store
+) -> None:
+    k1, _ = await add(db_url, ["k", "k"])
+    claimed: list[Envelope] = []
+    loop = ordered_claimer(store, ["o"], claimed, poll_interval=0.05)
+    batch, err = await loop._claim(["o"], 10)
+    assert err is None
+    loop._claimed(batch)
+    assert [e.id for e in claimed] == [k1]
+    token = claimed[0].token
+    look_for_peers = store.unowned_peers
+
+    async def completer_gives_up_meanwhile(*args: Any) -> bool:
+        gave_up = Record(k1, token, Status.FAILED, 1, 0.0, "x", "o", "k")
+        loop.leases.recorded([gave_up], set(), {(k1, token)})
+        return await look_for_peers(*args)
+
+    store.unowned_peers = completer_gives_up_meanwhile  # type: ignore[method-assign]
+    loop._owners["o"].peers_checked = float("-inf")
+    loop._resting.clear()
+    batch, err = await loop._claim(["o"], 10)
+    assert err is None and batch == []  # k2 waits: k1 is still running
+
+
+async def test_a_dropped_older_claim_does_not_hide_a_newer_claim_of_its_row(
+    db_url: str, store: Store
+) -> None:
+    k1, _ = await add(db_url, ["k", "k"])
+    claimed: list[Envelope] = []
+    loop = ordered_claimer(store, ["o"], claimed, poll_interval=0.05)
+    batch, err = await loop._claim(["o"], 10)
+    loop._claimed(batch)
+    env = claimed[0]
+    # k1's lease ran out and another owner claimed it again (token + 1): still running.
+    await execute(
+        db_url,
+        "UPDATE outbox SET claims = claims + 1, locked_by = 'other', "
+        "locked_until = now() + interval '1 hour' WHERE id = $1",
+        k1,
+    )
+    await store.disown()  # this relay's ownership ended, and is taken again
+    loop._resting.clear()
+    batch, err = await loop._claim(["o"], 10)
+    assert err is None and batch == []
+    assert loop._owners["o"].foreign == {k1: (env.token + 1, "k")}
+    loop.leases.lose([env], "lease not renewed")  # its own, older claim is let go now
+    loop._resting.clear()
+    batch, err = await loop._claim(["o"], 10)
+    assert err is None and batch == []
+
+
+async def test_the_owner_connection_is_probed_so_a_vanished_client_frees_its_lock(
+    store: Store,
+) -> None:
+    assert await store.own("o")
+    conn = store._owner
+    assert conn is not None
+    assert await conn.fetchval("SHOW tcp_keepalives_idle") == "10"
+    assert await conn.fetchval("SHOW tcp_keepalives_count") == "3"
+
+
+async def test_a_statement_the_server_refuses_keeps_the_ownership(store: Store) -> None:
+    assert await store.own("o")
+    with pytest.raises(asyncpg.PostgresError):
+        await store._on_owner("o", "fetchval", "SELECT 1/0")
+    assert store.owns("o")
