@@ -61,6 +61,21 @@ _FRESH = "status = 'pending' AND claims = 0 AND run_after <= created_at"
 _FRESH_O = "o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at"
 
 
+def _mark_running(rows: str) -> str:
+    """Every claim's last step: the rows of CTE ``rows`` marked running under this relay's
+    lease ($3 the relay, $4 the lease in seconds), the fencing token taken, and returned as
+    Store._envelopes reads them."""
+    return f"""claimed AS (
+    UPDATE {{table}} AS o
+    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
+        claims = o.claims + 1
+    WHERE o.id = ANY(ARRAY(SELECT id FROM {rows}))
+    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
+              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
+              o.event_type
+)"""
+
+
 def _claim(late: bool) -> str:
     """CLAIM, or CLAIM_FRESH without the read of late commits (see below)."""
     late_cte = f"""
@@ -102,15 +117,7 @@ chosen AS (
     ORDER BY c.run_after, c.id
     LIMIT $2
 ),
-claimed AS (
-    UPDATE {{table}} AS o
-    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
-        claims = o.claims + 1
-    WHERE o.id = ANY(ARRAY(SELECT id FROM chosen))
-    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
-              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
-              o.event_type
-),
+{_mark_running("chosen")},
 next_cursor AS MATERIALIZED (
     SELECT coalesce(
         (SELECT min(o.id) - 1 FROM {{table}} AS o
@@ -850,15 +857,7 @@ locked AS (
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
-claimed AS (
-    UPDATE {table} AS o
-    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
-        claims = o.claims + 1
-    WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
-    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
-              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
-              o.event_type
-)
+{mark_running}
 SELECT * FROM claimed
 UNION ALL
 SELECT -1, NULL, CASE
@@ -868,7 +867,7 @@ SELECT -1, NULL, CASE
                THEN NULLIF((SELECT key FROM k ORDER BY n DESC LIMIT 1), $9::text)
        END,
        NULL, NULL, NULL, 0, NULL, 0, NULL
-"""
+""".replace("{mark_running}", _mark_running("locked"))
 
 # --- An ordered destination's owner (relay/ordered.py) ---------------------------------------
 
@@ -999,15 +998,7 @@ locked AS (
       AND (o.status = 'pending') IS TRUE AND NOT (SELECT serving FROM peers)
     FOR UPDATE SKIP LOCKED
 ),
-claimed AS (
-    UPDATE {table} AS o
-    SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
-        claims = o.claims + 1
-    WHERE o.id = ANY(ARRAY(SELECT id FROM locked))
-    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
-              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
-              o.event_type
-)
+{mark_running}
 SELECT * FROM claimed
 UNION ALL
 SELECT -2, NULL, NULL, NULL, c.id::text, NULL, 0, NULL, 0, NULL
@@ -1021,7 +1012,7 @@ FROM scanned AS s
 UNION ALL
 SELECT -4, NULL, NULL, NULL, NULL, NULL, 0, NULL, 0, NULL
 FROM peers WHERE serving
-""".replace("{owner_capable}", _OWNER_CAPABLE)
+""".replace("{owner_capable}", _OWNER_CAPABLE).replace("{mark_running}", _mark_running("locked"))
 
 
 # Keys held up by a failed row: a key's first failed row with later rows of the key pending
