@@ -66,6 +66,16 @@ async def execute(db_url: str, sql: str, *args: Any) -> list[asyncpg.Record]:
         await conn.close()
 
 
+async def take_over(store: Store) -> None:
+    """Take "o" once its owner's terminated backend has ended (a moment after
+    pg_terminate_backend returns), and its lock with it."""
+    for _ in range(100):
+        if await store.own("o"):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the lock of the terminated owner was never released")
+
+
 async def claim(
     store: Store,
     lane: OwnedLane,
@@ -95,12 +105,7 @@ async def test_one_relay_owns_a_destination_until_its_connection_ends(db_url: st
         with pytest.raises(DB_ERRORS):
             await a.claim_owned("o", 10, False, 40, OwnedLane(), (), 30.0)
         assert not a.owns("o")
-        # The backend ends a moment after pg_terminate_backend returns, and its lock with it.
-        for _ in range(100):
-            if await b.own("o"):
-                break
-            await asyncio.sleep(0.05)
-        assert b.owns("o")
+        await take_over(b)
         assert not await a.own("o")
     finally:
         await close_store(a)
@@ -469,11 +474,7 @@ async def test_a_walking_owner_whose_lock_is_gone_claims_nothing(db_url: str) ->
         loop._owners["o"] = Ownership(mode=Mode.WALK, capped=True, walk_until=float("inf"))
         pid = a._owner.get_server_pid()  # type: ignore[union-attr]
         await execute(db_url, "SELECT pg_terminate_backend($1)", pid)
-        for _ in range(100):
-            if await b.own("o"):
-                break
-            await asyncio.sleep(0.05)
-        assert b.owns("o")
+        await take_over(b)
         await add(db_url, ["k"])
         await run_for(loop, 0.3)
         assert claimed == []
