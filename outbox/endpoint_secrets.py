@@ -18,13 +18,13 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from outbox.errors import OutboxError
+from outbox.webhooks.signing import SECRET_PREFIX, decode_secret
 
 if TYPE_CHECKING:
     from cryptography.fernet import Fernet, MultiFernet
 
 KEY_VARIABLE = "OUTBOX_ENDPOINT_SECRET_KEY"
 REQUIRE_VARIABLE = "OUTBOX_ENDPOINT_SECRET_REQUIRE"
-SECRET_PREFIX = "whsec_"  # noqa: S105 - the format's prefix, not a secret
 SEALED_PREFIX = "enc:"
 SECRET_BYTES = 32  # above the Standard Webhooks floor of 24
 
@@ -65,8 +65,6 @@ def generate() -> str:
 
 def check(secret: str) -> str:
     """``secret`` if it is a usable Standard Webhooks secret, else OutboxError saying why."""
-    from relay.sinks.webhook.signing import decode_secret  # the relay's own reading of it
-
     try:
         decode_secret(secret)
     except ValueError as exc:

@@ -46,6 +46,7 @@ from outbox.errors import OutboxError, OutboxValidationError
 from outbox.message import MAX_DESTINATION_BYTES, MAX_EVENT_TYPE_BYTES, MAX_TENANT_BYTES
 from outbox.message import _label as _check_label
 from outbox.message import _text as _check_text
+from outbox.webhooks.ssrf import is_public
 
 __all__ = [
     "UNSET",
@@ -209,7 +210,7 @@ class Endpoints:
         out: dict[str, Any] = {}
         if url is not UNSET:
             _check_text("url", url, MAX_URL_BYTES)
-            from relay.sinks.webhook.config import check_url
+            from outbox.webhooks.urls import check_url
 
             try:
                 check_url(url)
@@ -644,8 +645,6 @@ def check_reachable(
     non-public address (unless allowed): the relay would refuse to deliver to it anyway. An IP
     literal is checked even when ``resolve`` is off (nothing to look up)."""
     from yarl import URL
-
-    from relay.sinks.webhook.ssrf import is_public
 
     parsed = URL(url)
     host = parsed.raw_host or ""

@@ -63,3 +63,32 @@ def test_type_checkers_still_catch_a_misspelt_outbox_name(tmp_path: Path) -> Non
     assert 'Module has no attribute "enqeue"' in out, out
     assert 'Module "outbox" has no attribute "enqueue_synk"' in out, out
     assert out.count("error:") == 2, out  # the names that exist type-check
+
+
+def test_the_library_at_work_loads_no_relay_module(db_url: str) -> None:
+    """An application that enqueues, registers an endpoint (its URL and address checks) and
+    verifies a webhook (the signing format) runs on `outbox` alone: the relay, its settings
+    and its clients stay out of the application's process (pyproject.toml's import rules
+    say the same of the code; this holds it for what an import does at run time)."""
+    url = "postgresql+psycopg://" + db_url.partition("://")[2]
+    modules = imported(
+        "import sqlalchemy as sa\n"
+        "import outbox\n"
+        "from outbox.endpoints import Endpoints\n"
+        "from outbox.endpoint_secrets import generate\n"
+        "from outbox.inbox.webhooks import WebhookReceiver\n"
+        f"engine = sa.create_engine({url!r})\n"
+        "with engine.begin() as conn:\n"
+        "    outbox.enqueue_sync(conn, destination='orders', payload={'id': 1})\n"
+        "    Endpoints().create_sync(conn, destination='hooks', url='http://127.0.0.1:9/in',\n"
+        "                            allow_private_networks=True)\n"
+        "WebhookReceiver(consumer='c', secrets=generate())\n"
+        "with engine.connect() as conn:\n"
+        "    n = conn.execute(sa.text('SELECT count(*) FROM outbox')).scalar()\n"
+        "    e = conn.execute(sa.text('SELECT count(*) FROM outbox_endpoints')).scalar()\n"
+        "    assert (n, e) == (1, 1), (n, e)\n"
+    )
+    assert {"outbox.writer", "outbox.endpoints", "outbox.webhooks.urls"} <= modules
+    relay = sorted(m for m in modules if m == "relay" or m.startswith("relay."))
+    assert not relay, relay
+    assert "pydantic_settings" not in modules

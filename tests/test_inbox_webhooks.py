@@ -36,7 +36,7 @@ from outbox.inbox import (
     verify_and_mark_sync,
 )
 from outbox.inbox.fastapi import verified_webhook
-from relay.sinks.webhook.signing import Signer, decode_secret
+from outbox.webhooks.signing import Signer, decode_secret
 from tests.support.asgi import serve
 from tests.support.relays import running, settings, wait_until
 from tests.webhook_helpers import SECRET, new_secret

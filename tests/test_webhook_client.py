@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from outbox.webhooks.ssrf import IPAddress
 from relay.model import Result
 from relay.sinks.webhook import client as client_module
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.sink import WebhookSink
-from relay.sinks.webhook.ssrf import IPAddress
 from tests.support.receiver import Receiver
 from tests.webhook_helpers import closed_port, dest, envelope
 

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 
+from outbox.webhooks.signing import Signer, decode_secret
+from outbox.webhooks.ssrf import is_public
 from relay import backoff
-from relay.config import ConfigError, load_settings
+from relay.config import ConfigError
 from relay.routes import build_routes, build_sinks
+from relay.settings import load_settings
 from relay.sinks.webhook.config import WebhookDestination
-from relay.sinks.webhook.signing import Signer, decode_secret
 from relay.sinks.webhook.sink import WebhookSink
-from relay.sinks.webhook.ssrf import is_public
 from tests.webhook_helpers import new_secret
 
 DB = "postgresql://root@127.0.0.1:5432/postgres"

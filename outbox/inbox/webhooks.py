@@ -35,6 +35,7 @@ from outbox.errors import OutboxError, OutboxValidationError
 from outbox.inbox._db import aborted, committable_problem, committable_problem_sync
 from outbox.inbox._store import AsyncTarget, Inbox, SyncTarget, _default, check_consumer
 from outbox.inbox._store import check_event_id as _check_id
+from outbox.webhooks.signing import decode_secret
 
 DEFAULT_TOLERANCE = 300.0  # seconds, either way: the Standard Webhooks recommendation
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")  # Unix seconds, as the specification sends them
@@ -152,8 +153,6 @@ def _key(secret: object) -> bytes:
     if not isinstance(secret, str):
         raise TypeError(f"a webhook secret is a 'whsec_…' str, got {type(secret).__name__}")
     # The relay's own reading of the format, so what it signs with, this verifies with.
-    from relay.sinks.webhook.signing import decode_secret
-
     try:
         return decode_secret(secret)
     except ValueError as exc:

@@ -24,6 +24,7 @@ import structlog
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import OutboxError, describe
 from outbox.status import Status
+from outbox.webhooks.signing import decode_secret
 from relay import outcomes
 from relay.breaker import State
 from relay.metrics import Metrics
@@ -34,7 +35,6 @@ from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, takes
 from relay.sinks.webhook.answers import class_of
-from relay.sinks.webhook.signing import decode_secret
 from relay.sinks.webhook.sink import Endpoint, WebhookSink
 from relay.store import DB_ERRORS, UNAVAILABLE
 

@@ -26,8 +26,8 @@ import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from yarl import URL
 
+from outbox.webhooks.ssrf import AddressPolicy, AddressRefused, IPAddress, resolve
 from relay.sinks.webhook.config import WebhookClientSettings
-from relay.sinks.webhook.ssrf import AddressPolicy, AddressRefused, IPAddress, resolve
 
 
 class GuardedResolver(AbstractResolver):

@@ -20,6 +20,8 @@ import structlog
 from yarl import URL
 
 from outbox.errors import describe
+from outbox.webhooks.signing import Signer
+from outbox.webhooks.ssrf import AddressPolicy, AddressRefused
 from relay import cloudevents
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
@@ -33,8 +35,6 @@ from relay.sinks.webhook.config import (
     WebhookDestination,
     header_problem,
 )
-from relay.sinks.webhook.signing import Signer
-from relay.sinks.webhook.ssrf import AddressPolicy, AddressRefused
 
 log = structlog.get_logger("relay.sink.webhook")
 
