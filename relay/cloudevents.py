@@ -22,13 +22,12 @@ import base64
 import json
 import re
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 from urllib.parse import quote
 
 import structlog
 
 if TYPE_CHECKING:
-    from relay.config.base import Delivery
     from relay.model import Envelope
 
 SPECVERSION = "1.0"
@@ -339,7 +338,21 @@ def attribute_problem(attr: str, value: str) -> str | None:
     return None
 
 
-def from_config(d: Delivery) -> CloudEvents | None:
+class EnvelopeSettings(Protocol):
+    """What a destination's settings say of its envelope (relay.config.base.Delivery's fields,
+    read here without importing the settings, which check attributes with this module)."""
+
+    @property
+    def envelope(self) -> Literal["none", "cloudevents"]: ...
+    @property
+    def source(self) -> str | None: ...
+    @property
+    def cloudevents_mode(self) -> Literal["binary", "structured"]: ...
+    @property
+    def default_type(self) -> str | None: ...
+
+
+def from_config(d: EnvelopeSettings) -> CloudEvents | None:
     """A destination's envelope from its settings; None when it sends payloads as they are."""
     if d.envelope != "cloudevents":
         return None

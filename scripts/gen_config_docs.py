@@ -33,9 +33,10 @@ import annotated_types  # noqa: E402
 from pydantic import BaseModel, BeforeValidator, SecretStr  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
 
-from relay.config import MAX_SECONDS, Delivery, settings_model  # noqa: E402
+from relay.config import MAX_SECONDS, Delivery  # noqa: E402
 from relay.config.base import package_version  # noqa: E402
 from relay.durations import UNITS, format_duration, parse_duration  # noqa: E402
+from relay.settings import settings_model  # noqa: E402
 from relay.sinks import SinkKind  # noqa: E402
 from relay.sinks.registry import KINDS  # noqa: E402
 

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from relay.cloudevents import CloudEvents, NotSendable, is_json, rfc3339, source_problem
-from relay.config import ConfigError, load_settings
+from relay.config import ConfigError
+from relay.settings import load_settings
 from tests.webhook_helpers import envelope, new_secret
 
 DB = "postgresql://x@127.0.0.1/y"

@@ -112,7 +112,7 @@ def test_a_cloudevents_destination_passes_the_check(tmp_path: Path) -> None:
     ("value", "expected"), [("1", 1), (" 1", 1), ("-1", -1), ("all", "all"), ("all ", "all")]
 )
 def test_kafka_acks_from_the_environment_and_as_a_string(value: str, expected: object) -> None:
-    from relay.config import load_settings
+    from relay.settings import load_settings
 
     env_style = load_settings(
         None, database_url="postgresql://x@h/y", kafka={"acks": value, "enable_idempotence": False}

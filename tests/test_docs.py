@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field
 
-from relay.config import settings_model
 from relay.config.base import Delivery
+from relay.settings import settings_model
 from relay.sinks import Sink, SinkKind
 from relay.sinks.registry import KINDS
 

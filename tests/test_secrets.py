@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from outbox.dburl import redact, to_asyncpg_dsn
 from relay import cli
 from relay import secrets as relay_secrets
-from relay.config import ConfigError, load_settings
+from relay.config import ConfigError
+from relay.settings import load_settings
 
 MARK = "Mk5e3c7a91d0"
 

@@ -16,7 +16,7 @@ import pytest
 from outbox.dburl import to_asyncpg_dsn
 from relay.cli.options import with_db
 from relay.store import create_pool
-from relay.ui.app import Console
+from relay.ui.state import Console
 
 # Ten million rows by the planner's estimate (generate_series' support function): a cost of
 # about 150,000 against jit_above_cost's 100,000. EXPLAIN without ANALYZE shows the JIT the

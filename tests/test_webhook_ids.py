@@ -27,7 +27,8 @@ from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
 from outbox.inbox import ReceivedWebhook
 from outbox.inbox.fastapi import verified_webhook
 from outbox.migrate import migrate
-from relay.config import ConfigError, load_settings
+from relay.config import ConfigError
+from relay.settings import load_settings
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.sink import WebhookSink
 from tests.support.asgi import serve

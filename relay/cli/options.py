@@ -120,7 +120,7 @@ def schema_option(func: Any) -> Any:
 def _load_config(path: Path, database_url: str | None) -> Settings:
     """The relay's configuration, validated as `run --check` validates it: an invalid one is
     the same message, and exit 2."""
-    from relay.config import load_settings
+    from relay.settings import load_settings
 
     # An explicit URL stands in for one the file leaves to the environment.
     overrides = {"database_url": database_url} if database_url else {}

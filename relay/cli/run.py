@@ -22,15 +22,8 @@ from relay.cli.options import (
     echo_lines,
     schema_option,
 )
-from relay.config import (
-    ConfigError,
-    Settings,
-    load_settings,
-    named_variables,
-    settings_secrets,
-    top_level_keys,
-    unknown_environment,
-)
+from relay.config import ConfigError, Settings, named_variables, unknown_environment
+from relay.settings import load_settings, settings_secrets, top_level_keys
 
 
 @click.command(short_help="Apply pending schema migrations.")

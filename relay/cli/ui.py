@@ -44,9 +44,9 @@ def ui(
     an operator's own (OUTBOX_UI_OPERATORS)."""
     import uvicorn
 
+    from relay.config.tokens import TOKEN_VARIABLE, TokenError, load_operators, load_token
     from relay.logs import configure
     from relay.ui.app import build_console
-    from relay.ui.security import TOKEN_VARIABLE, TokenError, load_operators, load_token
 
     try:
         operators = load_operators(operators_file)

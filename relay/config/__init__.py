@@ -1,7 +1,8 @@
 """The relay's configuration: typed, validated at start-up, from a TOML file and OUTBOX_*
-variables. ``settings`` holds the relay's own settings and the loading; ``base`` what every
-part builds on; ``errors`` and ``environment`` the messages and the variables; each kind of
-sink owns its settings in ``relay/sinks/<kind>/config.py``."""
+variables. ``settings`` holds the relay's own settings; ``base`` what every part builds on;
+``errors`` and ``environment`` the messages and the variables; each kind of sink owns its
+settings in ``relay/sinks/<kind>/config.py``, and relay/settings.py puts them together and
+loads a configuration."""
 
 from relay.config.base import MAX_SECONDS, Backoff, ConfigError, Delivery, Duration, Section
 from relay.config.environment import schema_from_environment, unknown_environment
@@ -9,11 +10,7 @@ from relay.config.settings import (
     HttpSettings,
     RelaySettings,
     Settings,
-    load_settings,
     named_variables,
-    settings_model,
-    settings_secrets,
-    top_level_keys,
 )
 
 __all__ = [
@@ -26,11 +23,7 @@ __all__ = [
     "RelaySettings",
     "Section",
     "Settings",
-    "load_settings",
     "named_variables",
     "schema_from_environment",
-    "settings_model",
-    "settings_secrets",
-    "top_level_keys",
     "unknown_environment",
 ]

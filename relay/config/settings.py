@@ -6,26 +6,21 @@ section and its key, e.g. ``OUTBOX_RELAY_BATCH_SIZE=500``, ``OUTBOX_KAFKA_BOOTST
 raises :class:`ConfigError` naming the key.
 
 :class:`Settings` holds what the relay itself takes; the kinds of sink add their own sections
-(``[kafka]``, ``[webhooks]``) and destination models, from relay/sinks/registry.py, to the
-model that validates a configuration (:func:`load_settings`).
+(``[kafka]``, ``[webhooks]``) and destination models to the model that validates a
+configuration: relay/settings.py assembles it (the sinks build on this package, so it cannot
+know them) and loads a configuration with it.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
-import tomllib
 import uuid
-from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import (
-    BaseModel,
     Field,
     SecretStr,
-    ValidationError,
-    create_model,
     field_validator,
     model_validator,
 )
@@ -33,15 +28,12 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    SettingsError,
 )
 
-from outbox.dburl import to_asyncpg_dsn, url_secrets
+from outbox.dburl import to_asyncpg_dsn
 from outbox.queries import check_schema
-from relay import secrets
-from relay.config.base import MAX_SECONDS, Backoff, ConfigError, Delivery, Duration, Section
-from relay.config.environment import OurEnvironment, schema_from_environment
-from relay.config.errors import echoable_fields, format_errors
+from relay.config.base import MAX_SECONDS, Backoff, Delivery, Duration, Section
+from relay.config.environment import OurEnvironment
 from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 
 # Delivered rows are kept this long by default: long enough to answer "was event 123
@@ -201,7 +193,7 @@ class UiSettings(Section):
     @classmethod
     def _operators(cls, v: dict[str, SecretStr] | None) -> dict[str, SecretStr] | None:
         if v is not None:
-            from relay.ui.security import TokenError, check_operators
+            from relay.config.tokens import TokenError, check_operators
 
             try:
                 check_operators({n: t.get_secret_value() for n, t in v.items()}, None)
@@ -222,7 +214,7 @@ class UiSettings(Section):
             )
         # Inline operators are checked with their field; the files only where they are read.
         if self.enabled and self.operators is None:
-            from relay.ui.security import TokenError, load_operators, load_token
+            from relay.config.tokens import TokenError, load_operators, load_token
 
             if self.operators_file is not None:
                 try:
@@ -239,7 +231,7 @@ class UiSettings(Section):
         return self
 
     def the_token(self) -> str:
-        from relay.ui.security import load_token
+        from relay.config.tokens import load_token
 
         if self.token is not None:
             return self.token.get_secret_value().strip()
@@ -251,7 +243,7 @@ class UiSettings(Section):
         if self.operators is not None:
             return None, {n: t.get_secret_value().strip() for n, t in self.operators.items()}
         if self.operators_file is not None:
-            from relay.ui.security import load_operators
+            from relay.config.tokens import load_operators
 
             return None, load_operators(self.operators_file)
         return self.the_token(), None
@@ -334,131 +326,6 @@ class Settings(BaseSettings):
 
 def default_relay_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
-@functools.cache
-def settings_model() -> type[Settings]:
-    """Settings with each kind of sink's section and destination model."""
-    from relay.sinks.registry import KINDS
-
-    kinds = list(KINDS.values())
-    destination: Any = Annotated[
-        Union[tuple(k.destination for k in kinds)],  # noqa: UP007 - built from the registry
-        Field(discriminator="kind"),
-    ]
-    sections: dict[str, Any] = {
-        k.section: (k.settings, Field(default_factory=k.settings))
-        for k in kinds
-        if k.section and k.settings
-    }
-    return create_model(
-        "Settings",
-        __base__=Settings,
-        destinations=(dict[str, destination], Field(default_factory=dict)),
-        **sections,
-    )
-
-
-def all_models() -> list[type[BaseModel]]:
-    """Every model of the configuration, the sinks' included."""
-    from relay.sinks.registry import KINDS
-
-    models: list[type[BaseModel]] = [settings_model(), RelaySettings, Backoff, HttpSettings]
-    for kind in KINDS.values():
-        models.append(kind.destination)
-        if kind.settings is not None:
-            models.append(kind.settings)
-            models += [
-                f.annotation
-                for f in kind.settings.model_fields.values()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
-            ]
-        models += [
-            f.annotation
-            for f in kind.destination.model_fields.values()
-            if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
-        ]
-    return models
-
-
-@functools.cache
-def _echoable() -> frozenset[str]:
-    return echoable_fields(all_models())
-
-
-def _explain(exc: ValidationError) -> str:
-    from relay.sinks.registry import KINDS
-
-    return format_errors(exc, _echoable(), list(KINDS))
-
-
-def top_level_keys() -> list[str]:
-    return list(settings_model().model_fields)
-
-
-def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
-    """Read ``path`` (TOML) if given, apply environment overrides, validate."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {p} does not exist") from exc
-        except OSError as exc:
-            raise ConfigError(f"config file {p} cannot be read: {exc}") from exc
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
-    data.update(overrides)
-    schema = schema_from_environment()
-    if schema is not None and isinstance(data.get("relay", {}), dict):
-        in_file = data.get("relay", {}).get("schema")
-        if in_file is not None and in_file != schema:
-            raise ConfigError(
-                f"relay.schema{' in ' + str(path) if path else ''} ({in_file!r}) and the "
-                f"environment's schema ({schema!r}, OUTBOX_SCHEMA) differ; set one"
-            )
-        data["relay"] = {**data.get("relay", {}), "schema": schema}
-    # Found before validating, so that no error message can quote them. (Registering the
-    # secrets of a loaded configuration, for the logs, is the relay process's business:
-    # relay.cli does it, so that loading a configuration changes nothing global.)
-    found = secrets.config_secrets(data) | secrets.environment_secrets(os.environ)
-    where = f" in {path}" if path else ""
-    # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
-    # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
-    private = sorted(k for k in data if k.startswith("_"))
-    if private:
-        bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
-        raise ConfigError(secrets.hide(f"invalid configuration{where}:\n{bad}", found))
-    try:
-        settings = settings_model()(**data)
-    except ValidationError as exc:
-        message = f"invalid configuration{where}:\n{_explain(exc)}"
-        raise ConfigError(secrets.hide(message, found)) from None
-    except SettingsError as exc:
-        # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
-        # Its text names the field, never the value.
-        message = f"invalid configuration in the environment: {exc}"
-        raise ConfigError(secrets.hide(message, found)) from None
-    return settings
-
-
-def settings_secrets(s: Settings) -> set[str]:
-    """What the relay must never print: the database password, and what each kind of sink
-    says (a SASL password, webhook secrets, configured header values; see relay.secrets for
-    the lengths scrubbed)."""
-    from relay.sinks.registry import KINDS
-
-    found = set(url_secrets(s.database_url.get_secret_value()))
-    if s.ui.token is not None:
-        found.add(s.ui.token.get_secret_value())
-    for token in (s.ui.operators or {}).values():
-        found.add(token.get_secret_value())
-    for kind in KINDS.values():
-        mine = {n: d for n, d in s.destinations.items() if d.kind == kind.name}
-        section = s.section(kind.section) if kind.section else None
-        found |= kind.secrets(section, mine)
-    return found
 
 
 def named_variables(s: Settings) -> set[str]:

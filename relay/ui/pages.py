@@ -15,8 +15,8 @@ from relay.queries import render_ops
 from relay.ui import queries
 
 if TYPE_CHECKING:
-    from relay.ui.app import Console
     from relay.ui.security import Caller
+    from relay.ui.state import Console
 
 ROWS_PER_PAGE = 50
 ENDPOINTS_PER_PAGE = 500

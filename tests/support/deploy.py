@@ -19,7 +19,7 @@ from dockerfile_parse import DockerfileParser
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from relay.cli import main as cli_main
-from relay.config import settings_model
+from relay.settings import settings_model
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -17,8 +17,9 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.config import Settings, load_settings
+from relay.config import Settings
 from relay.relay import Relay
+from relay.settings import load_settings
 
 
 def settings(db_url: str, bootstrap: str, **overrides: Any) -> Settings:

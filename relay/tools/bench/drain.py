@@ -10,9 +10,9 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.config import load_settings
 from relay.model import Envelope, Lease
 from relay.relay import Relay
+from relay.settings import load_settings
 from relay.tools.bench.common import (
     DESTINATION,
     HeldSnapshot,

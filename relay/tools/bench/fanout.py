@@ -46,8 +46,9 @@ import click
 from outbox import endpoint_secrets
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import migrate
-from relay.config import Settings, load_settings
+from relay.config import Settings
 from relay.relay import Relay
+from relay.settings import load_settings
 from relay.sinks.endpoints.dispatcher import SCAN
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.store import Store, create_pool
