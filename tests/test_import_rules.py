@@ -1,0 +1,83 @@
+"""The import rules of pyproject.toml ([tool.importlinter]) hold each a real rule: a copy of the
+code with one forbidden import added fails `lint-imports`, naming the contract it breaks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINT = Path(sys.executable).with_name("lint-imports")
+
+# (contract name's beginning, module file, line added to it)
+BREAKS = {
+    "layers": (
+        "relay layered",
+        "relay/store.py",
+        "from relay import claimer  # a store that knows the claim loop",
+    ),
+    "outbox-free-of-relay": (
+        "outbox never imports relay",
+        "outbox/errors.py",
+        "def _later() -> None:\n    import relay.secrets  # a function-level import counts\n",
+    ),
+    "sinks-apart": (
+        "the kafka and webhook sinks never import the endpoints sink",
+        "relay/sinks/webhook/client.py",
+        "from relay.sinks.endpoints import store as _endpoints",
+    ),
+    "operations-without-clients": (
+        "operations, their commands and the console never import the message clients",
+        "relay/ops/admin.py",
+        "import aiohttp",
+    ),
+    "acyclic": (
+        "no import circles",
+        "relay/ui/security.py",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from relay.ui import app\n",
+    ),
+}
+
+
+def lint(tree: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.run(
+        [str(LINT), "--no-cache"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tree = tmp_path_factory.mktemp("rules")
+    junk = shutil.ignore_patterns("__pycache__", "*.pyc", "static", "templates")
+    for package in ("outbox", "relay"):
+        shutil.copytree(ROOT / package, tree / package, ignore=junk)
+    shutil.copy(ROOT / "pyproject.toml", tree / "pyproject.toml")
+    done = lint(tree)
+    # The copy is what is checked (not the installed checkout), and it keeps every rule.
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+    return tree
+
+
+@pytest.mark.parametrize("contract", sorted(BREAKS))
+def test_breaking_a_rule_fails_the_check(pristine: Path, tmp_path: Path, contract: str) -> None:
+    name, module, line = BREAKS[contract]
+    tree = tmp_path / "tree"
+    shutil.copytree(pristine, tree)
+    target = tree / module
+    target.write_text(target.read_text() + "\n" + line + "\n")
+    done = lint(tree)
+    assert done.returncode != 0, done.stdout[-3000:]
+    broken = [x for x in done.stdout.splitlines() if " BROKEN" in x]
+    assert any(x.startswith(name) for x in broken), done.stdout[-3000:]
