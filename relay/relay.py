@@ -38,7 +38,7 @@ from relay.metrics import Metrics
 from relay.routes import attempt_limits, build_routes, build_sinks
 from relay.server import HttpServer, HttpStartupError, build_app
 from relay.shutdown import FINAL_BUDGET, shutdown
-from relay.sinks import Sink
+from relay.sinks import Host, Sink
 from relay.startup import RelayStartupError, open_store
 from relay.store import Record, Store
 
@@ -99,9 +99,7 @@ class Relay:
         the endpoint deliveries anyway, and a claim walk per enqueue would cost for nothing."""
         if payload == "endpoints":
             for sink in _distinct(self.sinks):
-                wake = getattr(sink, "wake", None)
-                if wake is not None:
-                    wake()
+                sink.wake()
 
     @property
     def in_flight(self) -> int:
@@ -137,7 +135,7 @@ class Relay:
         http_task = {self.http.task} if self.http is not None and self.http.task else set()
         # Sinks with loops of their own (the endpoints sink's deliveries) are supervised too;
         # they stop when the sink is closed.
-        sink_tasks = {t for s in _distinct(self.sinks) for t in getattr(s, "tasks", set)()}
+        sink_tasks = {t for s in _distinct(self.sinks) for t in s.tasks()}
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stop_wait = asyncio.create_task(self.stopping.wait())
         self.tasks = {*background, *http_task, *sink_tasks, claimer}
@@ -212,17 +210,10 @@ class Relay:
             self.stopping,
         )
         rs = self.settings.relay
+        # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
+        host = Host(store, rs.max_in_flight, rs.poll_interval, self.metrics, lambda: self.paused)
         for sink in _distinct(self.sinks):
-            attach = getattr(sink, "attach", None)
-            if attach is not None:
-                # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
-                attach(
-                    store,
-                    max_in_flight=rs.max_in_flight,
-                    poll_interval=rs.poll_interval,
-                    metrics=self.metrics,
-                    paused=lambda: self.paused,
-                )
+            sink.attach(host)
         await self.pauses()
         await self._register()
 
@@ -330,13 +321,7 @@ class Relay:
         written per endpoint by their sink.)"""
         states: dict[str, str] = {}
         for name, sink in self.sinks.items():
-            if sink.kind == "endpoints":
-                continue
-            for label, breaker in sink.circuits().items():
-                # A webhook breaker's label is "NAME origin"; names may hold spaces, an
-                # origin never does.
-                if sink.kind == "webhook" and label.rsplit(" ", 1)[0] != name:
-                    continue
+            for breaker in sink.breakers_of(name):
                 state = breaker.state
                 if state is not State.CLOSED and states.get(name) != State.OPEN.value:
                     states[name] = state.value  # open wins over half-open

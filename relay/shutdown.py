@@ -113,14 +113,12 @@ async def _drain(
             await asyncio.gather(*late, return_exceptions=True)
             log.warning("relay.shutdown.timeout", unfinished_batches=len(late))
     for sink in {id(s): s for s in relay.sinks.values()}.values():
-        drain = getattr(sink, "drain", None)
-        if drain is not None:
-            # Sinks with deliveries of their own (endpoints): theirs finish, are recorded,
-            # and what was not attempted is released, within what is left of the timeout.
-            try:
-                await drain(max(0.0, deadline - loop.time()))
-            except Exception:
-                log.exception("relay.sink.drain_failed")
+        # Sinks with deliveries of their own (endpoints): theirs finish, are recorded, and
+        # what was not attempted is released, within what is left of the timeout.
+        try:
+            await sink.drain(max(0.0, deadline - loop.time()))
+        except Exception:
+            log.exception("relay.sink.drain_failed")
 
 
 async def _close(

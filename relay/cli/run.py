@@ -100,7 +100,7 @@ def _load(config: Path | None) -> Settings:
 def run(config: Path | None, check: bool) -> None:
     """Run the relay until SIGTERM/SIGINT."""
     settings = _load(config)
-    _check_endpoint_secrets(settings)
+    _check_sink_environment(settings)
     unknown = unknown_environment(top_level_keys(), named_variables(settings))
     if check:
         for name in unknown:
@@ -130,20 +130,22 @@ def run(config: Path | None, check: bool) -> None:
     sys.exit(status)
 
 
-def _check_endpoint_secrets(settings: Settings) -> None:
-    """With endpoints destinations, the secrets' key and requirement (environment variables
-    the relay shares with the applications) are part of the configuration: a bad one stops
-    `run --check` and `run` as a bad setting does, with what to set."""
-    if not any(d.kind == "endpoints" for d in settings.destinations.values()):
-        return
+def _check_sink_environment(settings: Settings) -> None:
+    """What each configured kind of sink checks beyond its settings (see SinkKind.check): the
+    endpoints sink's secrets key, shared with the applications. A bad one stops `run --check`
+    and `run` as a bad setting does, with what to set."""
     from outbox.errors import OutboxError
-    from relay.sinks.endpoints.at_rest import secret_box
+    from relay.sinks.registry import KINDS
 
-    try:
-        secret_box()
-    except OutboxError as exc:
-        echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
-        sys.exit(2)
+    used = {d.kind for d in settings.destinations.values()}
+    for kind in KINDS.values():
+        if kind.name not in used:
+            continue
+        try:
+            kind.check()
+        except OutboxError as exc:
+            echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+            sys.exit(2)
 
 
 async def _run(settings: Settings) -> int:

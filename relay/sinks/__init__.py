@@ -5,15 +5,31 @@ itself with a :class:`SinkKind`; ``relay/sinks/registry.py`` lists the kinds."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Container, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Container, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel
 
 from relay.breaker import Breaker
 from relay.config.base import Delivery
 from relay.model import Envelope, Outcome
+
+if TYPE_CHECKING:
+    from relay.metrics import Metrics
+    from relay.store import Store
+
+
+@dataclass(frozen=True)
+class Host:
+    """What the relay lends a sink once the database is reached (:meth:`Sink.attach`): its
+    store (for a sink with tables of its own), its limits, metrics and paused destinations."""
+
+    store: Store
+    max_in_flight: int
+    poll_interval: float
+    metrics: Metrics
+    paused: Callable[[], Collection[str]]
 
 
 @runtime_checkable
@@ -46,7 +62,50 @@ class Sink(Protocol):
         """Its circuit breakers by endpoint name (the outbox_circuit_state metric)."""
         ...
 
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        """The breakers that stand for ``destination`` as a whole (the relay registry's
+        circuit states): a Kafka destination's cluster, a webhook destination's endpoint;
+        none where circuits are per endpoint registered at runtime."""
+        ...
+
+    def attach(self, host: Host) -> None:
+        """Called once the database is reached, before any claim and before start()."""
+        ...
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Loops of its own for the relay to supervise: if one ends, the relay stops."""
+        ...
+
+    def wake(self) -> None:
+        """A NOTIFY said that work of its own may be due (an endpoint added or enabled)."""
+        ...
+
+    async def drain(self, timeout: float) -> None:
+        """On shutdown, after the relay's own deliveries: finish, record and release what
+        it holds of its own within ``timeout`` seconds."""
+        ...
+
     async def close(self) -> None: ...
+
+
+class SinkBase:
+    """What a sink without loops or tables of its own answers to the hooks of :class:`Sink`
+    (most sinks: they inherit it)."""
+
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        return ()
+
+    def attach(self, host: Host) -> None:
+        return None
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        return set()
+
+    def wake(self) -> None:
+        return None
+
+    async def drain(self, timeout: float) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -56,7 +115,9 @@ class SinkKind:
     ``name`` is what destinations say (``kind = "kafka"``); ``destination`` the model of such
     a destination's settings; ``section``/``settings`` the table of settings its destinations
     share (``[kafka]``), if any; ``build(section, destinations)`` makes the one sink that
-    delivers them all; ``secrets(section, destinations)`` lists what must never be printed.
+    delivers them all; ``secrets(section, destinations)`` lists what must never be printed;
+    ``check()`` checks, when a destination of the kind is configured, what the settings cannot
+    hold (the environment it shares with applications), raising OutboxError with what to set.
     """
 
     name: str
@@ -67,6 +128,7 @@ class SinkKind:
     secrets: Callable[[Any, Mapping[str, Any]], set[str]] = field(
         default=lambda section, destinations: set()
     )
+    check: Callable[[], None] = field(default=lambda: None)
 
 
 async def misrouted(

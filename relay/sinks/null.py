@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome
+from relay.sinks import SinkBase
 
 
-class NullSink:
+class NullSink(SinkBase):
     kind = "null"
 
     async def start(self) -> None:

@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome
+from relay.sinks import SinkBase
 
 
-class MemorySink:
+class MemorySink(SinkBase):
     """Always available, nothing to start or close; subclasses decide each outcome."""
 
     kind = "memory"

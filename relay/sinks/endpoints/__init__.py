@@ -28,6 +28,15 @@ def _secrets(section: WebhookClientSettings, destinations: Mapping[str, Any]) ->
     return found
 
 
+def _check() -> None:
+    """The secrets' key and requirement (OUTBOX_ENDPOINT_SECRET_KEY / _REQUIRE, shared with
+    the applications) are part of the configuration: a bad one stops `run --check` and `run`
+    as a bad setting does."""
+    from relay.sinks.endpoints.at_rest import secret_box
+
+    secret_box()
+
+
 KIND = SinkKind(
     name="endpoints",
     destination=EndpointsDestination,
@@ -35,4 +44,5 @@ KIND = SinkKind(
     settings=WebhookClientSettings,
     build=_build,
     secrets=_secrets,
+    check=_check,
 )

@@ -11,28 +11,27 @@ dispatcher (dispatcher.py) sends the deliveries.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import structlog
 
 from outbox.errors import describe
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, Result
-from relay.sinks import misrouted
+from relay.sinks import Host, SinkBase, misrouted
 from relay.sinks.endpoints import at_rest
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
 from relay.sinks.endpoints.store import DeliveryStore
 from relay.sinks.webhook.config import WebhookClientSettings
-from relay.store import DB_ERRORS, Store
+from relay.store import DB_ERRORS
 
 log = structlog.get_logger("relay.sink.endpoints")
 
 FAN_OUT_RETRY = 2.0
 
 
-class EndpointsSink:
+class EndpointsSink(SinkBase):
     kind = "endpoints"
 
     def __init__(
@@ -48,18 +47,11 @@ class EndpointsSink:
         self._store: DeliveryStore | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def attach(
-        self,
-        store: Store,
-        *,
-        max_in_flight: int,
-        poll_interval: float,
-        metrics: Any,
-        paused: Callable[[], Collection[str]],
-    ) -> None:
+    def attach(self, host: Host) -> None:
         """Called by the relay once the database is reached, before any claim."""
-        self._store = DeliveryStore(store)
-        self.dispatcher.paused = paused
+        self._store = DeliveryStore(host.store)
+        self.dispatcher.paused = host.paused
+        max_in_flight = host.max_in_flight
         # Each endpoint's requests are bounded by its max_concurrency and all of them by the
         # deliveries held (max_in_flight): a pool smaller than that would make healthy
         # endpoints wait for connections slow ones hold, and time out against their own
@@ -68,8 +60,8 @@ class EndpointsSink:
         if http.max_connections < max_in_flight:
             self.sender.http = http.model_copy(update={"max_connections": max_in_flight})
         self.dispatcher.max_in_flight = max_in_flight
-        self.dispatcher.poll_interval = poll_interval
-        self.dispatcher.metrics = metrics
+        self.dispatcher.poll_interval = host.poll_interval
+        self.dispatcher.metrics = host.metrics
 
     async def start(self) -> None:
         await self.sender.start()

@@ -28,7 +28,7 @@ from outbox.errors import describe
 from relay import cloudevents
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result, truncate_error
-from relay.sinks import misrouted
+from relay.sinks import SinkBase, misrouted
 from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
 from relay.sinks.kafka.partitioner import Partitioner
 
@@ -89,7 +89,7 @@ def producer_options(cfg: KafkaSettings) -> dict[str, Any]:
     return opts
 
 
-class KafkaSink:
+class KafkaSink(SinkBase):
     """Sends a whole batch, then awaits every result: one slow ack does not serialise the rest.
 
     When the cluster is unreachable the sink's breaker opens, so the relay stops claiming rows
@@ -157,6 +157,10 @@ class KafkaSink:
     def circuits(self) -> dict[str, Breaker]:
         """For the outbox_circuit_state metric: one breaker for the whole cluster."""
         return {self.bootstrap: self.breaker}
+
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        """Every Kafka destination stands or falls with the cluster."""
+        return (self.breaker,) if destination in self.topics else ()
 
     def _unavailable(self, exc: BaseException) -> None:
         if self.breaker.failure():

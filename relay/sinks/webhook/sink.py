@@ -25,7 +25,7 @@ from outbox.webhooks.ssrf import AddressPolicy, AddressRefused
 from relay import cloudevents
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
-from relay.sinks import misrouted
+from relay.sinks import SinkBase, misrouted
 from relay.sinks.webhook.answers import Health, classify, parse_retry_after, transport_text
 from relay.sinks.webhook.client import Sessions, literal_refusal, request_url
 from relay.sinks.webhook.config import (
@@ -78,7 +78,7 @@ class Endpoint:
         return f"{self.url.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
-class WebhookSink:
+class WebhookSink(SinkBase):
     """POSTs each envelope to its destination's URL; one outcome per envelope, never raises."""
 
     kind = "webhook"
@@ -146,6 +146,10 @@ class WebhookSink:
         """For the outbox_circuit_state metric: one breaker per endpoint (scheme://host:port,
         never the path or query, which may carry tokens)."""
         return {f"{name} {ep.origin}": ep.breaker for name, ep in self.endpoints.items()}
+
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        endpoint = self.endpoints.get(destination)
+        return (endpoint.breaker,) if endpoint is not None else ()
 
     async def start(self) -> None:
         self._ensure_sessions()

@@ -25,7 +25,7 @@ from outbox.dburl import to_asyncpg_dsn
 from outbox.queries import qualified_table
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result
-from relay.sinks import Sink
+from relay.sinks import Host, Sink
 from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
 from relay.sinks.kafka.sink import KafkaSink
 from relay.sinks.null import NullSink
@@ -150,6 +150,21 @@ class TimingSink:
 
     def circuits(self) -> Mapping[str, Breaker]:
         return self.inner.circuits()
+
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        return self.inner.breakers_of(destination)
+
+    def attach(self, host: Host) -> None:
+        self.inner.attach(host)
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        return self.inner.tasks()
+
+    def wake(self) -> None:
+        self.inner.wake()
+
+    async def drain(self, timeout: float) -> None:
+        await self.inner.drain(timeout)
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         outcomes = await self.inner.deliver(batch)

@@ -1,0 +1,108 @@
+"""No module over 500 lines and no function over 60 in `outbox/` and `relay/` (issue #28): what
+is over today is listed with its size, which it may not outgrow; an entry goes when its module
+or function is back under the limit (the lists only shrink), and nothing new joins them."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE_LINES = 500
+FUNCTION_LINES = 60
+
+# Split these (docs/architecture.md, "Layers"); the figure is the most each may hold meanwhile.
+LONG_MODULES = {
+    "outbox/endpoints.py": 811,
+    "relay/cli/endpoints.py": 782,
+    "relay/cli/ops.py": 1136,
+    "relay/ops/admin.py": 1153,
+    "relay/ops/queries.py": 631,
+    "relay/queries.py": 1375,
+    "relay/sinks/endpoints/dispatcher.py": 775,
+    "relay/store.py": 900,
+    "relay/tools/bench/cli.py": 599,
+    "relay/tools/bench/fanout.py": 885,
+    "relay/ui/actions.py": 581,
+}
+LONG_FUNCTIONS = {
+    "outbox/schema.py:_outbox_constraints_and_indexes": 67,
+    "relay/cli/ops.py:list_": 64,
+    "relay/cli/ops.py:purge": 70,
+    "relay/metrics.py:Metrics.__init__": 64,
+    "relay/ops/admin.py:list_rows": 79,
+    "relay/ops/admin.py:replay_event": 102,
+    "relay/ops/admin.py:status": 90,
+    "relay/sinks/endpoints/dispatcher.py:Dispatcher._attempt": 114,
+    "relay/sinks/endpoints/store.py:DeliveryStore.claim": 65,
+    "relay/store.py:Store.__init__": 83,
+    "relay/store.py:Store.claim": 73,
+    "relay/store.py:Store.claim_owned": 76,
+    "relay/tools/bench/drain.py:_drain": 61,
+    "relay/tools/bench/fanout.py:isolation": 68,
+    "relay/tools/bench/fanout.py:statement_probe": 70,
+    "relay/tools/bench/steady.py:_report": 80,
+    "relay/tools/bench/steady.py:steady": 70,
+    "relay/ui/app.py:build_console": 62,
+}
+
+
+def sources() -> list[Path]:
+    return sorted(p for d in ("outbox", "relay") for p in (ROOT / d).rglob("*.py"))
+
+
+def functions(path: Path) -> dict[str, int]:
+    """Every function and method of ``path`` by qualified name, with its length in lines."""
+    found: dict[str, int] = {}
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert child.end_lineno is not None
+                found[prefix + child.name] = child.end_lineno - child.lineno + 1
+                walk(child, prefix + child.name + ".")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+
+    walk(ast.parse(path.read_text()), "")
+    return found
+
+
+def over(limit: int, sizes: dict[str, int], allowed: dict[str, int]) -> list[str]:
+    """What breaks the rule: over the limit and not listed, or grown past its listed size,
+    or listed while no longer over the limit (take it off the list)."""
+    problems = [
+        f"{name}: {n} lines (the limit is {limit})"
+        for name, n in sizes.items()
+        if n > limit and n > allowed.get(name, limit)
+    ]
+    problems += [
+        f"{name}: listed at {cap} lines, now {sizes.get(name, 0)}: take it off the list"
+        for name, cap in allowed.items()
+        if sizes.get(name, 0) <= limit
+    ]
+    return sorted(problems)
+
+
+def test_no_module_grows_past_the_limit() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in sources()}
+    assert not over(MODULE_LINES, sizes, LONG_MODULES)
+
+
+def test_no_function_grows_past_the_limit() -> None:
+    sizes = {
+        f"{p.relative_to(ROOT)}:{name}": n for p in sources() for name, n in functions(p).items()
+    }
+    assert not over(FUNCTION_LINES, sizes, LONG_FUNCTIONS)
+
+
+def test_the_check_finds_what_it_is_for() -> None:
+    assert over(60, {"a.py:f": 61}, {}) == ["a.py:f: 61 lines (the limit is 60)"]
+    assert over(60, {"a.py:f": 70}, {"a.py:f": 69}) == ["a.py:f: 70 lines (the limit is 60)"]
+    assert over(60, {"a.py:f": 69}, {"a.py:f": 69}) == []
+    assert over(60, {"a.py:f": 60}, {"a.py:f": 69}) == [
+        "a.py:f: listed at 69 lines, now 60: take it off the list"
+    ]
+    assert over(60, {}, {"gone.py:f": 69}) == [
+        "gone.py:f: listed at 69 lines, now 0: take it off the list"
+    ]
