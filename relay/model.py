@@ -43,7 +43,7 @@ class Lease:
         return f"Lease(until={self.until:.3f}, lost={len(self.lost)})"
 
 
-# The hot path's records (Envelope, Outcome, Record in relay/store.py) are plain slotted
+# The hot path's records (Envelope, Outcome, Record in relay/db/store.py) are plain slotted
 # dataclasses, not frozen ones: a frozen dataclass sets each field through
 # object.__setattr__, which made building one 4-5 times slower (3.3 against 0.6 µs for an
 # Envelope on the benchmark machine), three of them per event. Nothing changes them once

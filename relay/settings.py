@@ -14,11 +14,11 @@ from pydantic import BaseModel, Field, ValidationError, create_model
 from pydantic_settings import SettingsError
 
 from outbox.dburl import url_secrets
-from relay import secrets
 from relay.config.base import Backoff, ConfigError
 from relay.config.environment import schema_from_environment
 from relay.config.errors import echoable_fields, format_errors
 from relay.config.settings import HttpSettings, RelaySettings, Settings
+from relay.obs import scrub
 
 if TYPE_CHECKING:
     from relay.sinks import SinkKind
@@ -113,30 +113,30 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
     # Found before validating, so that no error message can quote them. (Registering the
     # secrets of a loaded configuration, for the logs, is the relay process's business:
     # relay.cli does it, so that loading a configuration changes nothing global.)
-    found = secrets.config_secrets(data) | secrets.environment_secrets(os.environ)
+    found = scrub.config_secrets(data) | scrub.environment_secrets(os.environ)
     where = f" in {path}" if path else ""
     # Settings(**data) also takes pydantic-settings' own arguments (_env_file, _secrets_dir,
     # …): a file must not reach them (`_env_file = "/etc/passwd"` would read that file).
     private = sorted(k for k in data if k.startswith("_"))
     if private:
         bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
-        raise ConfigError(secrets.hide(f"invalid configuration{where}:\n{bad}", found))
+        raise ConfigError(scrub.hide(f"invalid configuration{where}:\n{bad}", found))
     try:
         settings = settings_model()(**data)
     except ValidationError as exc:
         message = f"invalid configuration{where}:\n{_explain(exc)}"
-        raise ConfigError(secrets.hide(message, found)) from None
+        raise ConfigError(scrub.hide(message, found)) from None
     except SettingsError as exc:
         # An OUTBOX_* variable that should hold JSON (OUTBOX_DESTINATIONS, …) does not parse.
         # Its text names the field, never the value.
         message = f"invalid configuration in the environment: {exc}"
-        raise ConfigError(secrets.hide(message, found)) from None
+        raise ConfigError(scrub.hide(message, found)) from None
     return settings
 
 
 def settings_secrets(s: Settings) -> set[str]:
     """What the relay must never print: the database password, and what each kind of sink
-    says (a SASL password, webhook secrets, configured header values; see relay.secrets for
+    says (a SASL password, webhook secrets, configured header values; see relay.obs.scrub for
     the lengths scrubbed)."""
     found = set(url_secrets(s.database_url.get_secret_value()))
     if s.ui.token is not None:

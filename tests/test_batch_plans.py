@@ -18,7 +18,7 @@ import asyncpg
 import pytest
 
 from outbox.dburl import to_asyncpg_dsn
-from relay import queries
+from relay.db import queries
 
 N = 500
 RELAY = "r1"
@@ -54,7 +54,7 @@ async def _extended_and_running(conn: asyncpg.Connection, table: str) -> tuple[i
 
 
 async def _connect(db_url: str) -> asyncpg.Connection:
-    # The relay's own session settings (relay/store.py create_pool).
+    # The relay's own session settings (relay/db/store.py create_pool).
     return await asyncpg.connect(
         to_asyncpg_dsn(db_url), server_settings={"plan_cache_mode": "force_custom_plan"}
     )
@@ -332,7 +332,7 @@ async def test_retention_examines_each_kept_event_once_per_run(db_url: str) -> N
     delivered rows. A retention run examines each once, resuming each batch after the last
     row the previous one examined, instead of walking all of them again in every batch (as
     PURGE_DELIVERED's filter does: 3,000 rows read and dropped per batch of 500 here)."""
-    from relay.store import Store, create_pool
+    from relay.db.store import Store, create_pool
 
     kept, doomed, batch = 3000, 2000, 500
     conn = await _connect(db_url)

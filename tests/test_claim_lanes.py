@@ -18,8 +18,8 @@ import pytest
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay import queries
-from relay.store import FENCE_REUSE, Record, Store, create_pool
+from relay.db import queries
+from relay.db.store import FENCE_REUSE, Record, Store, create_pool
 
 
 @pytest.fixture
@@ -263,7 +263,7 @@ async def test_the_reaper_bounds_its_passes_after_a_complete_one_and_goes_full_n
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from relay.maintenance import reaper as reaper_module
-    from relay.metrics import Metrics
+    from relay.obs.metrics import Metrics
 
     margin = reaper_module.MARGIN  # before it is patched below
     pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 2)
@@ -924,7 +924,7 @@ async def test_an_old_reading_is_not_reused(
     await add(conn, 300)
     assert len(await claim_all(store)) == 100
     read = store.statements["fence"]
-    monkeypatch.setattr("relay.store.FENCE_REUSE", 0.0)
+    monkeypatch.setattr("relay.db.store.FENCE_REUSE", 0.0)
     assert len(await claim_all(store)) == 100
     assert store.statements["fence"] == read + 1, store.statements
 

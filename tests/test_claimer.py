@@ -9,10 +9,10 @@ from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
-from relay.claimer import Claimer
 from relay.config import RelaySettings
-from relay.leases import Leases
-from relay.metrics import Metrics
+from relay.obs.metrics import Metrics
+from relay.pipeline.claimer import Claimer
+from relay.pipeline.leases import Leases
 
 
 class FakeSink:

@@ -22,8 +22,8 @@ import kubernetes_validate
 import pytest
 from example_app import main as example_app
 
+from relay.app import FINAL_BUDGET
 from relay.config import HttpSettings, Settings
-from relay.relay import FINAL_BUDGET
 from relay.settings import settings_model
 from tests.support.deploy import (
     DEPLOY,

@@ -230,3 +230,43 @@ def test_the_link_check_finds_what_is_broken(tmp_path: Path) -> None:
         f"{page}: b.md#again-2: no such heading in b.md",
         f"{page}: #nowhere: no such heading in a.md",
     ]
+
+
+# --- the package table of docs/architecture.md ----------------------------------------------
+
+
+def package_table() -> ModuleType:
+    """scripts/gen_package_table.py, imported."""
+    spec = importlib.util.spec_from_file_location(
+        "gen_package_table", ROOT / "scripts" / "gen_package_table.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_architecture_page_lists_every_package_as_its_docstring_says() -> None:
+    gen = package_table()
+    page = (DOCS / "architecture.md").read_text()
+    assert gen.render(page) == page, "run: .venv/bin/python scripts/gen_package_table.py"
+    for package in ("relay/pipeline/", "relay/db/", "relay/sinks/webhook/", "outbox/webhooks/"):
+        assert f"| `{package}` |" in page
+
+
+def test_a_new_package_without_a_docstring_stops_the_table(tmp_path: Path) -> None:
+    gen = package_table()
+    (tmp_path / "outbox").mkdir()
+    (tmp_path / "outbox" / "__init__.py").write_text('"""The library. More."""\n')
+    (tmp_path / "relay" / "fresh").mkdir(parents=True)
+    (tmp_path / "relay" / "__init__.py").write_text('"""The relay: it relays."""\n')
+    (tmp_path / "relay" / "fresh" / "__init__.py").write_text("")
+    gen.ROOT = tmp_path
+    with pytest.raises(SystemExit, match="relay/fresh/"):
+        gen.table()
+    (tmp_path / "relay" / "fresh" / "__init__.py").write_text('"""Fresh: new things.\n\nMore."""')
+    assert gen.table().splitlines()[2:] == [
+        "| `outbox/` | The library. |",
+        "| `relay/` | The relay: it relays. |",
+        "| `relay/fresh/` | Fresh: new things. |",
+    ]

@@ -500,7 +500,7 @@ async def test_stopping_releases_deliveries_not_yet_attempted(
 async def test_fan_out_records_only_events_it_holds_and_never_twice(
     db_url: str, aengine: AsyncEngine
 ) -> None:
-    from relay.queries import FAN_OUT, render_ops
+    from relay.db.queries import FAN_OUT, render_ops
 
     await add_endpoint(aengine, "http://127.0.0.1:9/a", tenant="acme")
     await add_endpoint(aengine, "http://127.0.0.1:9/b", tenant="acme", event_types=["x"])

@@ -19,8 +19,8 @@ import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay.cli import main
 from relay.cli import ops as ops_cli
+from relay.db.queries import render_ops
 from relay.ops import admin, queries
-from relay.queries import render_ops
 from tests.support.receiver import Receiver
 from tests.support.relays import running, settings, wait_until
 from tests.webhook_helpers import verify
@@ -812,7 +812,7 @@ async def test_a_replay_that_commits_during_a_retention_run_keeps_its_event(db_u
     the candidates and a DELETE in a snapshot of its own keep it (one statement lost it)."""
     import time
 
-    from relay.store import Store, create_pool
+    from relay.db.store import Store, create_pool
 
     ep = endpoint(db_url)
     sql(
@@ -856,8 +856,8 @@ async def test_a_dead_relays_expired_rows_do_not_hold_their_endpoints_room(db_ur
     """max_concurrency counts deliveries in flight on every relay, but not those of a relay
     that died (lease expired, not reaped yet): they would hold the endpoint until the
     reaper came round. Live ones count."""
+    from relay.db.store import Store, create_pool
     from relay.sinks.endpoints.store import DeliveryStore
-    from relay.store import Store, create_pool
 
     ep = endpoint(db_url)
     events = [event(db_url) for _ in range(9)]
@@ -883,7 +883,7 @@ async def test_retention_and_a_replay_of_an_endpoints_window_do_not_deadlock(
     locks deliveries and then their events. The message log is purged in a transaction of
     its own, skipping what a replay holds: neither waits for the other in a circle. (The
     replay is started inside retention's first transaction, to make the two overlap.)"""
-    from relay.store import Store, create_pool
+    from relay.db.store import Store, create_pool
 
     ep = endpoint(db_url)
     e = event(db_url)
@@ -923,9 +923,9 @@ async def test_the_claims_cost_does_not_grow_with_the_caps_it_is_given(db_url: s
     against 23 ms). Compared in one test, with a wide margin: a ratio, not a speed target."""
     import time
 
+    from relay.db.store import Store, create_pool
     from relay.sinks.endpoints.fairness import UNCAPPED
     from relay.sinks.endpoints.store import DeliveryStore
-    from relay.store import Store, create_pool
 
     n = 2000
     sql(

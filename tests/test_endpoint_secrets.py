@@ -489,7 +489,7 @@ async def test_a_relay_requiring_encryption_says_which_secrets_are_not(
 def test_a_relay_requiring_encryption_without_the_key_refuses_to_start(
     dest_settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from relay.relay import Relay
+    from relay.app import Relay
 
     monkeypatch.setenv(REQUIRE_VAR, "1")
     with pytest.raises(OutboxError, match=f"{REQUIRE_VAR}.*{KEY_VAR}"):
@@ -500,8 +500,8 @@ async def test_previous_secrets_past_their_window_are_cleared(db_url: str) -> No
     import asyncpg
 
     from outbox.dburl import to_asyncpg_dsn
+    from relay.db.store import Store, create_pool
     from relay.sinks.endpoints.at_rest import clear_expired_previous_secrets
-    from relay.store import Store, create_pool
 
     expired = [_insert(db_url, GIVEN, GIVEN, "-1 second") for _ in range(3)]
     valid = _insert(db_url, GIVEN, GIVEN, "1 hour")

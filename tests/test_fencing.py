@@ -14,8 +14,8 @@ from structlog.testing import capture_logs
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay.ordered import Mode, Ownership
-from relay.store import Record, Store, create_pool
+from relay.db.store import Record, Store, create_pool
+from relay.pipeline.ordered import Mode, Ownership
 from tests.support.proxy import StallProxy
 from tests.support.receiver import Receiver
 from tests.support.relays import running, settings, wait_until
@@ -328,7 +328,7 @@ async def test_a_batch_of_plain_deliveries_is_recorded_as_any_other(
     """Store.record writes a batch of plain deliveries with a statement of its own (only the
     ids and tokens travel): the rows end exactly as the general statement leaves them, and a
     stale token is refused the same way."""
-    from relay import queries
+    from relay.db import queries
 
     pool = await create_pool(to_asyncpg_dsn(db_url), "same", 2)
     try:

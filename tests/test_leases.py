@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from relay.leases import Leases
-from relay.metrics import Metrics
+from relay.obs.metrics import Metrics
+from relay.pipeline.leases import Leases
 from tests.webhook_helpers import envelope
 
 
@@ -41,7 +41,7 @@ async def test_a_row_its_sink_recorded_is_not_lost_to_a_heartbeat(db_url: str) -
     import asyncpg
 
     from outbox.dburl import to_asyncpg_dsn
-    from relay.store import Store, create_pool
+    from relay.db.store import Store, create_pool
 
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from relay import loop
+from relay.runtime import loop
 
 
 async def _kind() -> str:

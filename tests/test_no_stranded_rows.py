@@ -17,16 +17,16 @@ import pytest
 from structlog.testing import capture_logs
 
 import outbox
-import relay.backoff
-import relay.delivery
-import relay.shutdown
-import relay.tracing
+import relay.obs.tracing
+import relay.pipeline.backoff
+import relay.pipeline.delivery
+import relay.runtime.shutdown
 from outbox.dburl import to_asyncpg_dsn
-from relay.completer import Completer
+from relay.app import Relay
 from relay.config import ConfigError
-from relay.delivery import Deliveries
 from relay.model import Envelope, Outcome
-from relay.relay import Relay
+from relay.pipeline.completer import Completer
+from relay.pipeline.delivery import Deliveries
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.support.sinks import MemorySink
 
@@ -122,10 +122,10 @@ def sample(relay: Relay, name: str) -> float:
 
 # Each step of a delivery, and where a bug there would raise.
 STEPS: dict[str, tuple[object, str]] = {
-    "span start": (relay.tracing, "start_delivery_spans"),
-    "header check": (relay.delivery, "header_problem"),
+    "span start": (relay.obs.tracing, "start_delivery_spans"),
+    "header check": (relay.pipeline.delivery, "header_problem"),
     "outcome mapping": (Deliveries, "_records"),
-    "backoff": (relay.backoff, "delay"),
+    "backoff": (relay.pipeline.backoff, "delay"),
     "metrics": (Deliveries, "_observe"),
     "completer hand-off": (Completer, "add"),
 }
@@ -200,7 +200,7 @@ async def test_rows_whose_sink_returns_no_outcome_are_retried(db_url: str) -> No
 async def test_rows_with_headers_tracing_cannot_read_fail_alone(db_url: str, headers: str) -> None:
     """With OpenTelemetry installed, a row written with plain SQL whose headers are not a
     map of strings fails alone; the rows around it are delivered."""
-    assert relay.tracing.tracing.AVAILABLE
+    assert relay.obs.tracing.tracing.AVAILABLE
     good = await enqueue(db_url, 3)
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
@@ -230,7 +230,7 @@ async def test_a_claim_that_fails_half_way_delivers_what_it_claimed(
 ) -> None:
     """Rows committed as running by the first destination's claim are delivered at once,
     even though the second destination's claim in the same round raised."""
-    from relay.store import Store
+    from relay.db.store import Store
 
     real = Store.claim
     # The second claim of the first round raises, whichever destination it is for: the
@@ -598,7 +598,7 @@ async def test_a_stalled_database_cannot_hang_the_shutdown(db_url: str) -> None:
         await proxy.close()
     assert status == 0
     # The drain (shutdown_timeout), then a bounded wait per statement that cannot finish.
-    assert took < 1 + relay.shutdown.FINAL_BUDGET + 2, took
+    assert took < 1 + relay.runtime.shutdown.FINAL_BUDGET + 2, took
 
 
 async def test_error_text_the_database_cannot_store_is_escaped_not_fatal(db_url: str) -> None:
@@ -630,7 +630,7 @@ async def test_a_database_that_is_not_utf8_is_refused_at_once(pg_admin_url: str)
     import psycopg
 
     from outbox.migrate import MigrationError, migrate
-    from relay.relay import RelayStartupError
+    from relay.app import RelayStartupError
     from tests.support import pg
 
     name = f"outbox_latin1_{uuid.uuid4().hex[:8]}"

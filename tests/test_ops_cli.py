@@ -714,7 +714,7 @@ def test_a_destination_the_statistics_miss_is_counted_not_lost(db_url: str) -> N
 
 
 def test_a_circuit_is_reported_under_its_own_destination(db_url: str) -> None:
-    from relay.relay import Relay
+    from relay.app import Relay
     from tests.support.relays import settings
     from tests.webhook_helpers import SECRET
 
@@ -733,7 +733,7 @@ def test_status_names_the_snapshot_that_holds_back_vacuum(db_url: str) -> None:
     `snapshot` in --json (always, over the threshold or not); none once it is closed."""
     import time
 
-    from relay.queries import SNAPSHOT_HOLDER
+    from relay.db.queries import SNAPSHOT_HOLDER
 
     app = "nightly-report"
     with psycopg.connect(db_url, application_name=app, autocommit=True) as holder:

@@ -16,11 +16,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.app import Relay, RelayStartupError
 from relay.config import ConfigError
 from relay.model import Envelope, Outcome
 from relay.ops import admin
-from relay.relay import Relay, RelayStartupError
-from relay.routes import build_sinks
+from relay.pipeline.routes import build_sinks
 from relay.settings import load_settings
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.test_relay import enqueue_n, fetch_rows

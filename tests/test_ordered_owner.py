@@ -1,5 +1,5 @@
-"""An ordered destination's owner (relay/ordered.py, queries.CLAIM_OWNED): one relay at a time,
-fresh rows read once and kept in memory behind their key, a takeover that waits for the keys
+"""An ordered destination's owner (relay/pipeline/ordered.py, queries.CLAIM_OWNED): one relay at a
+time, fresh rows read once and kept in memory behind their key, a takeover that waits for the keys
 in flight, the walk while a relay of an earlier release serves the destination."""
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
-from relay import claimer as claimer_module
-from relay import queries
+from relay.db import queries
+from relay.db.owned import OwnedLane
+from relay.db.store import DB_ERRORS, Record, Store, create_pool
 from relay.model import Envelope
-from relay.ordered import Mode, OwnedLane, Ownership
-from relay.store import DB_ERRORS, Record, Store, create_pool
+from relay.pipeline import claimer as claimer_module
+from relay.pipeline.ordered import Mode, Ownership
 from tests.test_ordering import ordered_claimer, run_for
 
 

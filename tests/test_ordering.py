@@ -15,13 +15,13 @@ from structlog.testing import capture_logs
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay import queries
-from relay.claimer import Claimer
 from relay.config import RelaySettings
-from relay.leases import Leases
-from relay.metrics import Metrics
+from relay.db import queries
+from relay.db.store import Record, Store, create_pool
 from relay.model import Envelope, Lease, Outcome
-from relay.store import Record, Store, create_pool
+from relay.obs.metrics import Metrics
+from relay.pipeline.claimer import Claimer
+from relay.pipeline.leases import Leases
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.support.sinks import MemorySink
 
@@ -247,7 +247,7 @@ async def test_walk_from_a_cursor_goes_round_to_the_keys_before_it(
 @pytest.fixture
 async def earlier_release(db_url: str) -> None:
     """A relay of an earlier release serves the ordered destinations of these tests: their
-    owner claims by walking the keys, as that relay does (see relay/ordered.py)."""
+    owner claims by walking the keys, as that relay does (see relay/pipeline/ordered.py)."""
     conn = await connect(db_url)
     try:
         await conn.execute(

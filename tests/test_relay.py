@@ -13,8 +13,8 @@ from structlog.testing import capture_logs
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
+from relay.app import Relay, RelayStartupError
 from relay.maintenance.reporter import Reporter
-from relay.relay import Relay, RelayStartupError
 from relay.tools.localbroker import LocalBroker
 from tests.support.kafka import consume
 from tests.support.relays import running, settings, status_counts, wait_until

@@ -15,9 +15,9 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import migrate
+from relay.db.store import Record, Store, create_pool
 from relay.sinks.endpoints.at_rest import clear_expired_previous_secrets
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
-from relay.store import Record, Store, create_pool
 from tests.support.deploy import DEPLOY
 
 ROLE_SQL = DEPLOY / "sql" / "relay_role.sql"

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from relay import routes as routes_module
 from relay.config import Backoff, Settings
-from relay.routes import Route, attempt_limits, build_routes, build_sinks
+from relay.pipeline import routes as routes_module
+from relay.pipeline.routes import Route, attempt_limits, build_routes, build_sinks
 from relay.settings import load_settings
 from relay.sinks import Sink, SinkKind
 from relay.sinks.kafka.config import KafkaDestination

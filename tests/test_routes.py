@@ -10,7 +10,7 @@ import asyncpg
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay.model import Envelope, Outcome
-from relay.routes import attempt_limits, build_routes
+from relay.pipeline.routes import attempt_limits, build_routes
 from tests.support.relays import running, settings
 from tests.support.sinks import MemorySink
 from tests.webhook_helpers import new_secret
@@ -98,7 +98,7 @@ def test_a_sink_missing_part_of_the_interface_is_refused_at_construction() -> No
     every metrics scrape. Refused before anything is claimed."""
     import pytest
 
-    from relay.relay import Relay
+    from relay.app import Relay
 
     class Bare:  # deliver() alone, as a hand-written sink might start
         async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:

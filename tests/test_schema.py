@@ -18,7 +18,7 @@ from outbox import metadata as model_metadata
 from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import load_migrations, migrate
-from relay import queries as relay_queries
+from relay.db import queries as relay_queries
 
 
 async def fetch(url: str, sql: str, *args: object) -> list[asyncpg.Record]:

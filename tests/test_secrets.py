@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from outbox.dburl import redact, to_asyncpg_dsn
 from relay import cli
-from relay import secrets as relay_secrets
 from relay.config import ConfigError
+from relay.obs import scrub as relay_secrets
 from relay.settings import load_settings
 
 MARK = "Mk5e3c7a91d0"
@@ -311,9 +311,9 @@ def test_log_events_are_scrubbed_of_registered_secrets(fmt: str) -> None:
     res = run_python(
         f"""
         import logging, structlog
-        from relay import secrets
-        from relay.logs import configure
-        secrets.register(["{MARK}", 'q"uo\\\\te-é-{MARK}'])
+        from relay.obs import scrub
+        from relay.obs.logs import configure
+        scrub.register(["{MARK}", 'q"uo\\\\te-é-{MARK}'])
         configure("debug", "{fmt}")
         log = structlog.get_logger("t")
         log.info("relay.test", error="refused: {MARK}", nested={{"a": ["x{MARK}y"]}})

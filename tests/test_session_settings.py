@@ -1,5 +1,5 @@
 """Every database session of the relay, its console and its commands runs without JIT
-(relay/session.py). Found while measuring drains: the pending gauges' count over a backlog of
+(relay/db/session.py). Found while measuring drains: the pending gauges' count over a backlog of
 150,000 rows was compiled with LLVM at every stats_interval (1.2 s of CPU for a statement
 that runs in 100 ms), a tenth of the machine's CPU on a drain. Each test runs a statement
 whose estimated cost passes jit_above_cost on a session opened as the product opens it, and
@@ -15,7 +15,7 @@ import pytest
 
 from outbox.dburl import to_asyncpg_dsn
 from relay.cli.options import with_db
-from relay.store import create_pool
+from relay.db.store import create_pool
 from relay.ui.state import Console
 
 # Ten million rows by the planner's estimate (generate_series' support function): a cost of

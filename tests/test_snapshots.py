@@ -4,7 +4,7 @@ of it (the gauges, relay.snapshot.held and .released).
 
 Other sessions of the server (the fixtures creating the next tests' databases, other
 checkouts) hold a transaction id for a moment, and such a holder counts (see
-relay.queries.SNAPSHOT_HOLDER): one that began before a test's snapshot is the oldest until
+relay.db.queries.SNAPSHOT_HOLDER): one that began before a test's snapshot is the oldest until
 it ends. So a test waits until its own holder is the oldest (from then on nothing younger
 can be), and "nothing held" is asserted as "not the closed holder"."""
 
@@ -23,11 +23,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.db.snapshots import BACKEND, HIDDEN_HINT, PREPARED, SnapshotHolder, oldest_holder
+from relay.db.store import Store, create_pool
 from relay.maintenance import every
 from relay.maintenance.horizon import REPEAT_EVERY, Horizon
-from relay.metrics import Metrics
-from relay.snapshots import BACKEND, HIDDEN_HINT, PREPARED, SnapshotHolder, oldest_holder
-from relay.store import Store, create_pool
+from relay.obs.metrics import Metrics
 from tests.test_relay_role import as_user
 
 

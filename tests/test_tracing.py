@@ -176,7 +176,7 @@ def test_without_opentelemetry_nothing_changes(db_url: str) -> None:
         sys.modules["opentelemetry"] = None  # any import of it now fails
         import asyncpg, outbox
         from outbox import tracing
-        from relay import tracing as relay_tracing
+        from relay.obs import tracing as relay_tracing
         from relay.model import Envelope, Lease
         import time
         assert not tracing.AVAILABLE

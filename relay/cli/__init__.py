@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from relay import secrets
+from relay.obs import scrub
 
 # Command name -> "module:attribute".
 COMMANDS = {
@@ -38,7 +38,7 @@ COMMANDS = {
 class Commands(click.Group):
     """The commands of COMMANDS, each imported when it is first needed.
 
-    Every command's error output passes through relay.secrets.scrub: a usage or database
+    Every command's error output passes through relay.obs.scrub.scrub: a usage or database
     error's message, and the traceback of an error nothing expected. The secrets a command
     registered are forgotten when it ends. The messages are escaped as all text output is
     (relay.cli.options.printable): they may quote the database's text."""
@@ -66,10 +66,10 @@ class Commands(click.Group):
             from relay.cli.options import echo_lines
 
             text = "".join(traceback.format_exception(exc))
-            echo_lines(secrets.scrub(text).rstrip("\n"), err=True)
+            echo_lines(scrub.scrub(text).rstrip("\n"), err=True)
             ctx.exit(1)
         finally:
-            secrets.reset()
+            scrub.reset()
 
 
 def _reworded(exc: click.ClickException) -> click.ClickException:
@@ -79,7 +79,7 @@ def _reworded(exc: click.ClickException) -> click.ClickException:
     from relay.cli.options import printable
 
     message = exc.format_message()  # a BadParameter's "Invalid value for …" included
-    shown = printable(secrets.scrub(message))
+    shown = printable(scrub.scrub(message))
     if shown == message:
         return exc
     if isinstance(exc, click.UsageError):

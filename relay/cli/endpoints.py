@@ -22,7 +22,6 @@ import click
 from outbox.dburl import redact, to_sqlalchemy_async_url
 from outbox.errors import OutboxError, describe
 from outbox.queries import render_endpoints
-from relay import secrets
 from relay.cli.options import (
     BAD,
     GOOD,
@@ -36,8 +35,9 @@ from relay.cli.options import (
     print_table,
     printable,
 )
+from relay.db.session import SESSION_SETTINGS
+from relay.obs import scrub
 from relay.ops import queries
-from relay.session import SESSION_SETTINGS
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -182,7 +182,7 @@ async def _activity(conn: AsyncConnection, schema: str, endpoint_id: int) -> dic
 def _register_secret(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     # Known from here on, so that no error message of the command can print it.
     if value:
-        secrets.register([value])
+        scrub.register([value])
     return value
 
 
@@ -203,7 +203,7 @@ def _read_secret_file(ctx: click.Context, param: click.Parameter, value: str | N
         raise click.BadParameter(f"cannot read {value}: {reason}", ctx, param) from None
     secret = text.strip()
     if secret:
-        secrets.register([secret])
+        scrub.register([secret])
     if len(text) > MAX_SECRET_FILE:
         raise click.BadParameter(
             f"{value} holds more than {MAX_SECRET_FILE} bytes: give a file that holds the "

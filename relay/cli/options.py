@@ -25,12 +25,12 @@ from click.core import ParameterSource
 from outbox import queries
 from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
 from outbox.errors import describe
-from relay import secrets
 from relay.config import ConfigError, schema_from_environment
 from relay.config.environment import log_schema_deprecation, schema_deprecation
+from relay.db.session import SESSION_SETTINGS
 from relay.durations import format_duration, parse_duration, parse_since
+from relay.obs import scrub
 from relay.ops import admin
-from relay.session import SESSION_SETTINGS
 
 if TYPE_CHECKING:
     from relay.config import Settings
@@ -43,7 +43,7 @@ DATABASE_URL_HELP = "PostgreSQL URL (postgresql:// or postgresql+asyncpg://)."
 def register_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     # Known from here on, so that no error message of the command can print its password.
     if value:
-        secrets.register(url_secrets(value))
+        scrub.register(url_secrets(value))
     return value
 
 
@@ -61,7 +61,7 @@ def database_url_option(func: Any) -> Any:
 def snapshot_warning_option(func: Any) -> Any:
     """--snapshot-warning: past this age the snapshot holding back VACUUM is named (status and
     the console read it as the relay reads relay.snapshot_warning)."""
-    from relay.snapshots import DEFAULT_WARNING
+    from relay.db.snapshots import DEFAULT_WARNING
 
     return click.option(
         "--snapshot-warning",
@@ -128,11 +128,11 @@ def _load_config(path: Path, database_url: str | None) -> Settings:
     try:
         settings = load_settings(path, **overrides)
     except ConfigError as exc:
-        echo_lines(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo_lines(f"outbox-relay: {scrub.scrub(str(exc))}", err=True)
         sys.exit(2)
     finally:
         log_schema_deprecation.reset(token)
-    secrets.register(url_secrets(settings.database_url.get_secret_value()))
+    scrub.register(url_secrets(settings.database_url.get_secret_value()))
     return settings
 
 

@@ -14,7 +14,6 @@ from outbox.dburl import redact
 from outbox.errors import describe
 from outbox.migrate import MigrationError
 from outbox.migrate import migrate as run_migrations
-from relay import secrets
 from relay.cli.options import (
     database_url_option,
     echo,
@@ -23,6 +22,7 @@ from relay.cli.options import (
     schema_option,
 )
 from relay.config import ConfigError, Settings, named_variables, unknown_environment
+from relay.obs import scrub
 from relay.settings import load_settings, settings_secrets, top_level_keys
 
 
@@ -80,10 +80,10 @@ def _load(config: Path | None) -> Settings:
     try:
         settings = load_settings(config)
     except ConfigError as exc:
-        echo_lines(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo_lines(f"outbox-relay: {scrub.scrub(str(exc))}", err=True)
         sys.exit(2)
     # From here on no log event or error message of this process can print them.
-    secrets.register(settings_secrets(settings))
+    scrub.register(settings_secrets(settings))
     return settings
 
 
@@ -110,7 +110,7 @@ def run(config: Path | None, check: bool) -> None:
             f"schema {settings.relay.db_schema!r}"
         )
         return
-    from relay.logs import configure
+    from relay.obs.logs import configure
 
     configure(settings.log_level, settings.log_format)
     if unknown:
@@ -121,7 +121,7 @@ def run(config: Path | None, check: bool) -> None:
             variables=unknown,
             action="not settings, so ignored: check their spelling",
         )
-    from relay import loop
+    from relay.runtime import loop
 
     try:
         status = loop.run(_run(settings), settings.relay.event_loop)
@@ -144,12 +144,12 @@ def _check_sink_environment(settings: Settings) -> None:
         try:
             kind.check()
         except OutboxError as exc:
-            echo(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+            echo(f"outbox-relay: {scrub.scrub(str(exc))}", err=True)
             sys.exit(2)
 
 
 async def _run(settings: Settings) -> int:
-    from relay.relay import Relay, RelayStartupError
+    from relay.app import Relay, RelayStartupError
 
     relay = Relay(settings)
     loop = asyncio.get_running_loop()
@@ -160,5 +160,5 @@ async def _run(settings: Settings) -> int:
     try:
         return await relay.run()
     except RelayStartupError as exc:
-        echo_lines(f"outbox-relay: {secrets.scrub(str(exc))}", err=True)
+        echo_lines(f"outbox-relay: {scrub.scrub(str(exc))}", err=True)
         return 1

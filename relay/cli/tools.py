@@ -31,7 +31,7 @@ from relay.cli.options import register_url
 @click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")
 def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic: str) -> None:
     """Relay real events end to end on this machine (scratch database, local broker)."""
-    from relay import loop
+    from relay.runtime import loop
     from relay.tools.demo import run_demo
     from relay.tools.localbroker import LocalBrokerError
 

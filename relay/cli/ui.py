@@ -6,8 +6,8 @@ import os
 
 import click
 
-from relay import secrets
 from relay.cli.options import database_options, echo, snapshot_warning_option
+from relay.obs import scrub
 
 
 @click.command(short_help="Serve the operator console (a web page).")
@@ -45,7 +45,7 @@ def ui(
     import uvicorn
 
     from relay.config.tokens import TOKEN_VARIABLE, TokenError, load_operators, load_token
-    from relay.logs import configure
+    from relay.obs.logs import configure
     from relay.ui.app import build_console
 
     try:
@@ -61,7 +61,7 @@ def ui(
         raise click.UsageError(str(exc)) from None
     # Its log (sign-ins, every action and who did it) as the relay's: JSON unless a terminal,
     # and never a token in it.
-    secrets.register([token] if token is not None else (operators or {}).values())
+    scrub.register([token] if token is not None else (operators or {}).values())
     configure()
     app = build_console(
         database_url,

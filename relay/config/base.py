@@ -25,6 +25,11 @@ class ConfigError(Exception):
 # nothing a relay waits for is longer. inf and nan are refused everywhere (allow_inf_nan).
 MAX_SECONDS = 10 * 365 * 86400.0
 
+# relay.snapshot_warning's default: a report or a pg_dump may hold a snapshot for minutes on
+# purpose, but a minute of dead rows kept is already seen in the claim's latency at a few
+# thousand events a second.
+DEFAULT_SNAPSHOT_WARNING = 60.0
+
 # Seconds, or a string such as "90s", "15m", "1h", "7d", "1h30m" (see relay.durations).
 Duration = Annotated[float, BeforeValidator(parse_duration), Field(le=MAX_SECONDS)]
 

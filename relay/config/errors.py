@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from relay import secrets
+from relay.obs import scrub
 
 # Inputs echoed in an error ("got …"): short scalars of settings that cannot hold a secret.
 _ECHO_MAX_CHARS = 40
@@ -17,7 +17,7 @@ _ECHO_MAX_CHARS = 40
 def echoable_fields(models: Iterable[type[BaseModel]]) -> frozenset[str]:
     """The names of settings whose values may be echoed: none that names a secret."""
     names = {f.alias or n for m in models for n, f in m.model_fields.items()}
-    return frozenset(n for n in names if not secrets.SECRET_KEY.search(n))
+    return frozenset(n for n in names if not scrub.SECRET_KEY.search(n))
 
 
 def _shown(err: Any, loc: tuple[Any, ...], echoable: frozenset[str]) -> str:
@@ -29,7 +29,7 @@ def _shown(err: Any, loc: tuple[Any, ...], echoable: frozenset[str]) -> str:
     last = loc[-1]
     if not isinstance(last, str) or last not in echoable:
         return ""
-    if any(secrets.SECRET_KEY.search(str(p)) for p in loc):
+    if any(scrub.SECRET_KEY.search(str(p)) for p in loc):
         return ""
     got = err.get("input")
     if isinstance(got, bool | int | float) or (

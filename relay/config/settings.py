@@ -32,9 +32,15 @@ from pydantic_settings import (
 
 from outbox.dburl import to_asyncpg_dsn
 from outbox.queries import check_schema
-from relay.config.base import MAX_SECONDS, Backoff, Delivery, Duration, Section
+from relay.config.base import (
+    DEFAULT_SNAPSHOT_WARNING,
+    MAX_SECONDS,
+    Backoff,
+    Delivery,
+    Duration,
+    Section,
+)
 from relay.config.environment import OurEnvironment
-from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 
 # Delivered rows are kept this long by default: long enough to answer "was event 123
 # delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even

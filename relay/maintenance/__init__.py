@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from outbox.errors import describe
-from relay.store import DB_ERRORS
+from relay.db.store import DB_ERRORS
 
 log = structlog.get_logger("relay")
 

@@ -1,4 +1,4 @@
-"""The oldest holder of the database's xmin horizon (relay/snapshots.py), watched: the
+"""The oldest holder of the database's xmin horizon (relay/db/snapshots.py), watched: the
 oldest_snapshot gauges, and ``relay.snapshot.held`` / ``relay.snapshot.released`` past
 ``relay.snapshot_warning``."""
 
@@ -9,9 +9,9 @@ from collections.abc import Callable
 
 import structlog
 
-from relay.metrics import Metrics
-from relay.snapshots import SnapshotHolder
-from relay.store import Store
+from relay.db.snapshots import SnapshotHolder
+from relay.db.store import Store
+from relay.obs.metrics import Metrics
 
 log = structlog.get_logger("relay")
 

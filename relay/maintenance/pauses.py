@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 
 import structlog
 
-from relay.metrics import Metrics
-from relay.store import Store
+from relay.db.store import Store
+from relay.obs.metrics import Metrics
 
 log = structlog.get_logger("relay")
 

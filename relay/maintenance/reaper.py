@@ -11,9 +11,9 @@ import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
-from relay.leases import LOST_IDS_LOGGED
-from relay.metrics import Metrics
-from relay.store import DB_ERRORS, UNAVAILABLE, Store
+from relay.db.store import DB_ERRORS, UNAVAILABLE, Store
+from relay.obs.metrics import Metrics
+from relay.pipeline.leases import LOST_IDS_LOGGED
 
 log = structlog.get_logger("relay")
 

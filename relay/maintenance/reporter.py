@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import structlog
 
 from relay.config import RelaySettings
-from relay.metrics import Metrics
-from relay.routes import Route
-from relay.store import Store
+from relay.db.store import Store
+from relay.obs.metrics import Metrics
+from relay.pipeline.routes import Route
 
 log = structlog.get_logger("relay")
 

@@ -10,9 +10,9 @@ import structlog
 
 from outbox.errors import describe
 from relay.config import RelaySettings
-from relay.metrics import Metrics
+from relay.db.store import DB_ERRORS, Store
+from relay.obs.metrics import Metrics
 from relay.sinks.endpoints.at_rest import clear_expired_previous_secrets
-from relay.store import DB_ERRORS, Store
 
 log = structlog.get_logger("relay")
 

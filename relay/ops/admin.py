@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 import asyncpg
 
 from outbox.status import Status
+from relay.db.snapshots import DEFAULT_WARNING, oldest_holder
 from relay.ops import queries
-from relay.snapshots import DEFAULT_WARNING, oldest_holder
 
 T = TypeVar("T")
 

@@ -1,24 +1,24 @@
 """The statements of the operations commands (status, show, retry, replay, purge, pause,
-skip, endpoints): see relay/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are
+skip, endpoints): see relay/db/queries.py for how ``{table}``, ``{paused}`` and ``{relays}`` are
 filled in, and outbox.queries.render_endpoints for ``{deliveries}`` and ``{attempts}``."""
 
 from __future__ import annotations
 
 # An event a delivery still needs is not purged, as the relay's own purge keeps it.
-from relay.queries import _OPEN_DELIVERY as OPEN_DELIVERY
+from relay.db.queries import _OPEN_DELIVERY as OPEN_DELIVERY
 
 # The relay's statements the commands run too.
-from relay.queries import BLOCKED_KEYS as BLOCKED_KEYS
-from relay.queries import COLUMN_EXISTS as COLUMN_EXISTS
-from relay.queries import DELETE_LOCKED as DELETE_LOCKED
-from relay.queries import NOTIFY as NOTIFY
-from relay.queries import PAUSED_TABLE as PAUSED_TABLE
-from relay.queries import PURGE_DELIVERED as PURGE_DELIVERED
-from relay.queries import PURGE_FINISHED as PURGE_FINISHED
-from relay.queries import RELAYS_TABLE as RELAYS_TABLE
-from relay.queries import TABLE_EXISTS as TABLE_EXISTS
-from relay.queries import qualified_table as qualified_table
-from relay.queries import render_ops as render_ops
+from relay.db.queries import BLOCKED_KEYS as BLOCKED_KEYS
+from relay.db.queries import COLUMN_EXISTS as COLUMN_EXISTS
+from relay.db.queries import DELETE_LOCKED as DELETE_LOCKED
+from relay.db.queries import NOTIFY as NOTIFY
+from relay.db.queries import PAUSED_TABLE as PAUSED_TABLE
+from relay.db.queries import PURGE_DELIVERED as PURGE_DELIVERED
+from relay.db.queries import PURGE_FINISHED as PURGE_FINISHED
+from relay.db.queries import RELAYS_TABLE as RELAYS_TABLE
+from relay.db.queries import TABLE_EXISTS as TABLE_EXISTS
+from relay.db.queries import qualified_table as qualified_table
+from relay.db.queries import render_ops as render_ops
 
 PAUSED_DETAIL = """
 SELECT destination, paused_at, paused_by, reason FROM {paused} ORDER BY destination
@@ -131,7 +131,7 @@ GROUP BY destination, locked_by
 ORDER BY destination, locked_by
 """
 
-# BLOCKED_KEYS for `status` (the relay's reporter runs relay.queries.BLOCKED_KEYS): the same
+# BLOCKED_KEYS for `status` (the relay's reporter runs relay.db.queries.BLOCKED_KEYS): the same
 # rows, planned per failed row with a key: one probe of outbox_key_idx (which holds the
 # pending and failed rows of each key) counts the pending rows behind it and sees
 # whether an older failed row blocks the key first. No sort of every pending keyed row.
@@ -418,7 +418,7 @@ REPLAY_ENDPOINT_ROW = """
 SELECT id, destination, url, enabled, tenant, event_types FROM {endpoints} WHERE id = $1
 """
 
-# Whether endpoint e takes event o now: the rule fan-out applies (relay/queries.py FAN_OUT),
+# Whether endpoint e takes event o now: the rule fan-out applies (relay/db/queries.py FAN_OUT),
 # read at the time of the replay: an endpoint's tenant or event types may have changed since
 # the event was fanned out to it (an endpoint handed over to another customer), and a replay
 # must never send one tenant's event to another's endpoint. NULL-safe: an event without a
@@ -627,5 +627,5 @@ LIST_FILTERS = {
 }
 
 # A NOTIFY whose payload wakes the relays' endpoint deliveries as well as their claims (see
-# relay.relay.Relay._notified): after a replay or a resume.
+# relay.app.Relay._notified): after a replay or a resume.
 NOTIFY_ENDPOINTS = "SELECT pg_notify($1, 'endpoints')"

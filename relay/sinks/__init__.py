@@ -16,8 +16,8 @@ from relay.config.base import Delivery
 from relay.model import Envelope, Outcome
 
 if TYPE_CHECKING:
-    from relay.metrics import Metrics
-    from relay.store import Store
+    from relay.db.store import Store
+    from relay.obs.metrics import Metrics
 
 
 @dataclass(frozen=True)

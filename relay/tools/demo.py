@@ -22,8 +22,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 import outbox
 from outbox.dburl import redact, to_asyncpg_dsn, to_sqlalchemy_async_url
 from outbox.migrate import migrate
-from relay.logs import configure
-from relay.relay import Relay
+from relay.app import Relay
+from relay.obs.logs import configure
 from relay.settings import load_settings
 from relay.tools.localbroker import LocalBroker
 from relay.tools.scratch import scratch_database

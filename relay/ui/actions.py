@@ -25,10 +25,10 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from outbox.errors import OutboxError, describe
+from relay.db.queries import render_ops
 from relay.durations import parse_duration
 from relay.ops import admin
 from relay.ops.admin import AdminError, RetryFilter, Selection, SelectionChanged
-from relay.queries import render_ops
 from relay.ui import queries
 from relay.ui.pages import caller_of, console_of
 from relay.ui.security import CSRF_FIELD, SESSION_SECONDS, Who, cookie_name

@@ -27,9 +27,9 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from outbox.errors import describe
+from relay.db.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
+from relay.db.store import UNAVAILABLE
 from relay.ops.admin import AdminError
-from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
-from relay.store import UNAVAILABLE
 from relay.ui import actions, pages
 from relay.ui.security import COOKIE, HEADERS, MAX_FORM_BYTES, Guard
 from relay.ui.state import Console

@@ -9,9 +9,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from outbox.status import Status
+from relay.db.queries import render_ops
 from relay.ops import admin
 from relay.ops.admin import AdminError
-from relay.queries import render_ops
 from relay.ui import queries
 
 if TYPE_CHECKING:

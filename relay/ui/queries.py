@@ -1,7 +1,7 @@
 """The console's own statements (what it shows beyond the operations commands' functions).
 
-Placeholders as in relay/queries.py (``{table}``, ``{endpoints}``, …), filled by
-``relay.queries.render_ops``.
+Placeholders as in relay/db/queries.py (``{table}``, ``{endpoints}``, …), filled by
+``relay.db.queries.render_ops``.
 """
 
 from __future__ import annotations

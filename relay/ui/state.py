@@ -16,8 +16,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.session import SESSION_SETTINGS
-from relay.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
+from relay.db.session import SESSION_SETTINGS
+from relay.db.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 from relay.ui.security import CSRF_FIELD, Caller, Guard
 
 # Statements of the console are cut short rather than left to load the database.

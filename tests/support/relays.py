@@ -17,8 +17,8 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.app import Relay
 from relay.config import Settings
-from relay.relay import Relay
 from relay.settings import load_settings
 
 

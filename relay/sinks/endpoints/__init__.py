@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relay import secrets
+from relay.obs import scrub
 from relay.sinks import Sink, SinkKind
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.webhook.config import WebhookClientSettings
@@ -24,7 +24,7 @@ def _build(section: WebhookClientSettings, destinations: Mapping[str, Any]) -> S
 def _secrets(section: WebhookClientSettings, destinations: Mapping[str, Any]) -> set[str]:
     found: set[str] = set()
     for d in destinations.values():
-        found |= secrets.config_secrets({"headers": d.headers})
+        found |= scrub.config_secrets({"headers": d.headers})
     return found
 
 

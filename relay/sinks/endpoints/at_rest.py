@@ -25,7 +25,7 @@ from outbox.endpoint_secrets import KEY_VARIABLE, REQUIRE_VARIABLE, SecretBox
 from outbox.errors import OutboxError
 
 if TYPE_CHECKING:
-    from relay.store import Store
+    from relay.db.store import Store
 
 log = structlog.get_logger("relay.sink.endpoints")
 

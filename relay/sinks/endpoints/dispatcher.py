@@ -25,10 +25,11 @@ from outbox.endpoint_secrets import SecretBox
 from outbox.errors import OutboxError, describe
 from outbox.status import Status
 from outbox.webhooks.signing import decode_secret
-from relay import outcomes
 from relay.breaker import State
-from relay.metrics import Metrics
+from relay.db.store import DB_ERRORS, UNAVAILABLE
 from relay.model import Envelope, Result, epoch, header_problem, truncate_error
+from relay.obs.metrics import Metrics
+from relay.pipeline import outcomes
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import Holding, Plan, is_slow
 from relay.sinks.endpoints.fairness import average as latency_average
@@ -36,7 +37,6 @@ from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, takes
 from relay.sinks.webhook.answers import class_of
 from relay.sinks.webhook.sink import Endpoint, WebhookSink
-from relay.store import DB_ERRORS, UNAVAILABLE
 
 log = structlog.get_logger("relay.sink.endpoints")
 

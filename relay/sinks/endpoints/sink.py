@@ -4,7 +4,7 @@ For the relay, an endpoints destination is a sink like any other: its events are
 "delivered" and recorded. Delivering one here means writing its deliveries, one per
 matching endpoint, and recording the event as delivered, in one statement per batch (FAN_OUT:
 a crash never leaves a batch fanned out but not recorded, to be fanned out again); its
-payload stays until its deliveries end (the retention guard in relay/queries.py). The
+payload stays until its deliveries end (the retention guard in relay/db/queries.py). The
 dispatcher (dispatcher.py) sends the deliveries.
 """
 
@@ -17,6 +17,7 @@ import structlog
 
 from outbox.errors import describe
 from relay.breaker import Breaker, State
+from relay.db.store import DB_ERRORS
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import Host, SinkBase, misrouted
 from relay.sinks.endpoints import at_rest
@@ -24,7 +25,6 @@ from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
 from relay.sinks.endpoints.store import DeliveryStore
 from relay.sinks.webhook.config import WebhookClientSettings
-from relay.store import DB_ERRORS
 
 log = structlog.get_logger("relay.sink.endpoints")
 

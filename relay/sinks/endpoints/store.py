@@ -1,4 +1,4 @@
-"""The endpoints sink's statements (relay/queries.py), over the relay's pool."""
+"""The endpoints sink's statements (relay/db/queries.py), over the relay's pool."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from relay import queries
+from relay.db import queries
+from relay.db.store import Store, _headers
 from relay.model import Lease
-from relay.store import Store, _headers
 
 
 @dataclass(slots=True, eq=False)

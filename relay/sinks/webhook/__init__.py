@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from relay import secrets
+from relay.obs import scrub
 from relay.sinks import Sink, SinkKind
 from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
 
@@ -22,7 +22,7 @@ def _secrets(section: WebhookClientSettings, destinations: Mapping[str, Any]) ->
     found: set[str] = set()
     for d in destinations.values():
         found.update(x.get_secret_value() for x in d.secrets)
-        found |= secrets.config_secrets({"url": d.url, "headers": d.headers})
+        found |= scrub.config_secrets({"url": d.url, "headers": d.headers})
     return found
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from outbox.migrate import migrate
-from relay import loop
+from relay.runtime import loop
 from relay.tools.bench.common import SNAPSHOT_APP, Target, emit, machine
 from relay.tools.bench.receiver import local_receiver
 from relay.tools.localbroker import LocalBroker
@@ -111,7 +111,7 @@ def execute(
     scenarios: dict[str, Scenario],
     derive: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    from relay.logs import configure
+    from relay.obs.logs import configure
 
     configure("warning", "console")
     results = loop.run(run_scenarios(opts, scenarios), opts.get("loop", "auto"))
@@ -500,7 +500,7 @@ def history_cmd(**opts: Any) -> None:
 def fanout_cmd(**opts: Any) -> None:
     """An endpoints destination fanning events out to many endpoints: isolation of the
     healthy ones from a slow and a dead one, and the cost of many registered endpoints."""
-    from relay.logs import configure
+    from relay.obs.logs import configure
     from relay.tools.bench.fanout import MAX_DELIVERIES, MAX_EVENTS, run
 
     scenario = opts["scenario"]

@@ -10,8 +10,8 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.app import Relay
 from relay.model import Envelope, Lease
-from relay.relay import Relay
 from relay.settings import load_settings
 from relay.tools.bench.common import (
     DESTINATION,

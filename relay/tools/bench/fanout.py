@@ -46,12 +46,12 @@ import click
 from outbox import endpoint_secrets
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import migrate
+from relay.app import Relay
 from relay.config import Settings
-from relay.relay import Relay
+from relay.db.store import Store, create_pool
 from relay.settings import load_settings
 from relay.sinks.endpoints.dispatcher import SCAN
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
-from relay.store import Store, create_pool
 from relay.tools.bench.common import DESTINATION, machine, percentile, rss_mb
 from relay.tools.bench.receiver import LocalReceiver, LocalReceivers, local_receivers
 from relay.tools.bench.steady import (
@@ -143,7 +143,7 @@ WHERE datname = current_database() AND pid <> pg_backend_pid()
 
 def run(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the scenario(s) ``opts`` name; the results, as emit() prints them."""
-    from relay import loop
+    from relay.runtime import loop
 
     return loop.run(_run(opts), opts.get("loop", "auto"))
 

@@ -9,7 +9,7 @@ import asyncpg
 
 from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
-from relay import queries as relay_queries
+from relay.db import queries as relay_queries
 from relay.tools.bench.common import DESTINATION, FILL_HISTORY, percentile, prefill
 
 

@@ -29,7 +29,7 @@ import click
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.errors import describe
-from relay.relay import Relay
+from relay.app import Relay
 from relay.tools.bench.common import (
     DESTINATION,
     HeldSnapshot,

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from outbox.errors import describe
-from relay.claimer import Claimer
-from relay.completer import Completer
+from relay.db.store import DB_ERRORS, Store
+from relay.pipeline.claimer import Claimer
+from relay.pipeline.completer import Completer
 from relay.sinks import Sink
-from relay.store import DB_ERRORS, Store
 
 Answer = tuple[bool, dict[str, Any]]
 

@@ -17,8 +17,8 @@ from typing import Any
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from relay import secrets
 from relay.config import HttpSettings
+from relay.obs import scrub
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -66,7 +66,7 @@ def build_app(
             ok, details = await probe()
             status, body = (200 if ok else 503), {"status": "ok" if ok else "fail", **details}
         # Probe details quote database and sink errors: scrubbed like every log line.
-        data = secrets.scrub(json.dumps(body, default=str)).encode()
+        data = scrub.scrub(json.dumps(body, default=str)).encode()
         await send(
             {
                 "type": "http.response.start",

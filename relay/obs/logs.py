@@ -1,6 +1,6 @@
 """structlog set-up: JSON lines for machines, readable lines in a terminal.
 
-Every event passes through :func:`relay.secrets.scrub_processor` just before it is rendered,
+Every event passes through :func:`relay.obs.scrub.scrub_processor` just before it is rendered,
 and the standard library's records (aiokafka's, for one) through a scrubbing formatter: a
 secret the configuration registered is never printed, even by a log call that forgot it.
 """
@@ -13,14 +13,14 @@ from typing import Literal
 
 import structlog
 
-from relay import secrets
+from relay.obs import scrub
 
 
 class ScrubbingFormatter(logging.Formatter):
     """Formats a standard library record, then hides the registered secrets in it."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return secrets.scrub(super().format(record))
+        return scrub.scrub(super().format(record))
 
 
 _STDLIB_HANDLER = "outbox-relay-stderr"
@@ -39,7 +39,7 @@ def configure(level: str = "info", fmt: Literal["auto", "json", "console"] = "au
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            secrets.scrub_processor,
+            scrub.scrub_processor,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(

@@ -19,10 +19,11 @@ import structlog
 
 from outbox.errors import describe
 from relay.config import RelaySettings
-from relay.leases import Leases
-from relay.metrics import Metrics
+from relay.db.store import DB_ERRORS, Store
 from relay.model import Envelope
-from relay.ordered import (
+from relay.obs.metrics import Metrics
+from relay.pipeline.leases import Leases
+from relay.pipeline.ordered import (
     MEMORY_CAP,
     PEERS_SEEN_WITHIN,
     WALK_AT_MOST,
@@ -30,8 +31,7 @@ from relay.ordered import (
     Mode,
     Ownership,
 )
-from relay.routes import Route
-from relay.store import DB_ERRORS, Store
+from relay.pipeline.routes import Route
 
 log = structlog.get_logger("relay")
 
@@ -82,7 +82,7 @@ class Claimer:
         # rest (monotonic time): not walked again before a wake-up or a poll interval, while
         # other destinations' claims go on.
         self._resting: dict[str, float] = {}
-        # Ordered destinations this relay owns (see relay/ordered.py).
+        # Ordered destinations this relay owns (see relay/pipeline/ordered.py).
         self._owners: dict[str, Ownership] = {}
         self._turn = 0  # rotates which destination claims first
         self._waiting_for_room = False  # a destination was skipped because its sink is full

@@ -1,8 +1,9 @@
 """The relay process: claim, deliver outside any transaction, record, and keep leases alive.
 
 :class:`Relay` only assembles and supervises. Stages overlap: while one batch is delivered
-(relay/delivery.py) the next is claimed (relay/claimer.py), up to ``max_in_flight`` rows held
-at once (relay/leases.py), and outcomes are written by the completer in the background. The
+(relay/pipeline/delivery.py) the next is claimed (relay/pipeline/claimer.py), up to
+``max_in_flight`` rows held at once (relay/pipeline/leases.py), and outcomes are written by the
+completer in the background. The
 side jobs (relay/maintenance/) and the listener are supervised: if one dies the relay stops
 with a non-zero status rather than running half-alive.
 """
@@ -19,28 +20,28 @@ from typing import Any
 import structlog
 
 from outbox.errors import describe
-from relay import loop, probes
 from relay.breaker import Breaker, State
-from relay.claimer import Claimer
-from relay.completer import Completer, Key
 from relay.config import Settings
 from relay.config.base import package_version
-from relay.delivery import Deliveries
-from relay.leases import Leases
-from relay.listener import Listener
+from relay.db.store import Record, Store
 from relay.maintenance import every
 from relay.maintenance.horizon import Horizon
 from relay.maintenance.pauses import Pauses
 from relay.maintenance.reaper import Reaper
 from relay.maintenance.reporter import Reporter
 from relay.maintenance.retention import Retention
-from relay.metrics import Metrics
-from relay.routes import attempt_limits, build_routes, build_sinks
-from relay.server import HttpServer, HttpStartupError, build_app
-from relay.shutdown import FINAL_BUDGET, shutdown
+from relay.obs.metrics import Metrics
+from relay.pipeline.claimer import Claimer
+from relay.pipeline.completer import Completer, Key
+from relay.pipeline.delivery import Deliveries
+from relay.pipeline.leases import Leases
+from relay.pipeline.listener import Listener
+from relay.pipeline.routes import attempt_limits, build_routes, build_sinks
+from relay.runtime import loop, probes
+from relay.runtime.server import HttpServer, HttpStartupError, build_app
+from relay.runtime.shutdown import FINAL_BUDGET, shutdown
+from relay.runtime.startup import RelayStartupError, open_store
 from relay.sinks import Host, Sink
-from relay.startup import RelayStartupError, open_store
-from relay.store import Record, Store
 
 log = structlog.get_logger("relay")
 

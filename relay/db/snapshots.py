@@ -1,5 +1,5 @@
 """The oldest holder of the database's xmin horizon: a snapshot or a transaction that keeps
-VACUUM from removing the outbox's dead row versions (relay.queries.SNAPSHOT_HOLDER says which
+VACUUM from removing the outbox's dead row versions (relay.db.queries.SNAPSHOT_HOLDER says which
 holders count). The relay watches it (relay/maintenance/horizon.py); ``status`` and the
 console name it."""
 
@@ -9,15 +9,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from relay import queries
+from relay.config.base import DEFAULT_SNAPSHOT_WARNING
+from relay.db import queries
 
 if TYPE_CHECKING:
     import asyncpg
 
-# relay.snapshot_warning's default: a report or a pg_dump may hold a snapshot for minutes on
-# purpose, but a minute of dead rows kept is already seen in the claim's latency at a few
-# thousand events a second.
-DEFAULT_WARNING = 60.0
+# relay.snapshot_warning's default (see there).
+DEFAULT_WARNING = DEFAULT_SNAPSHOT_WARNING
 
 BACKEND = "backend"
 PREPARED = "prepared transaction"

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator, Sequence
 import structlog
 
 from outbox.status import Status
-from relay.metrics import Metrics
+from relay.db.store import Record, Store
 from relay.model import Envelope
-from relay.store import Record, Store
+from relay.obs.metrics import Metrics
 
 log = structlog.get_logger("relay")
 

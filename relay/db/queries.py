@@ -726,10 +726,10 @@ ARRAY(SELECT DISTINCT vxid || '/' || v FROM mine)
 # rest until a wake-up or a poll interval, so keys that are all busy, backing off or blocked are
 # walked once per wake-up, not claim after claim; a wake-up (an outcome recorded, a NOTIFY) starts a
 # new round at the cursor, once round every key, so a key freed behind the cursor is claimed by the
-# next statement (see relay/claimer.py). A key with a row in flight (running) is passed over
-# whatever else it holds; otherwise its head is its lowest waiting row: pending, or failed unless
-# the destination parks poison rows ($6). A head is claimed if it is pending, due, and inside the
-# fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new is
+# next statement (see relay/pipeline/claimer.py). A key with a row in flight (running) is passed
+# over whatever else it holds; otherwise its head is its lowest waiting row: pending, or failed
+# unless the destination parks poison rows ($6). A head is claimed if it is pending, due, and inside
+# the fence ($8, read by FENCE just before); a key whose head is backing off, blocked or too new is
 # passed over, and nothing behind a head is ever looked at, so no state has to be kept for waiting
 # rows. Rows without a key are not ordered and are claimed as they come. The last row of the result
 # (id -1) carries the cursor for the next claim in `key`: the key of the last head selected (in walk
@@ -869,7 +869,7 @@ SELECT -1, NULL, CASE
        NULL, NULL, NULL, 0, NULL, 0, NULL
 """.replace("{mark_running}", _mark_running("locked"))
 
-# --- An ordered destination's owner (relay/ordered.py) ---------------------------------------
+# --- An ordered destination's owner (relay/pipeline/ordered.py) -----------------------------
 
 # One relay at a time claims an ordered destination as its owner, on the connection that holds
 # this session lock: its claims stop with that connection, and the next owner takes the lock only

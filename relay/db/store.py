@@ -15,11 +15,11 @@ import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
-from relay import queries
+from relay.db import queries
+from relay.db.owned import OwnedLane
+from relay.db.session import SESSION_SETTINGS
+from relay.db.snapshots import SnapshotHolder, oldest_holder
 from relay.model import Envelope, Lease, UnreadableHeaders, epoch
-from relay.ordered import OwnedLane
-from relay.session import SESSION_SETTINGS
-from relay.snapshots import SnapshotHolder, oldest_holder
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
 # InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
@@ -156,7 +156,7 @@ class Store:
         self._still_running = sql(queries.STILL_RUNNING)
         self._unowned_peers = sql(queries.UNOWNED_PEERS)
         # The pooled connection that holds the session locks of the ordered destinations this
-        # relay owns, and runs their claims (see relay/ordered.py): when it ends, so do both.
+        # relay owns, and runs their claims (relay/pipeline/ordered.py): when it ends, so do both.
         self._owner: asyncpg.Connection | None = None
         self._owned: set[str] = set()
         self._fence = sql(queries.FENCE)
@@ -626,7 +626,7 @@ class Store:
         )
         return self._envelopes(rows[:-1], until), rows[-1][2]
 
-    # --- ordered destinations' owners (relay/ordered.py) ---------------------------------
+    # --- ordered destinations' owners (relay/pipeline/ordered.py) ---------------------------------
 
     def owns(self, destination: str) -> bool:
         if self._owner is not None and self._owner.is_closed():

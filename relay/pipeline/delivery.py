@@ -17,13 +17,14 @@ import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
-from relay import backoff, outcomes, tracing
-from relay.completer import Completer
-from relay.leases import Leases, ids
-from relay.metrics import Metrics
+from relay.db.store import Record, Store
 from relay.model import MAX_EPOCH, MIN_EPOCH, Envelope, Outcome, Result, header_problem
-from relay.routes import Route
-from relay.store import Record, Store
+from relay.obs import tracing
+from relay.obs.metrics import Metrics
+from relay.pipeline import backoff, outcomes
+from relay.pipeline.completer import Completer
+from relay.pipeline.leases import Leases, ids
+from relay.pipeline.routes import Route
 
 log = structlog.get_logger("relay")
 

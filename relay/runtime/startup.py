@@ -13,7 +13,7 @@ import structlog
 from outbox.errors import describe
 from outbox.migrate import not_utf8
 from relay.config import Settings
-from relay.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
+from relay.db.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
 
 log = structlog.get_logger("relay")
 

@@ -25,8 +25,8 @@ import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
+from relay.db.store import UNAVAILABLE, Record, Store
 from relay.model import truncate_error
-from relay.store import UNAVAILABLE, Record, Store
 
 log = structlog.get_logger("relay.completer")
 

@@ -10,7 +10,7 @@ import asyncpg
 import structlog
 
 from outbox.errors import describe
-from relay.store import DB_ERRORS
+from relay.db.store import DB_ERRORS
 
 log = structlog.get_logger("relay.listener")
 

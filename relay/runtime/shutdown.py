@@ -12,14 +12,14 @@ from typing import Any, Protocol
 import structlog
 
 from outbox.errors import describe
-from relay.completer import Completer
 from relay.config import Settings
-from relay.delivery import Deliveries
-from relay.leases import LOST_IDS_LOGGED, Leases
-from relay.metrics import Metrics
-from relay.server import HttpServer
+from relay.db.store import DB_ERRORS, UNAVAILABLE, Store
+from relay.obs.metrics import Metrics
+from relay.pipeline.completer import Completer
+from relay.pipeline.delivery import Deliveries
+from relay.pipeline.leases import LOST_IDS_LOGGED, Leases
+from relay.runtime.server import HttpServer
 from relay.sinks import Sink
-from relay.store import DB_ERRORS, UNAVAILABLE, Store
 
 log = structlog.get_logger("relay")
 
