@@ -492,7 +492,7 @@ class Store:
                 r[2],  # key
                 r[3],  # payload
                 r[4],  # content_type
-                {} if r[5] == "{}" else _headers(r[5]),
+                {} if r[5] == "{}" else read_headers(r[5]),
                 r[6],  # attempts
                 epoch(r[7]),  # created
                 r[8],  # token
@@ -840,7 +840,9 @@ class Store:
 SESSION_STALE: tuple[type[BaseException], ...] = (asyncpg.ReadOnlySQLTransactionError,)
 
 
-def _headers(text: str) -> Any:
+def read_headers(text: str) -> Any:
+    """A row's headers column, read as text: its object, or UnreadableHeaders saying why not
+    (a row Python cannot read fails alone, at delivery)."""
     try:
         return json.loads(text)
     except (RecursionError, ValueError) as exc:

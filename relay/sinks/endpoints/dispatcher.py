@@ -36,6 +36,7 @@ from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, takes
 from relay.sinks.webhook.answers import class_of
+from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
 from relay.sinks.webhook.sink import Endpoint, WebhookSink
 
 log = structlog.get_logger("relay.sink.endpoints")
@@ -56,13 +57,16 @@ WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for togethe
 
 
 class Sender(WebhookSink):
-    """The webhook sink's request path, keeping each answer for the message log."""
+    """The webhook sink's request path, keeping each answer for the message log (through the
+    sink's on_answer hook)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self, http: WebhookClientSettings, destinations: Mapping[str, WebhookDestination]
+    ) -> None:
         self.answers: dict[Envelope, tuple[int, bytes]] = {}
+        super().__init__(http, destinations, on_answer=self._keep)
 
-    def _answered(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
+    def _keep(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
         self.answers[env] = (status, body)
 
 

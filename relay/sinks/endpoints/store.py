@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from relay.db import queries
-from relay.db.store import Store, _headers
+from relay.db.store import Store, read_headers
 from relay.model import Lease
 
 
@@ -147,7 +147,7 @@ class DeliveryStore:
                 found=r[7],
                 payload=r[8] or b"",
                 content_type=r[9] or "application/octet-stream",
-                headers={} if r[10] in (None, "{}") else _headers(r[10]),
+                headers={} if r[10] in (None, "{}") else read_headers(r[10]),
                 created_at=r[11] or 0.0,
                 url=r[12],
                 secret=r[13],

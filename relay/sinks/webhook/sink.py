@@ -40,6 +40,9 @@ log = structlog.get_logger("relay.sink.webhook")
 
 # Called just before a request is sent: why it must not be after all, or None.
 Check = Callable[[], str | None]
+# Called with each answer received (row, HTTP status, body, latency in ms): a sink that keeps
+# a message log of its own (the endpoints sink) takes them there.
+Answered = Callable[[Envelope, int, bytes, float], None]
 
 # An endpoint holding this many times its max_concurrency in rows is not offered more.
 CONGESTION_FACTOR = 4
@@ -89,8 +92,10 @@ class WebhookSink(SinkBase):
         destinations: Mapping[str, WebhookDestination],
         *,
         slot_wait: float = 5.0,
+        on_answer: Answered | None = None,
     ) -> None:
-        """``slot_wait``: seconds a row waits for one of its endpoint's request slots.
+        """``slot_wait``: seconds a row waits for one of its endpoint's request slots;
+        ``on_answer``: see Answered.
 
         The relay records a batch's outcomes when ``deliver`` returns, so rows queued behind
         a slow endpoint would hold every other endpoint's results (and the relay's in-flight
@@ -98,6 +103,7 @@ class WebhookSink(SinkBase):
         """
         self.http = http
         self.slot_wait = slot_wait
+        self.on_answer = on_answer
         self.endpoints = {name: self._endpoint(name, d) for name, d in destinations.items()}
         self._sessions: Sessions | None = None
         # Set to a list to collect each answered request's latency in ms (the benchmark).
@@ -314,9 +320,6 @@ class WebhookSink(SinkBase):
         deferred, unattempted, with that reason."""
         return await self._attempt(self._ensure_sessions().get(ep.policy), ep, env, check)
 
-    def _answered(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
-        """Called with each answer received; subclasses that keep a message log take it."""
-
     async def _send_held(
         self,
         client: aiohttp.ClientSession,
@@ -425,7 +428,8 @@ class WebhookSink(SinkBase):
         latency_ms = (time.monotonic() - started) * 1000
         if self.latencies is not None:
             self.latencies.append(latency_ms)
-        self._answered(env, response.status, body, latency_ms)
+        if self.on_answer is not None:
+            self.on_answer(env, response.status, body, latency_ms)
         outcome, health = classify(env, response, body, latency_ms, ep.origin, ep.config)
         self._record(ep, health, outcome.error)
         return outcome
