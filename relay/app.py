@@ -41,7 +41,7 @@ from relay.runtime import loop, probes
 from relay.runtime.server import HttpServer, HttpStartupError, build_app
 from relay.runtime.shutdown import FINAL_BUDGET, shutdown
 from relay.runtime.startup import RelayStartupError, open_store
-from relay.sinks import Host, Sink
+from relay.sinks import Host, Sink, with_hooks
 
 log = structlog.get_logger("relay")
 
@@ -341,7 +341,10 @@ SINK_MEMBERS = ("kind", "start", "deliver", "available", "ready", "circuits", "c
 def _checked(sinks: dict[str, Sink]) -> dict[str, Sink]:
     """Sinks handed in by a caller, refused at once when they lack part of the interface: a
     sink without ``kind`` would fail every row it is given, a missing ``circuits`` every
-    metrics scrape."""
+    metrics scrape. The hooks (attach, tasks, wake, drain, breakers_of) are optional here:
+    one written without them gets SinkBase's answers (relay.sinks.Hooked), the same object
+    for every destination it serves."""
+    hooked: dict[int, Sink] = {}
     for name, sink in sinks.items():
         missing = [m for m in SINK_MEMBERS if not hasattr(sink, m)]
         if missing:
@@ -349,7 +352,8 @@ def _checked(sinks: dict[str, Sink]) -> dict[str, Sink]:
                 f"the sink for destination {name!r} ({type(sink).__name__}) is not a "
                 f"relay.sinks.Sink: it lacks {', '.join(missing)}"
             )
-    return sinks
+        hooked.setdefault(id(sink), with_hooks(sink))
+    return {name: hooked[id(sink)] for name, sink in sinks.items()}
 
 
 def _distinct(sinks: dict[str, Sink]) -> list[Sink]:

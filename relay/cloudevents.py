@@ -339,8 +339,9 @@ def attribute_problem(attr: str, value: str) -> str | None:
 
 
 class EnvelopeSettings(Protocol):
-    """What a destination's settings say of its envelope (relay.config.base.Delivery's fields,
-    read here without importing the settings, which check attributes with this module)."""
+    """What a destination's settings say of its envelope (fields of
+    relay.config.base.DestinationSettings, read here without importing the settings, which
+    check attributes with this module)."""
 
     @property
     def envelope(self) -> Literal["none", "cloudevents"]: ...

@@ -33,7 +33,7 @@ import annotated_types  # noqa: E402
 from pydantic import BaseModel, BeforeValidator, SecretStr  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
 
-from relay.config import MAX_SECONDS, Delivery  # noqa: E402
+from relay.config import MAX_SECONDS, DestinationSettings  # noqa: E402
 from relay.config.base import package_version  # noqa: E402
 from relay.durations import UNITS, format_duration, parse_duration  # noqa: E402
 from relay.settings import settings_model  # noqa: E402
@@ -383,7 +383,7 @@ def section(
 
 def kind_fields(kind: SinkKind) -> list[str]:
     """What a kind's destinations add to, or set otherwise than, every destination."""
-    common = Delivery.model_fields
+    common = DestinationSettings.model_fields
 
     def same(a: FieldInfo, b: FieldInfo) -> bool:
         parts = ("annotation", "default", "default_factory", "description", "metadata")
@@ -411,7 +411,7 @@ def destinations(walk: Walk) -> None:
     )
     prefix = "destinations.NAME"
     section(
-        Delivery,
+        DestinationSettings,
         prefix,
         walk,
         level=3,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, Field
 
-from relay.config.base import Delivery
+from relay.config.base import DestinationSettings
 from relay.settings import settings_model
 from relay.sinks import Sink, SinkKind
 from relay.sinks.registry import KINDS
@@ -85,7 +85,7 @@ def every_setting() -> list[str]:
     """Every key the relay accepts, its sinks' included, from the models and the registry."""
     seen: set[type[BaseModel]] = set()
     expected = section_keys(settings_model(), "", seen)
-    expected += section_keys(Delivery, "destinations.NAME.", seen)
+    expected += section_keys(DestinationSettings, "destinations.NAME.", seen)
     for kind in KINDS.values():
         expected += section_keys(kind.destination, "destinations.NAME.", seen)
     return list(dict.fromkeys(expected))
@@ -125,7 +125,7 @@ def test_a_new_kind_of_sink_is_documented_and_an_undocumented_setting_stops_the_
 ) -> None:
     gen = generator()
 
-    class SmokeDestination(Delivery):
+    class SmokeDestination(DestinationSettings):
         channel: str = Field("general", description="the channel the smoke signals go up in")
 
     smoke = SinkKind(name="smoke", destination=SmokeDestination, build=no_sink)
@@ -134,7 +134,7 @@ def test_a_new_kind_of_sink_is_documented_and_an_undocumented_setting_stops_the_
     assert "### Destinations of kind `smoke`" in text
     assert "| `destinations.NAME.channel` | string | `general` |" in text
 
-    class QuietDestination(Delivery):
+    class QuietDestination(DestinationSettings):
         volume: int = 3
 
     quiet = SinkKind(name="quiet", destination=QuietDestination, build=no_sink)

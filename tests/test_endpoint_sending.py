@@ -30,7 +30,7 @@ def make(**kw: Any) -> tuple[Dispatcher, EndpointsDestination]:
             **kw,
         }
     )
-    sender = Sender(WebhookClientSettings(), {})
+    sender = Sender(WebhookClientSettings())
     d = Dispatcher(sender, {DEST: cfg}, secret_box=SecretBox(None))
     return d, cfg
 

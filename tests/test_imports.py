@@ -71,6 +71,7 @@ def test_the_library_at_work_loads_no_relay_module(db_url: str) -> None:
     and its clients stay out of the application's process (pyproject.toml's import rules
     say the same of the code; this holds it for what an import does at run time)."""
     url = "postgresql+psycopg://" + db_url.partition("://")[2]
+    aurl = "postgresql+asyncpg://" + db_url.partition("://")[2]
     modules = imported(
         "import sqlalchemy as sa\n"
         "import outbox\n"
@@ -82,11 +83,27 @@ def test_the_library_at_work_loads_no_relay_module(db_url: str) -> None:
         "    outbox.enqueue_sync(conn, destination='orders', payload={'id': 1})\n"
         "    Endpoints().create_sync(conn, destination='hooks', url='http://127.0.0.1:9/in',\n"
         "                            allow_private_networks=True)\n"
-        "WebhookReceiver(consumer='c', secrets=generate())\n"
+        "import asyncio, time\n"
+        "from sqlalchemy.ext.asyncio import create_async_engine\n"
+        "from outbox.webhooks.signing import Signer, decode_secret\n"
+        "secret = generate()\n"
+        "stamp, body = int(time.time()), b'{}'\n"
+        "sig = Signer([decode_secret(secret)]).sign('msg_1', stamp, body)\n"
+        "headers = {'webhook-id': 'msg_1', 'webhook-timestamp': str(stamp),\n"
+        "           'webhook-signature': sig}\n"
+        "assert WebhookReceiver(consumer='c', secrets=secret).verify(headers, body)\n"
+        "async def later():\n"
+        f"    aengine = create_async_engine({aurl!r})\n"
+        "    async with aengine.begin() as conn:\n"
+        "        await outbox.enqueue(conn, destination='orders', payload={'id': 2})\n"
+        "        await Endpoints().create(conn, destination='hooks', url='http://127.0.0.1:9/b',\n"
+        "                                 allow_private_networks=True)\n"
+        "    await aengine.dispose()\n"
+        "asyncio.run(later())\n"
         "with engine.connect() as conn:\n"
         "    n = conn.execute(sa.text('SELECT count(*) FROM outbox')).scalar()\n"
         "    e = conn.execute(sa.text('SELECT count(*) FROM outbox_endpoints')).scalar()\n"
-        "    assert (n, e) == (1, 1), (n, e)\n"
+        "    assert (n, e) == (2, 2), (n, e)\n"
     )
     assert {"outbox.writer", "outbox.endpoints", "outbox.webhooks.urls"} <= modules
     relay = sorted(m for m in modules if m == "relay" or m.startswith("relay."))

@@ -1,10 +1,10 @@
 """SSRF guard: webhooks may only reach public addresses unless a destination allows more.
 
-The check happens inside the HTTP client's connect step (client.GuardedResolver): the host is
-resolved once, every address is checked, and the socket is opened to a checked address. There
-is no second DNS lookup between check and connect for a rebinding attacker to answer
-differently. TLS still uses the URL's host name for SNI and certificate checks, since only
-the TCP target changes.
+The check happens inside the relay's HTTP client's connect step (GuardedResolver in
+relay/sinks/webhook/client.py): the host is resolved once, every address is checked, and the
+socket is opened to a checked address. There is no second DNS lookup between check and connect
+for a rebinding attacker to answer differently. TLS still uses the URL's host name for SNI and
+certificate checks, since only the TCP target changes.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ class Backoff(Section):
     )
 
 
-class Delivery(Section):
+class DestinationSettings(Section):
     """What a destination of every kind has: its kind, how its rows are ordered, what blocks
     a key, its retry policy (where unset, the relay's), and the envelope its rows are sent in."""
 

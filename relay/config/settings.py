@@ -36,7 +36,7 @@ from relay.config.base import (
     DEFAULT_SNAPSHOT_WARNING,
     MAX_SECONDS,
     Backoff,
-    Delivery,
+    DestinationSettings,
     Duration,
     Section,
 )
@@ -281,7 +281,7 @@ class Settings(BaseSettings):
     relay: RelaySettings = RelaySettings()
     http: HttpSettings = HttpSettings()
     ui: UiSettings = UiSettings()
-    destinations: dict[str, Delivery] = Field(default_factory=dict)
+    destinations: dict[str, DestinationSettings] = Field(default_factory=dict)
 
     @classmethod
     def settings_customise_sources(

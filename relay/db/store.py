@@ -22,9 +22,8 @@ from relay.db.snapshots import SnapshotHolder, oldest_holder
 from relay.model import Envelope, Lease, UnreadableHeaders, epoch
 
 # Errors that mean "the database is unreachable or restarting", as opposed to a bug.
-# InternalClientError: asyncpg raises it on a connection the server closed in the middle of a
-# statement ("cannot switch to state …; another operation is in progress", MagicStack/asyncpg
-# issue 1069); Store discards such a connection, so the retry gets a fresh one.
+# InternalClientError: asyncpg's on a connection closed mid-statement ("cannot switch to state
+# …", MagicStack/asyncpg issue 1069); Store discards it, so the retry gets a fresh one.
 log = structlog.get_logger("relay")
 
 DB_ERRORS: tuple[type[BaseException], ...] = (
@@ -841,8 +840,7 @@ SESSION_STALE: tuple[type[BaseException], ...] = (asyncpg.ReadOnlySQLTransaction
 
 
 def read_headers(text: str) -> Any:
-    """A row's headers column, read as text: its object, or UnreadableHeaders saying why not
-    (a row Python cannot read fails alone, at delivery)."""
+    """A row's headers (as text): the object, or UnreadableHeaders saying why it is not one."""
     try:
         return json.loads(text)
     except (RecursionError, ValueError) as exc:

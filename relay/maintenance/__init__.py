@@ -1,7 +1,8 @@
 """The relay's side jobs, each run every so often by :func:`every`: the reaper (expired
 leases), pauses (what operators paused), the registry (which relays run, what they serve),
-the reporter (unknown destinations, blocked keys, pending counts) and retention (deleting
-finished rows). A job that fails for a database reason is logged and run again next time."""
+the reporter (unknown destinations, blocked keys, pending counts), retention (deleting
+finished rows) and the horizon (the oldest snapshot holding back VACUUM). A job that fails
+for a database reason is logged and run again next time."""
 
 from __future__ import annotations
 

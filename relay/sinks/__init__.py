@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from pydantic import BaseModel
 
 from relay.breaker import Breaker
-from relay.config.base import Delivery
+from relay.config.base import DestinationSettings
 from relay.model import Envelope, Outcome
 
 if TYPE_CHECKING:
@@ -88,12 +88,19 @@ class Sink(Protocol):
     async def close(self) -> None: ...
 
 
+HOOKS = ("breakers_of", "attach", "tasks", "wake", "drain")
+
+
 class SinkBase:
     """What a sink without loops or tables of its own answers to the hooks of :class:`Sink`
-    (most sinks: they inherit it)."""
+    (most sinks: they inherit it). Its breakers stand for each of its destinations: a kind
+    with a breaker per destination, or per endpoint registered at runtime, says otherwise."""
+
+    def circuits(self) -> Mapping[str, Breaker]:
+        return {}
 
     def breakers_of(self, destination: str) -> Sequence[Breaker]:
-        return ()
+        return tuple(self.circuits().values())
 
     def attach(self, host: Host) -> None:
         return None
@@ -121,7 +128,7 @@ class SinkKind:
     """
 
     name: str
-    destination: type[Delivery]
+    destination: type[DestinationSettings]
     build: Callable[[Any, Mapping[str, Any]], Sink]
     section: str | None = None
     settings: type[BaseModel] | None = None
@@ -129,6 +136,52 @@ class SinkKind:
         default=lambda section, destinations: set()
     )
     check: Callable[[], None] = field(default=lambda: None)
+
+
+class Hooked(SinkBase):
+    """A sink handed to the relay (``Relay(sinks=…)``) without some of the hooks, as custom
+    sinks were written before :class:`Sink` declared them: its own members, and SinkBase's
+    answers for the hooks it lacks. The one place where a sink's members are looked up."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.kind = inner.kind
+
+    def __getattr__(self, name: str) -> Any:  # its own members: deliver, start, …
+        return getattr(self.inner, name)
+
+    def circuits(self) -> Mapping[str, Breaker]:
+        return self.inner.circuits()  # type: ignore[no-any-return]
+
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        own = getattr(self.inner, "breakers_of", None)
+        return own(destination) if own is not None else super().breakers_of(destination)
+
+    def attach(self, host: Host) -> None:
+        own = getattr(self.inner, "attach", None)
+        if own is not None:
+            own(host)
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        own = getattr(self.inner, "tasks", None)
+        return own() if own is not None else set()
+
+    def wake(self) -> None:
+        own = getattr(self.inner, "wake", None)
+        if own is not None:
+            own()
+
+    async def drain(self, timeout: float) -> None:
+        own = getattr(self.inner, "drain", None)
+        if own is not None:
+            await own(timeout)
+
+
+def with_hooks(sink: Any) -> Sink:
+    """``sink`` itself when it has every hook of :class:`Sink`, else it in a :class:`Hooked`."""
+    if all(hasattr(sink, h) for h in HOOKS):
+        return sink  # type: ignore[no-any-return]
+    return Hooked(sink)
 
 
 async def misrouted(

@@ -8,13 +8,13 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from relay.config.base import Duration
-from relay.sinks.webhook.config import WebhookDelivery
+from relay.sinks.webhook.config import WebhookRequestSettings
 
 # An endpoint failing without a single success for this long is disabled (Svix's figure).
 DISABLE_AFTER = 5 * 86400.0
 
 
-class EndpointsDestination(WebhookDelivery):
+class EndpointsDestination(WebhookRequestSettings):
     kind: Literal["endpoints"] = Field(
         description=(
             "the kind of sink that delivers the destination's rows; it decides which other keys the"

@@ -36,8 +36,8 @@ from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, takes
 from relay.sinks.webhook.answers import class_of
-from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
-from relay.sinks.webhook.sink import Endpoint, WebhookSink
+from relay.sinks.webhook.config import WebhookClientSettings
+from relay.sinks.webhook.sink import Target, WebhookSink
 
 log = structlog.get_logger("relay.sink.endpoints")
 
@@ -46,9 +46,7 @@ RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
 # cannot be opened): each is logged, and the cause is an operator's to fix.
 UNUSABLE_RETRY = 60.0
 NOT_TAKEN_LOG_EVERY = 60.0  # seconds between relay.endpoints.not_taken lines per endpoint
-# DeliveryRecord.counted of a try that sent nothing: logged in the message log, not counted
-# among the delivery's attempts (DELIVERY_RECORD).
-NOT_SENT = 2
+NOT_SENT = 2  # DeliveryRecord.counted of a try that sent nothing: logged, not an attempt
 CRASH_RETRY = 5.0
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
@@ -57,14 +55,11 @@ WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for togethe
 
 
 class Sender(WebhookSink):
-    """The webhook sink's request path, keeping each answer for the message log (through the
-    sink's on_answer hook)."""
+    """The webhook sink's request path; each answer kept for the message log (on_answer)."""
 
-    def __init__(
-        self, http: WebhookClientSettings, destinations: Mapping[str, WebhookDestination]
-    ) -> None:
+    def __init__(self, http: WebhookClientSettings) -> None:  # no destination configured
         self.answers: dict[Envelope, tuple[int, bytes]] = {}
-        super().__init__(http, destinations, on_answer=self._keep)
+        super().__init__(http, {}, on_answer=self._keep)
 
     def _keep(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
         self.answers[env] = (status, body)
@@ -78,7 +73,7 @@ class EndpointState:
     destination: str
     config: EndpointsDestination
     version: tuple[str, str, str | None] = ("", "", None)
-    endpoint: Endpoint | None = None
+    endpoint: Target | None = None
     problem: str | None = None  # why it cannot be sent to now (its secret cannot be read)
     semaphore: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
     in_hand: int = 0
@@ -532,7 +527,7 @@ class Dispatcher:
         )
 
     def _not_sendable(
-        self, c: Claimed, state: EndpointState, endpoint: Endpoint | None
+        self, c: Claimed, state: EndpointState, endpoint: Target | None
     ) -> DeliveryRecord | None:
         """Why a claimed delivery must not be sent now (its record), or None. ``endpoint``:
         the one its request would use (None: before the pace, nothing picked yet)."""

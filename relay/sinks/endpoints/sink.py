@@ -38,7 +38,7 @@ class EndpointsSink(SinkBase):
         self, http: WebhookClientSettings, destinations: Mapping[str, EndpointsDestination]
     ) -> None:
         self.destinations = dict(destinations)
-        self.sender = Sender(http, {})
+        self.sender = Sender(http)
         # A key that is not one, or encryption required without a key: refused here, before
         # the relay connects (OutboxError, saying what to set).
         self.dispatcher = Dispatcher(
@@ -131,6 +131,10 @@ class EndpointsSink(SinkBase):
             for s in self.dispatcher.states.values()
             if s.endpoint is not None and s.endpoint.breaker.state is not State.CLOSED
         }
+
+    def breakers_of(self, destination: str) -> Sequence[Breaker]:
+        """None stands for a destination as a whole: each endpoint has its own."""
+        return ()
 
     async def close(self) -> None:
         task, self._task = self._task, None

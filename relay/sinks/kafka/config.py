@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from relay.config.base import Delivery, Section
+from relay.config.base import DestinationSettings, Section
 
 # What aiokafka can do with the settings the relay passes it. OAUTHBEARER needs a token
 # provider object and GSSAPI the gssapi package: neither is wired in yet.
@@ -196,7 +196,7 @@ class KafkaSettings(Section):
         return self
 
 
-class KafkaDestination(Delivery):
+class KafkaDestination(DestinationSettings):
     kind: Literal["kafka"] = Field(
         description=(
             "the kind of sink that delivers the destination's rows; it decides which other keys the"

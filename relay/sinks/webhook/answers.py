@@ -15,7 +15,7 @@ import aiohttp
 
 from outbox.errors import describe
 from relay.model import Envelope, Outcome, truncate_error
-from relay.sinks.webhook.config import WebhookDelivery
+from relay.sinks.webhook.config import WebhookRequestSettings
 
 BODY_IN_ERROR = 512  # response bytes kept in last_error
 RETRY_AFTER_STATUSES = frozenset({429, 503})
@@ -58,7 +58,7 @@ def classify(
     body: bytes,
     latency_ms: float,
     origin: str,
-    config: WebhookDelivery,
+    config: WebhookRequestSettings,
 ) -> tuple[Outcome, Health]:
     """What an endpoint's answer means for the row, and for the endpoint's circuit."""
     status = response.status

@@ -13,7 +13,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 from outbox.webhooks.signing import decode_secret
 from outbox.webhooks.urls import check_url
 from relay.cloudevents import HTTP_ATTRIBUTE_HEADERS
-from relay.config.base import MAX_SECONDS, Backoff, Delivery, Section, package_version
+from relay.config.base import MAX_SECONDS, Backoff, DestinationSettings, Section, package_version
 
 # webhook-id is the row id, unique in one outbox only: a prefix (the service's name) makes it
 # unique across the outboxes a receiver consumes. Short (it is in every header and every
@@ -158,7 +158,7 @@ class Circuit(Section):
     )
 
 
-class WebhookDelivery(Delivery):
+class WebhookRequestSettings(DestinationSettings):
     """How a destination's rows are POSTed: what a webhook destination (one URL) and an
     endpoints destination (URLs registered at runtime) share."""
 
@@ -246,7 +246,7 @@ class WebhookDelivery(Delivery):
         return v
 
 
-class WebhookDestination(WebhookDelivery):
+class WebhookDestination(WebhookRequestSettings):
     kind: Literal["webhook"] = Field(
         description=(
             "the kind of sink that delivers the destination's rows; it decides which other keys the"

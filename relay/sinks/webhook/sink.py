@@ -31,8 +31,8 @@ from relay.sinks.webhook.client import Sessions, literal_refusal, request_url
 from relay.sinks.webhook.config import (
     RESERVED_HEADERS,
     WebhookClientSettings,
-    WebhookDelivery,
     WebhookDestination,
+    WebhookRequestSettings,
     header_problem,
 )
 
@@ -50,9 +50,13 @@ BUSY_RETRY_IN = 1.0
 
 
 @dataclass(eq=False)
-class Endpoint:
+class Target:
+    """Where one destination's (or one registered endpoint's) requests go, with what sends
+    them there: the URL, the signer, the address policy, the breaker, the request slots.
+    (The endpoints applications register are outbox.endpoints.Endpoint.)"""
+
     name: str
-    config: WebhookDelivery
+    config: WebhookRequestSettings
     url: URL
     signer: Signer
     policy: AddressPolicy
@@ -81,6 +85,10 @@ class Endpoint:
         return f"{self.url.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
+def _unheard(env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
+    """No message log: an answer is read for its outcome alone."""
+
+
 class WebhookSink(SinkBase):
     """POSTs each envelope to its destination's URL; one outcome per envelope, never raises."""
 
@@ -103,31 +111,31 @@ class WebhookSink(SinkBase):
         """
         self.http = http
         self.slot_wait = slot_wait
-        self.on_answer = on_answer
+        self.on_answer: Answered = on_answer or _unheard
         self.endpoints = {name: self._endpoint(name, d) for name, d in destinations.items()}
         self._sessions: Sessions | None = None
         # Set to a list to collect each answered request's latency in ms (the benchmark).
         self.latencies: list[float] | None = None
 
-    def _endpoint(self, name: str, d: WebhookDestination) -> Endpoint:
+    def _endpoint(self, name: str, d: WebhookDestination) -> Target:
         return self.endpoint(name, d, d.url, d.signing_keys())
 
     def endpoint(
         self,
         name: str,
-        d: WebhookDelivery,
+        d: WebhookRequestSettings,
         url_text: str,
         keys: Sequence[bytes],
         *,
         breaker: Breaker | None = None,
         semaphore: asyncio.Semaphore | None = None,
-    ) -> Endpoint:
+    ) -> Target:
         """An endpoint to send to: ``url_text`` signed with ``keys``, under ``d``'s rules.
         ``breaker`` and ``semaphore``: kept from an earlier version of the endpoint (one
         registered at runtime whose URL or secret changed)."""
         url = request_url(url_text)
         policy = AddressPolicy(d.allow_private_networks, tuple(d.allowed_networks))
-        return Endpoint(
+        return Target(
             name=name,
             config=d,
             url=url,
@@ -215,7 +223,7 @@ class WebhookSink(SinkBase):
         return outcomes
 
     async def _walk(
-        self, client: aiohttp.ClientSession, ep: Endpoint, batch: Sequence[Envelope]
+        self, client: aiohttp.ClientSession, ep: Target, batch: Sequence[Envelope]
     ) -> list[Outcome]:
         """Up to ``max_concurrency`` workers walk the batch in order, each taking one of the
         endpoint's request slots before its next row: a few tasks per batch, not one per row.
@@ -246,7 +254,7 @@ class WebhookSink(SinkBase):
         return [o or self._busy(ep, env) for o, env in zip(outcomes, batch, strict=True)]
 
     @staticmethod
-    async def _slot(ep: Endpoint, deadline: float) -> bool:
+    async def _slot(ep: Target, deadline: float) -> bool:
         """Take a request slot of the endpoint; False if none came free by ``deadline``."""
         if not ep.semaphore.locked():
             await ep.semaphore.acquire()  # free: no wait, and no timer to arm
@@ -258,7 +266,7 @@ class WebhookSink(SinkBase):
             return False
         return True
 
-    def _busy(self, ep: Endpoint, env: Envelope) -> Outcome:
+    def _busy(self, ep: Target, env: Envelope) -> Outcome:
         return Outcome.defer(
             env.id,
             f"endpoint {ep.origin} busy: no free request slot within {self.slot_wait:g} s "
@@ -267,7 +275,7 @@ class WebhookSink(SinkBase):
         )
 
     @staticmethod
-    def _log_group(ep: Endpoint, outcomes: list[Outcome]) -> None:
+    def _log_group(ep: Target, outcomes: list[Outcome]) -> None:
         gone = [o.id for o in outcomes if o.error and o.error.startswith("HTTP 410")]
         if gone:
             log.warning(
@@ -290,7 +298,7 @@ class WebhookSink(SinkBase):
     async def _attempt(
         self,
         client: aiohttp.ClientSession,
-        ep: Endpoint,
+        ep: Target,
         env: Envelope,
         check: Check | None = None,
     ) -> Outcome:
@@ -313,7 +321,7 @@ class WebhookSink(SinkBase):
             log.exception("relay.webhook.unexpected_error", destination=ep.name, row=env.id)
             return Outcome.retry(env.id, truncate_error(f"relay error: {describe(exc)}"))
 
-    async def attempt(self, ep: Endpoint, env: Envelope, check: Check | None = None) -> Outcome:
+    async def attempt(self, ep: Target, env: Envelope, check: Check | None = None) -> Outcome:
         """Send one row to ``ep``, with one of its request slots held by the caller; one
         outcome, never raises. ``check``, called once every wait (a circuit's probe) is over,
         just before the request, may say why the row must not be sent after all: it is then
@@ -323,7 +331,7 @@ class WebhookSink(SinkBase):
     async def _send_held(
         self,
         client: aiohttp.ClientSession,
-        ep: Endpoint,
+        ep: Target,
         env: Envelope,
         check: Check | None = None,
     ) -> Outcome:
@@ -333,13 +341,13 @@ class WebhookSink(SinkBase):
             return Outcome.defer(env.id, why, 0.0)
         return await self._send(client, ep, env)
 
-    def _defer(self, ep: Endpoint, env: Envelope) -> Outcome:
+    def _defer(self, ep: Target, env: Envelope) -> Outcome:
         wait = max(ep.breaker.retry_in(), 1.0)
         return Outcome.defer(
             env.id, f"circuit open for {ep.origin} (destination {ep.name!r}); not attempted", wait
         )
 
-    def _headers(self, ep: Endpoint, env: Envelope) -> dict[str, str] | str:
+    def _headers(self, ep: Target, env: Envelope) -> dict[str, str] | str:
         """The request headers, or why the row's headers cannot be sent."""
         headers: dict[str, str] = {}
         if env.headers:
@@ -372,7 +380,7 @@ class WebhookSink(SinkBase):
         headers["webhook-id"] = prefix + str(env.id) if prefix else str(env.id)
         return headers
 
-    async def _send(self, client: aiohttp.ClientSession, ep: Endpoint, env: Envelope) -> Outcome:
+    async def _send(self, client: aiohttp.ClientSession, ep: Target, env: Envelope) -> Outcome:
         if ep.refused is not None:
             return self._refused(ep, env, ep.refused)
         headers = self._headers(ep, env)
@@ -428,14 +436,13 @@ class WebhookSink(SinkBase):
         latency_ms = (time.monotonic() - started) * 1000
         if self.latencies is not None:
             self.latencies.append(latency_ms)
-        if self.on_answer is not None:
-            self.on_answer(env, response.status, body, latency_ms)
+        self.on_answer(env, response.status, body, latency_ms)
         outcome, health = classify(env, response, body, latency_ms, ep.origin, ep.config)
         self._record(ep, health, outcome.error)
         return outcome
 
     @staticmethod
-    def _refused(ep: Endpoint, env: Envelope, exc: AddressRefused) -> Outcome:
+    def _refused(ep: Target, env: Envelope, exc: AddressRefused) -> Outcome:
         return Outcome.failed(
             env.id,
             truncate_error(
@@ -457,12 +464,12 @@ class WebhookSink(SinkBase):
         # Unread bytes, if any, are not drained: the connection is closed instead of reused.
         return bytes(body)
 
-    def _transport_failure(self, ep: Endpoint, env: Envelope, what: str) -> Outcome:
+    def _transport_failure(self, ep: Target, env: Envelope, what: str) -> Outcome:
         error = truncate_error(f"{what} ({ep.origin})")
         self._record(ep, Health.DOWN, error)
         return Outcome.retry(env.id, error)
 
-    def _record(self, ep: Endpoint, health: Health, error: str | None) -> None:
+    def _record(self, ep: Target, health: Health, error: str | None) -> None:
         breaker = ep.breaker
         if health is Health.UP:
             if breaker.success():
