@@ -20,15 +20,44 @@ from relay.tools.scratch import scratch_database
 Scenario = Callable[[str, Target], Awaitable[dict[str, Any]]]
 
 
+def database_url(
+    help: str = "Server for the scratch database (created and dropped by the run).",
+) -> Any:
+    return click.option(
+        "--database-url",
+        envvar="OUTBOX_DATABASE_URL",
+        default="postgresql://root@127.0.0.1:5432/postgres",
+        show_default=True,
+        help=help,
+    )
+
+
+def event_loop(help: str | None = None) -> Any:
+    return click.option(
+        "--loop",
+        type=click.Choice(["auto", "uvloop", "asyncio"]),
+        default="auto",
+        show_default=True,
+        help=help,
+    )
+
+
+def max_seconds(default: float, help: str) -> Any:
+    return click.option(
+        "--max-seconds",
+        default=default,
+        show_default=True,
+        type=click.FloatRange(1, 600),
+        help=help,
+    )
+
+
+as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+
+
 def common(func: Any) -> Any:
     options = [
-        click.option(
-            "--database-url",
-            envvar="OUTBOX_DATABASE_URL",
-            default="postgresql://root@127.0.0.1:5432/postgres",
-            show_default=True,
-            help="Server for the scratch database (created and dropped by the run).",
-        ),
+        database_url(),
         click.option(
             "--sink",
             type=click.Choice(["kafka", "webhook", "null"]),
@@ -53,14 +82,8 @@ def common(func: Any) -> Any:
             help="Idempotent producer; default on with --bootstrap, off for the local broker "
             "(whose memory engine rejects it).",
         ),
-        click.option(
-            "--loop",
-            type=click.Choice(["auto", "uvloop", "asyncio"]),
-            default="auto",
-            show_default=True,
-            help="The event loop, as relay.event_loop: compare the two on one machine.",
-        ),
-        click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables."),
+        event_loop("The event loop, as relay.event_loop: compare the two on one machine."),
+        as_json,
     ]
     for option in reversed(options):
         func = option(func)
@@ -379,13 +402,7 @@ def history_cmd(**opts: Any) -> None:
 
 
 @bench.command("fanout", short_help="Fan-out to many endpoints: isolation, scale.")
-@click.option(
-    "--database-url",
-    envvar="OUTBOX_DATABASE_URL",
-    default="postgresql://root@127.0.0.1:5432/postgres",
-    show_default=True,
-    help="Server for the scratch databases (created and dropped by the run).",
-)
+@database_url("Server for the scratch databases (created and dropped by the run).")
 @click.option(
     "--scenario",
     type=click.Choice(["steady", "drain", "scale"]),
@@ -483,20 +500,9 @@ def history_cmd(**opts: Any) -> None:
     type=click.IntRange(1, 5),
     help="Repeat the runs alternately; ratios are medians over rounds.",
 )
-@click.option(
-    "--max-seconds",
-    default=120.0,
-    show_default=True,
-    type=click.FloatRange(1, 600),
-    help="Stop waiting for deliveries after this, per run.",
-)
-@click.option(
-    "--loop",
-    type=click.Choice(["auto", "uvloop", "asyncio"]),
-    default="auto",
-    show_default=True,
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@max_seconds(120.0, "Stop waiting for deliveries after this, per run.")
+@event_loop()
+@as_json
 def fanout_cmd(**opts: Any) -> None:
     """An endpoints destination fanning events out to many endpoints: isolation of the
     healthy ones from a slow and a dead one, and the cost of many registered endpoints."""
@@ -521,13 +527,7 @@ def fanout_cmd(**opts: Any) -> None:
 
 
 @bench.command("console", short_help="The console's pages over a large outbox.")
-@click.option(
-    "--database-url",
-    envvar="OUTBOX_DATABASE_URL",
-    default="postgresql://root@127.0.0.1:5432/postgres",
-    show_default=True,
-    help="Server for the scratch database (created and dropped by the run).",
-)
+@database_url()
 @click.option(
     "--rows",
     default=10_000_000,
@@ -557,20 +557,9 @@ def fanout_cmd(**opts: Any) -> None:
     type=click.IntRange(3, 1000),
     help="Measured requests per page (after two unmeasured ones).",
 )
-@click.option(
-    "--max-seconds",
-    default=30.0,
-    show_default=True,
-    type=click.FloatRange(1, 600),
-    help="Per page: stop after this (and at least 3 requests).",
-)
-@click.option(
-    "--loop",
-    type=click.Choice(["auto", "uvloop", "asyncio"]),
-    default="auto",
-    show_default=True,
-)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@max_seconds(30.0, "Per page: stop after this (and at least 3 requests).")
+@event_loop()
+@as_json
 def console_cmd(**opts: Any) -> None:
     """The operator console over a large outbox: fill a scratch database with generate_series
     (the newest rows pending, the rest delivered, some failed), then time GET / and the other
