@@ -18,11 +18,13 @@ from relay.tools.localbroker import LocalBroker
 from relay.tools.scratch import scratch_database
 
 Scenario = Callable[[str, Target], Awaitable[dict[str, Any]]]
+Command = Callable[..., Any]
+Decorator = Callable[[Command], Command]
 
 
 def database_url(
     help: str = "Server for the scratch database (created and dropped by the run).",
-) -> Any:
+) -> Decorator:
     return click.option(
         "--database-url",
         envvar="OUTBOX_DATABASE_URL",
@@ -32,7 +34,7 @@ def database_url(
     )
 
 
-def event_loop(help: str | None = None) -> Any:
+def event_loop(help: str | None = None) -> Decorator:
     return click.option(
         "--loop",
         type=click.Choice(["auto", "uvloop", "asyncio"]),
@@ -42,7 +44,7 @@ def event_loop(help: str | None = None) -> Any:
     )
 
 
-def max_seconds(default: float, help: str) -> Any:
+def max_seconds(default: float, help: str) -> Decorator:
     return click.option(
         "--max-seconds",
         default=default,
@@ -52,7 +54,9 @@ def max_seconds(default: float, help: str) -> Any:
     )
 
 
-as_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+as_json: Decorator = click.option(
+    "--json", "as_json", is_flag=True, help="Print JSON instead of tables."
+)
 
 
 def common(func: Any) -> Any:

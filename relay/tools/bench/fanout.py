@@ -58,9 +58,9 @@ from relay.tools.bench.steady import (
     BUSINESS,
     REACHED,
     WriterLoad,
-    _read_commits,
-    _writer_main,
     load_shape,
+    read_commits,
+    writer_main,
 )
 from relay.tools.localbroker import free_port
 from relay.tools.scratch import scratch_database
@@ -575,7 +575,7 @@ class Load:
         outs = [tmp / f"commits-{time.monotonic_ns()}-{i}.json" for i in range(processes)]
         ctx = multiprocessing.get_context("spawn")
         load = WriterLoad(rate / processes, seconds, writers, per_tx, 1000, self.started)
-        procs = [ctx.Process(target=_writer_main, args=(db_url, load, str(o))) for o in outs]
+        procs = [ctx.Process(target=writer_main, args=(db_url, load, str(o))) for o in outs]
         try:
             for proc in procs:
                 proc.start()
@@ -585,7 +585,7 @@ class Load:
                     raise click.ClickException(
                         f"the load generator failed (exit code {proc.exitcode})"
                     )
-            commits = _read_commits(outs)  # at most MAX_EVENTS: a dict is small enough
+            commits = read_commits(outs)  # at most MAX_EVENTS: a dict is small enough
             self.commits, elapsed = (
                 dict(zip(commits.ids, commits.times, strict=True)),
                 commits.elapsed,

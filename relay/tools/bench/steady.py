@@ -124,7 +124,7 @@ async def _write(db_url: str, load: WriterLoad, out: Path) -> None:
     out.write_text(json.dumps({"elapsed": elapsed, "events": len(ids_out)}))
 
 
-def _writer_main(db_url: str, load: WriterLoad, out: str) -> None:
+def writer_main(db_url: str, load: WriterLoad, out: str) -> None:
     try:
         asyncio.run(_write(db_url, load, Path(out)))
     except Exception as exc:  # reported by the parent, which names what to change
@@ -144,7 +144,7 @@ class Commits:
         return len(self.ids)
 
 
-def _read_commits(outs: list[Path]) -> Commits:
+def read_commits(outs: list[Path]) -> Commits:
     commits = Commits(array("q"), array("d"), 0.0)
     for out in outs:
         data = json.loads(out.read_text())
@@ -201,7 +201,7 @@ async def steady(
         start_at = time.time() + 2.0  # room for the processes to start and connect
         load = WriterLoad(rate / processes, seconds, writers, per_tx, keys, start_at)
         outs = [tmp / f"commits-{i}.json" for i in range(processes)]
-        procs = [ctx.Process(target=_writer_main, args=(db_url, load, str(out))) for out in outs]
+        procs = [ctx.Process(target=writer_main, args=(db_url, load, str(out))) for out in outs]
         try:
             for proc in procs:
                 proc.start()
@@ -211,7 +211,7 @@ async def steady(
                 await asyncio.to_thread(proc.join, seconds * 3 + 60)
                 if proc.exitcode != 0:
                     raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
-            commits = _read_commits(outs)
+            commits = read_commits(outs)
             deadline = time.monotonic() + 30
             while sink.acked < len(commits) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
