@@ -63,6 +63,11 @@ class EndpointsSink(SinkBase):
         self.dispatcher.poll_interval = host.poll_interval
         self.dispatcher.metrics = host.metrics
 
+    @property
+    def deliveries(self) -> DeliveryStore | None:
+        """Its statements over the relay's pool, once attached (benchmarks time them)."""
+        return self._store
+
     async def start(self) -> None:
         await self.sender.start()
         if self._store is not None and self._task is None:

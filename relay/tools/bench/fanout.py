@@ -51,6 +51,7 @@ from relay.config import Settings
 from relay.db.store import Store, create_pool
 from relay.settings import load_settings
 from relay.sinks.endpoints.dispatcher import SCAN
+from relay.sinks.endpoints.sink import EndpointsSink
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.tools.bench.common import DESTINATION, machine, percentile, rss_mb
 from relay.tools.bench.receiver import LocalReceiver, LocalReceivers, local_receivers
@@ -283,9 +284,8 @@ async def running(settings: Settings) -> AsyncIterator[tuple[Relay, asyncio.Task
 
 
 class StatementTimer:
-    """Times the endpoints sink's FAN_OUT and DELIVERY_CLAIM calls in the running relay
-    (wall time around each call: the round trip, PostgreSQL's work, and waiting for this
-    process's event loop) and counts the deliveries each produced."""
+    """Times the endpoints sink's FAN_OUT and DELIVERY_CLAIM calls in the running relay (wall
+    time: round trip, database, this event loop) and counts the deliveries of each."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -294,7 +294,7 @@ class StatementTimer:
 
     def attach(self, relay: Relay) -> None:
         sink = relay.sinks[DESTINATION]
-        store = getattr(sink, "_store", None)
+        store = sink.deliveries if isinstance(sink, EndpointsSink) else None
         if store is None:
             raise click.ClickException("the endpoints sink has no delivery store to time")
         self._wrap(store, "fan_out", lambda r: sum(r.values()))
