@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 
 from relay.cli import COMMANDS, main
 from relay.cli import ops as ops_cli
+from relay.cli import terminal as tty
 from tests.test_ops_cli import insert, sql, statuses
 
 RED, GREEN, YELLOW = "\x1b[31m", "\x1b[32m", "\x1b[33m"
@@ -182,7 +183,7 @@ def test_colour_on_a_terminal_only(db_url: str) -> None:
 @pytest.fixture
 def terminal_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
     """stderr is a terminal, and every progress line is drawn."""
-    monkeypatch.setattr(ops_cli, "_stderr_on_terminal", lambda: True)
+    monkeypatch.setattr(tty, "stderr", lambda: True)
     monkeypatch.setattr(ops_cli, "REDRAW", 0.0)
 
 
@@ -307,7 +308,7 @@ def test_watch_prints_snapshots_until_interrupted(
 
 
 def test_watch_redraws_a_terminal(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ops_cli, "_stdout_on_terminal", lambda: True)
+    monkeypatch.setattr(tty, "stdout", lambda: True)
     interrupted_after(2, monkeypatch, lambda: None)
     out = ok(run(db_url, "status", "--watch", "1.5")).stdout
     assert out.count(ops_cli.CLEAR_SCREEN) == 2 and out.count("every 1.5s, ") == 2

@@ -17,7 +17,7 @@ from click.testing import CliRunner, Result
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
-from relay.cli import main
+from relay.cli import main, terminal
 from relay.cli import ops as ops_cli
 from relay.db.queries import render_ops
 from relay.ops import admin, queries
@@ -584,7 +584,7 @@ def test_replay_since_failed_only_then_every_ended_delivery(db_url: str) -> None
 def test_replay_since_on_a_terminal_asks_first(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    monkeypatch.setattr(terminal, "stdin", lambda: True)
     ep, ids = endpoint_history(db_url)
     before = deliveries(db_url)
     args = ("replay", "--endpoint", str(ep), "--since", "6h", "--failed-only")

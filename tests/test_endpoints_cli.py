@@ -15,8 +15,7 @@ import pytest
 from click.testing import CliRunner, Result
 from cryptography.fernet import Fernet
 
-from relay.cli import endpoints as endpoints_cli
-from relay.cli import main
+from relay.cli import main, terminal
 from tests.test_imports import HEAVY, imported
 
 LOCAL = "http://127.0.0.1:9/in"
@@ -396,7 +395,7 @@ def test_delete_needs_yes_off_a_terminal_and_cancels_pending_deliveries(db_url: 
 
 
 def test_delete_on_a_terminal_asks_first(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(endpoints_cli, "_on_terminal", lambda: True)
+    monkeypatch.setattr(terminal, "stdin", lambda: True)
     ep = add(db_url)
     _deliveries(db_url, ep["id"])
     no = cli(db_url, "delete", str(ep["id"]), input="n\n")

@@ -13,8 +13,7 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-from relay.cli import main
-from relay.cli import ops as ops_cli
+from relay.cli import main, terminal
 from relay.cli.options import EXIT_CONDITION
 
 
@@ -415,7 +414,7 @@ def test_purge_shows_what_it_deletes_and_asks(db_url: str, monkeypatch: pytest.M
     assert len(statuses(db_url)) == 7
     assert cli(db_url, "purge", "--older-than", "7d", "--dry-run").exit_code == 0
 
-    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    monkeypatch.setattr(terminal, "stdin", lambda: True)
     no = cli(db_url, "purge", "--older-than", "7d", input="n\n")
     assert no.exit_code == 1, no.output
     assert "would delete 5 row(s) older than 7d:\n  emails: 2 delivered\n" in no.output
@@ -459,7 +458,7 @@ def test_retry_by_filter_asks_and_by_id_does_not(
     by_id = cli(db_url, "retry", "--id", str(email))
     assert by_id.exit_code == 0 and "retried 1 failed row(s)" in by_id.output
 
-    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    monkeypatch.setattr(terminal, "stdin", lambda: True)
     no = cli(db_url, "retry", "--destination", "orders", input="n\n")
     assert no.exit_code == 1
     assert f"would retry 2 failed row(s):\n  orders: 2 (ids {orders[0]}…{orders[1]})" in no.output
@@ -489,7 +488,7 @@ def test_skip_shows_the_rows_per_destination_and_asks(
         "orders": {"rows": 1, "ids": [a]},
     }
 
-    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: True)
+    monkeypatch.setattr(terminal, "stdin", lambda: True)
     no = cli(db_url, "skip", str(a), str(b), str(c), input="n\n")
     assert no.exit_code == 1
     assert (
@@ -500,7 +499,7 @@ def test_skip_shows_the_rows_per_destination_and_asks(
     yes = cli(db_url, "skip", str(a), str(b), input="y\n")
     assert yes.exit_code == 0 and f"skipped 2 row(s): {a}, {b}" in yes.output
     # --yes off a terminal.
-    monkeypatch.setattr(ops_cli, "_on_terminal", lambda: False)
+    monkeypatch.setattr(terminal, "stdin", lambda: False)
     assert cli(db_url, "skip", str(c), "--yes").exit_code == 0
     assert {s for s, _ in statuses(db_url).values()} == {"skipped"}
 

@@ -22,6 +22,7 @@ import click
 from outbox.dburl import redact, to_sqlalchemy_async_url
 from outbox.errors import OutboxError, describe
 from outbox.queries import render_endpoints
+from relay.cli import terminal
 from relay.cli.options import (
     BAD,
     GOOD,
@@ -659,13 +660,8 @@ def rotate_secret(
     )
 
 
-def _on_terminal() -> bool:
-    # A function of its own, so that a test can stand in for a terminal.
-    return sys.stdin.isatty()
-
-
 def _confirm_delete(database_url: str, schema: str, endpoint_id: int) -> None:
-    if not _on_terminal():
+    if not terminal.stdin():
         raise click.UsageError(
             f"deleting endpoint {endpoint_id} cancels its unfinished deliveries and there is "
             "no terminal to confirm on: pass --yes to delete it"

@@ -18,6 +18,7 @@ import asyncpg
 import click
 
 from outbox.status import Status
+from relay.cli import terminal
 from relay.cli.options import (
     BAD,
     EXIT_CONDITION,
@@ -138,7 +139,7 @@ def _watch(
     next) until Ctrl-C. On a terminal each replaces the last on a cleared screen; elsewhere
     they follow one another, each after a line with its time. With ``as_json``: one compact
     JSON document per line, as `status --json` gives it."""
-    terminal = _stdout_on_terminal()
+    on_screen = terminal.stdout()
     shown = 0
     try:
         while True:
@@ -151,7 +152,7 @@ def _watch(
                 echo(json.dumps(data, default=str))
             else:
                 at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-                if terminal:
+                if on_screen:
                     echo(Control(CLEAR_SCREEN), nl=False, color=True)
                     echo(f"every {interval:g}s, {at} (Ctrl-C to stop)")
                     echo()
@@ -163,7 +164,7 @@ def _watch(
             shown += 1
             _sleep(interval)
     except KeyboardInterrupt:
-        if terminal and not as_json:
+        if on_screen and not as_json:
             echo()  # the prompt on a line of its own, after ^C
 
 
@@ -172,10 +173,6 @@ CLEAR_SCREEN = "\033[2J\033[1;1H"
 
 # Module attributes, so that a test can stand in for a terminal and for the passing time.
 _sleep = time.sleep
-
-
-def _stdout_on_terminal() -> bool:
-    return sys.stdout.isatty()
 
 
 def _print_relays(relays: list[dict[str, Any]]) -> None:
@@ -686,7 +683,7 @@ class ProgressLine:
     elsewhere, and with --json, it writes nothing."""
 
     def __init__(self, shown: bool = True) -> None:
-        self.shown = shown and _stderr_on_terminal()
+        self.shown = shown and terminal.stderr()
         self._drawn = 0  # characters on the line
         self._text = ""
         self._at = 0.0
@@ -708,11 +705,6 @@ class ProgressLine:
             echo(Control("\r"), " " * self._drawn, Control("\r"), err=True, nl=False)
             self._drawn = 0
             self._text = ""
-
-
-def _stderr_on_terminal() -> bool:
-    # A function of its own, so that a test can stand in for a terminal.
-    return sys.stderr.isatty()
 
 
 def _timed(
@@ -758,7 +750,7 @@ def _confirm(summary: str, lines: list[str], action: str, *, empty: bool) -> Non
     """Show what a command is about to change (``summary``: what it would do, from its dry
     run; ``lines``: per destination) and ask ``action?`` on the terminal. Off a terminal it
     refuses (exit 2): --yes is the answer there. With nothing to change there is no question."""
-    if not _on_terminal():
+    if not terminal.stdin():
         named = [x.strip() for x in lines[:REFUSAL_DESTINATIONS]]
         if len(lines) > REFUSAL_DESTINATIONS:
             named.append(f"… {len(lines) - REFUSAL_DESTINATIONS} more destination(s)")
@@ -773,11 +765,6 @@ def _confirm(summary: str, lines: list[str], action: str, *, empty: bool) -> Non
     for line in lines:
         echo(line, err=True)
     confirm(f"{action}?")
-
-
-def _on_terminal() -> bool:
-    # A function of its own, so that a test can stand in for a terminal.
-    return sys.stdin.isatty()
 
 
 @click.command(short_help="Send events to their endpoints again.")
@@ -858,7 +845,7 @@ def _confirm_replay(
     database_url: str, schema: str, endpoint_id: int, since: float, failed_only: bool
 ) -> None:
     what = "failed" if failed_only else "not running"
-    if not _on_terminal():
+    if not terminal.stdin():
         raise click.UsageError(
             f"replaying the {what} deliveries of endpoint {endpoint_id} of the last "
             f"{format_duration(since)} sends them again and there is no terminal to confirm "
