@@ -3,9 +3,9 @@
 :class:`Relay` only assembles and supervises. Stages overlap: while one batch is delivered
 (relay/pipeline/delivery.py) the next is claimed (relay/pipeline/claimer.py), up to
 ``max_in_flight`` rows held at once (relay/pipeline/leases.py), and outcomes are written by the
-completer in the background. The
-side jobs (relay/maintenance/) and the listener are supervised: if one dies the relay stops
-with a non-zero status rather than running half-alive.
+completer in the background. The side jobs (relay/maintenance/) and the listener are
+supervised: if one dies the relay stops with a non-zero status rather than running
+half-alive.
 """
 
 from __future__ import annotations
