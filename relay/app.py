@@ -1,7 +1,7 @@
 """The relay process: claim, deliver outside any transaction, record, and keep leases alive.
 
 :class:`Relay` only assembles and supervises. Stages overlap: while one batch is delivered
-(relay/pipeline/delivery.py) the next is claimed (relay/pipeline/claimer.py), up to
+(relay/pipeline/sending.py) the next is claimed (relay/pipeline/claimer.py), up to
 ``max_in_flight`` rows held at once (relay/pipeline/leases.py), and outcomes are written by the
 completer in the background. The side jobs (relay/maintenance/) and the listener are
 supervised: if one dies the relay stops with a non-zero status rather than running
@@ -33,10 +33,10 @@ from relay.maintenance.retention import Retention
 from relay.obs.metrics import Metrics
 from relay.pipeline.claimer import Claimer
 from relay.pipeline.completer import Completer, Key
-from relay.pipeline.delivery import Deliveries
 from relay.pipeline.leases import Leases
 from relay.pipeline.listener import Listener
 from relay.pipeline.routes import attempt_limits, build_routes, build_sinks
+from relay.pipeline.sending import Sending
 from relay.runtime import loop, probes
 from relay.runtime.server import HttpServer, HttpStartupError, build_app
 from relay.runtime.shutdown import FINAL_BUDGET, shutdown
@@ -75,7 +75,7 @@ class Relay:
         # Built once the database is reached (they all need the store).
         self._store: Store | None = None
         self.claimer: Claimer | None = None
-        self.deliveries: Deliveries | None = None
+        self.sending: Sending | None = None
         self.completer: Completer | None = None
         self.pauses: Pauses | None = None
         self._listener: Listener | None = None
@@ -197,14 +197,14 @@ class Relay:
         it, and other relays know what this one serves."""
         self._store = store
         self.completer = Completer(store, self._recorded)
-        self.deliveries = Deliveries(self.routes, self.leases, store, self.completer, self.metrics)
+        self.sending = Sending(self.routes, self.leases, store, self.completer, self.metrics)
         self.pauses = Pauses(store, self.sinks, self.metrics, self.wake)
         self.claimer = Claimer(
             self.settings.relay,
             self.routes,
             store,
             self.leases,
-            self.deliveries.dispatch,
+            self.sending.dispatch,
             lambda: self.paused,
             self.metrics,
             self.stats,

@@ -19,14 +19,14 @@ from structlog.testing import capture_logs
 import outbox
 import relay.obs.tracing
 import relay.pipeline.backoff
-import relay.pipeline.delivery
+import relay.pipeline.sending
 import relay.runtime.shutdown
 from outbox.dburl import to_asyncpg_dsn
 from relay.app import Relay
 from relay.config import ConfigError
 from relay.model import Envelope, Outcome
 from relay.pipeline.completer import Completer
-from relay.pipeline.delivery import Deliveries
+from relay.pipeline.sending import Sending
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.support.sinks import MemorySink
 
@@ -123,10 +123,10 @@ def sample(relay: Relay, name: str) -> float:
 # Each step of a delivery, and where a bug there would raise.
 STEPS: dict[str, tuple[object, str]] = {
     "span start": (relay.obs.tracing, "start_delivery_spans"),
-    "header check": (relay.pipeline.delivery, "header_problem"),
-    "outcome mapping": (Deliveries, "_records"),
+    "header check": (relay.pipeline.sending, "header_problem"),
+    "outcome mapping": (Sending, "_records"),
     "backoff": (relay.pipeline.backoff, "delay"),
-    "metrics": (Deliveries, "_observe"),
+    "metrics": (Sending, "_observe"),
     "completer hand-off": (Completer, "add"),
 }
 

@@ -16,8 +16,8 @@ from relay.config import Settings
 from relay.db.store import DB_ERRORS, UNAVAILABLE, Store
 from relay.obs.metrics import Metrics
 from relay.pipeline.completer import Completer
-from relay.pipeline.delivery import Deliveries
 from relay.pipeline.leases import LOST_IDS_LOGGED, Leases
+from relay.pipeline.sending import Sending
 from relay.runtime.server import HttpServer
 from relay.sinks import Sink
 
@@ -36,7 +36,7 @@ class Stopping(Protocol):
     metrics: Metrics
     leases: Leases
     completer: Completer | None
-    deliveries: Deliveries | None
+    sending: Sending | None
     http: HttpServer | None
 
     @property
@@ -104,7 +104,7 @@ async def _drain(
     # No more claims: the ordered destinations it owned go to another relay now, not after the
     # rest of the shutdown (their rows still in flight here are waited for by that relay).
     await relay.store.disown()
-    tasks = relay.deliveries.tasks if relay.deliveries is not None else set()
+    tasks = relay.sending.tasks if relay.sending is not None else set()
     if tasks:
         _, late = await asyncio.wait(set(tasks), timeout=max(0.0, deadline - loop.time()))
         for t in late:

@@ -1,4 +1,5 @@
-"""Delivering claimed rows, outside any transaction, and handing their records over.
+"""Sending: claimed rows handed to their sinks, outside any transaction, and their records
+handed over.
 
 One task per destination of a claimed batch: a slow endpoint holds only its own rows, never
 the outcomes of another destination. Whatever raises on the way, every claimed row ends
@@ -35,7 +36,7 @@ CRASH_RETRY_DELAY = 5.0
 Tally = Counter[tuple[str, str, str]]
 
 
-class Deliveries:
+class Sending:
     def __init__(
         self,
         routes: Mapping[str, Route],
