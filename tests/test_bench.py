@@ -73,10 +73,12 @@ def test_steady_reports_latency_and_idle_cost(pg_admin_url: str) -> None:
         "steady",
         "--sink",
         "null",
+        # A rate the writers reach on a busy machine too (the bench reports no latency for a
+        # rate that was not offered).
         "--rate",
-        "200",
+        "100",
         "--seconds",
-        "2",
+        "4",
         "--window",
         "0.5",
         "--warmup",
@@ -90,7 +92,7 @@ def test_steady_reports_latency_and_idle_cost(pg_admin_url: str) -> None:
         "0.5",
         admin=pg_admin_url,
     )
-    s = out["steady 200/s"]
+    s = out["steady 100/s"]
     assert s["events"] == 400 and s["acked"] == 400
     assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
     assert s["ordering"] == "key" and s["keys"] == 10

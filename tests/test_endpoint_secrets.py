@@ -183,7 +183,8 @@ async def test_a_keyless_rotation_waiting_on_an_encryption_of_its_row_is_refused
             waiting = sql(
                 db_url,
                 "SELECT count(*) FROM pg_stat_activity "
-                "WHERE application_name = 'keyless-writer' AND wait_event_type = 'Lock'",
+                "WHERE datname = current_database() AND application_name = 'keyless-writer' "
+                "AND wait_event_type = 'Lock'",
             )
             if waiting == [(1,)]:
                 break

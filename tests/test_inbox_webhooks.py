@@ -275,7 +275,7 @@ def receiver_app(
 
     app.add_route("/plain", plain, methods=["POST"])
     app.state.engine = engine
-    return SlowFirstAnswer(app, slow_ids, delay=1.0), answered
+    return SlowFirstAnswer(app, slow_ids, delay=4.0), answered
 
 
 async def effects(db_url: str) -> list[tuple[str, int]]:
@@ -317,7 +317,11 @@ async def test_relayed_webhooks_are_applied_once_and_duplicates_answered_200(
             "url": url + "/hooks/orders",
             "secrets": [SECRET],
             "allow_private_networks": True,
-            "timeout": 0.5,
+            # Long enough that only the slow answers (4 s) time out, although the receiver's
+            # first requests are slow on a busy machine; and a circuit opened by them anyway
+            # closes again within the test's wait.
+            "timeout": 2.0,
+            "circuit": {"cooldown": 1.0},
             "backoff": {"schedule": [0.2], "jitter": 0},
             "max_attempts": 10,
         }

@@ -671,7 +671,7 @@ async def test_a_database_made_read_only_then_writable_again_is_recovered_from(
             # The relay's connections are replaced (a restart, a failover) while it is so.
             await admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE application_name = 'outbox-relay:ro'"
+                "WHERE datname = current_database() AND application_name = 'outbox-relay:ro'"
             )
             ids = await _enqueue_writable(admin)
 

@@ -534,7 +534,7 @@ async def test_startup_survives_connections_killed_while_it_starts(db_url: str) 
         while not stop.is_set():
             killed += await admin.fetchval(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = 'outbox-relay:starting'"
+                "WHERE datname = current_database() AND application_name = 'outbox-relay:starting'"
             )
             await asyncio.sleep(0.001)
         return killed

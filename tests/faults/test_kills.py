@@ -36,7 +36,11 @@ from tests.test_snapshots import held_snapshot
 pytestmark = pytest.mark.slow
 
 HOLDS = "SELECT EXISTS (SELECT FROM outbox WHERE status = 'running' AND locked_by = $1)"
-SESSIONS = "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE application_name = $1)"
+SESSIONS = """
+SELECT EXISTS (
+    SELECT FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1
+)
+"""
 LEASE = 4.0
 POLL = 0.25
 # The soak (--long, with a held snapshot): a sustained rate, a relay killed about this often.

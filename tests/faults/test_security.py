@@ -147,7 +147,8 @@ def test_secrets_never_reach_the_logs(db_url: str, kafka_bootstrap: str, tmp_pat
                 await wait_until(
                     lambda: admin.fetchval(
                         "SELECT count(*) > 0 FROM pg_stat_activity "
-                        "WHERE application_name = 'outbox-relay-listen:secretive'"
+                        "WHERE datname = current_database() "
+                        "AND application_name = 'outbox-relay-listen:secretive'"
                     ),
                     timeout=30,
                     what="the listener connected",
