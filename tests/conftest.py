@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Generator, Iterator
 
@@ -89,7 +90,9 @@ def make_receiver() -> Iterator[Callable[..., Receiver]]:
 
 # --- fault suite: --long, and the figures each fault test publishes -------------------------
 
-FAULT_REPORTS = pytest.StashKey[list[dict[str, object]]]()
+FAULT_REPORT_PROPERTY = "outbox_fault_report"
+# Filled in the main process, from every worker's reports.
+_fault_reports: list[dict[str, object]] = []
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -99,10 +102,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="fault suite at full size (e.g. 50k events, 5 relay kills) instead of CI size",
     )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.stash[FAULT_REPORTS] = []
 
 
 @pytest.fixture
@@ -138,8 +137,18 @@ def fault_report(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
     yield report
     rep = getattr(request.node, "rep_call", None)
     if report and rep is not None and rep.passed:
-        report = {"test": request.node.name, **report}
-        request.config.stash[FAULT_REPORTS].append(report)
+        # Carried on the teardown report, which pytest-xdist's workers send to the main process
+        # (a worker's terminal summary is never shown).
+        figures = json.dumps({"test": request.node.name, **report}, default=str)
+        request.node.user_properties.append((FAULT_REPORT_PROPERTY, figures))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "teardown":
+        return
+    for name, value in report.user_properties:
+        if name == FAULT_REPORT_PROPERTY:
+            _fault_reports.append(json.loads(value))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -155,10 +164,9 @@ def pytest_runtest_makereport(
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
 ) -> None:
-    reports = config.stash[FAULT_REPORTS]
-    if not reports:
+    reports = _fault_reports
+    if not reports or hasattr(config, "workerinput"):  # a pytest-xdist worker: the main one writes
         return
-    import json
     import tempfile
     from pathlib import Path
 
@@ -167,7 +175,7 @@ def pytest_terminal_summary(
         os.environ.get("OUTBOX_FAULT_REPORT")
         or Path(tempfile.gettempdir()) / "outbox-fault-report.json"
     )
-    path.write_text(json.dumps({"mode": mode, "results": reports}, indent=2, default=str) + "\n")
+    path.write_text(json.dumps({"mode": mode, "results": reports}, indent=2) + "\n")
     terminalreporter.section(f"fault suite figures ({mode})")
     for r in reports:
         figures = ", ".join(f"{k}={v}" for k, v in r.items() if k != "test")

@@ -6,9 +6,12 @@ It is installed here when missing (CI runs on a fresh machine), with apt as root
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
 
 
 def chromium() -> str:
@@ -16,6 +19,13 @@ def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found:
         return found
+    # The suite's workers (pytest-xdist) may all get here at once; apt takes one at a time.
+    with (Path(tempfile.gettempdir()) / "outbox-tests-chromium.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return shutil.which("chromium") or _install()
+
+
+def _install() -> str:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         raise RuntimeError(
             "the console's browser tests need Chromium: install it (apt-get install -y "
