@@ -21,8 +21,6 @@ LONG_MODULES = {
     "relay/db/queries.py": 1375,
     "relay/sinks/endpoints/dispatcher.py": 765,
     "relay/db/store.py": 899,
-    "relay/tools/bench/cli.py": 592,
-    "relay/tools/bench/fanout.py": 885,
     "relay/ui/actions.py": 581,
 }
 LONG_FUNCTIONS = {
@@ -31,11 +29,6 @@ LONG_FUNCTIONS = {
     "relay/ops/admin.py:list_rows": 79,
     "relay/ops/admin.py:replay_event": 102,
     "relay/ops/admin.py:status": 90,
-    "relay/tools/bench/drain.py:_drain": 61,
-    "relay/tools/bench/fanout.py:isolation": 68,
-    "relay/tools/bench/fanout.py:statement_probe": 70,
-    "relay/tools/bench/steady.py:_report": 80,
-    "relay/tools/bench/steady.py:steady": 70,
     "relay/ui/app.py:build_console": 62,
 }
 
