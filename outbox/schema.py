@@ -101,7 +101,7 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
     return Table(
         TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        _id(),
         Column("destination", Text, nullable=False),
         Column("key", Text, nullable=True),
         Column("payload", LargeBinary, nullable=False),
@@ -247,6 +247,18 @@ CREATE TRIGGER outbox_endpoints_notify
 """
 
 
+def _id() -> Column[Any]:
+    return Column("id", BigInteger, Identity(always=True), primary_key=True)
+
+
+def _event_and_endpoint() -> tuple[Column[Any], Column[Any]]:
+    """The event and the endpoint a delivery, or an attempt at one, is of."""
+    return (
+        Column("event_id", BigInteger, nullable=False),
+        Column("endpoint_id", BigInteger, nullable=False),
+    )
+
+
 def _timestamp(name: str, *, now: bool = False) -> Column[Any]:
     if now:
         return Column(name, DateTime(timezone=True), nullable=False, server_default=text("now()"))
@@ -258,7 +270,7 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
     table = Table(
         ENDPOINTS_TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        _id(),
         Column("destination", Text, nullable=False),
         Column("url", Text, nullable=False),
         Column("tenant", Text, nullable=True),
@@ -299,9 +311,8 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
     return Table(
         DELIVERIES_TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
-        Column("event_id", BigInteger, nullable=False),
-        Column("endpoint_id", BigInteger, nullable=False),
+        _id(),
+        *_event_and_endpoint(),
         Column("destination", Text, nullable=False),
         Column("status", Text, nullable=False, server_default=text("'pending'::text")),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
@@ -345,10 +356,9 @@ def define_attempts_table(metadata: MetaData, schema: str | None = None) -> Tabl
     return Table(
         ATTEMPTS_TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        _id(),
         Column("delivery_id", BigInteger, nullable=False),
-        Column("event_id", BigInteger, nullable=False),
-        Column("endpoint_id", BigInteger, nullable=False),
+        *_event_and_endpoint(),
         _timestamp("at", now=True),
         Column("http_status", Integer, nullable=True),
         Column("duration_ms", Float, nullable=True),
