@@ -23,6 +23,7 @@ from sqlalchemy import (
     MetaData,
     Table,
     Text,
+    TextClause,
     UniqueConstraint,
     event,
     text,
@@ -100,7 +101,7 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
     return Table(
         TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        _id(),
         Column("destination", Text, nullable=False),
         Column("key", Text, nullable=True),
         Column("payload", LargeBinary, nullable=False),
@@ -131,6 +132,11 @@ def _outbox_table(metadata: MetaData, schema: str | None) -> Table:
     )
 
 
+def _partial_index(name: str, *columns: str | TextClause, where: str) -> Index:
+    """An index over the rows ``where`` holds for (a partial index)."""
+    return Index(name, *columns, postgresql_where=text(where))
+
+
 def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
     """As the migrations create them (the drift test compares)."""
     return [
@@ -139,63 +145,52 @@ def _outbox_constraints_and_indexes() -> list[CheckConstraint | Index]:
             "status IN ('pending', 'running', 'delivered', 'failed', 'skipped')",
             name="outbox_status_check",
         ),
-        Index(
-            "outbox_claim_idx",
-            "destination",
-            "run_after",
-            "id",
-            postgresql_where=text("status = 'pending'"),
+        _partial_index(
+            "outbox_claim_idx", "destination", "run_after", "id", where="status = 'pending'"
         ),
-        Index(
-            "outbox_lease_idx",
-            "destination",
-            "locked_until",
-            postgresql_where=text("status = 'running'"),
+        _partial_index(
+            "outbox_lease_idx", "destination", "locked_until", where="status = 'running'"
         ),
-        Index(
-            "outbox_delivered_idx",
-            "delivered_at",
-            postgresql_where=text("status = 'delivered'"),
-        ),
-        Index(
+        _partial_index("outbox_delivered_idx", "delivered_at", where="status = 'delivered'"),
+        _partial_index(
             "outbox_finished_idx",
             text("(COALESCE(finished_at, created_at))"),
-            postgresql_where=text("status IN ('failed', 'skipped')"),
+            where="status IN ('failed', 'skipped')",
         ),
-        Index(
+        _partial_index(
             "outbox_key_idx",
             "destination",
             "key",
             "id",
-            postgresql_where=text("status IN ('pending', 'failed') AND key IS NOT NULL"),
+            where="status IN ('pending', 'failed') AND key IS NOT NULL",
         ),
-        Index(
+        _partial_index(
             "outbox_unkeyed_idx",
             "destination",
             "run_after",
             "id",
-            postgresql_where=text("status = 'pending' AND key IS NULL"),
+            where="status = 'pending' AND key IS NULL",
         ),
-        Index(
+        _partial_index(
             "outbox_fresh_idx",
             "destination",
             "id",
-            postgresql_where=text("status = 'pending' AND claims = 0 AND run_after <= created_at"),
+            where="status = 'pending' AND claims = 0 AND run_after <= created_at",
         ),
-        Index(
+        _partial_index(
             "outbox_waiting_idx",
             "destination",
             "run_after",
             "id",
-            postgresql_where=text("status = 'pending' AND (claims <> 0 OR run_after > created_at)"),
+            where="status = 'pending' AND (claims <> 0 OR run_after > created_at)",
         ),
         # Failed rows of ordered keys (migration 0014): an ordered destination's owner reads them.
-        Index(
+        _partial_index(
             "outbox_failed_key_idx",
             "destination",
             "key",
             "id",
-            postgresql_where=text("status = 'failed' AND key IS NOT NULL"),
+            where="status = 'failed' AND key IS NOT NULL",
         ),
     ]
 
@@ -252,6 +247,18 @@ CREATE TRIGGER outbox_endpoints_notify
 """
 
 
+def _id() -> Column[Any]:
+    return Column("id", BigInteger, Identity(always=True), primary_key=True)
+
+
+def _event_and_endpoint() -> tuple[Column[Any], Column[Any]]:
+    """The event and the endpoint a delivery, or an attempt at one, is of."""
+    return (
+        Column("event_id", BigInteger, nullable=False),
+        Column("endpoint_id", BigInteger, nullable=False),
+    )
+
+
 def _timestamp(name: str, *, now: bool = False) -> Column[Any]:
     if now:
         return Column(name, DateTime(timezone=True), nullable=False, server_default=text("now()"))
@@ -263,7 +270,7 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
     table = Table(
         ENDPOINTS_TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        _id(),
         Column("destination", Text, nullable=False),
         Column("url", Text, nullable=False),
         Column("tenant", Text, nullable=True),
@@ -286,18 +293,8 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
         CheckConstraint(
             "rate_limit IS NULL OR rate_limit > 0", name="outbox_endpoints_rate_limit_check"
         ),
-        Index(
-            "outbox_endpoints_destination_idx",
-            "destination",
-            "id",
-            postgresql_where=text("enabled"),
-        ),
-        Index(
-            "outbox_endpoints_match_idx",
-            "destination",
-            "tenant",
-            postgresql_where=text("enabled"),
-        ),
+        _partial_index("outbox_endpoints_destination_idx", "destination", "id", where="enabled"),
+        _partial_index("outbox_endpoints_match_idx", "destination", "tenant", where="enabled"),
         schema=schema,
     )
     prefix = f"{quote_ident(check_schema(schema))}." if schema else ""
@@ -314,9 +311,8 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
     return Table(
         DELIVERIES_TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
-        Column("event_id", BigInteger, nullable=False),
-        Column("endpoint_id", BigInteger, nullable=False),
+        _id(),
+        *_event_and_endpoint(),
         Column("destination", Text, nullable=False),
         Column("status", Text, nullable=False, server_default=text("'pending'::text")),
         Column("attempts", Integer, nullable=False, server_default=text("0")),
@@ -336,28 +332,20 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
         UniqueConstraint(
             "event_id", "endpoint_id", name="outbox_deliveries_event_id_endpoint_id_key"
         ),
-        Index(
+        _partial_index(
             "outbox_deliveries_claim_idx",
             "endpoint_id",
             "run_after",
             "id",
-            postgresql_where=text("status = 'pending'"),
+            where="status = 'pending'",
         ),
         Index("outbox_deliveries_endpoint_idx", "endpoint_id", "id"),
-        Index(
-            "outbox_deliveries_lease_idx",
-            "locked_until",
-            postgresql_where=text("status = 'running'"),
-        ),
-        Index(
-            "outbox_deliveries_running_idx",
-            "endpoint_id",
-            postgresql_where=text("status = 'running'"),
-        ),
-        Index(
+        _partial_index("outbox_deliveries_lease_idx", "locked_until", where="status = 'running'"),
+        _partial_index("outbox_deliveries_running_idx", "endpoint_id", where="status = 'running'"),
+        _partial_index(
             "outbox_deliveries_finished_idx",
             "finished_at",
-            postgresql_where=text("status IN ('delivered', 'failed', 'cancelled')"),
+            where="status IN ('delivered', 'failed', 'cancelled')",
         ),
         schema=schema,
     )
@@ -368,10 +356,9 @@ def define_attempts_table(metadata: MetaData, schema: str | None = None) -> Tabl
     return Table(
         ATTEMPTS_TABLE_NAME,
         metadata,
-        Column("id", BigInteger, Identity(always=True), primary_key=True),
+        _id(),
         Column("delivery_id", BigInteger, nullable=False),
-        Column("event_id", BigInteger, nullable=False),
-        Column("endpoint_id", BigInteger, nullable=False),
+        *_event_and_endpoint(),
         _timestamp("at", now=True),
         Column("http_status", Integer, nullable=True),
         Column("duration_ms", Float, nullable=True),

@@ -1,3 +1,3 @@
-"""The relay's database side: its statements (queries), the store that runs them over one
-asyncpg pool (store), the settings of its sessions (session), the reading of what holds back
+"""The relay's database side: its statements (queries), the store that runs them (store) over
+one asyncpg pool (pool), the settings of its sessions (session), the reading of what holds back
 VACUUM (snapshots), and what an ordered destination's owner read of its rows (owned)."""

@@ -6,7 +6,7 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +17,8 @@ from outbox.errors import describe
 from outbox.status import Status
 from relay.db import queries
 from relay.db.owned import OwnedLane
-from relay.db.session import SESSION_SETTINGS
+from relay.db.pool import create_pool as create_pool  # where it used to live
+from relay.db.pool import dedicated
 from relay.db.snapshots import SnapshotHolder, oldest_holder
 from relay.model import Envelope, Lease, UnreadableHeaders, epoch
 
@@ -96,6 +97,15 @@ class _Lane:
     top: int = 0
     held: frozenset[str] = frozenset()  # "<virtual transaction id>/<key>"
 
+    def recheck_from(self, held: Collection[str]) -> int:
+        """Where the next claim's read of late commits begins, now that FENCE reads ``held``:
+        inserting transactions open at the previous reading and ended since may have
+        committed their rows behind the cursor."""
+        ended = self.held.difference(held)
+        if ended:
+            return min(self.recheck, *(int(k.rsplit("/", 1)[1]) for k in ended))
+        return self.recheck
+
 
 @dataclass(slots=True)
 class RetentionBatch:
@@ -123,14 +133,27 @@ class Store:
         self.relay_id = relay_id
         self.lease = lease
         self.schema = schema
-        table = queries.qualified_table(schema)
         self.channel = f"{schema}.outbox"
+        # retention = 0: delivered rows are deleted by the statement that records them.
+        self.delete_delivered = delete_delivered
+        self._claim_state()
 
         def sql(statement: str) -> str:
             return queries.render_ops(statement, schema)
 
-        self._claim = sql(queries.CLAIM)
-        self._claim_fresh = sql(queries.CLAIM_FRESH)
+        self._claim_statements(sql)
+        self._outcome_statements(sql, delete_delivered)
+        self._upkeep_statements(sql)
+        self._table = queries.qualified_table(schema)
+        self._paused_table = queries.qualified_table(schema, queries.PAUSED_TABLE)
+        self._relays_table = queries.qualified_table(schema, queries.RELAYS_TABLE)
+        self._endpoint_tables = tuple(
+            queries.qualified_table(schema, t)
+            for t in ("outbox_endpoints", "outbox_deliveries", "outbox_attempts")
+        )
+
+    def _claim_state(self) -> None:
+        """Where the claims stand, kept between them."""
         # The last FENCE reading an unordered claim made (monotonic time, row), of the epoch
         # the cursors hold for, and the destinations whose last claim filled its batch: their
         # next claim, at once, may go on that reading (see claim).
@@ -144,24 +167,28 @@ class Store:
         self._epoch: tuple[object, ...] = ()
         self._stats_epoch: tuple[object, ...] = ()
         self._stats_top = 0
-        self._fresh_below = sql(queries.FRESH_BELOW)
         # Per destination, below which the pending gauges need not count (see
         # PENDING_BY_DESTINATION).
         self._stats_floors: dict[str, int] = {}
+        # The pooled connection that holds the session locks of the ordered destinations this
+        # relay owns, and runs their claims (relay/pipeline/ordered.py): when it ends, so do both.
+        self._owner: asyncpg.Connection | None = None
+        self._owned: set[str] = set()
+
+    def _claim_statements(self, sql: Callable[[str], str]) -> None:
+        self._claim = sql(queries.CLAIM)
+        self._claim_fresh = sql(queries.CLAIM_FRESH)
+        self._fresh_below = sql(queries.FRESH_BELOW)
         self._claim_ordered = sql(queries.CLAIM_ORDERED)
         self._claim_owned = sql(queries.CLAIM_OWNED)
         self._own = sql(queries.OWN_ORDERED)
         self._running_keyed = sql(queries.RUNNING_KEYED)
         self._still_running = sql(queries.STILL_RUNNING)
         self._unowned_peers = sql(queries.UNOWNED_PEERS)
-        # The pooled connection that holds the session locks of the ordered destinations this
-        # relay owns, and runs their claims (relay/pipeline/ordered.py): when it ends, so do both.
-        self._owner: asyncpg.Connection | None = None
-        self._owned: set[str] = set()
         self._fence = sql(queries.FENCE)
         self._blocked_keys = sql(queries.BLOCKED_KEYS)
-        # retention = 0: delivered rows are deleted by the statement that records them.
-        self.delete_delivered = delete_delivered
+
+    def _outcome_statements(self, sql: Callable[[str], str], delete_delivered: bool) -> None:
         self._record = sql(queries.RECORD_DELETING if delete_delivered else queries.RECORD)
         self._record_delivered = sql(
             queries.RECORD_DELIVERED_DELETING if delete_delivered else queries.RECORD_DELIVERED
@@ -171,6 +198,8 @@ class Store:
         self._reap = sql(queries.REAP)
         self._expired = sql(queries.EXPIRED)
         self._release = sql(queries.RELEASE)
+
+    def _upkeep_statements(self, sql: Callable[[str], str]) -> None:
         self._unknown = sql(queries.UNKNOWN_DESTINATIONS)
         self._fail_unknown = sql(queries.FAIL_UNKNOWN_DESTINATIONS)
         self._paused = sql(queries.PAUSED)
@@ -181,22 +210,15 @@ class Store:
         self._register = sql(queries.REGISTER)
         self._unregister = sql(queries.UNREGISTER)
         self._forget_relays = sql(queries.FORGET_RELAYS)
-        self._table = table
-        self._paused_table = queries.qualified_table(schema, queries.PAUSED_TABLE)
-        self._relays_table = queries.qualified_table(schema, queries.RELAYS_TABLE)
         # Retention of ended endpoint deliveries and of the message log (migration 0006).
         self._purge_deliveries = sql(queries.PURGE_DELIVERIES)
         self._purge_attempts = sql(queries.PURGE_ATTEMPTS)
-        self._endpoint_tables = tuple(
-            queries.qualified_table(schema, t)
-            for t in ("outbox_endpoints", "outbox_deliveries", "outbox_attempts")
-        )
 
     @contextlib.asynccontextmanager
     async def _connection(self) -> AsyncIterator[asyncpg.Connection]:
         """A pooled connection. One that fails in the middle of a statement is closed rather
         than returned to the pool: it may be left mid-protocol (the pool skips its reset, see
-        ``_no_reset``), and every later use of it would fail."""
+        ``relay.db.pool``), and every later use of it would fail."""
         async with self.pool.acquire() as conn:
             try:
                 yield conn
@@ -220,22 +242,17 @@ class Store:
         """The outbox tables this relay needs that are not in its schema."""
         tables = (self._table, self._paused_table, self._relays_table, *self._endpoint_tables)
         missing = [t for t in tables if not await self._call("fetchval", queries.TABLE_EXISTS, t)]
-        if not missing and not await self._call(
-            "fetchval", queries.COLUMN_EXISTS, self._endpoint_tables[1], "replay"
-        ):
-            missing.append(f"{self._endpoint_tables[1]}.replay (migration 0007)")
-        elif not missing and not await self._call(
-            "fetchval", queries.COLUMN_EXISTS, self._endpoint_tables[0], "circuit_open_until"
-        ):
-            missing.append(f"{self._endpoint_tables[0]}.circuit_open_until (migration 0009)")
-        elif not missing and not await self._call(
-            "fetchval", queries.COLUMN_EXISTS, self._relays_table, "circuits"
-        ):
-            missing.append(f"{self._relays_table}.circuits (migration 0010)")
-        elif not missing and not await self._call(
-            "fetchval", queries.COLUMN_EXISTS, self._relays_table, "features_at"
-        ):
-            missing.append(f"{self._relays_table}.features_at (migration 0013)")
+        added = (  # columns of later migrations, the first one missing said
+            (self._endpoint_tables[1], "replay", "0007"),
+            (self._endpoint_tables[0], "circuit_open_until", "0009"),
+            (self._relays_table, "circuits", "0010"),
+            (self._relays_table, "features_at", "0013"),
+        )
+        for table, column, migration in added:
+            if missing:
+                break
+            if not await self._call("fetchval", queries.COLUMN_EXISTS, table, column):
+                missing.append(f"{table}.{column} (migration {migration})")
         if not missing:
             # The claim's lanes: without them it would read the whole table, claim after claim.
             for index, holds in LANES.items():
@@ -406,27 +423,13 @@ class Store:
             row = await self._call("fetchrow", self._fence, self._table, state.top)
         _, *epoch, top, held = row
         if tuple(epoch) != self._epoch:
-            # A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
-            # handed out again below where the cursors stand, and the fence is read again from
-            # the start (the reading above capped its highest id with the old epoch's).
-            self._reading = None
-            self._epoch = tuple(epoch)
-            self._cursors.clear()
-            self._stats_floors.clear()
             state = _Lane()
-            self.statements["fence"] += 1
-            row = await self._call("fetchrow", self._fence, self._table, 0)
+            row = await self._new_epoch(tuple(epoch))
             _, *epoch, top, held = row
         if not reuse:
             self._reading = (time.monotonic(), row)
         state = self._cursors.get(destination, state)
-        # Inserting transactions open at the previous reading and ended since: their rows
-        # may have committed behind the cursor.
-        ended = state.held.difference(held)
-        if ended:
-            recheck = min(state.recheck, *(int(k.rsplit("/", 1)[1]) for k in ended))
-        else:
-            recheck = state.recheck
+        recheck = state.recheck_from(held)
         above = max(state.top, top)  # never lower: rows deleted since are no new ids
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
@@ -440,6 +443,30 @@ class Store:
                 rows = await self._call("fetch", self._claim, *args, above, recheck)
         finally:
             self._claiming.discard(destination)
+        self._advance(destination, rows, limit, above, held)
+        return self._envelopes([r for r in rows if r[0] != -1], until)
+
+    async def _new_epoch(self, epoch: tuple[object, ...]) -> asyncpg.Record:
+        """A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
+        handed out again below where the cursors stand, and the fence is read again from the
+        start (the reading before capped its highest id with the old epoch's)."""
+        self._reading = None
+        self._epoch = epoch
+        self._cursors.clear()
+        self._stats_floors.clear()
+        self.statements["fence"] += 1
+        return await self._call("fetchrow", self._fence, self._table, 0)
+
+    def _advance(
+        self,
+        destination: str,
+        rows: Sequence[asyncpg.Record],
+        limit: int,
+        above: int,
+        held: Collection[str],
+    ) -> None:
+        """Where ``destination``'s next claim starts, from the marker row of the claim that
+        read ``rows``, and whether it drains (the claim filled its batch)."""
         # The marker row comes last (UNION ALL keeps its branches' order); found by its id.
         marker = rows[-1] if rows[-1][0] == -1 else next(r for r in rows if r[0] == -1)
         cursor, recheck = int(marker[2]), int(marker[4])
@@ -449,7 +476,6 @@ class Store:
         self._cursors[destination] = _Lane(cursor, recheck, above, frozenset(held))
         if len(rows) > limit:  # the marker and a full batch
             self._draining.add(destination)
-        return self._envelopes([r for r in rows if r[0] != -1], until)
 
     def fresh_cursor(self, destination: str) -> int:
         """Where the next claim of ``destination``'s fresh rows starts (0: no claim yet)."""
@@ -654,7 +680,7 @@ class Store:
         if destination in self._owned:
             return True
         if self._owner is None:
-            self._owner = await _dedicated(self.pool)
+            self._owner = await dedicated(self.pool)
         try:
             self.statements["own"] += 1
             taken = bool(await self._owner.fetchval(self._own, self._table, destination))
@@ -725,15 +751,7 @@ class Store:
         try:
             # Two statements, in this order: the claim's snapshot must be younger than the
             # fence. On the owner's connection: the lock is held while the claim commits.
-            self.statements["fence"] += 1
-            safe_id, *epoch, top, _ = await conn.fetchrow(self._fence, self._table, lane.top)
-            if tuple(epoch) != lane.epoch:
-                # A TRUNCATE or a new server: ids may be handed out again, and ids in memory
-                # may now be other rows.
-                lane.reset(tuple(epoch))
-                self.statements["fence"] += 1
-                safe_id, *_, top, _ = await conn.fetchrow(self._fence, self._table, 0)
-            lane.top = max(lane.top, top)
+            safe_id = await self._owned_fence(conn, lane)
             ids, keys, keyless = lane.candidates(busy, limit)
             # After a full batch the next one most likely fills from memory too: no reading
             # ahead, so a drain keeps in memory about what it needs, in id order.
@@ -762,6 +780,34 @@ class Store:
         if any(r[0] == -4 for r in rows):
             return [], None
         claimed = [r for r in rows if r[0] > 0]
+        more = self._absorb_owned(lane, rows, claimed, limit, reading, safe_id)
+        return self._envelopes(claimed, until), more
+
+    async def _owned_fence(self, conn: asyncpg.Connection, lane: OwnedLane) -> int:
+        """FENCE's safe id for an owned destination's claim, read on the owner's connection;
+        ``lane`` starts again if the table's epoch changed."""
+        safe_id: int
+        self.statements["fence"] += 1
+        safe_id, *epoch, top, _ = await conn.fetchrow(self._fence, self._table, lane.top)
+        if tuple(epoch) != lane.epoch:
+            # A TRUNCATE or a new server: ids may be handed out again, and ids in memory
+            # may now be other rows.
+            lane.reset(tuple(epoch))
+            self.statements["fence"] += 1
+            safe_id, *_, top, _ = await conn.fetchrow(self._fence, self._table, 0)
+        lane.top = max(lane.top, top)
+        return safe_id
+
+    @staticmethod
+    def _absorb_owned(
+        lane: OwnedLane,
+        rows: Sequence[asyncpg.Record],
+        claimed: Sequence[asyncpg.Record],
+        limit: int,
+        reading: int,
+        safe_id: int,
+    ) -> bool:
+        """Take what CLAIM_OWNED read into ``lane``; whether more may be claimable at once."""
         ids_claimed = {r[0] for r in claimed}
         scanned = sorted((int(r[4]), r[2]) for r in rows if r[0] == -3)
         # -2 rows carry no key: found by id among the keys' first rows (or it has none).
@@ -778,8 +824,7 @@ class Store:
         lane.full = len(claimed) >= limit
         # Claim again at once: the batch was full, the reading stopped at its limit or did not
         # read (the next one does), or rows found gone may have left heads behind them.
-        more = lane.full or not reading or len(scanned) >= reading or bool(gone)
-        return self._envelopes(claimed, until), more
+        return lane.full or not reading or len(scanned) >= reading or bool(gone)
 
     async def blocked_keys(self, blocking: Sequence[str]) -> list[asyncpg.Record]:
         return list(await self._call("fetch", self._blocked_keys, list(blocking)))
@@ -851,50 +896,4 @@ def is_plain_sql_error(exc: BaseException) -> bool:
     """An error the server reported for the statement, on a connection that is still fine."""
     return isinstance(exc, asyncpg.PostgresError) and not isinstance(
         exc, asyncpg.PostgresConnectionError | asyncpg.AdminShutdownError
-    )
-
-
-async def _no_reset(conn: asyncpg.Connection) -> None:
-    """The relay never changes session state on pooled connections (no SET, no LISTEN, only
-    transaction-scoped advisory locks), so skip asyncpg's reset round trip on every release."""
-
-
-async def _dedicated(pool: asyncpg.Pool) -> asyncpg.Connection:
-    """A connection like the pool's (its server, settings and statement timeout) outside it:
-    one held for as long as the relay owns ordered destinations must not hold up the pool's
-    close, nor take one of its connections for good."""
-    args: tuple[Any, ...] = pool._connect_args
-    kwargs: dict[str, Any] = dict(pool._connect_kwargs)
-    # A client gone without a word (a network cut, a frozen host) must not keep its session
-    # lock until the kernel's keepalives give up (two hours by default): the stand-bys could
-    # not take over. The server probes an idle connection after 10 s, and ends it after 3
-    # unanswered probes 5 s apart.
-    kwargs["server_settings"] = {
-        **kwargs.get("server_settings", {}),
-        "tcp_keepalives_idle": "10",
-        "tcp_keepalives_interval": "5",
-        "tcp_keepalives_count": "3",
-    }
-    return await asyncpg.connect(*args, **kwargs)
-
-
-async def create_pool(
-    dsn: str, relay_id: str, size: int, command_timeout: float | None = None
-) -> asyncpg.Pool:
-    """The relay's pool. ``command_timeout`` bounds every statement, so a connection that
-    hangs (a partition, a frozen server) fails its statement instead of the task waiting on
-    it for ever; the connection is then discarded."""
-    return await asyncpg.create_pool(
-        dsn,
-        min_size=1,
-        max_size=size,
-        command_timeout=command_timeout,
-        reset=_no_reset,
-        server_settings={
-            "application_name": f"outbox-relay:{relay_id}"[:63],
-            # A plan cached while the table was empty turns into a seq scan + sort once it
-            # fills up; plan every claim against current statistics instead.
-            "plan_cache_mode": "force_custom_plan",
-            **SESSION_SETTINGS,
-        },
     )

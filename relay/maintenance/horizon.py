@@ -65,11 +65,7 @@ class Horizon:
         self._warned = (holder, now)
         log.warning(
             "relay.snapshot.held",
-            kind=holder.kind,
-            pid=holder.pid,
-            name=holder.name,
-            application_name=holder.application_name,
-            user=holder.user,
+            **_who(holder),
             database=holder.database,
             state=holder.state,
             command=holder.command,
@@ -92,10 +88,17 @@ class Horizon:
         holder = warned[0]
         log.info(
             "relay.snapshot.released",
-            kind=holder.kind,
-            pid=holder.pid,
-            name=holder.name,
-            application_name=holder.application_name,
-            user=holder.user,
+            **_who(holder),
             xid_age=holder.xid_age,
         )
+
+
+def _who(holder: SnapshotHolder) -> dict[str, object]:
+    """Who holds the horizon, as both log lines name it."""
+    return {
+        "kind": holder.kind,
+        "pid": holder.pid,
+        "name": holder.name,
+        "application_name": holder.application_name,
+        "user": holder.user,
+    }

@@ -135,7 +135,20 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
+        # Registered in the order /metrics lists them.
         self.up = Gauge("outbox_relay_up", "1 while this relay runs", registry=r)
+        self._delivery_counters(r)
+        self._fault_counters(r)
+        self._endpoint_counters(r)
+        self.retention_deleted = Counter(
+            "outbox_retention_deleted_rows",
+            "Delivered rows deleted by retention (by this relay)",
+            registry=r,
+        )
+        self._gauges(r)
+        self._histograms(r)
+
+    def _delivery_counters(self, r: CollectorRegistry) -> None:
         self.delivered = Counter(
             "outbox_events_delivered", "Events delivered", ["destination"], registry=r
         )
@@ -155,6 +168,8 @@ class Metrics:
             ["destination", "outcome", "status_class"],
             registry=r,
         )
+
+    def _fault_counters(self, r: CollectorRegistry) -> None:
         self.reaped = Counter(
             "outbox_leases_expired", "Rows taken back from relays that stopped", registry=r
         )
@@ -169,6 +184,8 @@ class Metrics:
             "Deliveries that raised unexpectedly (a bug); their rows were retried",
             registry=r,
         )
+
+    def _endpoint_counters(self, r: CollectorRegistry) -> None:
         self.endpoint_attempts = Counter(
             "outbox_endpoint_delivery_attempts",
             "Attempts to deliver events to endpoints registered at runtime (kind = endpoints) "
@@ -182,12 +199,8 @@ class Metrics:
             ["destination"],
             registry=r,
         )
-        self.retention_deleted = Counter(
-            "outbox_retention_deleted_rows",
-            "Delivered rows deleted by retention (by this relay)",
-            registry=r,
-        )
-        self._gauges(r)
+
+    def _histograms(self, r: CollectorRegistry) -> None:
         self.batch_size = BatchHistogram("outbox_claim_batch_size", "Rows per claim", BATCH_BUCKETS)
         self.latency = BatchHistogram(
             "outbox_commit_to_ack_seconds",

@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import structlog
 
@@ -25,15 +25,16 @@ from outbox.endpoint_secrets import SecretBox
 from outbox.errors import OutboxError, describe
 from outbox.status import Status
 from outbox.webhooks.signing import decode_secret
-from relay.breaker import State
-from relay.db.store import DB_ERRORS, UNAVAILABLE
-from relay.model import Envelope, Result, epoch, header_problem, truncate_error
+from relay.breaker import Breaker, State
+from relay.db.store import DB_ERRORS, UNAVAILABLE, Record
+from relay.model import Envelope, Outcome, Result, epoch, header_problem, truncate_error
 from relay.obs.metrics import Metrics
 from relay.pipeline import outcomes
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.fairness import Holding, Plan, is_slow
+from relay.sinks.endpoints.fairness import Plan
 from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.fairness import plan as fairness_plan
+from relay.sinks.endpoints.state import NOT_TAKEN_LOG_EVERY, EndpointState
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, takes
 from relay.sinks.webhook.answers import class_of
 from relay.sinks.webhook.config import WebhookClientSettings
@@ -45,7 +46,6 @@ RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
 # At least this long between attempts of a delivery whose endpoint cannot be used (its secret
 # cannot be opened): each is logged, and the cause is an operator's to fix.
 UNUSABLE_RETRY = 60.0
-NOT_TAKEN_LOG_EVERY = 60.0  # seconds between relay.endpoints.not_taken lines per endpoint
 NOT_SENT = 2  # DeliveryRecord.counted of a try that sent nothing: logged, not an attempt
 CRASH_RETRY = 5.0
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
@@ -63,51 +63,6 @@ class Sender(WebhookSink):
 
     def _keep(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
         self.answers[env] = (status, body)
-
-
-@dataclass(eq=False)
-class EndpointState:
-    """What this relay keeps about one registered endpoint between deliveries."""
-
-    id: int
-    destination: str
-    config: EndpointsDestination
-    version: tuple[str, str, str | None] = ("", "", None)
-    endpoint: Target | None = None
-    problem: str | None = None  # why it cannot be sent to now (its secret cannot be read)
-    semaphore: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(1))
-    in_hand: int = 0
-    next_send: float = 0.0  # rate limit: the earliest time of the next request
-    failing: bool | None = None  # as last written to the table (None: not written yet)
-    health_written: float = 0.0
-    # When this relay disabled it (410 Gone, disable_after): rows claimed before are not
-    # sent. Rows claimed later mean it was enabled again.
-    disabled_at: float | None = None
-    # Answered 410, not yet disabled in the table: this relay claims nothing more for it.
-    gone: bool = False
-    last_claimed: float = 0.0
-    tenant: str | None = None  # the endpoint's, as its last claim read it
-    event_types: tuple[str, ...] = ()  # the endpoint's, as its last claim read it
-    latency: float | None = None  # its requests' moving average, seconds (fairness.average)
-    started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
-    not_taken: int = 0  # deliveries cancelled as not taken since the last log line
-    not_taken_logged: float = -NOT_TAKEN_LOG_EVERY
-
-    def holding(self, now: float) -> Holding:
-        """What the fair share plan needs to know of it now."""
-        slow = is_slow(self.latency, self.started, now, self.config.budget)
-        return Holding(
-            self.id,
-            self.tenant,
-            self.in_hand,
-            slow,
-            self.config.slow_concurrency,
-            known=self.latency is not None,
-        )
-
-    @property
-    def circuit_open(self) -> bool:
-        return self.endpoint is not None and self.endpoint.breaker.state is State.OPEN
 
 
 class Dispatcher:
@@ -427,19 +382,18 @@ class Dispatcher:
 
         if (problem := header_problem(c.headers)) is not None:
             return self._record(c, "failed", 1, 0.0, problem)
-        env = Envelope(
-            id=c.event_id,
-            destination=c.destination,
-            key=None,
-            payload=c.payload,
-            content_type=c.content_type,
-            headers=c.headers,  # type: ignore[arg-type]
-            attempts=c.attempts,
-            created=epoch(c.created_at),
-            token=c.token,
-            lease=c.lease,
-            event_type=c.event_type,
-        )
+        env = _envelope(c)
+        sent = await self._send(c, state, env)
+        if isinstance(sent, DeliveryRecord):
+            return sent
+        outcome, took = sent
+        return self._answered(c, state, config, env, outcome, took)
+
+    async def _send(
+        self, c: Claimed, state: EndpointState, env: Envelope
+    ) -> tuple[Outcome, float] | DeliveryRecord:
+        """Send ``env`` with one of its endpoint's request slots, at its pace: the outcome and
+        the milliseconds the request took, or the record of a delivery not sent after all."""
         async with state.semaphore:
             # Checked before the pace (a delivery that will not be sent takes no turn of a
             # rate limit), and again once every wait is over, just before the request.
@@ -476,11 +430,27 @@ class Dispatcher:
             seconds = time.monotonic() - started
             state.latency = latency_average(state.latency, seconds)
             took = seconds * 1000
-            now_state = breaker.state
-            if now_state is State.OPEN and was is not State.OPEN:
-                self._circuits[c.endpoint_id] = breaker.retry_in()  # for `status`
-            elif now_state is State.CLOSED and was is not State.CLOSED:
-                self._circuits[c.endpoint_id] = None
+            self._note_circuit(c.endpoint_id, breaker, was)
+        return outcome, took
+
+    def _note_circuit(self, endpoint_id: int, breaker: Breaker, was: State) -> None:
+        """Keep for `status` when the request opened or closed its endpoint's circuit."""
+        now_state = breaker.state
+        if now_state is State.OPEN and was is not State.OPEN:
+            self._circuits[endpoint_id] = breaker.retry_in()
+        elif now_state is State.CLOSED and was is not State.CLOSED:
+            self._circuits[endpoint_id] = None
+
+    def _answered(
+        self,
+        c: Claimed,
+        state: EndpointState,
+        config: EndpointsDestination,
+        env: Envelope,
+        outcome: Outcome,
+        took: float,
+    ) -> DeliveryRecord:
+        """The record of a request sent: its outcome, with the answer for the message log."""
         answer = self.sender.answers.pop(env, None)
         if outcome.result is Result.DEFER:
             return self._record(
@@ -491,22 +461,7 @@ class Dispatcher:
         ok = outcome.result is Result.DELIVERED
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False) or ok
         if status == 410:
-            self._gone.add(c.endpoint_id)
-            state.disabled_at = time.monotonic()  # its queued deliveries are not sent
-            state.gone = True
-            # The endpoint is disabled, not the message refused: this delivery waits with the
-            # endpoint's queue and goes out once it is enabled again (a receiver that answered
-            # 410 by mistake, a bad deploy, loses nothing). The attempt is counted and logged.
-            rec = replace(
-                rec,
-                status=Status.PENDING,
-                delay=0.0,
-                error=truncate_error(
-                    f"{outcome.error or 'HTTP 410 Gone'}; endpoint {c.endpoint_id} is disabled "
-                    f"and this delivery is sent again once it is enabled "
-                    f"(outbox-relay endpoints enable {c.endpoint_id})"
-                ),
-            )
+            rec = self._on_gone(c, state, rec, outcome)
         if self.metrics is not None:
             self.metrics.endpoint_attempts.labels(
                 c.destination, outcome.result.value, outcome.status_class or "none"
@@ -524,6 +479,25 @@ class Dispatcher:
             duration_ms=round(took, 3),
             response=_text(body) if status is not None else None,
             replay=c.replay,
+        )
+
+    def _on_gone(self, c: Claimed, state: EndpointState, rec: Record, outcome: Outcome) -> Record:
+        """A 410 Gone: the endpoint is disabled, not the message refused. This delivery waits
+        with the endpoint's queue and goes out once it is enabled again (a receiver that
+        answered 410 by mistake, a bad deploy, loses nothing); the attempt is counted and
+        logged."""
+        self._gone.add(c.endpoint_id)
+        state.disabled_at = time.monotonic()  # its queued deliveries are not sent
+        state.gone = True
+        return replace(
+            rec,
+            status=Status.PENDING,
+            delay=0.0,
+            error=truncate_error(
+                f"{outcome.error or 'HTTP 410 Gone'}; endpoint {c.endpoint_id} is disabled "
+                f"and this delivery is sent again once it is enabled "
+                f"(outbox-relay endpoints enable {c.endpoint_id})"
+            ),
         )
 
     def _not_sendable(
@@ -758,6 +732,23 @@ class Dispatcher:
                     action="the reaper returns them to pending when their lease expires",
                 )
             self.held.clear()
+
+
+def _envelope(c: Claimed) -> Envelope:
+    """The claimed delivery's event, as the webhook sink sends it."""
+    return Envelope(
+        id=c.event_id,
+        destination=c.destination,
+        key=None,
+        payload=c.payload,
+        content_type=c.content_type,
+        headers=c.headers,  # type: ignore[arg-type]
+        attempts=c.attempts,
+        created=epoch(c.created_at),
+        token=c.token,
+        lease=c.lease,
+        event_type=c.event_type,
+    )
 
 
 def _text(body: bytes) -> str:

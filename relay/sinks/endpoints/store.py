@@ -7,6 +7,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import asyncpg
+
 from relay.db import queries
 from relay.db.store import Store, read_headers
 from relay.model import Lease
@@ -135,33 +137,7 @@ class DeliveryStore:
             list(skip_tenants),
             list(start),
         )
-        claimed = [
-            Claimed(
-                id=r[0],
-                event_id=r[1],
-                endpoint_id=r[2],
-                destination=r[3],
-                attempts=r[4],
-                token=r[5],
-                replay=r[6],
-                found=r[7],
-                payload=r[8] or b"",
-                content_type=r[9] or "application/octet-stream",
-                headers={} if r[10] in (None, "{}") else read_headers(r[10]),
-                created_at=r[11] or 0.0,
-                url=r[12],
-                secret=r[13],
-                previous_secret=r[14],
-                rate_limit=r[15],
-                lease=Lease(until),
-                lease_started=started,
-                event_type=r[16],
-                tenant=r[17],
-                event_types=tuple(r[18] or ()),
-                event_tenant=r[19],
-            )
-            for r in rows[:-1]
-        ]
+        claimed = [_claimed(r, until, started) for r in rows[:-1]]
         return claimed, rows[-1][2], rows[-1][1]
 
     async def record(self, records: Sequence[DeliveryRecord]) -> set[int]:
@@ -240,6 +216,35 @@ class DeliveryStore:
             "fetchval", queries.ENDPOINT_DISABLE, endpoint_id, reason, failing_for
         )
         return row is not None
+
+
+def _claimed(r: asyncpg.Record, until: float, started: float) -> Claimed:
+    """A row of DELIVERY_CLAIM, held until ``until`` (monotonic) by the claim made at
+    ``started``."""
+    return Claimed(
+        id=r[0],
+        event_id=r[1],
+        endpoint_id=r[2],
+        destination=r[3],
+        attempts=r[4],
+        token=r[5],
+        replay=r[6],
+        found=r[7],
+        payload=r[8] or b"",
+        content_type=r[9] or "application/octet-stream",
+        headers={} if r[10] in (None, "{}") else read_headers(r[10]),
+        created_at=r[11] or 0.0,
+        url=r[12],
+        secret=r[13],
+        previous_secret=r[14],
+        rate_limit=r[15],
+        lease=Lease(until),
+        lease_started=started,
+        event_type=r[16],
+        tenant=r[17],
+        event_types=tuple(r[18] or ()),
+        event_tenant=r[19],
+    )
 
 
 __all__ = ["Claimed", "DeliveryRecord", "DeliveryStore", "takes"]

@@ -13,85 +13,12 @@ import click
 from outbox.migrate import migrate
 from relay.runtime import loop
 from relay.tools.bench.common import SNAPSHOT_APP, Target, emit, machine
+from relay.tools.bench.options import as_json, common, database_url, event_loop, max_seconds, shown
 from relay.tools.bench.receiver import local_receiver
 from relay.tools.localbroker import LocalBroker
 from relay.tools.scratch import scratch_database
 
 Scenario = Callable[[str, Target], Awaitable[dict[str, Any]]]
-Command = Callable[..., Any]
-Decorator = Callable[[Command], Command]
-
-
-def database_url(
-    help: str = "Server for the scratch database (created and dropped by the run).",
-) -> Decorator:
-    return click.option(
-        "--database-url",
-        envvar="OUTBOX_DATABASE_URL",
-        default="postgresql://root@127.0.0.1:5432/postgres",
-        show_default=True,
-        help=help,
-    )
-
-
-def event_loop(help: str | None = None) -> Decorator:
-    return click.option(
-        "--loop",
-        type=click.Choice(["auto", "uvloop", "asyncio"]),
-        default="auto",
-        show_default=True,
-        help=help,
-    )
-
-
-def max_seconds(default: float, help: str) -> Decorator:
-    return click.option(
-        "--max-seconds",
-        default=default,
-        show_default=True,
-        type=click.FloatRange(1, 600),
-        help=help,
-    )
-
-
-as_json: Decorator = click.option(
-    "--json", "as_json", is_flag=True, help="Print JSON instead of tables."
-)
-
-
-def common(func: Any) -> Any:
-    options = [
-        database_url(),
-        click.option(
-            "--sink",
-            type=click.Choice(["kafka", "webhook", "null"]),
-            default="kafka",
-            show_default=True,
-            help="kafka, webhook, or null to measure the database side alone.",
-        ),
-        click.option("--bootstrap", help="Kafka broker; default: start a local one (Tansu)."),
-        click.option(
-            "--webhook-url",
-            help="Endpoint for --sink webhook; default: start a fast local receiver.",
-        ),
-        click.option(
-            "--webhook-concurrency",
-            default=64,
-            show_default=True,
-            help="max_concurrency of the webhook destination.",
-        ),
-        click.option(
-            "--idempotence/--no-idempotence",
-            default=None,
-            help="Idempotent producer; default on with --bootstrap, off for the local broker "
-            "(whose memory engine rejects it).",
-        ),
-        event_loop("The event loop, as relay.event_loop: compare the two on one machine."),
-        as_json,
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
 
 
 @contextlib.asynccontextmanager
@@ -223,17 +150,16 @@ def _ratios(results: dict[str, Any]) -> None:
 
 @bench.command("drain", short_help="Time the relay emptying a prefilled table.")
 @common
-@click.option("--events", default=200_000, show_default=True, type=click.IntRange(1))
-@click.option("--payload", default=200, show_default=True, help="Payload bytes.")
-@click.option("--keys", default=1000, show_default=True, help="Distinct message keys.")
-@click.option("--batch-size", default=500, show_default=True)
-@click.option("--relays", default=1, show_default=True, help="Relays (in this process).")
+@shown("--events", 200_000, type=click.IntRange(1))
+@shown("--payload", 200, help="Payload bytes.")
+@shown("--keys", 1000, help="Distinct message keys.")
+@shown("--batch-size", 500)
+@shown("--relays", 1, help="Relays (in this process).")
 @click.option("--max-in-flight", type=int, help="Default: 4 batches.")
-@click.option(
+@shown(
     "--ordering",
+    "none",
     type=click.Choice(["none", "key", "both"]),
-    default="none",
-    show_default=True,
     help="Destination ordering; both: run unordered and ordered and print the ratio.",
 )
 @click.option(
@@ -249,13 +175,13 @@ def _ratios(results: dict[str, Any]) -> None:
     "the relay starts, so vacuum can remove none of the claims' and outcomes' dead versions.",
 )
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
-@click.option("--naive-events", default=3000, show_default=True)
+@shown("--naive-events", 3000)
 @click.option(
     "--compare-simple",
     is_flag=True,
     help="Also run a simple batched loop (4 loops of claim 100, send, mark) on as many events.",
 )
-@click.option("--max-seconds", default=120.0, show_default=True, help="Stop a phase after this.")
+@shown("--max-seconds", 120.0, help="Stop a phase after this.")
 def drain_cmd(**opts: Any) -> None:
     """Prefill events, then time the relay emptying the table."""
     execute(opts, _drain_scenarios(opts), derive=_ratios)
@@ -263,15 +189,14 @@ def drain_cmd(**opts: Any) -> None:
 
 @bench.command("steady", short_help="Commit-to-ack latency at a fixed rate.")
 @common
-@click.option("--rate", default=1000.0, show_default=True, help="Events offered per second.")
-@click.option(
+@shown("--rate", 1000.0, help="Events offered per second.")
+@shown(
     "--seconds",
-    default=10.0,
-    show_default=True,
+    10.0,
     type=click.FloatRange(0.1, 24 * 3600),
     help="How long the writers offer the rate; hours are fine (about 40 bytes of memory an event).",
 )
-@click.option("--writers", default=8, show_default=True, help="Connections per writer process.")
+@shown("--writers", 8, help="Connections per writer process.")
 @click.option(
     "--processes",
     type=int,
@@ -283,19 +208,12 @@ def drain_cmd(**opts: Any) -> None:
     help="Events per app transaction (enqueue_many); default: 1 up to 1,000 events/s, then "
     "enough to keep transactions at 500/s.",
 )
-@click.option("--batch-size", default=500, show_default=True)
-@click.option("--idle-seconds", default=3.0, show_default=True, help="Idle CPU sample after.")
-@click.option(
-    "--ordering",
-    type=click.Choice(["none", "key"]),
-    default="none",
-    show_default=True,
-    help="Destination ordering.",
-)
-@click.option(
+@shown("--batch-size", 500)
+@shown("--idle-seconds", 3.0, help="Idle CPU sample after.")
+@shown("--ordering", "none", type=click.Choice(["none", "key"]), help="Destination ordering.")
+@shown(
     "--keys",
-    default=1000,
-    show_default=True,
+    1000,
     type=click.IntRange(1),
     help="Distinct message keys, one per transaction (its events share it).",
 )
@@ -312,17 +230,15 @@ def drain_cmd(**opts: Any) -> None:
     "REPEATABLE READ transaction, as a pg_dump or a long report holds one), opened before "
     "the load starts: vacuum can remove none of the run's dead row versions.",
 )
-@click.option(
+@shown(
     "--window",
-    default=15.0,
-    show_default=True,
+    15.0,
     type=click.FloatRange(0.1, clamp=False),
     help="Seconds of commit time per line of the latency-per-window table.",
 )
-@click.option(
+@shown(
     "--warmup",
-    default=15.0,
-    show_default=True,
+    15.0,
     type=click.FloatRange(0),
     help="Seconds after the first commit before first_minute starts.",
 )
@@ -362,10 +278,10 @@ def steady_cmd(**opts: Any) -> None:
 
 @bench.command("enqueue", short_help="What enqueueing costs the application.")
 @common
-@click.option("--transactions", default=3000, show_default=True)
-@click.option("--bulk-rows", default=200_000, show_default=True)
-@click.option("--chunk", default=1000, show_default=True, help="Rows per enqueue_many.")
-@click.option("--payload", default=200, show_default=True)
+@shown("--transactions", 3000)
+@shown("--bulk-rows", 200_000)
+@shown("--chunk", 1000, help="Rows per enqueue_many.")
+@shown("--payload", 200)
 def enqueue_cmd(**opts: Any) -> None:
     """What enqueueing costs the application."""
     from relay.tools.bench.enqueue import enqueue
@@ -387,9 +303,9 @@ def enqueue_cmd(**opts: Any) -> None:
 
 @bench.command("history", short_help="Claim latency beside many delivered rows.")
 @common
-@click.option("--rows", default=2_000_000, show_default=True, help="Delivered rows to add.")
-@click.option("--rounds", default=200, show_default=True)
-@click.option("--batch", default=100, show_default=True, help="Rows per claim.")
+@shown("--rows", 2_000_000, help="Delivered rows to add.")
+@shown("--rounds", 200)
+@shown("--batch", 100, help="Rows per claim.")
 def history_cmd(**opts: Any) -> None:
     """Claim latency on an empty table and beside many delivered rows."""
     from relay.tools.bench.history import history
@@ -407,48 +323,42 @@ def history_cmd(**opts: Any) -> None:
 
 @bench.command("fanout", short_help="Fan-out to many endpoints: isolation, scale.")
 @database_url("Server for the scratch databases (created and dropped by the run).")
-@click.option(
+@shown(
     "--scenario",
+    "steady",
     type=click.Choice(["steady", "drain", "scale"]),
-    default="steady",
-    show_default=True,
     help="steady: events at --rate, commit-to-delivery latency; drain: --events committed "
     "first, deliveries/s; scale: --registered endpoints, --fan-out of them matching, against "
     "only those registered.",
 )
-@click.option(
+@shown(
     "--endpoints",
-    default=8,
-    show_default=True,
+    8,
     type=click.IntRange(1, 64),
     help="Healthy endpoints (steady, drain), each a loopback port of the receiver process.",
 )
-@click.option(
+@shown(
     "--slow-dead/--no-slow-dead",
-    default=True,
-    show_default=True,
+    True,
     help="Add an endpoint answering after --slow-delay and one that refuses connections.",
 )
 @click.option("--compare", is_flag=True, help="Run without and with the slow+dead pair; ratios.")
-@click.option(
+@shown(
     "--dead-backlog",
-    default=0,
-    show_default=True,
+    0,
     type=click.IntRange(0, 1_000_000),
     help="Deliveries already queued for the dead endpoint (waiting out their backoff).",
 )
-@click.option("--slow-delay", default=2.0, show_default=True, type=click.FloatRange(0, 30))
-@click.option(
+@shown("--slow-delay", 2.0, type=click.FloatRange(0, 30))
+@shown(
     "--slow-endpoints",
-    default=1,
-    show_default=True,
+    1,
     type=click.IntRange(1, 500),
     help="Slow endpoints in the slow+dead set (each answers 2xx after --slow-delay).",
 )
-@click.option(
+@shown(
     "--timeout",
-    default=15.0,
-    show_default=True,
+    15.0,
     type=click.FloatRange(0.1, 300),
     help="The destination's request timeout (set it above --slow-delay: slow, not failing).",
 )
@@ -457,50 +367,41 @@ def history_cmd(**opts: Any) -> None:
     type=click.IntRange(1, 100_000),
     help="The relay's max_in_flight (default: 4 x --batch-size).",
 )
-@click.option(
-    "--rate", default=500.0, show_default=True, type=click.FloatRange(1, 5000), help="Events/s."
-)
-@click.option("--seconds", default=10.0, show_default=True, type=click.FloatRange(0.1, 120))
-@click.option(
-    "--writers", default=8, show_default=True, type=click.IntRange(1, 32), help="Connections."
-)
+@shown("--rate", 500.0, type=click.FloatRange(1, 5000), help="Events/s.")
+@shown("--seconds", 10.0, type=click.FloatRange(0.1, 120))
+@shown("--writers", 8, type=click.IntRange(1, 32), help="Connections.")
 @click.option(
     "--events",
     type=click.IntRange(1, 200_000),
     help="Events committed first: default 20,000 (drain), 5,000 (scale).",
 )
-@click.option(
+@shown(
     "--registered",
-    default=10_000,
-    show_default=True,
+    10_000,
     type=click.IntRange(2, 100_000),
     help="scale: endpoints registered for the destination in all.",
 )
-@click.option(
+@shown(
     "--fan-out",
-    default=10,
-    show_default=True,
+    10,
     type=click.IntRange(1, 64),
     help="scale: endpoints each event's tenant matches.",
 )
-@click.option(
+@shown(
     "--probe/--no-probe",
-    default=True,
-    show_default=True,
+    True,
     help="scale: also replay FAN_OUT and DELIVERY_CLAIM alone on one connection, timed.",
 )
-@click.option(
+@shown(
     "--max-concurrency",
-    default=4,
-    show_default=True,
+    4,
     type=click.IntRange(1, 64),
     help="The destination's max_concurrency (requests in flight per endpoint).",
 )
-@click.option("--batch-size", default=500, show_default=True, type=click.IntRange(1, 10_000))
-@click.option(
+@shown("--batch-size", 500, type=click.IntRange(1, 10_000))
+@shown(
     "--rounds",
-    default=1,
-    show_default=True,
+    1,
     type=click.IntRange(1, 5),
     help="Repeat the runs alternately; ratios are medians over rounds.",
 )
@@ -532,32 +433,28 @@ def fanout_cmd(**opts: Any) -> None:
 
 @bench.command("console", short_help="The console's pages over a large outbox.")
 @database_url()
-@click.option(
+@shown(
     "--rows",
-    default=10_000_000,
-    show_default=True,
+    10_000_000,
     type=click.IntRange(1000, 20_000_000),
     help="Rows in the outbox (at most 20 million: about 8 GB and 3 minutes to fill).",
 )
-@click.option(
+@shown(
     "--pending-fraction",
-    default=0.01,
-    show_default=True,
+    0.01,
     type=click.FloatRange(0, 0.5),
     help="The newest rows, pending (a few hundred of them running).",
 )
-@click.option(
+@shown(
     "--hours",
-    default=24.0,
-    show_default=True,
+    24.0,
     type=click.FloatRange(0.1, 24 * 30),
     help="The delivered rows' history spans this many hours (relay.retention).",
 )
-@click.option("--payload", default=200, show_default=True, type=click.IntRange(20, 10_000))
-@click.option(
+@shown("--payload", 200, type=click.IntRange(20, 10_000))
+@shown(
     "--requests",
-    default=20,
-    show_default=True,
+    20,
     type=click.IntRange(3, 1000),
     help="Measured requests per page (after two unmeasured ones).",
 )

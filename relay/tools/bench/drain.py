@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
@@ -82,19 +83,23 @@ async def drain(
             # After the prefill (and its VACUUM), before the relay claims anything: the
             # claims' and the outcomes' updates leave versions no vacuum may remove.
             held = await stack.enter_async_context(held_snapshot(db_url))
-        result = await _drain(
-            db_url,
-            target,
-            events,
-            payload,
-            keys,
-            batch_size,
-            relays,
-            max_in_flight,
-            max_seconds,
-            ordering,
-            retention,
-        )
+        settings = relay_settings(db_url, batch_size, max_in_flight, ordering, retention)
+        run = await _drain(settings, target, events, relays, max_seconds)
+        result: dict[str, Any] = {
+            "events": events,
+            "delivered": run.delivered,
+            "complete": run.delivered == events,
+            "relays": relays,
+            "ordering": ordering,
+            "keys": keys,
+            "batch_size": batch_size,
+            "payload_bytes": payload,
+            **run.figures(),
+        }
+        if target.kind == "webhook":
+            result.update(
+                _webhook_figures(target.latencies, run.receiver_cpu, run.delivered, run.elapsed)
+            )
         result["hold_snapshot"] = hold_snapshot
         result.update(await table_stats(db_url, result["delivered"]))
     if held is not None:
@@ -102,20 +107,35 @@ async def drain(
     return result
 
 
+@dataclass
+class _Drained:
+    """What the relays of one drain did, and what it cost."""
+
+    delivered: int
+    statements: int  # of the hot path: claims, records, activations
+    elapsed: float
+    cpu: float  # this process's
+    machine: tuple[float | None, float | None]  # the host's CPU seconds, before and after
+    receiver_cpu: float | None
+
+    def figures(self) -> dict[str, Any]:
+        delivered, statements = self.delivered, self.statements
+        return {
+            "seconds": round(self.elapsed, 3),
+            "events_per_s": round(delivered / self.elapsed, 1),
+            "hot_path_statements": statements,
+            "statements_per_event": round(statements / max(delivered, 1), 4),
+            "relay_cpu_per_event_us": round(self.cpu / max(delivered, 1) * 1e6, 1),
+            # Everything else on the host in the same time: the database, the broker or
+            # receiver.
+            "others_cpu_per_event_us": _others(*self.machine, self.cpu, delivered),
+            "max_rss_mb": round(rss_mb(), 1),
+        }
+
+
 async def _drain(
-    db_url: str,
-    target: Target,
-    events: int,
-    payload: int,
-    keys: int,
-    batch_size: int,
-    relays: int,
-    max_in_flight: int | None,
-    max_seconds: float,
-    ordering: str,
-    retention: float | None,
-) -> dict[str, Any]:
-    settings = relay_settings(db_url, batch_size, max_in_flight, ordering, retention)
+    settings: Any, target: Target, events: int, relays: int, max_seconds: float
+) -> _Drained:
     running = [Relay(settings, sinks={DESTINATION: target.make_sink()}) for _ in range(relays)]
     target.latencies.clear()
     receiver0 = target.receiver_cpu() if target.receiver_cpu else None
@@ -142,27 +162,7 @@ async def _drain(
     statements = sum(
         sum(r.store.statements[k] for k in ("claim", "record", "activate")) for r in running
     )
-    result: dict[str, Any] = {
-        "events": events,
-        "delivered": delivered,
-        "complete": delivered == events,
-        "relays": relays,
-        "ordering": ordering,
-        "keys": keys,
-        "batch_size": batch_size,
-        "payload_bytes": payload,
-        "seconds": round(elapsed, 3),
-        "events_per_s": round(delivered / elapsed, 1),
-        "hot_path_statements": statements,
-        "statements_per_event": round(statements / max(delivered, 1), 4),
-        "relay_cpu_per_event_us": round(cpu / max(delivered, 1) * 1e6, 1),
-        # Everything else on the host in the same time: the database, the broker or receiver.
-        "others_cpu_per_event_us": _others(machine0, machine1, cpu, delivered),
-        "max_rss_mb": round(rss_mb(), 1),
-    }
-    if target.kind == "webhook":
-        result.update(_webhook_figures(target.latencies, receiver_cpu, delivered, elapsed))
-    return result
+    return _Drained(delivered, statements, elapsed, cpu, (machine0, machine1), receiver_cpu)
 
 
 def _others(before: float | None, after: float | None, relay: float, events: int) -> float | None:

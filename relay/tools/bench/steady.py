@@ -19,6 +19,7 @@ import math
 import multiprocessing
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,30 @@ def read_commits(outs: list[Path]) -> Commits:
     return commits
 
 
+async def write_load(
+    db_url: str, load: WriterLoad, outs: list[Path], error: Callable[[str], Exception]
+) -> Commits:
+    """Offer ``load`` from one writer process per file of ``outs``; what they committed.
+    ``error``: what a process that failed raises, with its message."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=writer_main, args=(db_url, load, str(out))) for out in outs]
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            # The writers stop on their own after --seconds (or as soon as they can after
+            # it, when they trail the rate): three times that is a bound, not a pace.
+            await asyncio.to_thread(proc.join, load.seconds * 3 + 60)
+            if proc.exitcode != 0:
+                raise error(f"the load generator failed (exit code {proc.exitcode})")
+        return read_commits(outs)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
 async def steady(
     db_url: str,
     target: Target,
@@ -183,11 +208,7 @@ async def steady(
     window: float = 15.0,
     warmup: float = 15.0,
 ) -> dict[str, Any]:
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        await conn.execute(BUSINESS)
-    finally:
-        await conn.close()
+    await _create_business_table(db_url)
     held: HeldSnapshot | None = None
     async with contextlib.AsyncExitStack() as stack:
         if hold_snapshot:  # before the load, held until the figures below are taken
@@ -197,32 +218,16 @@ async def steady(
         relay = Relay(settings, sinks={DESTINATION: sink})
         task = asyncio.create_task(relay.run())
         await relay.started.wait()
-        ctx = multiprocessing.get_context("spawn")
         start_at = time.time() + 2.0  # room for the processes to start and connect
         load = WriterLoad(rate / processes, seconds, writers, per_tx, keys, start_at)
         outs = [tmp / f"commits-{i}.json" for i in range(processes)]
-        procs = [ctx.Process(target=writer_main, args=(db_url, load, str(out))) for out in outs]
         try:
-            for proc in procs:
-                proc.start()
-            for proc in procs:
-                # The writers stop on their own after --seconds (or as soon as they can after
-                # it, when they trail the rate): three times that is a bound, not a pace.
-                await asyncio.to_thread(proc.join, seconds * 3 + 60)
-                if proc.exitcode != 0:
-                    raise RuntimeError(f"the load generator failed (exit code {proc.exitcode})")
-            commits = read_commits(outs)
+            commits = await write_load(db_url, load, outs, RuntimeError)
             deadline = time.monotonic() + 30
             while sink.acked < len(commits) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            # An idle relay should cost next to nothing: measure its CPU for a while.
-            cpu0, wall0 = time.process_time(), time.monotonic()
-            await asyncio.sleep(idle_seconds)
-            idle_cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+            idle_cpu = await _idle_cpu(idle_seconds)
         finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
             relay.stop()
             await task
         report = _report(
@@ -234,6 +239,22 @@ async def steady(
     if held is not None:
         report.update(held.figures())
     return report
+
+
+async def _create_business_table(db_url: str) -> None:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        await conn.execute(BUSINESS)
+    finally:
+        await conn.close()
+
+
+async def _idle_cpu(seconds: float) -> float:
+    """The share of a CPU the relay takes for ``seconds`` with nothing to do: an idle relay
+    should cost next to nothing."""
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    await asyncio.sleep(seconds)
+    return (time.process_time() - cpu0) / (time.monotonic() - wall0)
 
 
 @dataclass
@@ -253,6 +274,50 @@ class _Span:
         }
 
 
+@dataclass
+class _Acks:
+    """The commit-to-ack latencies of a run: overall, per window of commit time (with the
+    events committed in each), and in the first and the last minute."""
+
+    overall: Latencies
+    committed: dict[int, int]  # window -> events committed in it
+    windows: dict[int, Latencies]
+    first: _Span | None
+    last: _Span | None
+
+
+def _acks(sink: TimingSink, commits: Commits, window: float, warmup: float) -> _Acks:
+    acks = _Acks(Latencies(), {}, {}, None, None)
+    if not len(commits):
+        return acks
+    t0, length = min(commits.times), max(commits.times) - min(commits.times)
+    # The first minute after the warm-up, and the last minute of the run (not reaching
+    # back into the warm-up): they overlap in runs shorter than warm-up + two minutes.
+    if length > warmup:
+        acks.first = _Span(warmup, min(warmup + MINUTE, length), Latencies())
+        # Up to and including the last commit.
+        acks.last = _Span(
+            max(warmup, length - MINUTE), math.nextafter(length, math.inf), Latencies()
+        )
+    spans = (acks.first, acks.last)
+    base = min(commits.ids)
+    acked_at = sink.ack_times(base, max(commits.ids) - base + 1)
+    for i, t in zip(commits.ids, commits.times, strict=True):
+        at = t - t0
+        w = int(at // window)
+        acks.committed[w] = acks.committed.get(w, 0) + 1
+        acked = acked_at[i - base]
+        if math.isnan(acked):
+            continue
+        ms = (acked - t) * 1000
+        acks.overall.add(ms)
+        acks.windows.setdefault(w, Latencies()).add(ms)
+        for span in spans:
+            if span is not None and span.start <= at < span.end:
+                span.latencies.add(ms)
+    return acks
+
+
 def _report(
     sink: TimingSink,
     commits: Commits,
@@ -264,35 +329,7 @@ def _report(
     window: float = 15.0,
     warmup: float = 15.0,
 ) -> dict[str, Any]:
-    overall = Latencies()
-    committed: dict[int, int] = {}  # window -> events committed in it
-    windows: dict[int, Latencies] = {}
-    first = last = None
-    if len(commits):
-        t0, length = min(commits.times), max(commits.times) - min(commits.times)
-        # The first minute after the warm-up, and the last minute of the run (not reaching
-        # back into the warm-up): they overlap in runs shorter than warm-up + two minutes.
-        if length > warmup:
-            first = _Span(warmup, min(warmup + MINUTE, length), Latencies())
-            # Up to and including the last commit.
-            last = _Span(
-                max(warmup, length - MINUTE), math.nextafter(length, math.inf), Latencies()
-            )
-        base = min(commits.ids)
-        acks = sink.ack_times(base, max(commits.ids) - base + 1)
-        for i, t in zip(commits.ids, commits.times, strict=True):
-            at = t - t0
-            w = int(at // window)
-            committed[w] = committed.get(w, 0) + 1
-            acked = acks[i - base]
-            if math.isnan(acked):
-                continue
-            ms = (acked - t) * 1000
-            overall.add(ms)
-            windows.setdefault(w, Latencies()).add(ms)
-            for span in (first, last):
-                if span is not None and span.start <= at < span.end:
-                    span.latencies.add(ms)
+    acks = _acks(sink, commits, window, warmup)
     achieved = len(commits) / commits.elapsed if commits.elapsed else 0.0
     report: dict[str, Any] = {
         "offered_per_s": rate,
@@ -301,28 +338,17 @@ def _report(
         "events_per_tx": per_tx,
         "writer_processes": processes,
         "events": len(commits),
-        "acked": overall.count,
+        "acked": acks.overall.count,
     }
     rows: list[dict[str, Any]] = []
-    for w in range(max(committed, default=-1) + 1):
-        row: dict[str, Any] = {"from_s": _seconds(w * window), "events": committed.get(w, 0)}
+    for w in range(max(acks.committed, default=-1) + 1):
+        row: dict[str, Any] = {"from_s": _seconds(w * window), "events": acks.committed.get(w, 0)}
         if report["rate_reached"]:
-            row.update(windows.get(w, Latencies()).figures(50, 99))
+            row.update(acks.windows.get(w, Latencies()).figures(50, 99))
         rows.append(row)
     if report["rate_reached"]:
-        report.update(overall.figures(50, 95, 99))
-        if first is not None and last is not None:
-            f, last_ = first.figures(), last.figures()
-            report.update(
-                first_minute=f,
-                last_minute=last_,
-                last_minute_p50_ratio=_ratio(last_["p50_ms"], f["p50_ms"]),
-                last_minute_p99_ratio=_ratio(last_["p99_ms"], f["p99_ms"]),
-            )
-        else:
-            report["first_minute"] = (
-                f"not reported: the run is not longer than --warmup {warmup:g} s"
-            )
+        report.update(acks.overall.figures(50, 95, 99))
+        report.update(_minutes(acks, warmup))
     else:
         # Latencies of a lower rate than the one named would be read as the named rate's.
         report["latency"] = (
@@ -333,6 +359,19 @@ def _report(
     report["window_s"] = window
     report["windows"] = rows
     return report
+
+
+def _minutes(acks: _Acks, warmup: float) -> dict[str, Any]:
+    """The first minute after the warm-up against the last minute of the run."""
+    if acks.first is None or acks.last is None:
+        return {"first_minute": f"not reported: the run is not longer than --warmup {warmup:g} s"}
+    f, last_ = acks.first.figures(), acks.last.figures()
+    return {
+        "first_minute": f,
+        "last_minute": last_,
+        "last_minute_p50_ratio": _ratio(last_["p50_ms"], f["p50_ms"]),
+        "last_minute_p99_ratio": _ratio(last_["p99_ms"], f["p99_ms"]),
+    }
 
 
 def _seconds(s: float) -> float | int:

@@ -1,0 +1,56 @@
+"""The relay's connections: its pool, and the connection an ordered destination's owner holds
+apart from it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import asyncpg
+
+from relay.db.session import SESSION_SETTINGS
+
+
+async def _no_reset(conn: asyncpg.Connection) -> None:
+    """The relay never changes session state on pooled connections (no SET, no LISTEN, only
+    transaction-scoped advisory locks), so skip asyncpg's reset round trip on every release."""
+
+
+async def dedicated(pool: asyncpg.Pool) -> asyncpg.Connection:
+    """A connection like the pool's (its server, settings and statement timeout) outside it:
+    one held for as long as the relay owns ordered destinations must not hold up the pool's
+    close, nor take one of its connections for good."""
+    args: tuple[Any, ...] = pool._connect_args
+    kwargs: dict[str, Any] = dict(pool._connect_kwargs)
+    # A client gone without a word (a network cut, a frozen host) must not keep its session
+    # lock until the kernel's keepalives give up (two hours by default): the stand-bys could
+    # not take over. The server probes an idle connection after 10 s, and ends it after 3
+    # unanswered probes 5 s apart.
+    kwargs["server_settings"] = {
+        **kwargs.get("server_settings", {}),
+        "tcp_keepalives_idle": "10",
+        "tcp_keepalives_interval": "5",
+        "tcp_keepalives_count": "3",
+    }
+    return await asyncpg.connect(*args, **kwargs)
+
+
+async def create_pool(
+    dsn: str, relay_id: str, size: int, command_timeout: float | None = None
+) -> asyncpg.Pool:
+    """The relay's pool. ``command_timeout`` bounds every statement, so a connection that
+    hangs (a partition, a frozen server) fails its statement instead of the task waiting on
+    it for ever; the connection is then discarded."""
+    return await asyncpg.create_pool(
+        dsn,
+        min_size=1,
+        max_size=size,
+        command_timeout=command_timeout,
+        reset=_no_reset,
+        server_settings={
+            "application_name": f"outbox-relay:{relay_id}"[:63],
+            # A plan cached while the table was empty turns into a seq scan + sort once it
+            # fills up; plan every claim against current statistics instead.
+            "plan_cache_mode": "force_custom_plan",
+            **SESSION_SETTINGS,
+        },
+    )

@@ -1,0 +1,322 @@
+"""One fan-out run's load on a started relay, and what it measured: the relay's statements
+timed, the CPU of its database connections, every delivery accounted for."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+import click
+
+from outbox.dburl import to_asyncpg_dsn
+from relay.app import Relay
+from relay.sinks.endpoints.sink import EndpointsSink
+from relay.tools.bench.common import DESTINATION, percentile, rss_mb
+from relay.tools.bench.fanout_setup import add_events
+from relay.tools.bench.fanout_sql import (
+    FANNED_OUT,
+    HEALTHY_DELIVERED,
+    LAST_HEALTHY,
+    RECORDED_LATENCY,
+    RELAY_BACKENDS,
+)
+from relay.tools.bench.receiver import LocalReceiver, LocalReceivers
+from relay.tools.bench.steady import (
+    BUSINESS,
+    REACHED,
+    WriterLoad,
+    load_shape,
+    write_load,
+)
+
+KEPT_UP = 1.0  # seconds after the last commit by which a relay keeping up has delivered all
+
+
+class StatementTimer:
+    """Times the endpoints sink's FAN_OUT and DELIVERY_CLAIM calls in the running relay (wall
+    time: round trip, database, this event loop) and counts the deliveries of each."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self.rows: Counter[str] = Counter()
+
+    def attach(self, relay: Relay) -> None:
+        sink = relay.sinks[DESTINATION]
+        store = sink.deliveries if isinstance(sink, EndpointsSink) else None
+        if store is None:
+            raise click.ClickException("the endpoints sink has no delivery store to time")
+        self._wrap(store, "fan_out", lambda r: sum(r.values()))
+        self._wrap(store, "claim", lambda r: len(r[0]))
+
+    def _wrap(self, store: Any, name: str, rows: Callable[[Any], int]) -> None:
+        inner = getattr(store, name)
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                result = await inner(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - started
+                self.calls[name] += 1
+            self.rows[name] += rows(result)
+            return result
+
+        setattr(store, name, timed)
+
+    def figures(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, label in (("fan_out", "fan_out"), ("claim", "delivery_claim")):
+            rows = max(self.rows[name], 1)
+            out[f"{label}_statements"] = self.calls[name]
+            out[f"{label}_us_per_delivery"] = round(self.seconds[name] / rows * 1e6, 1)
+        out["deliveries_per_claim"] = round(self.rows["claim"] / max(self.calls["claim"], 1), 2)
+        return out
+
+
+class BackendCpu:
+    """CPU used by the relay's PostgreSQL connections (their server processes), read from
+    /proc: only when the server is on this machine."""
+
+    def __init__(self, db_url: str) -> None:
+        host = urlsplit(to_asyncpg_dsn(db_url)).hostname or ""
+        self.local = host in ("", "127.0.0.1", "localhost", "::1") and os.path.isdir("/proc/1")
+        self.start: dict[int, float] = {}
+
+    async def _sample(self, conn: asyncpg.Connection) -> dict[int, float]:
+        if not self.local:
+            return {}
+        pids = [r[0] for r in await conn.fetch(RELAY_BACKENDS)]
+        cpu = {p: LocalReceiver("", p).cpu_seconds() for p in pids}
+        return {p: c for p, c in cpu.items() if c == c}  # NaN: gone, or not readable
+
+    async def begin(self, conn: asyncpg.Connection) -> None:
+        self.start = await self._sample(conn)
+
+    async def seconds(self, conn: asyncpg.Connection) -> float | None:
+        if not self.local:
+            return None
+        now = await self._sample(conn)
+        return sum(c - self.start.get(p, 0.0) for p, c in now.items())
+
+
+async def _wait_for(
+    what: Callable[[], Any], deadline: float, task: asyncio.Task[int], interval: float = 0.02
+) -> bool:
+    while True:
+        done = what()
+        if asyncio.iscoroutine(done):
+            done = await done
+        if done:
+            return True
+        if time.monotonic() > deadline or task.done():
+            return False
+        await asyncio.sleep(interval)
+
+
+async def _healthy_delivered(conn: asyncpg.Connection, ids: list[int]) -> int:
+    return int(await conn.fetchval(HEALTHY_DELIVERED, ids))
+
+
+async def account(
+    conn: asyncpg.Connection,
+    *,
+    healthy_ids: list[int],
+    matching: int,
+    received: list[tuple[int, int, float]],
+    healthy_ports: int,
+    backlog: int = 0,
+) -> dict[str, Any]:
+    """Every delivery accounted for: the rows there are, against those there should be."""
+    events = int(await conn.fetchval("SELECT count(*) FROM outbox"))
+    expected = events * matching + backlog
+    by_status = {
+        r[0]: int(r[1])
+        for r in await conn.fetch("SELECT status, count(*) FROM outbox_deliveries GROUP BY 1")
+    }
+    deliveries = sum(by_status.values())
+    healthy_delivered = await _healthy_delivered(conn, healthy_ids)
+    attempts = int(await conn.fetchval("SELECT count(*) FROM outbox_attempts"))
+    healthy_requests = [(i, e) for i, e, _ in received if i < healthy_ports]
+    unique = len(set(healthy_requests))
+    expected_healthy = events * len(healthy_ids)
+    return {
+        "events": events,
+        "endpoints_matching": matching,
+        "deliveries": deliveries,
+        "deliveries_expected": expected,
+        **{f"deliveries_{s}": by_status.get(s, 0) for s in ("delivered", "pending", "running")},
+        **{f"deliveries_{s}": by_status.get(s, 0) for s in ("failed", "cancelled")},
+        "healthy_delivered": healthy_delivered,
+        "healthy_expected": expected_healthy,
+        "healthy_received": unique,
+        "healthy_received_twice": len(healthy_requests) - unique,
+        "attempts_logged": attempts,
+        "accounted": deliveries == expected
+        and healthy_delivered == expected_healthy
+        and unique == expected_healthy,
+    }
+
+
+def _ms(values: Sequence[float], p: float) -> float:
+    return round(percentile(values, p), 2)
+
+
+class Load:
+    """One run's load on a started relay, and what it measured."""
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        db_url: str,
+        receivers: LocalReceivers,
+        healthy_ids: list[int],
+        max_seconds: float,
+    ) -> None:
+        self.conn = conn
+        self.receivers = receivers
+        self.healthy_ids = healthy_ids
+        self.max_seconds = max_seconds
+        self.timer = StatementTimer()
+        self.backends = BackendCpu(db_url)
+        self.commits: dict[int, float] | None = None
+        self.load_seconds: float | None = None
+        self.figures: dict[str, Any] = {}
+        self.started = 0.0
+        self.complete = False
+
+    async def begin(self, relay: Relay, task: asyncio.Task[int]) -> None:
+        self.relay, self.task = relay, task
+        self.timer.attach(relay)
+        self.statements0 = Counter(relay.store.statements)
+        await self.backends.begin(self.conn)
+        self.cpu0, self.receiver0 = time.process_time(), self.receivers.cpu_seconds()
+
+    async def end(self) -> None:
+        self.relay_cpu = time.process_time() - self.cpu0
+        self.receiver_cpu = self.receivers.cpu_seconds() - self.receiver0
+        self.pg_cpu = await self.backends.seconds(self.conn)
+        self.statements = Counter(self.relay.store.statements)
+        self.statements.subtract(self.statements0)
+        dispatcher = getattr(self.relay.sinks[DESTINATION], "dispatcher", None)
+        self.lost = dispatcher.stats["lost"] if dispatcher is not None else None
+
+    async def until_delivered(self, expected: int) -> None:
+        """Until the receivers have had ``expected`` healthy requests and the table says
+        they are delivered (or --max-seconds)."""
+        healthy = len(self.healthy_ids)
+        counts = self.receivers.counts
+        deadline = time.monotonic() + self.max_seconds
+        got = await _wait_for(
+            lambda: sum(counts[i] for i in range(healthy)) >= expected, deadline, self.task
+        )
+
+        async def recorded() -> bool:
+            return await _healthy_delivered(self.conn, self.healthy_ids) >= expected
+
+        self.complete = got and await _wait_for(recorded, deadline, self.task, interval=0.1)
+
+    async def drain(self, events: int) -> None:
+        """``events`` committed at once (one statement); until every healthy delivery is
+        recorded."""
+        await add_events(self.conn, events)
+        self.started = time.time()
+        self.relay.wake()
+        await self.until_delivered(events * len(self.healthy_ids))
+
+    async def steady(
+        self, db_url: str, rate: float, seconds: float, writers: int, tmp: Path
+    ) -> None:
+        """Events at ``rate`` from writer processes (steady.py's); until every healthy
+        delivery is recorded."""
+        per_tx, processes = load_shape(rate, None, None)
+        await self.conn.execute(BUSINESS)
+        self.started = time.time() + 2.0  # room for the processes to start and connect
+        outs = [tmp / f"commits-{time.monotonic_ns()}-{i}.json" for i in range(processes)]
+        load = WriterLoad(rate / processes, seconds, writers, per_tx, 1000, self.started)
+        commits = await write_load(db_url, load, outs, click.ClickException)
+        # At most MAX_EVENTS: a dict is small enough.
+        self.commits, elapsed = dict(zip(commits.ids, commits.times, strict=True)), commits.elapsed
+        achieved = len(self.commits) / elapsed if elapsed else 0.0
+        self.load_seconds = elapsed
+        self.figures = {
+            "offered_per_s": rate,
+            "achieved_per_s": round(achieved, 1),
+            "rate_reached": achieved >= rate * REACHED,
+            "events_per_tx": per_tx,
+        }
+        await self.until_delivered(len(self.commits) * len(self.healthy_ids))
+
+    async def report(
+        self,
+        received: list[tuple[int, int, float]],
+        matching: int,
+        *,
+        latency: bool,
+        backlog: int = 0,
+    ) -> dict[str, Any]:
+        conn, healthy = self.conn, len(self.healthy_ids)
+        acc = await account(
+            conn,
+            healthy_ids=self.healthy_ids,
+            matching=matching,
+            received=received,
+            healthy_ports=healthy,
+            backlog=backlog,
+        )
+        fan = await conn.fetchrow(FANNED_OUT)
+        last = await conn.fetchval(LAST_HEALTHY, self.healthy_ids)
+        delivered = acc["healthy_delivered"]
+        window = (last - self.started) if last else float("nan")
+        fan_window = (fan["last"] - self.started) if fan["last"] else float("nan")
+        out: dict[str, Any] = {**self.figures, "complete": self.complete}
+        out["seconds"] = round(window, 3)
+        if self.load_seconds is not None:
+            # Deliveries still arriving long after the last commit: the relay fell behind, and
+            # the latencies below are mostly the backlog's.
+            tail = window - self.load_seconds
+            out["tail_after_last_commit_s"] = round(tail, 3)
+            out["kept_up"] = tail <= KEPT_UP
+        out["events_fanned_out_per_s"] = round(fan["fanned_out"] / fan_window, 1)
+        out["healthy_deliveries_per_s"] = round(delivered / window, 1)
+        out["fan_out_p50_ms"] = round((fan["p50"] or float("nan")) * 1000, 2)
+        out["fan_out_p99_ms"] = round((fan["p99"] or float("nan")) * 1000, 2)
+        if latency and self.commits is not None:
+            first: dict[tuple[int, int], float] = {}
+            for i, e, t in received:
+                if i < healthy and (i, e) not in first:
+                    first[(i, e)] = t
+            lat = [(t - self.commits[e]) * 1000 for (_, e), t in first.items() if e in self.commits]
+            out["p50_ms"] = _ms(lat, 50)
+            out["p95_ms"] = _ms(lat, 95)
+            out["p99_ms"] = _ms(lat, 99)
+            out["max_ms"] = round(max(lat, default=float("nan")), 2)
+            recorded = [r[0] for r in await conn.fetch(RECORDED_LATENCY, self.healthy_ids)]
+            out["recorded_p50_ms"] = _ms(recorded, 50)
+            out["recorded_p99_ms"] = _ms(recorded, 99)
+        out.update(self.costs(delivered))
+        out.update(acc)
+        out["deliveries_lost"] = self.lost
+        return out
+
+    def costs(self, delivered: int) -> dict[str, Any]:
+        per = max(delivered, 1)
+        out: dict[str, Any] = {
+            "relay_cpu_us_per_delivery": round(self.relay_cpu / per * 1e6, 1),
+            "receiver_cpu_us_per_delivery": round(self.receiver_cpu / per * 1e6, 1),
+        }
+        if self.pg_cpu is not None:
+            out["pg_cpu_us_per_delivery"] = round(self.pg_cpu / per * 1e6, 1)
+        out.update(self.timer.figures())
+        out["delivery_record_statements"] = self.statements["delivery_record"]
+        # Every statement of the relay's hot paths, the outbox's own claim and record too.
+        out["sql_statements_per_delivery"] = round(sum(self.statements.values()) / per, 3)
+        out["max_rss_mb"] = round(rss_mb(), 1)
+        return out
