@@ -149,56 +149,94 @@ FRESH_BELOW = f"""
 SELECT min(id) FROM {{table}} WHERE destination = $1 AND {_FRESH} AND id <= $2
 """
 
-# All outcomes of a batch in one statement. Only rows this relay still holds under the claim
-# that produced the outcome are touched ($2: each row's fencing token, the `claims` value its
-# claim returned): if the lease expired and the row was claimed again, by another relay or by
-# this one, the newer claim's outcome wins. Returns the (id, token) pairs it recorded.
-RECORD = """
-UPDATE {table} AS o
-SET status = u.status,
+
+def _held(row: str, pairs: str, relay: str) -> str:
+    """The fence of every outcome, heartbeat and release: row ``row`` matched to its (id, token)
+    pair in ``pairs``, still running under this relay (``relay``) and that very claim."""
+    return (
+        f"{row}.id = {pairs}.id AND {row}.claims = {pairs}.token AND {row}.status = 'running' "
+        f"AND {row}.locked_by = {relay}"
+    )
+
+
+def _outcome_set(claims: str) -> str:
+    """RECORD's SET list, but for its ``claims`` line (with what it says of it)."""
+    return f"""status = u.status,
     attempts = o.attempts + u.counted,
     run_after = CASE WHEN u.status = 'pending'
                      THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
     last_error = COALESCE(u.error, o.last_error),
     delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
     finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
-    -- Unchanged (the WHERE demands it), and written so that a trigger auditing the table can
+    {claims}
+    locked_by = NULL,
+    locked_until = NULL"""
+
+
+def _delivered_set(extra: str = "") -> str:
+    """RECORD_DELIVERED's SET list; ``extra``: lines to add before its ``claims`` line."""
+    return f"""status = 'delivered',
+    attempts = o.attempts + 1,
+    delivered_at = now(),
+    finished_at = now(),
+    {extra}claims = u.token,  -- unchanged; see RECORD
+    locked_by = NULL,
+    locked_until = NULL"""
+
+
+def _indented(text: str) -> str:
+    """``text`` four more spaces in, but for its first line (it follows a keyword)."""
+    return text.replace("\n", "\n    ")
+
+
+# The outcomes and their text, as RECORD writes them: every outcome, $1-$6.
+_OUTCOMES = """unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[], $6::text[])
+     AS u(id, token, status, counted, delay, error)"""
+
+# RECORD's claims line: it says why it is there.
+_RECORD_CLAIMS = """\
+-- Unchanged (the WHERE demands it), and written so that a trigger auditing the table can
     -- tell which claim an outcome belongs to (the fault suite counts outcomes recorded over a
     -- newer claim that way).
-    claims = u.token,
-    locked_by = NULL,
-    locked_until = NULL
-FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[], $6::text[])
-     AS u(id, token, status, counted, delay, error)
-WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
+    claims = u.token,"""
+
+# All outcomes of a batch in one statement. Only rows this relay still holds under the claim
+# that produced the outcome are touched ($2: each row's fencing token, the `claims` value its
+# claim returned): if the lease expired and the row was claimed again, by another relay or by
+# this one, the newer claim's outcome wins. Returns the (id, token) pairs it recorded.
+RECORD = f"""
+UPDATE {{table}} AS o
+SET {_outcome_set(_RECORD_CLAIMS)}
+FROM {_OUTCOMES}
+WHERE {_held("o", "u", "$7")}
 RETURNING o.id, o.claims
 """
 
 # RECORD for a batch whose outcomes are all plain deliveries (one attempt counted, no error
 # text): most batches. Only the (id, token) pairs travel; encoding the four other arrays of
 # RECORD was an eighth of the relay's CPU per Kafka event. The same fencing as RECORD.
-RECORD_DELIVERED = """
-UPDATE {table} AS o
-SET status = 'delivered',
-    attempts = o.attempts + 1,
-    delivered_at = now(),
-    finished_at = now(),
-    claims = u.token,  -- unchanged; see RECORD
-    locked_by = NULL,
-    locked_until = NULL
+RECORD_DELIVERED = f"""
+UPDATE {{table}} AS o
+SET {_delivered_set()}
 FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
-WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
+WHERE {_held("o", "u", "$3")}
 RETURNING o.id, o.claims
 """
 
+
+def _heartbeat(table: str, row: str) -> str:
+    """HEARTBEAT for ``table`` (its rows called ``row``): the events' or the deliveries'."""
+    return f"""
+UPDATE {table} AS {row} SET locked_until = now() + make_interval(secs => $4)
+FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
+WHERE {_held(row, "u", "$3")}
+RETURNING {row}.id
+"""
+
+
 # Extends the lease of the rows this relay still holds under its claims' tokens; returns their
 # ids. A row missing from the answer was lost (reaped after a stall, and maybe claimed again).
-HEARTBEAT = """
-UPDATE {table} AS o SET locked_until = now() + make_interval(secs => $4)
-FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
-WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
-RETURNING o.id
-"""
+HEARTBEAT = _heartbeat("{table}", "o")
 
 # Of (id, token) pairs a heartbeat could not renew, those recorded as delivered under that very
 # claim: a sink that records in its own statement (the endpoints sink's FAN_OUT) did so before
@@ -209,6 +247,21 @@ SELECT o.id FROM {table} AS o
 JOIN unnest($1::bigint[], $2::int[]) AS u(id, token) ON o.id = u.id AND o.claims = u.token
 WHERE o.status = 'delivered'
 """
+
+# The attempt limits by destination ($3/$4) of REAP and DELIVERY_REAP.
+_LIMITS = """limits AS (
+    SELECT * FROM unnest($3::text[], $4::int[]) AS l(destination, max_attempts)
+)"""
+
+
+def _reaped(row: str) -> str:
+    """What REAP and DELIVERY_REAP set on a row (``row``) whose lease expired: an attempt
+    counted (the request may have been sent), due at once, and why."""
+    return f"""attempts = {row}.attempts + 1,
+    run_after = now(),
+    last_error = 'lease expired: relay ' || coalesce({row}.locked_by, '?')
+                 || ' stopped before recording an outcome',"""
+
 
 # Rows whose relay stopped heartbeating go back to pending (or to failed once they have used
 # every attempt: a row that crashes its relay each time must not loop for ever). $3/$4 give
@@ -236,18 +289,13 @@ WITH expired AS (
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
-limits AS (
-    SELECT * FROM unnest($3::text[], $4::int[]) AS l(destination, max_attempts)
-)
+{limits}
 UPDATE {table} AS o
 SET status = CASE WHEN o.attempts + 1 >= coalesce(
                       (SELECT l.max_attempts FROM limits AS l WHERE l.destination = o.destination),
                       $1)
                   THEN 'failed' ELSE 'pending' END,
-    attempts = o.attempts + 1,
-    run_after = now(),
-    last_error = 'lease expired: relay ' || coalesce(o.locked_by, '?')
-                 || ' stopped before recording an outcome',
+    {reaped}
     finished_at = CASE WHEN o.attempts + 1 >= coalesce(
                       (SELECT l.max_attempts FROM limits AS l WHERE l.destination = o.destination),
                       $1)
@@ -257,7 +305,7 @@ SET status = CASE WHEN o.attempts + 1 >= coalesce(
 FROM expired
 WHERE o.id = expired.id
 RETURNING o.id, o.status, o.destination
-"""
+""".replace("{limits}", _LIMITS).replace("{reaped}", _reaped("o"))
 
 # Rows whose lease expired, for reaping them one at a time when the database refuses to reap
 # them together (a trigger that refuses one row must not keep every dead relay's rows).
@@ -268,14 +316,20 @@ ORDER BY locked_until
 LIMIT $1
 """
 
+
 # On clean shutdown: rows claimed but not attempted go back untouched (no attempt counted),
 # if this relay still holds them under the same claim.
-RELEASE = """
-UPDATE {table} AS o
+def _release(table: str, row: str) -> str:
+    """RELEASE for ``table`` (its rows called ``row``): the events' or the deliveries'."""
+    return f"""
+UPDATE {table} AS {row}
 SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
 FROM unnest($2::bigint[], $3::int[]) AS u(id, token)
-WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $1
+WHERE {_held(row, "u", "$1")}
 """
+
+
+RELEASE = _release("{table}", "o")
 
 # Pending rows of destinations that neither this relay ($1) nor any relay seen in the last $2
 # seconds serves (see the relay registry): nobody will deliver them until a config changes.
@@ -332,13 +386,36 @@ _OPEN_DELIVERY = """(SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))"""
 
+
+def _record_deleting(pairs: str, relay: str, set_list: str, outcomes: str, kept: str) -> str:
+    """A statement that records outcomes with retention = 0: it deletes the rows of
+    ``pairs`` (the delivered ones' (id, token) arrays) that no open delivery needs and updates
+    the rest with ``set_list`` from ``outcomes`` where ``kept``; ``relay``: this relay."""
+    return f"""
+WITH gone AS (
+    DELETE FROM {{table}} AS o
+    USING unnest({pairs}) AS g(id, token)
+    WHERE {_held("o", "g", relay)}
+      AND NOT {_OPEN_DELIVERY}
+    RETURNING o.id, o.claims
+),
+kept AS (
+    UPDATE {{table}} AS o
+    SET {_indented(set_list)}
+    FROM {_indented(outcomes)}
+    WHERE {kept}
+    RETURNING o.id, o.claims
+)
+SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
+"""
+
+
 # With retention = 0: delivered rows are deleted by the statement that records them, the rest
 # updated as in RECORD. An event fanned out to endpoints whose deliveries are still open is
 # kept (recorded as delivered, like a row of RECORD): the deliveries read its payload, and
 # retention deletes it once they have ended. Still one statement; the two parts touch
-# disjoint rows (their EXISTS tests read one snapshot). Its UPDATE repeats RECORD's SET list,
-# spelled out rather than pasted together so that each statement reads whole: change both
-# together.
+# disjoint rows (their EXISTS tests read one snapshot). Its UPDATE sets what RECORD sets
+# (_outcome_set): the two cannot drift apart.
 #
 # $1-$6 are every outcome, as for RECORD; $8/$9 the (id, token) pairs of the delivered ones
 # again. Each part reads its pairs straight from unnest, as RECORD does: the planner then
@@ -346,73 +423,25 @@ _OPEN_DELIVERY = """(SELECT EXISTS (
 # to it like two or three rows, and beside the running rows that statistics taken while rows
 # were pending put at one, it chose to loop over the batch once per running row: 80-160 ms
 # for 500 outcomes instead of 5 (tests/test_batch_plans.py).
-RECORD_DELETING = (
-    """
-WITH gone AS (
-    DELETE FROM {table} AS o
-    USING unnest($8::bigint[], $9::int[]) AS g(id, token)
-    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = $7
-      AND NOT """
-    + _OPEN_DELIVERY
-    + """
-    RETURNING o.id, o.claims
-),
-kept AS (
-    UPDATE {table} AS o
-    SET status = u.status,
-        attempts = o.attempts + u.counted,
-        run_after = CASE WHEN u.status = 'pending'
-                         THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
-        last_error = COALESCE(u.error, o.last_error),
-        delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
-        finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
-        claims = u.token,  -- unchanged; see RECORD
-        locked_by = NULL,
-        locked_until = NULL
-    FROM unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[], $6::text[])
-         AS u(id, token, status, counted, delay, error)
-    WHERE o.id = u.id
+RECORD_DELETING = _record_deleting(
+    "$8::bigint[], $9::int[]",
+    "$7",
+    _outcome_set("claims = u.token,  -- unchanged; see RECORD"),
+    _OUTCOMES,
+    f"""o.id = u.id
       AND (u.status <> 'delivered'
-           OR """
-    + _OPEN_DELIVERY
-    + """)
-      AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7
-    RETURNING o.id, o.claims
-)
-SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
-"""
+           OR {_OPEN_DELIVERY})
+      AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $7""",
 )
 
 # RECORD_DELIVERED with retention = 0: RECORD_DELETING for a batch of plain deliveries.
-RECORD_DELIVERED_DELETING = (
-    """
-WITH gone AS (
-    DELETE FROM {table} AS o
-    USING unnest($1::bigint[], $2::int[]) AS g(id, token)
-    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = $3
-      AND NOT """
-    + _OPEN_DELIVERY
-    + """
-    RETURNING o.id, o.claims
-),
-kept AS (
-    UPDATE {table} AS o
-    SET status = 'delivered',
-        attempts = o.attempts + 1,
-        delivered_at = now(),
-        finished_at = now(),
-        claims = u.token,  -- unchanged; see RECORD
-        locked_by = NULL,
-        locked_until = NULL
-    FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
-    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
-      AND """
-    + _OPEN_DELIVERY
-    + """
-    RETURNING o.id, o.claims
-)
-SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
-"""
+RECORD_DELIVERED_DELETING = _record_deleting(
+    "$1::bigint[], $2::int[]",
+    "$3",
+    _delivered_set(),
+    "unnest($1::bigint[], $2::int[]) AS u(id, token)",
+    f"""{_held("o", "u", "$3")}
+      AND {_OPEN_DELIVERY}""",
 )
 
 PAUSED_TABLE = "outbox_paused"
@@ -717,6 +746,7 @@ extract(epoch FROM pg_postmaster_start_time())::float8,
 ARRAY(SELECT DISTINCT vxid || '/' || v FROM mine)
 """
 
+
 # The ordered claim, one statement per ordered destination ($1). It walks the destination's keys
 # that have waiting rows in key order with a loose index scan (a recursive CTE that jumps from key
 # to key on outbox_key_idx), at most $5 keys, as one part of a round: from after the cursor $7
@@ -742,35 +772,64 @@ ARRAY(SELECT DISTINCT vxid || '/' || v FROM mine)
 # and a dead one behind: about a third of the database's work on a drain), so the keys in
 # flight are read once per claim from the destination's running rows (outbox_lease_idx: at
 # most the relays' in-flight rows) and the walk passes them over.
-CLAIM_ORDERED = """
+def _walk_step(wrapped: str, where: str) -> str:
+    """One branch of CLAIM_ORDERED's walk: the lowest waiting row (pending or failed) of the
+    first key ``where`` allows, with whether the walk has wrapped round (``wrapped``)."""
+    return f"""(SELECT o.key, o.id, o.status, o.run_after, {wrapped} FROM {{table}} AS o
+         WHERE {where}
+           AND o.status IN ('pending', 'failed')
+         ORDER BY o.key, o.id
+         LIMIT 1)"""
+
+
+# The walk's first step: the round's first key after the cursor, or the first key.
+_FIRST_KEY = "\n        UNION ALL\n        ".join(
+    (
+        _walk_step(
+            "false AS wrapped",
+            """($9::text IS NULL OR $9::text <= $7::text)
+           AND o.destination = $1 AND o.key > $7::text""",
+        ),
+        _walk_step(
+            "false",
+            """$9::text > $7::text
+           AND o.destination = $1 AND o.key > $7::text AND o.key <= $9::text""",
+        ),
+        _walk_step("false", "$7::text IS NULL AND o.destination = $1 AND o.key IS NOT NULL"),
+        _walk_step("true", "$9::text <= $7::text AND o.destination = $1 AND o.key <= $9::text"),
+    )
+)
+
+# Each further step: the round's next key after k.key.
+_NEXT_KEY = "\n        UNION ALL\n        ".join(
+    (
+        _walk_step(
+            "false AS wrapped",
+            """NOT k.wrapped AND ($9::text IS NULL OR $9::text <= $7::text)
+           AND o.destination = $1 AND o.key > k.key""",
+        ),
+        _walk_step(
+            "false",
+            """NOT k.wrapped AND $9::text > $7::text
+           AND o.destination = $1 AND o.key > k.key AND o.key <= $9::text""",
+        ),
+        _walk_step(
+            "true",
+            """NOT k.wrapped AND $9::text <= $7::text
+           AND o.destination = $1 AND o.key <= $9::text""",
+        ),
+        _walk_step(
+            "true", "k.wrapped AND o.destination = $1 AND o.key > k.key AND o.key <= $9::text"
+        ),
+    )
+)
+
+
+CLAIM_ORDERED = f"""
 WITH RECURSIVE k AS (
     -- The first key of the round after the cursor; with no cursor, the first key.
     (SELECT s.key, s.id, s.status, s.run_after, 1 AS n, s.wrapped FROM (
-        (SELECT o.key, o.id, o.status, o.run_after, false AS wrapped FROM {table} AS o
-         WHERE ($9::text IS NULL OR $9::text <= $7::text)
-           AND o.destination = $1 AND o.key > $7::text
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, false FROM {table} AS o
-         WHERE $9::text > $7::text
-           AND o.destination = $1 AND o.key > $7::text AND o.key <= $9::text
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, false FROM {table} AS o
-         WHERE $7::text IS NULL AND o.destination = $1 AND o.key IS NOT NULL
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE $9::text <= $7::text AND o.destination = $1 AND o.key <= $9::text
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
+        {_FIRST_KEY}
      ) AS s
      LIMIT 1)
     UNION ALL
@@ -780,39 +839,14 @@ WITH RECURSIVE k AS (
     -- the bound.
     SELECT nxt.key, nxt.id, nxt.status, nxt.run_after, k.n + 1, nxt.wrapped
     FROM k CROSS JOIN LATERAL (
-        (SELECT o.key, o.id, o.status, o.run_after, false AS wrapped FROM {table} AS o
-         WHERE NOT k.wrapped AND ($9::text IS NULL OR $9::text <= $7::text)
-           AND o.destination = $1 AND o.key > k.key
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, false FROM {table} AS o
-         WHERE NOT k.wrapped AND $9::text > $7::text
-           AND o.destination = $1 AND o.key > k.key AND o.key <= $9::text
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE NOT k.wrapped AND $9::text <= $7::text
-           AND o.destination = $1 AND o.key <= $9::text
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
-        UNION ALL
-        (SELECT o.key, o.id, o.status, o.run_after, true FROM {table} AS o
-         WHERE k.wrapped AND o.destination = $1 AND o.key > k.key AND o.key <= $9::text
-           AND o.status IN ('pending', 'failed')
-         ORDER BY o.key, o.id
-         LIMIT 1)
+        {_NEXT_KEY}
         LIMIT 1
     ) AS nxt
     WHERE k.n < $5
 ),
 busy AS MATERIALIZED (
     -- Keys with a row in flight, whatever its place in the key.
-    SELECT DISTINCT o.key FROM {table} AS o
+    SELECT DISTINCT o.key FROM {{table}} AS o
     WHERE o.status = 'running' AND o.destination = $1 AND o.key IS NOT NULL
 ),
 heads AS (
@@ -823,7 +857,7 @@ heads AS (
     CROSS JOIN LATERAL (
         SELECT k.id, k.status, k.run_after WHERE NOT ($6::bool AND k.status = 'failed')
         UNION ALL
-        (SELECT o.id, o.status, o.run_after FROM {table} AS o
+        (SELECT o.id, o.status, o.run_after FROM {{table}} AS o
          WHERE $6::bool AND k.status = 'failed'
            AND o.destination = $1 AND o.key = k.key AND o.status = 'pending'
          ORDER BY o.id
@@ -840,7 +874,7 @@ heads AS (
     LIMIT $2
 ),
 unkeyed AS (
-    SELECT o.id FROM {table} AS o
+    SELECT o.id FROM {{table}} AS o
     WHERE o.destination = $1 AND o.status = 'pending' AND o.key IS NULL
       AND o.run_after <= now()
     ORDER BY o.run_after, o.id
@@ -850,14 +884,14 @@ locked AS (
     -- Another relay may have claimed a head since this statement's snapshot: the lock
     -- re-reads the row and the status check drops it. IS TRUE: read by id, never through
     -- a partial index of pending rows (see CLAIM_OWNED).
-    SELECT o.id FROM {table} AS o
+    SELECT o.id FROM {{table}} AS o
     WHERE o.id = ANY(ARRAY(SELECT id FROM heads UNION ALL SELECT id FROM unkeyed))
       AND (o.status = 'pending') IS TRUE
     ORDER BY o.id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
-{mark_running}
+{_mark_running("locked")}
 SELECT * FROM claimed
 UNION ALL
 SELECT -1, NULL, CASE
@@ -867,7 +901,7 @@ SELECT -1, NULL, CASE
                THEN NULLIF((SELECT key FROM k ORDER BY n DESC LIMIT 1), $9::text)
        END,
        NULL, NULL, NULL, 0, NULL, 0, NULL
-""".replace("{mark_running}", _mark_running("locked"))
+"""
 
 # --- An ordered destination's owner (relay/pipeline/ordered.py) -----------------------------
 
@@ -1065,17 +1099,10 @@ counted AS (
 ),
 recorded AS (
     UPDATE {table} AS o
-    SET status = 'delivered',
-        attempts = o.attempts + 1,
-        delivered_at = now(),
-        finished_at = now(),
-        last_error = CASE WHEN c.n IS NULL THEN $4::text ELSE o.last_error END,
-        claims = u.token,  -- unchanged; see RECORD
-        locked_by = NULL,
-        locked_until = NULL
+    SET {recorded}
     FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
     LEFT JOIN counted AS c ON c.event_id = u.id
-    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = $3
+    WHERE {held}
     RETURNING o.id, coalesce(c.n, 0) AS endpoints
 ),
 added AS (
@@ -1087,7 +1114,14 @@ added AS (
     RETURNING 1
 )
 SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
-"""
+""".replace(
+    "{recorded}",
+    _indented(
+        _delivered_set(
+            "last_error = CASE WHEN c.n IS NULL THEN $4::text ELSE o.last_error END,\n    "
+        )
+    ),
+).replace("{held}", _held("o", "u", "$3"))
 
 # The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 # the cursor $7 (NULL: from the first), at most $6 of them, with a loose index scan of the
@@ -1269,19 +1303,9 @@ logged AS (
 SELECT id, claims FROM done
 """
 
-DELIVERY_HEARTBEAT = """
-UPDATE {deliveries} AS d SET locked_until = now() + make_interval(secs => $4)
-FROM unnest($1::bigint[], $2::int[]) AS u(id, token)
-WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = $3
-RETURNING d.id
-"""
+DELIVERY_HEARTBEAT = _heartbeat("{deliveries}", "d")
 
-DELIVERY_RELEASE = """
-UPDATE {deliveries} AS d
-SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
-FROM unnest($2::bigint[], $3::int[]) AS u(id, token)
-WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = $1
-"""
+DELIVERY_RELEASE = _release("{deliveries}", "d")
 
 # Deliveries whose relay stopped heartbeating: back to pending, an attempt counted (the request
 # may have been sent), or failed at their destination's attempt limit ($3/$4; $1 otherwise).
@@ -1293,9 +1317,7 @@ WITH expired AS (
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
-limits AS (
-    SELECT * FROM unnest($3::text[], $4::int[]) AS l(destination, max_attempts)
-),
+{limits},
 judged AS (
     SELECT d.id, d.attempts + 1 >= coalesce(
                (SELECT l.max_attempts FROM limits AS l WHERE l.destination = d.destination), $1)
@@ -1304,17 +1326,14 @@ judged AS (
 )
 UPDATE {deliveries} AS d
 SET status = CASE WHEN j.spent THEN 'failed' ELSE 'pending' END,
-    attempts = d.attempts + 1,
-    run_after = now(),
-    last_error = 'lease expired: relay ' || coalesce(d.locked_by, '?')
-                 || ' stopped before recording an outcome',
+    {reaped}
     finished_at = CASE WHEN j.spent THEN now() END,
     locked_by = NULL,
     locked_until = NULL
 FROM judged AS j
 WHERE d.id = j.id
 RETURNING d.id, d.status
-"""
+""".replace("{limits}", _LIMITS).replace("{reaped}", _reaped("d"))
 
 # An endpoint's health after a batch of attempts ($2: whether any succeeded): the first failure
 # after a success starts failing_since, a success clears it. Returns for how long each endpoint
