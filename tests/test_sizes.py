@@ -18,7 +18,6 @@ LONG_MODULES = {
     "relay/cli/ops.py": 1123,
     "relay/ops/admin.py": 1153,
     "relay/ops/queries.py": 631,
-    "relay/db/queries.py": 1375,
     "relay/sinks/endpoints/dispatcher.py": 774,
     "relay/db/store.py": 900,
     "relay/tools/bench/cli.py": 592,
