@@ -48,7 +48,8 @@ class Endpoints(Operations):
         ``allow_private_networks`` (set it as the destination's setting of that name is set);
         the relay checks again at every delivery."""
         new = (destination, url, tenant, event_types, rate_limit, description, secret)
-        return await self._create_on(AsyncRunner(conn), *new, (allow_private_networks, check_dns))
+        reach = (allow_private_networks, check_dns)
+        return await self._create_on(AsyncRunner(conn), new, reach)
 
     async def get(
         self, conn: AsyncTarget, endpoint_id: int, *, show_secret: bool = False
@@ -133,7 +134,8 @@ class Endpoints(Operations):
     ) -> Endpoint:
         """``create`` for a SQLAlchemy ``Session`` or ``Connection``."""
         new = (destination, url, tenant, event_types, rate_limit, description, secret)
-        return finish(self._create_on(SyncRunner(conn), *new, (allow_private_networks, check_dns)))
+        reach = (allow_private_networks, check_dns)
+        return finish(self._create_on(SyncRunner(conn), new, reach))
 
     def get_sync(
         self, conn: SyncTarget, endpoint_id: int, *, show_secret: bool = False

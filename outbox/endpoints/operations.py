@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -82,17 +82,11 @@ class Operations:
     # --- each call, over a runner -------------------------------------------------------------
 
     async def _create_on(
-        self,
-        io: Runner,
-        destination: str,
-        url: str,
-        tenant: str | None,
-        event_types: Iterable[str],
-        rate_limit: int | None,
-        description: str,
-        secret: str | None,
-        reach: tuple[bool, bool],  # allow_private_networks, check_dns
+        self, io: Runner, new: tuple[Any, ...], reach: tuple[bool, bool]
     ) -> Endpoint:
+        """``new``: destination, url, tenant, event_types, rate_limit, description, secret;
+        ``reach``: allow_private_networks, check_dns."""
+        destination, url, tenant, event_types, rate_limit, description, secret = new
         _check_text("destination", destination, MAX_DESTINATION_BYTES)
         fields = checks.fields(
             url=url,
