@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import os
 import secrets as _random
-import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -166,17 +165,11 @@ def downgrade_refused(table: str) -> SecretEncryptionRequired:
 
 def warn_unencrypted(endpoint_id: int, destination: str, table: str) -> None:
     """The warning event of a secret just stored unencrypted."""
-    import structlog
+    from outbox.logs import early_logger
 
     # An application that set up structlog gets the event in its logs; one that did not gets
-    # it on stderr, never mixed into its stdout (the relay's own convention, before it has
-    # set up its logs).
-    log = (
-        structlog.get_logger("outbox")
-        if structlog.is_configured()
-        else structlog.wrap_logger(structlog.PrintLogger(sys.stderr))
-    )
-    log.warning(
+    # it on stderr, never mixed into its stdout.
+    early_logger("outbox").warning(
         "outbox.endpoints.secret_unencrypted",
         endpoint_id=endpoint_id,
         destination=destination,

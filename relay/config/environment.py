@@ -6,13 +6,13 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
 
 from pydantic_settings import EnvSettingsSource
 
 from outbox.endpoint_secrets import KEY_VARIABLE, REQUIRE_VARIABLE
+from outbox.logs import early_logger
 from relay.config.base import ConfigError
 
 # Variables Kubernetes adds for every Service in the namespace: a Service named outbox-relay
@@ -86,16 +86,9 @@ def schema_from_environment(environ: Mapping[str, str] | None = None) -> str | N
 
 
 def _log_deprecation(variable: str, use: str) -> None:
-    import structlog
-
     # The relay reads its configuration before it sets up its logs: until then the event goes
     # to stderr, so that stdout stays the relay's log stream (or `run --check`'s answer).
-    log = (
-        structlog.get_logger("relay")
-        if structlog.is_configured()
-        else structlog.wrap_logger(structlog.PrintLogger(sys.stderr))
-    )
-    log.warning(
+    early_logger("relay").warning(
         "relay.config.deprecated_variable",
         variable=variable,
         use=use,

@@ -1,0 +1,25 @@
+"""How the relay's statements name their tables, and :func:`render_ops`, which fills the names
+in for a schema.
+
+Statements name the outbox table ``{table}``, outbox_paused ``{paused}``, outbox_relays
+``{relays}`` and the endpoint tables ``{endpoints}``, ``{deliveries}``, ``{attempts}``."""
+
+from __future__ import annotations
+
+from outbox.queries import qualified_table, render_endpoints
+
+
+def render_ops(sql: str, schema: str) -> str:
+    """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused), ``{relays}``
+    (outbox_relays), and ``{endpoints}``, ``{deliveries}``, ``{attempts}`` of ``schema``."""
+    return render_endpoints(
+        sql.replace("{table}", qualified_table(schema))
+        .replace("{paused}", qualified_table(schema, PAUSED_TABLE))
+        .replace("{relays}", qualified_table(schema, RELAYS_TABLE)),
+        schema,
+    )
+
+
+PAUSED_TABLE = "outbox_paused"
+
+RELAYS_TABLE = "outbox_relays"
