@@ -18,7 +18,7 @@ from click.testing import CliRunner, Result
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay.cli import main, terminal
-from relay.cli import ops as ops_cli
+from relay.cli.options import EXIT_CONDITION
 from relay.db.queries import render_ops
 from relay.ops import admin, queries
 from tests.support.receiver import Receiver
@@ -801,7 +801,7 @@ def test_status_fails_on_an_enabled_endpoints_old_pending_delivery(db_url: str) 
     for eid in (stuck, paused):
         delivery(db_url, event(db_url), eid, "pending", attempts=3, age="2 hours")
     result = cli(db_url, "status", "--fail-if-pending-older-than", "1h")
-    assert result.exit_code == ops_cli.EXIT_CONDITION, result.output
+    assert result.exit_code == EXIT_CONDITION, result.output
     assert f"endpoint {stuck}" in result.output and f"endpoint {paused}" not in result.output
     assert cli(db_url, "status", "--fail-if-pending-older-than", "3h").exit_code == 0
 
