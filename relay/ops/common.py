@@ -4,9 +4,10 @@ typed results (``to_json()``: the dict ``--json`` prints, key for key in field o
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -26,6 +27,23 @@ class Result:
     def to_json(self) -> dict[str, Any]:
         """The result as JSON-ready data: what `--json` prints and the console's API serves."""
         return asdict(self)
+
+
+R = TypeVar("R", bound=Result)
+
+
+def from_record(cls: type[R], record: Mapping[str, Any], **computed: Any) -> R:
+    """A ``cls`` whose fields are the record's columns of the same names (timestamps as ISO
+    text), but those ``computed``."""
+    values = {
+        f.name: computed[f.name] if f.name in computed else _value(record[f.name])
+        for f in fields(cls)
+    }
+    return cls(**values)
+
+
+def _value(value: Any) -> Any:
+    return value.isoformat() if isinstance(value, datetime) else value
 
 
 def iso(ts: datetime | None) -> str | None:

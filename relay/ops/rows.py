@@ -11,7 +11,15 @@ import asyncpg
 
 from outbox.status import Status
 from relay.ops import queries
-from relay.ops.common import AdminError, Result, check_tables, has_endpoint_tables, iso, origin, sql
+from relay.ops.common import (
+    AdminError,
+    Result,
+    check_tables,
+    from_record,
+    has_endpoint_tables,
+    origin,
+    sql,
+)
 from relay.ops.text import preview
 
 # --- show -----------------------------------------------------------------------------------
@@ -81,21 +89,10 @@ async def show(
     await check_tables(conn, schema)
     rows = await conn.fetch(sql(queries.SHOW, schema), ids, preview_bytes)
     found = [
-        ShownRow(
-            id=r["id"],
-            destination=r["destination"],
-            key=r["key"],
-            status=r["status"],
-            attempts=r["attempts"],
-            last_error=r["last_error"],
-            created_at=iso(r["created_at"]),
-            run_after=iso(r["run_after"]),
-            delivered_at=iso(r["delivered_at"]),
-            locked_by=r["locked_by"],
-            locked_until=iso(r["locked_until"]),
-            content_type=r["content_type"],
+        from_record(
+            ShownRow,
+            r,
             headers=json.loads(r["headers"]),
-            payload_bytes=r["payload_bytes"],
             payload_preview=preview(
                 bytes(r["payload_head"]), r["content_type"], r["payload_bytes"]
             ),
@@ -115,35 +112,12 @@ async def event_deliveries(conn: asyncpg.Connection, schema: str, ids: list[int]
         deliveries = await conn.fetch(sql(queries.SHOW_DELIVERIES, schema), ids)
         attempts = await conn.fetch(sql(queries.SHOW_ATTEMPTS, schema), ids)
     return EventActivity(
-        deliveries=[
-            EventDelivery(
-                id=d["id"],
-                event_id=d["event_id"],
-                endpoint_id=d["endpoint_id"],
-                origin=origin(d["url"]),
-                status=d["status"],
-                attempts=d["attempts"],
-                last_status=d["last_status"],
-                last_error=d["last_error"],
-                run_after=iso(d["run_after"]),
-                locked_by=d["locked_by"],
-                created_at=iso(d["created_at"]),
-                finished_at=iso(d["finished_at"]),
-            )
-            for d in deliveries
-        ],
+        deliveries=[from_record(EventDelivery, d, origin=origin(d["url"])) for d in deliveries],
         attempts=[
-            EventAttempt(
-                id=a["id"],
-                delivery_id=a["delivery_id"],
-                event_id=a["event_id"],
-                endpoint_id=a["endpoint_id"],
-                at=iso(a["at"]),
-                http_status=a["http_status"],
+            from_record(
+                EventAttempt,
+                a,
                 duration_ms=round(a["duration_ms"], 1) if a["duration_ms"] is not None else None,
-                error=a["error"],
-                response=a["response"],
-                replay=a["replay"],
             )
             for a in attempts
         ],
@@ -244,7 +218,10 @@ async def list_rows(
     rows = await conn.fetch(statement, *args)
     more = len(rows) > limit
     rows = rows[:limit]
-    return RowPage(rows=[_listed(r) for r in rows], next_before_id=rows[-1]["id"] if more else None)
+    return RowPage(
+        rows=[from_record(ListedRow, r) for r in rows],
+        next_before_id=rows[-1]["id"] if more else None,
+    )
 
 
 def _list_statement(
@@ -267,19 +244,3 @@ def _list_statement(
         .replace("{limit}", str(limit + 1))  # one more: is there a next page?
     )
     return statement, args
-
-
-def _listed(r: asyncpg.Record) -> ListedRow:
-    return ListedRow(
-        id=r["id"],
-        destination=r["destination"],
-        key=r["key"],
-        tenant=r["tenant"],
-        event_type=r["event_type"],
-        status=r["status"],
-        attempts=r["attempts"],
-        created_at=iso(r["created_at"]),
-        run_after=iso(r["run_after"]),
-        delivered_at=iso(r["delivered_at"]),
-        last_error=r["last_error"],
-    )

@@ -15,7 +15,16 @@ from outbox.status import Status
 from relay.db.snapshots import DEFAULT_WARNING, oldest_holder
 from relay.durations import format_duration
 from relay.ops import queries
-from relay.ops.common import Result, check_tables, has_endpoint_tables, iso, origin, seconds, sql
+from relay.ops.common import (
+    Result,
+    check_tables,
+    from_record,
+    has_endpoint_tables,
+    iso,
+    origin,
+    seconds,
+    sql,
+)
 
 COUNTS = ("pending", "due_now", "running", "delivered", "failed", "skipped")
 
@@ -344,17 +353,12 @@ def _relay(r: asyncpg.Record) -> RelayStatus:
         state = "silent"  # stopped without saying so (killed), or cut off from the database
     else:
         state = "running"
-    return RelayStatus(
-        relay_id=r["relay_id"],
+    return from_record(
+        RelayStatus,
+        r,
         state=state,
-        host=r["host"],
-        pid=r["pid"],
-        version=r["version"],
         destinations=list(r["destinations"]),
-        started_at=iso(r["started_at"]),
-        seen_at=iso(r["seen_at"]),
         seen_age_s=round(r["seen_age"], 3),
-        stopped_at=iso(r["stopped_at"]),
         circuits=json.loads(r["circuits"]) if state == "running" else {},
     )
 
@@ -369,21 +373,12 @@ def _circuit(destination: str, relays: list[RelayStatus]) -> dict[str, Any]:
 
 
 def _endpoint_status(r: asyncpg.Record) -> EndpointStatus:
-    return EndpointStatus(
-        id=r["id"],
-        destination=r["destination"],
+    return from_record(
+        EndpointStatus,
+        r,
         origin=origin(r["url"]),
-        enabled=r["enabled"],
-        disabled_reason=r["disabled_reason"],
-        disabled_at=iso(r["disabled_at"]),
-        pending=r["pending"],
         oldest_pending_age_s=seconds(r["oldest_pending_age"]),
-        failing_since=iso(r["failing_since"]),
-        last_http_status=r["last_http_status"],
-        last_attempt_at=iso(r["last_attempt_at"]),
-        last_success_at=iso(r["last_success_at"]),
         circuit="open" if r["circuit_open_until"] is not None else "closed",
-        circuit_open_until=iso(r["circuit_open_until"]),
     )
 
 
