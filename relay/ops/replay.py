@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 
 from outbox.status import Status
-from relay.ops import queries
+from relay.ops import queries, replay_queries
 from relay.ops.common import AdminError, Result, check_tables, origin, sql
 from relay.ops.selection import Selection, exactly, same, select
 
@@ -75,7 +75,7 @@ async def _check_replay_tables(conn: asyncpg.Connection, schema: str) -> None:
 
 
 async def _endpoint(conn: asyncpg.Connection, schema: str, endpoint_id: int) -> asyncpg.Record:
-    endpoint = await conn.fetchrow(sql(queries.REPLAY_ENDPOINT_ROW, schema), endpoint_id)
+    endpoint = await conn.fetchrow(sql(replay_queries.REPLAY_ENDPOINT_ROW, schema), endpoint_id)
     if endpoint is None:
         raise AdminError(
             f"no endpoint {endpoint_id} (`outbox-relay endpoints list` shows them). "
@@ -139,7 +139,7 @@ async def replay_event(
 
 async def _event(conn: asyncpg.Connection, schema: str, event_id: int) -> asyncpg.Record:
     """The event, locked; refused if it is gone."""
-    event = await conn.fetchrow(sql(queries.REPLAY_EVENT_ROW, schema), event_id)
+    event = await conn.fetchrow(sql(replay_queries.REPLAY_EVENT_ROW, schema), event_id)
     if event is None:
         raise AdminError(
             f"no outbox row with id {event_id}: it was deleted (by retention or purge) or "
@@ -187,12 +187,12 @@ async def _replay_deliveries(
     """The event's deliveries put back to pending (those left alone too), or the one added
     to ``endpoint``; refused if there is none."""
     event_id, destination = event["id"], event["destination"]
-    replay = sql(queries.REPLAY_EVENT, schema)
+    replay = sql(replay_queries.REPLAY_EVENT, schema)
     rows = await conn.fetch(replay, event_id, endpoint_id)
     created = False
     if not rows and endpoint is not None:
         added = await conn.fetchval(
-            sql(queries.REPLAY_EVENT_INSERT, schema), event_id, endpoint_id, destination
+            sql(replay_queries.REPLAY_EVENT_INSERT, schema), event_id, endpoint_id, destination
         )
         created = added is not None
         if not created:  # another session added it meanwhile: replay that one
@@ -249,7 +249,7 @@ async def replay_endpoint_preview(
         )
         window = _replay_window(endpoint_id, since, failed_only, None)
         selection = await select(
-            conn, queries.REPLAY_ENDPOINT_SELECTION, schema, *window, None, None
+            conn, replay_queries.REPLAY_ENDPOINT_SELECTION, schema, *window, None, None
         )
     return counted, selection
 
@@ -264,7 +264,7 @@ def _replay_window(
     endpoint_id: int, since: float, failed_only: bool, within: Selection | None
 ) -> tuple[Any, ...]:
     """The arguments of the replay statements: their window, and a selection's bounds (for
-    those of queries._REPLAY_WINDOW_WITHIN)."""
+    those of replay_queries._REPLAY_WINDOW_WITHIN)."""
     statuses = _replay_statuses(failed_only)
     window = (endpoint_id, min(since, MAX_REPLAY_WINDOW), statuses)
     return window if within is None else (*window, within.max_id, within.at)
@@ -297,24 +297,18 @@ async def replay_endpoint(
         endpoint = await _endpoint(conn, schema, endpoint_id)
         if exact:
             assert within is not None
-            found = await select(conn, queries.REPLAY_ENDPOINT_SELECTION, schema, *args)
+            found = await select(conn, replay_queries.REPLAY_ENDPOINT_SELECTION, schema, *args)
             same(found, within)
         if dry_run:
-            statement = queries.REPLAY_ENDPOINT_PREVIEW
+            statement = replay_queries.REPLAY_ENDPOINT_PREVIEW
             args = args[:3]  # a dry run counts the window as it is now
         else:
-            statement = queries.REPLAY_ENDPOINT_WITHIN if exact else queries.REPLAY_ENDPOINT
+            statement = (
+                replay_queries.REPLAY_ENDPOINT_WITHIN if exact else replay_queries.REPLAY_ENDPOINT
+            )
         replaying = conn.fetch(sql(statement, schema), *args)
         rows = await (exactly(replaying) if exact else replaying)
-        by_status = dict.fromkeys(statuses, 0)
-        gone = mismatched = 0
-        for r in rows:
-            if not r["found"]:
-                gone += r["n"]
-            elif not r["takes"]:
-                mismatched += r["n"]
-            else:
-                by_status[r["status"]] += r["n"]
+        by_status, gone, mismatched = _tally(rows, statuses)
         replayed = sum(by_status.values())
         if replayed and not dry_run:
             await conn.execute(queries.NOTIFY_ENDPOINTS, f"{schema}.outbox")  # as above
@@ -330,3 +324,18 @@ async def replay_endpoint(
         skipped_event_gone=gone,
         skipped_not_taken=mismatched,
     )
+
+
+def _tally(rows: list[asyncpg.Record], statuses: list[str]) -> tuple[dict[str, int], int, int]:
+    """The deliveries replayed by status; those whose event is gone; those whose event the
+    endpoint no longer takes."""
+    by_status = dict.fromkeys(statuses, 0)
+    gone = mismatched = 0
+    for r in rows:
+        if not r["found"]:
+            gone += r["n"]
+        elif not r["takes"]:
+            mismatched += r["n"]
+        else:
+            by_status[r["status"]] += r["n"]
+    return by_status, gone, mismatched
