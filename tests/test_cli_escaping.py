@@ -245,7 +245,7 @@ def test_on_a_real_terminal_nothing_raw_arrives(db_url: str) -> None:
 
 
 def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest() -> None:
-    from relay.cli.options import printable
+    from relay.cli.render import printable
 
     assert printable(HOSTILE) == (
         r"boom\x1b]0;pwned\x07\x1b[2J\x1b[8m\nFORGED all delivered\rOVERWRITTEN"
@@ -259,7 +259,7 @@ def test_printable_escapes_what_a_terminal_acts_on_and_keeps_the_rest() -> None:
 
 @given(st.text())
 def test_printable_leaves_nothing_hidden_and_escapes_once(text: str) -> None:
-    from relay.cli.options import printable
+    from relay.cli.render import printable
 
     shown = printable(text)
     assert not hidden(shown) and "\n" not in shown
@@ -267,12 +267,12 @@ def test_printable_leaves_nothing_hidden_and_escapes_once(text: str) -> None:
 
 
 def test_every_command_writes_text_through_the_escaping() -> None:
-    """click.echo, print and click's prompts are called in relay/cli/options.py only, where
+    """click.echo, print and click's prompts are called in relay/cli/render.py only, where
     echo() and confirm() escape what they write."""
     writers = {"echo", "secho", "confirm", "prompt", "print"}
     found = []
-    for path in sorted((ROOT / "relay" / "cli").glob("*.py")):
-        if path.name == "options.py":
+    for path in sorted((ROOT / "relay" / "cli").rglob("*.py")):
+        if path.name == "render.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):

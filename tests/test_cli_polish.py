@@ -22,9 +22,9 @@ import psycopg
 import pytest
 from click.testing import CliRunner, Result
 
-from relay.cli import COMMANDS, main
-from relay.cli import ops as ops_cli
+from relay.cli import COMMANDS, main, render
 from relay.cli import terminal as tty
+from relay.cli.ops import status as status_cli
 from tests.test_ops_cli import insert, sql, statuses
 
 RED, GREEN, YELLOW = "\x1b[31m", "\x1b[32m", "\x1b[33m"
@@ -184,7 +184,7 @@ def test_colour_on_a_terminal_only(db_url: str) -> None:
 def terminal_stderr(monkeypatch: pytest.MonkeyPatch) -> None:
     """stderr is a terminal, and every progress line is drawn."""
     monkeypatch.setattr(tty, "stderr", lambda: True)
-    monkeypatch.setattr(ops_cli, "REDRAW", 0.0)
+    monkeypatch.setattr(render, "REDRAW", 0.0)
 
 
 def test_purge_shows_its_progress_on_a_terminal(db_url: str, terminal_stderr: None) -> None:
@@ -242,7 +242,7 @@ def locked_for(db_url: str, seconds: float) -> threading.Thread:
 def test_a_long_retry_says_how_long_it_has_run(
     db_url: str, terminal_stderr: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ops_cli, "ELAPSED_AFTER", 0.2)
+    monkeypatch.setattr(render, "ELAPSED_AFTER", 0.2)
     ids = insert(db_url, "orders", "failed", n=3, error="boom")
     holder = locked_for(db_url, 2.0)
     res = ok(run(db_url, "retry", "--all", "--yes"))
@@ -253,9 +253,9 @@ def test_a_long_retry_says_how_long_it_has_run(
 
     # A quick one says nothing, nor one with --json, nor one off a terminal.
     insert(db_url, "orders", "failed", error="boom")
-    monkeypatch.setattr(ops_cli, "ELAPSED_AFTER", 1.0)
+    monkeypatch.setattr(render, "ELAPSED_AFTER", 1.0)
     assert ok(run(db_url, "retry", "--all", "--yes")).stderr == ""
-    monkeypatch.setattr(ops_cli, "ELAPSED_AFTER", 0.0)
+    monkeypatch.setattr(render, "ELAPSED_AFTER", 0.0)
     insert(db_url, "orders", "failed", error="boom")
     holder = locked_for(db_url, 0.5)
     res = ok(run(db_url, "retry", "--all", "--yes", "--json"))
@@ -279,7 +279,7 @@ def interrupted_after(
         if len(pauses) == snapshots:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(ops_cli, "_sleep", sleep)
+    monkeypatch.setattr(status_cli, "_sleep", sleep)
     return pauses
 
 
@@ -311,7 +311,7 @@ def test_watch_redraws_a_terminal(db_url: str, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(tty, "stdout", lambda: True)
     interrupted_after(2, monkeypatch, lambda: None)
     out = ok(run(db_url, "status", "--watch", "1.5")).stdout
-    assert out.count(ops_cli.CLEAR_SCREEN) == 2 and out.count("every 1.5s, ") == 2
+    assert out.count(status_cli.CLEAR_SCREEN) == 2 and out.count("every 1.5s, ") == 2
     assert out.endswith("\n\n")  # after ^C the prompt starts a line
 
 
@@ -335,7 +335,7 @@ def test_watch_until_ctrl_c_in_a_real_process(db_url: str, terminal: bool) -> No
     )
     assert status == 0, out  # Ctrl-C ends a watch: no error, no traceback
     assert out.count(header) >= 2 and "Traceback" not in out and "Aborted" not in out
-    assert (ops_cli.CLEAR_SCREEN in out) is terminal
+    assert (status_cli.CLEAR_SCREEN in out) is terminal
 
 
 # --- shell completion ---------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_completion_of_command_names_and_options() -> None:
     # zsh and fish show each command's short help: whole, never cut with "...".
     zsh = complete("zsh", "outbox-relay ", 1).splitlines()
     described = dict(zip(zsh[1::3], zsh[2::3], strict=True))
-    assert described["status"] == ops_cli.status.short_help
+    assert described["status"] == status_cli.status.short_help
     assert not [d for d in described.values() if d.endswith("...")]
     fish = complete("fish", "outbox-relay pu", "pu")
     assert fish.startswith("plain,purge\tDelete old delivered") and "..." not in fish

@@ -18,9 +18,9 @@ from click.testing import CliRunner, Result
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay.cli import main, terminal
-from relay.cli import ops as ops_cli
+from relay.cli.options import EXIT_CONDITION
 from relay.db.queries import render_ops
-from relay.ops import admin, queries
+from relay.ops import admin, queries, replay_queries
 from tests.support.receiver import Receiver
 from tests.support.relays import running, settings, wait_until
 from tests.webhook_helpers import verify
@@ -670,8 +670,8 @@ async def test_a_replay_keeps_its_events_from_deletion_until_it_commits(
     e = event(db_url)
     delivery(db_url, e, ep, "failed")
     statement, args = {
-        "event": (queries.REPLAY_EVENT_ROW, (e,)),
-        "endpoint": (queries.REPLAY_ENDPOINT, (ep, 3600.0, ["failed"])),
+        "event": (replay_queries.REPLAY_EVENT_ROW, (e,)),
+        "endpoint": (replay_queries.REPLAY_ENDPOINT, (ep, 3600.0, ["failed"])),
     }[form]
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     other = await asyncpg.connect(to_asyncpg_dsn(db_url))
@@ -801,7 +801,7 @@ def test_status_fails_on_an_enabled_endpoints_old_pending_delivery(db_url: str) 
     for eid in (stuck, paused):
         delivery(db_url, event(db_url), eid, "pending", attempts=3, age="2 hours")
     result = cli(db_url, "status", "--fail-if-pending-older-than", "1h")
-    assert result.exit_code == ops_cli.EXIT_CONDITION, result.output
+    assert result.exit_code == EXIT_CONDITION, result.output
     assert f"endpoint {stuck}" in result.output and f"endpoint {paused}" not in result.output
     assert cli(db_url, "status", "--fail-if-pending-older-than", "3h").exit_code == 0
 
@@ -832,7 +832,7 @@ async def test_a_replay_that_commits_during_a_retention_run_keeps_its_event(db_u
         replay = replayer.transaction()
         await replay.start()
         # What admin.replay_event does: the event locked, its delivery pending again.
-        await replayer.execute(render_ops(queries.REPLAY_EVENT_ROW, "public"), target)
+        await replayer.execute(render_ops(replay_queries.REPLAY_EVENT_ROW, "public"), target)
         await replayer.execute(
             "UPDATE outbox_deliveries SET status = 'pending', replay = true, attempts = 0, "
             "finished_at = NULL WHERE event_id = $1",

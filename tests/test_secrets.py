@@ -350,10 +350,10 @@ def test_unexpected_errors_are_scrubbed() -> None:
         f"""
         import sys
         from relay import cli
-        from relay.ops import admin
+        from relay.ops import status as ops
         async def status(conn, schema, **options):
             raise RuntimeError("bug while connected to " + sys.argv[-1])
-        admin.status = status
+        ops.status = status
         sys.argv = ["outbox-relay", "status", "--database-url",
                     "postgresql://root:{MARK}@127.0.0.1/postgres"]
         cli.main()

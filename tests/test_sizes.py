@@ -13,22 +13,12 @@ FUNCTION_LINES = 60
 
 # Split these (docs/architecture.md, "Layers"); the figure is the most each may hold meanwhile.
 LONG_MODULES = {
-    "relay/cli/endpoints.py": 778,
-    "relay/cli/ops.py": 1123,
-    "relay/ops/admin.py": 1153,
-    "relay/ops/queries.py": 631,
+    "relay/cli/endpoints.py": 766,
     "relay/sinks/endpoints/dispatcher.py": 765,
     "relay/db/store.py": 899,
-    "relay/ui/actions.py": 581,
 }
-LONG_FUNCTIONS = {
-    "relay/cli/ops.py:list_": 64,
-    "relay/cli/ops.py:purge": 70,
-    "relay/ops/admin.py:list_rows": 79,
-    "relay/ops/admin.py:replay_event": 102,
-    "relay/ops/admin.py:status": 90,
-    "relay/ui/app.py:build_console": 62,
-}
+# Every function is under the limit; an entry may not come back.
+LONG_FUNCTIONS: dict[str, int] = {}
 
 
 def sources() -> list[Path]:

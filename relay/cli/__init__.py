@@ -19,15 +19,15 @@ from relay.obs import scrub
 COMMANDS = {
     "migrate": "relay.cli.run:migrate",
     "run": "relay.cli.run:run",
-    "status": "relay.cli.ops:status",
-    "show": "relay.cli.ops:show",
-    "list": "relay.cli.ops:list_",
-    "retry": "relay.cli.ops:retry",
-    "replay": "relay.cli.ops:replay",
-    "purge": "relay.cli.ops:purge",
-    "pause": "relay.cli.ops:pause",
-    "resume": "relay.cli.ops:resume",
-    "skip": "relay.cli.ops:skip",
+    "status": "relay.cli.ops.status:status",
+    "show": "relay.cli.ops.rows:show",
+    "list": "relay.cli.ops.rows:list_",
+    "retry": "relay.cli.ops.changes:retry",
+    "replay": "relay.cli.ops.replay:replay",
+    "purge": "relay.cli.ops.changes:purge",
+    "pause": "relay.cli.ops.changes:pause",
+    "resume": "relay.cli.ops.changes:resume",
+    "skip": "relay.cli.ops.changes:skip",
     "endpoints": "relay.cli.endpoints:endpoints",
     "ui": "relay.cli.ui:ui",
     "demo": "relay.cli.tools:demo",
@@ -41,7 +41,7 @@ class Commands(click.Group):
     Every command's error output passes through relay.obs.scrub.scrub: a usage or database
     error's message, and the traceback of an error nothing expected. The secrets a command
     registered are forgotten when it ends. The messages are escaped as all text output is
-    (relay.cli.options.printable): they may quote the database's text."""
+    (relay.cli.render.printable): they may quote the database's text."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
@@ -63,7 +63,7 @@ class Commands(click.Group):
         except (click.exceptions.Exit, click.Abort):
             raise
         except Exception as exc:
-            from relay.cli.options import echo_lines
+            from relay.cli.render import echo_lines
 
             text = "".join(traceback.format_exception(exc))
             echo_lines(scrub.scrub(text).rstrip("\n"), err=True)
@@ -73,10 +73,10 @@ class Commands(click.Group):
 
 
 def _reworded(exc: click.ClickException) -> click.ClickException:
-    """``exc`` as it is shown, with its secrets hidden and escaped (relay.cli.options.printable:
+    """``exc`` as it is shown, with its secrets hidden and escaped (relay.cli.render.printable:
     click quotes the values it names itself, but our messages may name the database's text);
     ``exc`` itself if that changes nothing."""
-    from relay.cli.options import printable
+    from relay.cli.render import printable
 
     message = exc.format_message()  # a BadParameter's "Invalid value for …" included
     shown = printable(scrub.scrub(message))
@@ -88,7 +88,7 @@ def _reworded(exc: click.ClickException) -> click.ClickException:
 
 
 def _colour(ctx: click.Context, param: click.Parameter, value: bool | None) -> None:
-    # The command's context inherits it; relay.cli.options.colour_wanted reads it.
+    # The command's context inherits it; relay.cli.render.colour_wanted reads it.
     if value is not None:
         ctx.color = value
 

@@ -23,16 +23,16 @@ from outbox.dburl import redact, to_sqlalchemy_async_url
 from outbox.errors import OutboxError, describe
 from outbox.queries import render_endpoints
 from relay.cli import terminal
-from relay.cli.options import (
+from relay.cli.options import database_options, json_option
+from relay.cli.render import (
     BAD,
     GOOD,
     Tint,
     age,
     confirm,
-    database_options,
     echo,
     echo_json,
-    json_option,
+    print_fields,
     print_table,
     printable,
 )
@@ -262,11 +262,15 @@ def _state(ep: Endpoint) -> str:
 
 
 def _print_fields(fields: dict[str, Any]) -> None:
-    for k, v in fields.items():
-        if isinstance(v, datetime):
-            v = v.isoformat()
-        text = v if isinstance(v, Tint) else "-" if v is None or v == "" else str(v)
-        echo(f"{k + ':':<22} ", text)
+    print_fields({k: _text(v) for k, v in fields.items()}, 22)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, Tint):
+        return value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return "-" if value is None or value == "" else str(value)
 
 
 def _print_endpoint(ep: Endpoint) -> None:
@@ -537,30 +541,14 @@ def update(
     schema: str,
     as_json: bool,
     endpoint_id: int,
-    url: str | None,
-    tenant: str | None,
-    all_tenants: bool,
-    event_types: tuple[str, ...],
-    all_event_types: bool,
-    rate_limit: int | None,
-    no_rate_limit: bool,
-    description: str | None,
     allow_private_networks: bool,
     no_dns_check: bool,
+    **options: Any,
 ) -> None:
     """Change an endpoint's settings.
 
     Only what is given changes in endpoint ID; the rest stays as it is."""
-    changes = _changes(
-        url,
-        tenant,
-        all_tenants,
-        event_types,
-        all_event_types,
-        rate_limit,
-        no_rate_limit,
-        description,
-    )
+    changes = _changes(**options)
     ep = run(
         database_url,
         schema,

@@ -1,19 +1,15 @@
 """What the commands share: the database and schema options, durations and times as
-arguments, JSON output, one clear error for any database problem, and the text output for
-people (every line through echo(), escaped by printable() and coloured)."""
+arguments, --json, one clear error for any database problem, and who runs a command. Their
+output, text and JSON, is relay/cli/render.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import getpass
-import json
-import os
-import re
 import socket
 import sys
-import unicodedata
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,12 +21,13 @@ from click.core import ParameterSource
 from outbox import queries
 from outbox.dburl import redact, to_asyncpg_dsn, url_secrets
 from outbox.errors import describe
+from relay.cli.render import echo, echo_lines
 from relay.config import ConfigError, schema_from_environment
 from relay.config.environment import log_schema_deprecation, schema_deprecation
 from relay.db.session import SESSION_SETTINGS
 from relay.durations import format_duration, parse_duration, parse_since
 from relay.obs import scrub
-from relay.ops import admin
+from relay.ops.common import AdminError
 
 if TYPE_CHECKING:
     from relay.config import Settings
@@ -240,6 +237,11 @@ def json_option(func: Any) -> Any:
     return click.option("--json", "as_json", is_flag=True, help="Print JSON, not text.")(func)
 
 
+def yes_option(help: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """--yes: the answer to the question a command would ask on a terminal."""
+    return click.option("--yes", is_flag=True, help=help)
+
+
 def with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
     """Connect, run ``action``, close; database problems become one clear error."""
 
@@ -256,7 +258,7 @@ def with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[
 
     try:
         return asyncio.run(go())
-    except admin.AdminError as exc:
+    except AdminError as exc:
         raise click.ClickException(str(exc)) from exc
     except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         raise click.ClickException(
@@ -265,147 +267,6 @@ def with_db(database_url: str, action: Callable[[asyncpg.Connection], Awaitable[
         ) from exc
     except ValueError as exc:  # a URL that is not PostgreSQL
         raise click.ClickException(str(exc)) from exc
-
-
-def echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
-
-
-# --- colour ---------------------------------------------------------------------------------
-
-# States in text output, the same colour in every command: green is fine (delivered, enabled,
-# active, running), yellow waits on someone (paused), red needs a look (failed, disabled, an
-# open circuit, a silent relay).
-GOOD, WAITING, BAD = "green", "yellow", "red"
-# A row's or a delivery's status.
-STATUS_COLOURS = {"delivered": GOOD, "failed": BAD}
-
-
-def colour_wanted() -> bool:
-    """Whether text output may be coloured: as ``--color``/``--no-color`` of ``outbox-relay``
-    say, else unless NO_COLOR is set to anything but "" (https://no-color.org). click.echo
-    strips the colour again where the output is not a terminal (unless ``--color``), and
-    JSON is never coloured."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None and ctx.color is not None:
-        return ctx.color
-    return not os.environ.get("NO_COLOR")
-
-
-def paint(text: str, colour: str | None) -> str:
-    """``text`` in ``colour`` (GOOD, WAITING, BAD), when colour is wanted."""
-    return click.style(text, fg=colour) if colour and colour_wanted() else text
-
-
-class Tint(str):
-    """A part of a line (a table cell) to print in a colour: escaped, aligned by the text it
-    then is (escape codes take no room on the screen), and painted, its padding left plain."""
-
-    colour: str | None
-
-    def __new__(cls, text: str, colour: str | None) -> Tint:
-        cell = super().__new__(cls, text)
-        cell.colour = colour
-        return cell
-
-
-# --- text output: nothing the database or a receiver wrote reaches the terminal raw --------
-
-
-class Control(str):
-    """The command's own terminal control (clearing the screen, going back to redraw a line of
-    progress): the one part of a line that echo() writes as it is."""
-
-
-# Printable ASCII needs no look: anything else is looked at one character at a time.
-_MAYBE_HIDDEN = re.compile(r"[^ -~]")
-
-
-def _escaped(match: re.Match[str]) -> str:
-    char = match.group()
-    # What str.isprintable() refuses, but for spaces: controls (C0, DEL, C1: escape sequences,
-    # a carriage return that overwrites a line, a newline that forges one), format characters
-    # (bidi overrides that reorder what follows, zero-width characters), line and paragraph
-    # separators, surrogates, private and unassigned code points.
-    if char.isprintable() or unicodedata.category(char) == "Zs":
-        return char
-    return char.encode("unicode_escape").decode("ascii")  # \x1b, \n, \u202e, \U000e0041
-
-
-def printable(text: str, limit: int | None = None) -> str:
-    r"""``text`` with every character a terminal would act on or not show written as its
-    escape, as Python writes it (``\x1b``, ``\n``, ``\u202e``), so that nothing is hidden;
-    other text, whatever its script, stays as it is. Backslashes are left alone: the text
-    reads as it was, and the result holds no control character whatever the input (escaping
-    it again changes nothing). With ``limit``: at most that many characters, cut with "…"
-    between whole characters (never inside an escape)."""
-    shown = _MAYBE_HIDDEN.sub(_escaped, text)
-    if limit is None or len(shown) <= limit:
-        return shown
-    kept: list[str] = []
-    room = limit - 1  # for the "…"
-    for char in text:
-        piece = _MAYBE_HIDDEN.sub(_escaped, char)
-        room -= len(piece)
-        if room < 0:
-            break
-        kept.append(piece)
-    return "".join(kept) + "…"
-
-
-def _shown(part: str) -> str:
-    if isinstance(part, Control):
-        return part
-    text = printable(part)
-    return paint(text, part.colour) if isinstance(part, Tint) else text
-
-
-def echo(*parts: str, err: bool = False, nl: bool = True, color: bool | None = None) -> None:
-    """Write one line of text output (on stderr with ``err``): every part escaped by
-    printable(), a Tint part then painted in its colour, a Control part as it is. Every
-    command writes its text through this (or echo_lines, print_table, confirm), so that text
-    from the database, from a receiver or from the command line cannot drive the terminal."""
-    click.echo("".join(map(_shown, parts)), err=err, nl=nl, color=color)
-
-
-def echo_exact(text: str) -> None:
-    """Output meant for another program (SQL for psql), which, like JSON, must be exactly
-    what it says: not escaped. Only the commands' own text and names the operator gave."""
-    click.echo(text)
-
-
-def echo_lines(text: str, *, err: bool = False) -> None:
-    """A text of several lines written by the program (a configuration's problems, a
-    traceback): each line escaped on its own, so that its line breaks stay."""
-    for line in text.split("\n"):
-        echo(line, err=err)
-
-
-def confirm(question: str) -> None:
-    """Ask ``question`` (escaped) on the terminal; abort unless the answer is yes."""
-    click.confirm(printable(question), abort=True, err=True)
-
-
-def print_table(rows: Sequence[Sequence[str]], *, indent: str = "", numbers: bool = False) -> None:
-    """Columns aligned to the left (with ``numbers``, all but the first to the right), the
-    last as it is (free text). Each cell is measured as it is printed, escaped; a Tint cell is
-    painted, its padding left plain."""
-    shown = [[printable(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in shown) for i in range(len(rows[0]) - 1)]
-    for cells, texts in zip(rows, shown, strict=True):
-        line = [indent]
-        for i, (cell, text) in enumerate(zip(cells, texts, strict=True)):
-            tinted = paint(text, cell.colour) if isinstance(cell, Tint) else text
-            if i == len(widths):
-                line.append(tinted)
-                break
-            pad = " " * (widths[i] - len(text))
-            line += [pad, tinted, "  "] if numbers and i else [tinted, pad, "  "]
-        click.echo("".join(line))
-
-
-def age(seconds: float | None) -> str:
-    return "-" if seconds is None else format_duration(seconds)
 
 
 def default_by() -> str:

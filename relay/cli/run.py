@@ -14,13 +14,8 @@ from outbox.dburl import redact
 from outbox.errors import describe
 from outbox.migrate import MigrationError
 from outbox.migrate import migrate as run_migrations
-from relay.cli.options import (
-    database_url_option,
-    echo,
-    echo_exact,
-    echo_lines,
-    schema_option,
-)
+from relay.cli.options import database_url_option, schema_option
+from relay.cli.render import echo, echo_exact, echo_lines
 from relay.config import ConfigError, Settings, named_variables, unknown_environment
 from relay.obs import scrub
 from relay.settings import load_settings, settings_secrets, top_level_keys

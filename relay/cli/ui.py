@@ -6,7 +6,8 @@ import os
 
 import click
 
-from relay.cli.options import database_options, echo, snapshot_warning_option
+from relay.cli.options import database_options, snapshot_warning_option
+from relay.cli.render import echo
 from relay.obs import scrub
 
 

@@ -1,2 +1,3 @@
-"""What operators run against the outbox tables, relay running or not: status, show, retry,
-purge, pause/resume and skip (the CLI's commands, relay/cli/ops.py, call these)."""
+"""What operators run against the outbox tables, relay running or not: status, show and list,
+retry, replay, purge, pause/resume and skip, each returning a typed result (``to_json()``: what
+``--json`` prints). The commands (relay/cli/ops/) and the console (relay/ui/) both call them."""

@@ -1,7 +1,7 @@
 """The operator console: server-rendered pages on Starlette and Jinja2, a little htmx for the
 live parts, uPlot for the charts (both vendored: it works offline, with no build step).
 
-Every number comes from the functions the operations commands use (relay/ops/admin.py), and
+Every number comes from the operations the commands call (relay/ops), and
 every action goes through them too, with the same checks and the same dry-run preview, so
 the console and the command line can never disagree. :func:`build_console` makes the ASGI
 app; ``outbox-relay ui`` serves it on its own, ``[ui] enabled = true`` mounts it at ``/ui``
@@ -11,6 +11,7 @@ in the relay's listener.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from outbox.errors import describe
 from relay.db.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 from relay.db.store import UNAVAILABLE
-from relay.ops.admin import AdminError
+from relay.ops.common import AdminError
+from relay.ops.text import age
 from relay.ui import actions, pages
 from relay.ui.security import COOKIE, HEADERS, MAX_FORM_BYTES, Guard
 from relay.ui.state import Console
@@ -53,20 +55,12 @@ def build_console(
     accepted); the pages name a snapshot holding back VACUUM past ``snapshot_warning``
     seconds. It opens a small pool of its own on first use (its statements never take the
     relay's connections) and closes it with its lifespan or ``app.state.console.close()``."""
-    templates = Environment(
-        loader=PackageLoader("relay.ui", "templates"),
-        autoescape=select_autoescape(default=True, default_for_string=True),
-        trim_blocks=True,
-        lstrip_blocks=True,
-    )
-    templates.filters["age"] = pages.age
-    templates.filters["short"] = pages.short
     console = Console(
         database_url,
         schema,
         Guard(token, operators),
         read_only,
-        templates,
+        _templates(),
         snapshot_warning=snapshot_warning,
     )
 
@@ -77,30 +71,45 @@ def build_console(
         finally:
             await console.close()
 
-    routes = [
-        Route("/login", pages.login_form, methods=["GET"]),
-        Route("/login", actions.login, methods=["POST"]),
-        Route("/logout", actions.logout, methods=["POST"]),
-        Route("/", pages.overview),
-        Route("/fragments/overview", pages.overview_fragment),
-        Route("/api/series", pages.series),
-        Route("/api/status", pages.status_json),
-        Route("/destinations/{name:path}", pages.destination),
-        Route("/rows", pages.rows),
-        Route("/rows/{id:int}", pages.row),
-        Route("/endpoints", pages.endpoints),
-        Route("/blocked", pages.blocked),
-        Route("/actions/{name}", actions.act, methods=["POST"]),
-        Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
-    ]
     app = Starlette(
-        routes=routes,
+        routes=ROUTES,
         lifespan=lifespan,
         middleware=[Middleware(_Gate, console=console)],
         exception_handlers={404: _not_found},
     )
     app.state.console = console
     return app
+
+
+ROUTES = [
+    Route("/login", pages.login_form, methods=["GET"]),
+    Route("/login", actions.login, methods=["POST"]),
+    Route("/logout", actions.logout, methods=["POST"]),
+    Route("/", pages.overview),
+    Route("/fragments/overview", pages.overview_fragment),
+    Route("/api/series", pages.series),
+    Route("/api/status", pages.status_json),
+    Route("/destinations/{name:path}", pages.destination),
+    Route("/rows", pages.rows),
+    Route("/rows/{id:int}", pages.row),
+    Route("/endpoints", pages.endpoints),
+    Route("/blocked", pages.blocked),
+    Route("/actions/{name}", actions.act, methods=["POST"]),
+    Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
+]
+
+
+def _templates() -> Environment:
+    templates = Environment(
+        loader=PackageLoader("relay.ui", "templates"),
+        autoescape=select_autoescape(default=True, default_for_string=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    # The oldest pending row's age at a glance: one unit (8m, 3h).
+    templates.filters["age"] = functools.partial(age, coarse=True)
+    templates.filters["short"] = pages.short
+    return templates
 
 
 class _Gate:

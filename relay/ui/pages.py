@@ -1,4 +1,4 @@
-"""The console's pages: each reads through the operations commands' functions."""
+"""The console's pages: each reads through the operations the commands call (relay/ops)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from outbox.status import Status
 from relay.db.queries import render_ops
-from relay.ops import admin
-from relay.ops.admin import AdminError
+from relay.ops import rows as row_ops
+from relay.ops import status as status_ops
+from relay.ops.common import AdminError, origin
+from relay.ops.rows import RowPage
+from relay.ops.status import StatusReport
 from relay.ui import queries
 
 if TYPE_CHECKING:
@@ -33,16 +36,6 @@ def caller_of(request: Request) -> Caller | None:
     return caller
 
 
-def age(seconds: float | None) -> str:
-    """12s, 8m, 3h, 2d: the age of the oldest pending row at a glance."""
-    if seconds is None:
-        return "-"
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f}{unit}"
-    return f"{seconds:.0f}s"
-
-
 def short(text: str | None, limit: int = 120) -> str:
     if not text:
         return ""
@@ -61,10 +54,12 @@ async def login_form(request: Request) -> Response:
 # --- overview --------------------------------------------------------------------------------
 
 
-async def _status(request: Request) -> dict[str, Any]:
+async def _status(request: Request) -> StatusReport:
     console = console_of(request)
     async with console.connection() as conn:
-        return await admin.status(conn, console.schema, snapshot_warning=console.snapshot_warning)
+        return await status_ops.status(
+            conn, console.schema, snapshot_warning=console.snapshot_warning
+        )
 
 
 async def overview(request: Request) -> Response:
@@ -80,7 +75,7 @@ async def overview_fragment(request: Request) -> Response:
 
 async def status_json(request: Request) -> Response:
     """What `outbox-relay status --json` prints, for scripts."""
-    return JSONResponse(await _status(request))
+    return JSONResponse((await _status(request)).to_json())
 
 
 async def series(request: Request) -> Response:
@@ -109,7 +104,7 @@ def _rounded(value: float | None) -> float | None:
 async def destination(request: Request) -> Response:
     name = request.path_params["name"]
     data = await _status(request)
-    found = next((d for d in data["destinations"] if d["destination"] == name), None)
+    found = next((d for d in data.destinations if d.destination == name), None)
     console = console_of(request)
     if found is None:
         return console.render(
@@ -119,9 +114,7 @@ async def destination(request: Request) -> Response:
             title="No such destination",
             text=f"no rows and no pause for destination {name!r}",
         )
-    return console.render(
-        request, "destination.html", d=found, status=data, snapshot=data["snapshot"]
-    )
+    return console.render(request, "destination.html", d=found, status=data, snapshot=data.snapshot)
 
 
 # --- rows ------------------------------------------------------------------------------------
@@ -162,10 +155,10 @@ async def rows(request: Request) -> Response:
     try:
         filters = _filters(request)
         async with console.connection() as conn:
-            page = await admin.list_rows(conn, console.schema, limit=ROWS_PER_PAGE, **filters)
+            page = await row_ops.list_rows(conn, console.schema, limit=ROWS_PER_PAGE, **filters)
         error = None
     except AdminError as exc:
-        filters, page, error = {}, {"rows": [], "next_before_id": None}, str(exc)
+        filters, page, error = {}, RowPage([], None), str(exc)
     shown = {k: v for k, v in filters.items() if k != "before_id"}
     return console.render(
         request,
@@ -183,8 +176,8 @@ async def row(request: Request) -> Response:
     if row_id > 2**63 - 1:
         raise AdminError(f"no outbox row with id {row_id}")
     async with console.connection() as conn:
-        found, _ = await admin.show(conn, console.schema, [row_id], preview_bytes=16384)
-        log = await admin.event_deliveries(conn, console.schema, [row_id])
+        found, _ = await row_ops.show(conn, console.schema, [row_id], preview_bytes=16384)
+        log = await row_ops.event_deliveries(conn, console.schema, [row_id])
     if not found:
         return console.render(
             request,
@@ -198,10 +191,10 @@ async def row(request: Request) -> Response:
         request,
         "row.html",
         r=r,
-        payload=_pretty(r["payload_preview"], r["content_type"]),
-        headers_json=json.dumps(r["headers"], indent=2, ensure_ascii=False),
-        deliveries=log["deliveries"],
-        attempts=log["attempts"],
+        payload=_pretty(r.payload_preview, r.content_type),
+        headers_json=json.dumps(r.headers, indent=2, ensure_ascii=False),
+        deliveries=log.deliveries,
+        attempts=log.attempts,
     )
 
 
@@ -247,7 +240,7 @@ async def endpoints(request: Request) -> Response:
         {
             "id": e["id"],
             "destination": e["destination"],
-            "origin": admin.origin(e["url"]),
+            "origin": origin(e["url"]),
             "tenant": e["tenant"],
             "event_types": list(e["event_types"]),
             "rate_limit": e["rate_limit"],
@@ -274,15 +267,15 @@ async def endpoints(request: Request) -> Response:
 async def blocked(request: Request) -> Response:
     data = await _status(request)
     keys = [
-        {"destination": d["destination"], **k}
-        for d in data["destinations"]
-        for k in d["blocked_keys"]
+        {"destination": d.destination, **k.to_json()}
+        for d in data.destinations
+        for k in d.blocked_keys
     ]
-    return console_of(request).render(request, "blocked.html", keys=keys, snapshot=data["snapshot"])
+    return console_of(request).render(request, "blocked.html", keys=keys, snapshot=data.snapshot)
 
 
 def _quoted(schema: str) -> str:
     return '"' + schema.replace('"', '""') + '"'
 
 
-__all__ = ["HTMLResponse", "age", "short"]
+__all__ = ["HTMLResponse", "short"]
