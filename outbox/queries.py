@@ -1,5 +1,5 @@
 """The SQL of the outbox library and its migrations, in one place: enqueue, the schema, the
-migration runner. The relay's statements are in relay/db/queries.py, the commands' in
+migration runner. The relay's statements are in relay/db/queries/, the commands' in
 relay/ops/queries.py.
 
 Statements name the table as ``{table}``; :func:`render` fills in the quoted, schema-qualified

@@ -38,7 +38,7 @@ BREAKS = {
         "relay/sinks/webhook/client.py",
         "from relay.sinks.endpoints import store as _endpoints",
     ),
-    "clients-ops": (CLIENTS, "relay/ops/admin.py", "import aiohttp"),
+    "clients-ops": (CLIENTS, "relay/ops/status.py", "import aiohttp"),
     "clients-console-command": (CLIENTS, "relay/cli/ui.py", "import aiokafka"),
     "clients-settings": (CLIENTS, "relay/settings.py", "import aiohttp"),
     "clients-command-group": (

@@ -1,5 +1,5 @@
 """The statements of the operations commands (status, show, retry, purge, pause, skip,
-endpoints; replay's are in relay/ops/replay_queries.py): see relay/db/queries.py for how
+endpoints; replay's are in relay/ops/replay_queries.py): see relay/db/queries/ for how
 ``{table}``, ``{paused}`` and ``{relays}`` are filled in, and
 outbox.queries.render_endpoints for ``{deliveries}`` and ``{attempts}``."""
 

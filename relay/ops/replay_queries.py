@@ -14,7 +14,7 @@ REPLAY_ENDPOINT_ROW = """
 SELECT id, destination, url, enabled, tenant, event_types FROM {endpoints} WHERE id = $1
 """
 
-# Whether endpoint e takes event o now: the rule fan-out applies (relay/db/queries.py FAN_OUT),
+# Whether endpoint e takes event o now: the rule fan-out applies (relay/db/queries/ FAN_OUT),
 # read at the time of the replay: an endpoint's tenant or event types may have changed since
 # the event was fanned out to it (an endpoint handed over to another customer), and a replay
 # must never send one tenant's event to another's endpoint. NULL-safe: an event without a

@@ -1,6 +1,6 @@
 """The console's own statements (what it shows beyond the operations commands' functions).
 
-Placeholders as in relay/db/queries.py (``{table}``, ``{endpoints}``, …), filled by
+Placeholders as in relay/db/queries/ (``{table}``, ``{endpoints}``, …), filled by
 ``relay.db.queries.render_ops``.
 """
 

@@ -4,7 +4,7 @@ For the relay, an endpoints destination is a sink like any other: its events are
 "delivered" and recorded. Delivering one here means writing its deliveries, one per
 matching endpoint, and recording the event as delivered, in one statement per batch (FAN_OUT:
 a crash never leaves a batch fanned out but not recorded, to be fanned out again); its
-payload stays until its deliveries end (the retention guard in relay/db/queries.py). The
+payload stays until its deliveries end (the retention guard in relay/db/queries/). The
 dispatcher (dispatcher.py) sends the deliveries.
 """
 

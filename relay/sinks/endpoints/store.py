@@ -1,4 +1,4 @@
-"""The endpoints sink's statements (relay/db/queries.py), over the relay's pool."""
+"""The endpoints sink's statements (relay/db/queries/), over the relay's pool."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from relay.model import Envelope, Lease
 from relay.sinks.kafka.partitioner import Partitioner
 from relay.tools.bench.common import DESTINATION, Target, machine_cpu, per_event_us, prefill
 
-# Kept here, not in relay/db/queries.py: the product never runs them.
+# Kept here, not in relay/db/queries/: the product never runs them.
 SIMPLE_CLAIM = """
 UPDATE outbox SET status = 'running', locked_until = now() + interval '60 seconds'
 WHERE id = ANY(ARRAY(
