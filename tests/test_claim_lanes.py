@@ -20,6 +20,7 @@ import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries
 from relay.db.store import FENCE_REUSE, Record, Store, create_pool
+from tests.support import pg
 
 
 @pytest.fixture
@@ -857,9 +858,7 @@ async def test_a_late_commit_is_claimed_while_another_insert_holds_an_equal_key(
             outbox.enqueue_many(slow, [{"destination": "d", "payload": {}}])
         )
         for _ in range(100):  # both triggers have read the sequence and wait for the key
-            waiting = await conn.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            )
+            waiting = await conn.fetchval(pg.UNGRANTED_ADVISORY)
             if waiting == 2:
                 break
             await asyncio.sleep(0.05)

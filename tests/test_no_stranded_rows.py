@@ -27,6 +27,7 @@ from relay.config import ConfigError
 from relay.model import Envelope, Outcome
 from relay.pipeline.completer import Completer
 from relay.pipeline.sending import Sending
+from tests.support import pg
 from tests.support.relays import running, settings, status_counts, wait_until
 from tests.support.sinks import MemorySink
 
@@ -503,11 +504,7 @@ async def test_shutdown_waits_for_the_outcome_write_in_progress(db_url: str) -> 
 
 
 async def _waiting_on_lock(conn: asyncpg.Connection) -> bool:
-    return bool(
-        await conn.fetchval(
-            "SELECT count(*) > 0 FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        )
-    )
+    return bool(await conn.fetchval(pg.UNGRANTED_ADVISORY))
 
 
 def test_records_carry_json_safe_errors() -> None:

@@ -263,11 +263,13 @@ async def _retried(db_url: str, ids: list[int]) -> bool:
 async def test_unreachable_broker_spends_no_attempts(db_url: str) -> None:
     """While the producer cannot even connect, rows wait as pending with attempts intact:
     claimed when the circuit lets a probe through, deferred, never charged."""
-    from relay.tools.localbroker import free_port
+    from tests.webhook_helpers import closed_port
 
     s = settings(
         db_url,
-        f"127.0.0.1:{free_port()}",
+        # Held bound for the whole test: a port merely freed may be handed to the other
+        # worker's next server, which would then answer.
+        f"127.0.0.1:{closed_port()}",
         topic=topic(),
         relay={"max_attempts": 2, "backoff": {"base": 0.1, "jitter": 0}, "poll_interval": 0.1},
     )

@@ -149,7 +149,13 @@ async def test_a_prepared_transaction_is_named(db_url: str) -> None:
         c.execute(f"PREPARE TRANSACTION '{gid}'")
     conn = await reader(db_url)
     try:
-        found = await oldest_holder(conn)
+        # (Once transactions of other databases begun before it have ended: the suite's other
+        # worker may have one open.)
+        async def prepared() -> SnapshotHolder | None:
+            found = await oldest_holder(conn)
+            return found if found is not None and found.name == gid else None
+
+        found = await until(prepared)
         assert found is not None and (found.kind, found.name) == (PREPARED, gid)
         assert found.age_s is not None and "ROLLBACK PREPARED" in found.action()
     finally:
@@ -271,8 +277,14 @@ async def test_the_relay_warns_once_a_minute_while_held_and_says_when_released(
     assert released["log_level"] == "info" and released["pid"] == pid
     assert not events(logs, "relay.snapshot.held")
     # Nothing held here any more: 0, unless another database's transaction holds an xid
-    # this very moment (then for far less than the snapshot was held).
-    assert gauge(metrics, "outbox_oldest_snapshot_age_seconds") < 0.3
+    # this very moment (the other worker's tests run beside this one), whose age it then is.
+    age = gauge(metrics, "outbox_oldest_snapshot_age_seconds")
+    if horizon._seen is None:
+        assert age == 0
+    else:
+        other, _ = horizon._seen
+        assert other.pid != pid and other.database != held["database"]
+        assert age == max(0.0, other.age_s if other.age_s is not None else 0.0)
 
 
 async def test_a_new_holder_is_warned_about_at_once(db_url: str, store: Store) -> None:

@@ -89,3 +89,12 @@ class DatabasePool:
             with contextlib.suppress(Exception):  # one that was never made
                 drop_database(self.url, made.result())
         self._thread.shutdown()
+
+
+# Advisory locks belong to a database, but pg_locks shows every database's: tests that run
+# side by side (pytest-xdist) must count only their own.
+UNGRANTED_ADVISORY = """
+SELECT count(*) FROM pg_locks
+WHERE locktype = 'advisory' AND NOT granted
+  AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+"""
