@@ -25,7 +25,8 @@ from __future__ import annotations
 from outbox.endpoint_secrets import SecretEncryptionRequired
 from outbox.endpoints.api import Endpoints
 
-# The limits and the connection types stay names of outbox.endpoints, as before its split.
+# The limits and the connection types stay names of outbox.endpoints, as before its split
+# (the limits are the columns': read them here; DNS_TIMEOUT may be set here too).
 from outbox.endpoints.checks import (
     DEFAULT_KEEP_PREVIOUS as DEFAULT_KEEP_PREVIOUS,
 )

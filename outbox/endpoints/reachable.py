@@ -13,6 +13,14 @@ from outbox.webhooks.ssrf import is_public
 DNS_TIMEOUT = 5.0  # seconds a registration waits for the URL's host to resolve
 
 
+def _dns_timeout() -> float:
+    """DNS_TIMEOUT as outbox.endpoints has it at this moment: an application sets it there
+    (the package's name for it, from before the package was split)."""
+    import outbox.endpoints
+
+    return float(outbox.endpoints.DNS_TIMEOUT)
+
+
 def check_reachable(
     url: str, allow_private_networks: bool = False, *, resolve: bool = True
 ) -> None:
@@ -43,14 +51,15 @@ def check_reachable(
 def _lookup(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     """The host's addresses, or OutboxValidationError if it does not resolve within
     DNS_TIMEOUT (getaddrinfo itself has no timeout: a stuck resolver would hang the call)."""
+    timeout = _dns_timeout()
     pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="outbox-dns")
     try:
         future = pool.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-        infos = future.result(timeout=DNS_TIMEOUT)
+        infos = future.result(timeout=timeout)
     except concurrent.futures.TimeoutError:
         raise OutboxValidationError(
             "url",
-            f"its host {host!r} did not resolve within {DNS_TIMEOUT:g} s; check the DNS, or "
+            f"its host {host!r} did not resolve within {timeout:g} s; check the DNS, or "
             "pass check_dns=False (--no-dns-check) to register it unresolved",
         ) from None
     except (OSError, UnicodeError) as exc:
