@@ -44,13 +44,17 @@ class _Http(asyncio.Protocol):
                 if len(self.buffer) > MAX_HEAD and self.transport is not None:
                     self.transport.close()
                 return
-            length = _content_length(bytes(self.buffer[:end]))
-            total = end + 4 + length
+            head = bytes(self.buffer[:end])
+            total = end + 4 + _content_length(head)
             if len(self.buffer) < total:
                 return
             del self.buffer[:total]
-            assert self.transport is not None
-            self.transport.write(RESPONSE)
+            self.answer(head)
+
+    def answer(self, head: bytes) -> None:
+        """A whole request (its head; the body skipped) has arrived."""
+        assert self.transport is not None
+        self.transport.write(RESPONSE)
 
 
 def _content_length(head: bytes) -> int:
@@ -123,26 +127,14 @@ class _CountingHttp(_Http):
         super().__init__()
         self.index, self.delay, self.counts, self.seen = index, delay, counts, seen
 
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                if len(self.buffer) > MAX_HEAD and self.transport is not None:
-                    self.transport.close()
-                return
-            head = bytes(self.buffer[:end])
-            total = end + 4 + _content_length(head)
-            if len(self.buffer) < total:
-                return
-            del self.buffer[:total]
-            self.seen.append((self.index, _webhook_id(head), time.time()))
-            self.counts[self.index] += 1
-            assert self.transport is not None
-            if self.delay > 0:
-                asyncio.get_running_loop().call_later(self.delay, self._answer)
-            else:
-                self.transport.write(RESPONSE)
+    def answer(self, head: bytes) -> None:
+        self.seen.append((self.index, _webhook_id(head), time.time()))
+        self.counts[self.index] += 1
+        assert self.transport is not None
+        if self.delay > 0:
+            asyncio.get_running_loop().call_later(self.delay, self._answer)
+        else:
+            self.transport.write(RESPONSE)
 
     def _answer(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
