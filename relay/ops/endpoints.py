@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,8 +31,6 @@ from relay.ops import endpoint_queries
 from relay.ops.common import AdminError, Result, from_record, seconds, sql
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from sqlalchemy.ext.asyncio import AsyncConnection
 
     from outbox.endpoints import Endpoint, Endpoints, Reencrypted
@@ -43,6 +41,22 @@ Action = Callable[["Endpoints", "AsyncConnection"], Awaitable[T]]
 RECENT_ATTEMPTS = 10
 DELIVERY_STATUSES = ("pending", "running", "delivered", "failed", "cancelled")
 REENCRYPT_BATCH = 500
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What `add` registers: the keywords of outbox.endpoints' ``create``. The URL must
+    resolve (``check_dns``) to public addresses only, unless ``allow_private_networks``."""
+
+    destination: str
+    url: str
+    tenant: str | None = None
+    event_types: tuple[str, ...] = ()
+    rate_limit: int | None = None
+    description: str = ""
+    secret: str | None = None
+    allow_private_networks: bool = False
+    check_dns: bool = True
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -133,38 +147,9 @@ class Reencryption(Result):
 # --- the operations ---------------------------------------------------------------------------
 
 
-async def add(
-    conn: asyncpg.Connection,
-    schema: str,
-    *,
-    destination: str,
-    url: str,
-    tenant: str | None,
-    event_types: Iterable[str],
-    rate_limit: int | None,
-    description: str,
-    secret: str | None,
-    allow_private_networks: bool,
-    check_dns: bool,
-) -> Changed:
-    """Register an endpoint of ``destination``; it carries its secret (generated unless
-    given)."""
-    return await _change(
-        conn,
-        schema,
-        lambda e, c: e.create(
-            c,
-            destination=destination,
-            url=url,
-            tenant=tenant,
-            event_types=event_types,
-            rate_limit=rate_limit,
-            description=description,
-            secret=secret,
-            allow_private_networks=allow_private_networks,
-            check_dns=check_dns,
-        ),
-    )
+async def add(conn: asyncpg.Connection, schema: str, new: Registration) -> Changed:
+    """Register an endpoint; it carries its secret (generated unless given)."""
+    return await _change(conn, schema, lambda e, c: e.create(c, **asdict(new)))
 
 
 async def list_endpoints(

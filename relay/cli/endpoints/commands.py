@@ -82,22 +82,18 @@ def add(
     if secret is not None:
         echo(ARGV_WARNING, err=True)
     secret = secret if secret is not None else secret_file
-    added = with_db(
-        database_url,
-        lambda c: ops.add(
-            c,
-            schema,
-            destination=destination,
-            url=url,
-            tenant=tenant,
-            event_types=event_types,
-            rate_limit=rate_limit,
-            description=description,
-            secret=secret,
-            allow_private_networks=allow_private_networks,
-            check_dns=not no_dns_check,
-        ),
+    new = ops.Registration(
+        destination=destination,
+        url=url,
+        tenant=tenant,
+        event_types=event_types,
+        rate_limit=rate_limit,
+        description=description,
+        secret=secret,
+        allow_private_networks=allow_private_networks,
+        check_dns=not no_dns_check,
     )
+    added = with_db(database_url, lambda c: ops.add(c, schema, new))
     ep = warn_if_unencrypted(added).endpoint
     if as_json:
         echo_json(added.to_json())
