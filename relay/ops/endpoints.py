@@ -341,7 +341,7 @@ def _recording(schema: str) -> tuple[Endpoints, list[int]]:
 @asynccontextmanager
 async def sqlalchemy_on(conn: asyncpg.Connection) -> AsyncIterator[AsyncConnection]:
     """A SQLAlchemy connection over ``conn``: the library takes nothing else. Its pool holds
-    ``conn`` alone and never closes it (the caller does), and statements errors name no
+    ``conn`` alone and never closes it (the caller does), and its statements' errors name no
     parameter (a secret is one)."""
     from sqlalchemy.ext.asyncio import create_async_engine
     from sqlalchemy.pool import StaticPool
