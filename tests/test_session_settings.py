@@ -74,15 +74,14 @@ def test_the_commands_sessions_do_not_jit(db_url: str) -> None:
 
 
 @pytest.mark.usefixtures("jit_available")
-async def test_the_endpoint_commands_sessions_do_not_jit(db_url: str) -> None:
+def test_the_endpoint_commands_sessions_do_not_jit(db_url: str) -> None:
+    """Their SQLAlchemy connection, for outbox.endpoints, is the command's own session."""
     from sqlalchemy import text
 
-    from relay.cli.endpoints import _engine
+    from relay.ops.endpoints import sqlalchemy_on
 
-    engine = _engine(db_url)
-    try:
-        async with engine.connect() as sa:
-            plan = (await sa.execute(text(COSTLY))).scalar_one()
-        assert not jitted(plan)
-    finally:
-        await engine.dispose()
+    async def explain_through_sqlalchemy(conn: asyncpg.Connection) -> bool:
+        async with sqlalchemy_on(conn) as sa:
+            return jitted((await sa.execute(text(COSTLY))).scalar_one())
+
+    assert with_db(db_url, explain_through_sqlalchemy) is False

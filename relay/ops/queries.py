@@ -1,7 +1,8 @@
-"""The statements of the operations commands (status, show, retry, purge, pause, skip,
-endpoints; replay's are in relay/ops/replay_queries.py): see relay/db/queries/ for how
-``{table}``, ``{paused}`` and ``{relays}`` are filled in, and
-outbox.queries.render_endpoints for ``{deliveries}`` and ``{attempts}``."""
+"""The statements of the operations commands (status, show, retry, purge, pause, skip;
+replay's are in relay/ops/replay_queries.py, the endpoints commands' in
+relay/ops/endpoint_queries.py): see relay/db/queries/ for how ``{table}``, ``{paused}`` and
+``{relays}`` are filled in, and outbox.queries.render_endpoints for ``{deliveries}`` and
+``{attempts}``."""
 
 from __future__ import annotations
 
@@ -293,44 +294,6 @@ SET status = 'skipped',
     last_error = coalesce(last_error, '') || ' [skipped by ' || $2 || ' at ' || now() || ']'
 WHERE id = ANY($1::bigint[]) AND status = 'failed'
 RETURNING id, destination, key
-"""
-
-
-# --- endpoints show / delete ----------------------------------------------------------------
-# SQLAlchemy text() forms (named binds): the endpoints commands run through outbox.endpoints,
-# which takes a SQLAlchemy connection. {deliveries} and {attempts} are the schema's tables,
-# filled in by outbox.queries.render_endpoints.
-
-# One endpoint's deliveries by status. Its last outcome is that of the newest delivery that
-# was tried: a success there (last_error NULL) means the endpoint has recovered.
-ENDPOINT_DELIVERIES = """
-WITH tried AS (
-    SELECT last_error, last_status
-    FROM {deliveries}
-    WHERE endpoint_id = :id AND (last_error IS NOT NULL OR last_status IS NOT NULL)
-    ORDER BY id DESC
-    LIMIT 1
-)
-SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
-       count(*) FILTER (WHERE status = 'running') AS running,
-       count(*) FILTER (WHERE status = 'delivered') AS delivered,
-       count(*) FILTER (WHERE status = 'failed') AS failed,
-       count(*) FILTER (WHERE status = 'cancelled') AS cancelled,
-       CAST(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))
-            AS float8) AS oldest_pending_age,
-       (SELECT last_error FROM tried) AS last_error,
-       (SELECT last_status FROM tried) AS last_status
-FROM {deliveries}
-WHERE endpoint_id = :id
-"""
-
-# Its newest attempts (outbox_attempts_endpoint_idx), replays included.
-ENDPOINT_RECENT_ATTEMPTS = """
-SELECT at, event_id, http_status, duration_ms, error
-FROM {attempts}
-WHERE endpoint_id = :id
-ORDER BY at DESC, id DESC
-LIMIT :limit
 """
 
 
