@@ -15,7 +15,6 @@ FUNCTION_LINES = 60
 LONG_MODULES = {
     "relay/cli/endpoints.py": 766,
     "relay/sinks/endpoints/dispatcher.py": 765,
-    "relay/db/store.py": 899,
 }
 # Every function is under the limit; an entry may not come back.
 LONG_FUNCTIONS: dict[str, int] = {}
