@@ -19,7 +19,8 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries
-from relay.db.store import FENCE_REUSE, Record, Store, create_pool
+from relay.db.claims import FENCE_REUSE
+from relay.db.store import Record, Store, create_pool
 from tests.support import pg
 
 
@@ -90,7 +91,7 @@ async def test_a_transaction_that_commits_late_is_not_passed_over(
         later = await add(conn, 3)
         assert await claim_all(store) == later
         # The cursor passed the open insert's id, and its key is among those held.
-        lane = store._cursors["d"]
+        lane = store.unordered.cursors["d"]
         assert early_id < lane.cursor and any(
             int(k.rsplit("/", 1)[1]) < early_id for k in lane.held
         )
@@ -198,7 +199,7 @@ async def test_under_a_held_snapshot_the_claim_walks_only_what_came_since_the_la
     async with held_snapshot(db_url):
         await churn(store, conn)
         await add(conn, 10)
-        from_cursor = await fresh_pages(conn, store._cursors["d"], 10)
+        from_cursor = await fresh_pages(conn, store.unordered.cursors["d"], 10)
         from_start = await fresh_pages(conn, None, 10)
         assert from_cursor < 20 and from_cursor * 6 < from_start, (from_cursor, from_start)
 
@@ -466,7 +467,7 @@ async def test_under_a_held_snapshot_the_pending_gauges_read_only_past_their_flo
             plan = json.loads(raw) if isinstance(raw, str) else raw
             return int(plan[0]["Plan"]["Shared Hit Blocks"] + plan[0]["Plan"]["Shared Read Blocks"])
 
-        floors = store._stats_floors
+        floors = store.gauges.floors
         assert floors["d"] > claimed[-1].id
         from_floor, from_start = await pages_read(floors), await pages_read({"d": 0})
         assert from_floor * 4 < from_start, (from_floor, from_start)
@@ -535,9 +536,9 @@ async def test_an_open_inserting_transaction_holds_back_the_fence_not_the_cursor
         await outbox.enqueue_many(holder, [{"destination": "other", "payload": {}}])
         await churn(store, conn)
         await add(conn, 10)
-        blocks = await fresh_pages(conn, store._cursors["d"], 10)
+        blocks = await fresh_pages(conn, store.unordered.cursors["d"], 10)
         # Before: the fresh CTE and the next cursor's subquery each walked 3,000 dead entries.
-        assert blocks < 15, (store._cursors["d"], blocks)
+        assert blocks < 15, (store.unordered.cursors["d"], blocks)
     finally:
         await holder.close()
 
@@ -625,7 +626,7 @@ async def test_under_a_held_snapshot_the_relays_claims_read_what_came_since_the_
             return int(await conn.fetchval(read) - before)
 
         from_cursor = await entries_read()
-        store._cursors.clear()  # as after a restart
+        store.unordered.cursors.clear()  # as after a restart
         from_start = await entries_read()
         assert from_cursor < 100 < 3000 < from_start, (from_cursor, from_start)
 
@@ -655,7 +656,7 @@ async def test_a_late_commit_is_claimed_while_another_insert_holds_the_fence(
         got: list[int] = []
         for _ in range(3):
             got += await claim_all(store)
-        assert got == [x], (got, store._cursors["d"])
+        assert got == [x], (got, store.unordered.cursors["d"])
     finally:
         await idle.close()
         await slow.close()
@@ -682,7 +683,7 @@ async def test_with_retention_zero_an_empty_table_sends_no_claim_through_dead_en
             assert len(await store.claim("d", 100)) == 10
             await flush_stats(pool)
             entries = int(await conn.fetchval(read) - before)
-            assert entries < 100, (entries, store._cursors["d"])
+            assert entries < 100, (entries, store.unordered.cursors["d"])
     finally:
         await pool.close()
 
@@ -694,7 +695,7 @@ class _Paused(Store):
     entered: asyncio.Event
 
     async def _call(self, method: str, sql: str, *args: Any) -> Any:
-        if sql in (self._claim, self._claim_fresh) and not self.go.is_set():
+        if sql in (self.unordered.claim_late, self.unordered.claim_fresh) and not self.go.is_set():
             self.entered.set()
             await self.go.wait()
         return await super()._call(method, sql, *args)
@@ -725,7 +726,7 @@ async def test_a_sweep_that_runs_during_a_claim_is_not_undone_by_it(
         store.go.set()
         got = [e.id for e in await claiming]
         got += await _claim_until_empty(store)
-        assert sorted(got) == new, (got, store._cursors["d"])
+        assert sorted(got) == new, (got, store.unordered.cursors["d"])
     finally:
         await pool.close()
 
@@ -795,7 +796,7 @@ async def test_late_rows_the_claim_does_not_take_are_read_again(
     await other.rollback()
     for _ in range(3):
         got += await claim_all(store)
-    assert got == early, (got, store._cursors["d"])
+    assert got == early, (got, store.unordered.cursors["d"])
 
 
 async def test_a_late_commit_is_claimed_while_an_insert_that_began_with_it_stays_open(
@@ -823,7 +824,7 @@ async def test_a_late_commit_is_claimed_while_an_insert_that_began_with_it_stays
         assert await claim_all(store) == later  # the cursor passes x
         await t1.commit()
         got = [*await claim_all(store), *await claim_all(store)]
-        assert got == [x], (got, store._cursors["d"])
+        assert got == [x], (got, store.unordered.cursors["d"])
         await t2.rollback()
     finally:
         await first.close()
@@ -873,7 +874,7 @@ async def test_a_late_commit_is_claimed_while_another_insert_holds_an_equal_key(
         got = []
         for _ in range(3):
             got += await claim_all(store)
-        assert got == [x], (got, store._cursors["d"])
+        assert got == [x], (got, store.unordered.cursors["d"])
     finally:
         await gate.close()
         await idle.close()
@@ -923,7 +924,7 @@ async def test_an_old_reading_is_not_reused(
     await add(conn, 300)
     assert len(await claim_all(store)) == 100
     read = store.statements["fence"]
-    monkeypatch.setattr("relay.db.store.FENCE_REUSE", 0.0)
+    monkeypatch.setattr("relay.db.claims.FENCE_REUSE", 0.0)
     assert len(await claim_all(store)) == 100
     assert store.statements["fence"] == read + 1, store.statements
 
@@ -964,8 +965,9 @@ async def test_the_claim_without_a_late_range_is_the_claim_with_an_empty_one(
     ids = await add(conn, 30)
     args = ("d", 10, "lanes", 30.0, ids[4], ids[-1])
     answers = []
+    lanes = store.unordered
     async with store.pool.acquire() as c:
-        for sql, extra in ((store._claim_fresh, ()), (store._claim, (ids[4],))):
+        for sql, extra in ((lanes.claim_fresh, ()), (lanes.claim_late, (ids[4],))):
             tx = c.transaction()
             await tx.start()
             try:
@@ -1022,7 +1024,7 @@ class _FailsItsSecondFence(Store):
     fail = False
 
     async def _call(self, method: str, sql: str, *args: Any) -> Any:
-        if self.fail and sql == self._fence and args[-1] == 0:
+        if self.fail and sql == self.unordered.fence and args[-1] == 0:
             self.fail = False
             raise asyncpg.QueryCanceledError("canceling statement due to statement timeout")
         return await super()._call(method, sql, *args)

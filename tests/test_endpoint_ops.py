@@ -883,6 +883,7 @@ async def test_retention_and_a_replay_of_an_endpoints_window_do_not_deadlock(
     locks deliveries and then their events. The message log is purged in a transaction of
     its own, skipping what a replay holds: neither waits for the other in a circle. (The
     replay is started inside retention's first transaction, to make the two overlap.)"""
+    from relay.db.retention import Retention
     from relay.db.store import Store, create_pool
 
     ep = endpoint(db_url)
@@ -893,9 +894,9 @@ async def test_retention_and_a_replay_of_an_endpoints_window_do_not_deadlock(
     pool = await create_pool(to_asyncpg_dsn(db_url), "r", 2)
     replayer = await asyncpg.connect(to_asyncpg_dsn(db_url))
     replays: list[asyncio.Task[Any]] = []
-    original = Store._delete_locked_rows
+    original = Retention._delete_locked_rows
 
-    async def overlapped(self: Store, conn: Any, ids: Any, status: Any) -> int:
+    async def overlapped(self: Retention, conn: Any, ids: Any, status: Any) -> int:
         n = await original(self, conn, ids, status)
         if not replays:
             replays.append(
@@ -906,7 +907,7 @@ async def test_retention_and_a_replay_of_an_endpoints_window_do_not_deadlock(
             await asyncio.sleep(0.5)  # the replay now waits for the event retention holds
         return n
 
-    monkeypatch.setattr(Store, "_delete_locked_rows", overlapped)
+    monkeypatch.setattr(Retention, "_delete_locked_rows", overlapped)
     try:
         batch = await Store(pool, "public", "r", 30.0).delete_finished(86400, 500, 86400, None)
         replayed = await replays[0]

@@ -188,7 +188,7 @@ async def test_stalled_ordered_claim_never_sends_a_late_copy(
             n, n1 = await add(db_url, 2, key="k")
             await asyncio.wait_for(stalled.wait(), 10)
             if claim == "owner":
-                owner_pid = a.store._owner.get_server_pid()
+                owner_pid = a.store.owner.conn.get_server_pid()
                 await execute(db_url, "SELECT pg_terminate_backend($1)", owner_pid)
             async with running(b_settings) as b:
                 if claim == "walk":

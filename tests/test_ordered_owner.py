@@ -101,7 +101,7 @@ async def test_one_relay_owns_a_destination_until_its_connection_ends(db_url: st
         assert not await b.own("o") and not b.owns("o")
         assert await b.own("other")  # each destination has an owner of its own
         # The owner's connection ends (a crash, a network cut): its session lock with it.
-        pid = a._owner.get_server_pid()  # type: ignore[union-attr]
+        pid = a.owner.conn.get_server_pid()  # type: ignore[union-attr]
         await execute(db_url, "SELECT pg_terminate_backend($1)", pid)
         with pytest.raises(DB_ERRORS):
             await a.claim_owned("o", 10, False, 40, OwnedLane(), (), 30.0)
@@ -473,7 +473,7 @@ async def test_a_walking_owner_whose_lock_is_gone_claims_nothing(db_url: str) ->
         loop = ordered_claimer(a, ["o"], claimed, poll_interval=0.05)
         assert await a.own("o")
         loop._owners["o"] = Ownership(mode=Mode.WALK, capped=True, walk_until=float("inf"))
-        pid = a._owner.get_server_pid()  # type: ignore[union-attr]
+        pid = a.owner.conn.get_server_pid()  # type: ignore[union-attr]
         await execute(db_url, "SELECT pg_terminate_backend($1)", pid)
         await take_over(b)
         await add(db_url, ["k"])
@@ -544,7 +544,7 @@ async def test_the_owner_connection_is_probed_so_a_vanished_client_frees_its_loc
     store: Store,
 ) -> None:
     assert await store.own("o")
-    conn = store._owner
+    conn = store.owner.conn
     assert conn is not None
     assert await conn.fetchval("SHOW tcp_keepalives_idle") == "10"
     assert await conn.fetchval("SHOW tcp_keepalives_count") == "3"
@@ -553,5 +553,5 @@ async def test_the_owner_connection_is_probed_so_a_vanished_client_frees_its_loc
 async def test_a_statement_the_server_refuses_keeps_the_ownership(store: Store) -> None:
     assert await store.own("o")
     with pytest.raises(asyncpg.PostgresError):
-        await store._on_owner("o", "fetchval", "SELECT 1/0")
+        await store.owner.on_owner("o", "fetchval", "SELECT 1/0")
     assert store.owns("o")

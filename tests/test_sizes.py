@@ -14,7 +14,6 @@ FUNCTION_LINES = 60
 # Split these (docs/architecture.md, "Layers"); the figure is the most each may hold meanwhile.
 LONG_MODULES = {
     "relay/sinks/endpoints/dispatcher.py": 765,
-    "relay/db/store.py": 899,
 }
 # Every function is under the limit; an entry may not come back.
 LONG_FUNCTIONS: dict[str, int] = {}

@@ -1,18 +1,42 @@
-"""The relay's connections: its pool, and the connection an ordered destination's owner holds
-apart from it."""
+"""The relay's connections: its pool, how a connection is taken from it (and dropped when a
+statement leaves it unusable), and the connection an ordered destination's owner holds apart
+from it."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
 
+from relay.db.errors import SESSION_STALE, is_plain_sql_error
 from relay.db.session import SESSION_SETTINGS
+
+# How the store's parts run a statement on the pool: ``call(method, sql, *args)`` runs the
+# connection's ``method`` ("fetch", "fetchval", …) in a connection of its own (Store._call).
+Call = Callable[..., Awaitable[Any]]
 
 
 async def _no_reset(conn: asyncpg.Connection) -> None:
     """The relay never changes session state on pooled connections (no SET, no LISTEN, only
     transaction-scoped advisory locks), so skip asyncpg's reset round trip on every release."""
+
+
+@contextlib.asynccontextmanager
+async def connection(pool: asyncpg.Pool) -> AsyncIterator[asyncpg.Connection]:
+    """A pooled connection. One that fails in the middle of a statement is closed rather
+    than returned to the pool: it may be left mid-protocol (the pool skips its reset, see
+    ``_no_reset``), and every later use of it would fail."""
+    async with pool.acquire() as conn:
+        try:
+            yield conn
+        except BaseException as exc:
+            if not is_plain_sql_error(exc) or isinstance(exc, SESSION_STALE):
+                # A connection the server closed is already detached from the pool.
+                with contextlib.suppress(asyncpg.InterfaceError):
+                    conn.terminate()
+            raise
 
 
 async def dedicated(pool: asyncpg.Pool) -> asyncpg.Connection:

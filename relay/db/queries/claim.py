@@ -21,8 +21,8 @@ from __future__ import annotations
 # Ids are drawn at insert and seen at commit, so the cursor passes ids of transactions still
 # open, whose rows may commit later. Each claim also reads the fresh rows after $7 up to the
 # cursor: those that may have committed late since the previous claim. The relay computes $7
-# from what FENCE read before this claim and the one before (see Store.claim): the keys of the
-# inserting transactions that were open then and have ended since (each one's ids are above
+# from what FENCE read before this claim and the one before (see relay/db/claims.py): the keys
+# of the inserting transactions that were open then and have ended since (each one's ids are above
 # its key), the highest id visible at the previous reading ($6 now: a transaction that began
 # after a reading takes a key above it) and the first row the previous claim left in that
 # range. A transaction left open after an insert holds back none of this: its rows are read
@@ -40,7 +40,7 @@ _FRESH_O = "o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_a
 def _mark_running(rows: str) -> str:
     """Every claim's last step: the rows of CTE ``rows`` marked running under this relay's
     lease ($3 the relay, $4 the lease in seconds), the fencing token taken, and returned as
-    Store._envelopes reads them."""
+    relay.db.envelopes reads them."""
     return f"""claimed AS (
     UPDATE {{table}} AS o
     SET status = 'running', locked_by = $3, locked_until = now() + make_interval(secs => $4),
@@ -128,14 +128,14 @@ SELECT min(id) FROM {{table}} WHERE destination = $1 AND {_FRESH} AND id <= $2
 
 # The visibility fence (see migrations/0003), read in a statement of its own *before* the claims,
 # whose snapshot must be younger than this reading (an unordered claim that follows a full batch at
-# once may go on the previous reading, older still: see Store.claim): a transaction that commits
-# between a claim's snapshot and its reading of pg_locks would release its lock while its rows stay
-# invisible to that claim. Every id up to the result belongs to a transaction that had finished
-# when it was read: the smallest fence key still held (taken before its holder drew any id), capped
-# at the highest id then visible (ids are drawn in increasing order, so a row at or below it was
-# drawn before this reading, and so were all lower ids). Only this table's keys count ($1: the
-# table; see migrations/0004 for the key's layout), and untagged keys of inserts that began under
-# the trigger of migration 0003: an untagged key is ignored only when its transaction holds a
+# once may go on the previous reading, older still: see relay/db/claims.py): a transaction that
+# commits between a claim's snapshot and its reading of pg_locks would release its lock while its
+# rows stay invisible to that claim. Every id up to the result belongs to a transaction that had
+# finished when it was read: the smallest fence key still held (taken before its holder drew any
+# id), capped at the highest id then visible (ids are drawn in increasing order, so a row at or
+# below it was drawn before this reading, and so were all lower ids). Only this table's keys count
+# ($1: the table; see migrations/0004 for the key's layout), and untagged keys of inserts that began
+# under the trigger of migration 0003: an untagged key is ignored only when its transaction holds a
 # tagged key of the same value (the pair the new trigger takes together).
 FENCE = """
 WITH held AS (

@@ -1,0 +1,84 @@
+"""The relay's checks of its schema at start: the tables, columns and indexes of every migration
+it needs, and the privileges its role needs on them."""
+
+from __future__ import annotations
+
+from relay.db import queries
+from relay.db.pool import Call
+
+# The claim's lanes (migration 0012), and what each one's predicate must say.
+LANES = {"outbox_fresh_idx": "claims = 0", "outbox_waiting_idx": "claims <> 0"}
+
+
+def _tables(schema: str) -> tuple[str, ...]:
+    """The outbox tables, qualified for ``schema``: the outbox, its pauses, its relays, and
+    the endpoints, their deliveries and attempts."""
+    return (
+        queries.qualified_table(schema),
+        queries.qualified_table(schema, queries.PAUSED_TABLE),
+        queries.qualified_table(schema, queries.RELAYS_TABLE),
+        *(
+            queries.qualified_table(schema, t)
+            for t in ("outbox_endpoints", "outbox_deliveries", "outbox_attempts")
+        ),
+    )
+
+
+async def missing_tables(call: Call, schema: str) -> list[str]:
+    """The outbox tables this relay needs that are not in its schema."""
+    tables = _tables(schema)
+    relays, endpoints, deliveries = tables[2:5]
+    missing = [t for t in tables if not await call("fetchval", queries.TABLE_EXISTS, t)]
+    added = (  # columns of later migrations, the first one missing said
+        (deliveries, "replay", "0007"),
+        (endpoints, "circuit_open_until", "0009"),
+        (relays, "circuits", "0010"),
+        (relays, "features_at", "0013"),
+    )
+    for table, column, migration in added:
+        if missing:
+            break
+        if not await call("fetchval", queries.COLUMN_EXISTS, table, column):
+            missing.append(f"{table}.{column} (migration {migration})")
+    if not missing:
+        # The claim's lanes: without them it would read the whole table, claim after claim.
+        for index, holds in LANES.items():
+            name = queries.qualified_table(schema, index)
+            predicate = await call("fetchval", queries.INDEX_VALID, name)
+            if predicate is None:
+                missing.append(f"{name} (migration 0012)")
+            elif holds not in predicate:
+                # Built by a first version of 0012 (on main for a day, never released),
+                # which `migrate` does not run again.
+                missing.append(
+                    f"{name} as migration 0012 builds it now (it holds {predicate}): "
+                    f"DROP INDEX CONCURRENTLY {name}; then run its CREATE INDEX from "
+                    "migrations/0012_claim_lanes.sql"
+                )
+        # The owner's claim of an ordered destination reads the failed rows by it.
+        failed = queries.qualified_table(schema, "outbox_failed_key_idx")
+        if await call("fetchval", queries.INDEX_VALID, failed) is None:
+            missing.append(f"{failed} (migration 0014)")
+    return missing
+
+
+async def missing_privileges(call: Call, schema: str) -> list[str]:
+    """What the relay's role may not do on the endpoint tables (a role granted before
+    migration 0006/0007: deploy/sql/relay_role.sql must run again). Retention reads them
+    for every destination."""
+    endpoints, deliveries, attempts = _tables(schema)[3:]
+    wanted = [
+        (endpoints, "SELECT"),
+        (deliveries, "SELECT"),
+        (deliveries, "INSERT"),
+        (deliveries, "UPDATE"),
+        (deliveries, "DELETE"),
+        (attempts, "SELECT"),
+        (attempts, "INSERT"),
+        (attempts, "DELETE"),
+    ]
+    return [
+        f"{what} on {table}"
+        for table, what in wanted
+        if not await call("fetchval", queries.TABLE_PRIVILEGE, table, what)
+    ]

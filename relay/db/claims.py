@@ -1,0 +1,186 @@
+"""The claim of an unordered destination (see queries.CLAIM): where its claims stand in its
+fresh rows, kept between them (the cursor, where the read of late commits begins, what the
+last FENCE reading said), and the sweep that walks again from rows found behind the cursor."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, replace
+
+import asyncpg
+
+from relay.db import queries
+from relay.db.envelopes import envelopes
+from relay.db.pool import Call
+from relay.model import Envelope
+
+# How long an unordered claim that follows a full batch may go on the FENCE reading made
+# before it (see UnorderedClaims.claim): a drain reads it once in a few claims, not at every one.
+FENCE_REUSE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class _Lane:
+    """Where an unordered destination's claims stand in its fresh rows (see queries.CLAIM):
+    the cursor, where the next claim's read of late commits begins, and what FENCE read before
+    the last claim (the highest id then visible, the open inserts' keys)."""
+
+    cursor: int = 0
+    recheck: int = 0
+    top: int = 0
+    held: frozenset[str] = frozenset()  # "<virtual transaction id>/<key>"
+
+    def recheck_from(self, held: Collection[str]) -> int:
+        """Where the next claim's read of late commits begins, now that FENCE reads ``held``:
+        inserting transactions open at the previous reading and ended since may have
+        committed their rows behind the cursor."""
+        ended = self.held.difference(held)
+        if ended:
+            return min(self.recheck, *(int(k.rsplit("/", 1)[1]) for k in ended))
+        return self.recheck
+
+
+class UnorderedClaims:
+    """The unordered destinations' claims of one store: ``call`` runs a statement on its pool,
+    ``statements`` counts them by name, ``new_epoch`` is told when the table's epoch changes."""
+
+    def __init__(
+        self,
+        call: Call,
+        statements: Counter[str],
+        schema: str,
+        relay_id: str,
+        lease: float,
+        new_epoch: Callable[[], None],
+    ) -> None:
+        self._call = call
+        self.statements = statements
+        self.relay_id = relay_id
+        self.lease = lease
+        self._on_new_epoch = new_epoch
+        self.table = queries.qualified_table(schema)
+        self.fence = queries.render_ops(queries.FENCE, schema)
+        self.claim_late = queries.render_ops(queries.CLAIM, schema)
+        self.claim_fresh = queries.render_ops(queries.CLAIM_FRESH, schema)
+        self._fresh_below = queries.render_ops(queries.FRESH_BELOW, schema)
+        # The last FENCE reading an unordered claim made (monotonic time, row), of the epoch
+        # the cursors hold for, and the destinations whose last claim filled its batch: their
+        # next claim, at once, may go on that reading (see claim).
+        self._reading: tuple[float, asyncpg.Record] | None = None
+        self._draining: set[str] = set()
+        # Per unordered destination, where its next claim of fresh rows starts and up to where
+        # every fresh row has been seen (see CLAIM), and the table's epoch they hold for.
+        self.cursors: dict[str, _Lane] = {}
+        self._rewinds: dict[str, int] = {}
+        self._claiming: set[str] = set()
+        self._epoch: tuple[object, ...] = ()
+
+    async def claim(self, destination: str, limit: int) -> list[Envelope]:
+        """Claim up to ``limit`` rows of an unordered ``destination`` (see queries.CLAIM), its
+        fresh rows from where its previous claim ended."""
+        # Two statements, in this order: the claim's snapshot must be younger than the fence.
+        state = self.cursors.get(destination, _Lane())
+        reading = self._reading
+        reuse = (
+            reading is not None
+            and destination in self._draining
+            and state.cursor < reading[1][3]
+            and time.monotonic() - reading[0] < FENCE_REUSE
+        )
+        # Cleared before anything is awaited: a claim that fails reads the fence afresh.
+        self._draining.discard(destination)
+        if reuse:
+            assert reading is not None
+            # A drain: the previous claim filled its batch, and rows visible at the last
+            # reading are still ahead of the cursor. An older reading is as safe as a new one
+            # (the claim's snapshot is younger still); what it would cost is a late range from
+            # its highest id up to the cursor, empty while the cursor is below that id. FENCE
+            # was about a twentieth of a drain's database time, most of it planning. Only a
+            # reading of the current epoch is kept (below), and the unordered claims alone
+            # share it.
+            row = reading[1]
+        else:
+            self.statements["fence"] += 1
+            row = await self._call("fetchrow", self.fence, self.table, state.top)
+        _, *epoch, top, held = row
+        if tuple(epoch) != self._epoch:
+            state = _Lane()
+            row = await self._new_epoch(tuple(epoch))
+            _, *epoch, top, held = row
+        if not reuse:
+            self._reading = (time.monotonic(), row)
+        state = self.cursors.get(destination, state)
+        recheck = state.recheck_from(held)
+        above = max(state.top, top)  # never lower: rows deleted since are no new ids
+        self.statements["claim"] += 1
+        until = time.monotonic() + self.lease  # before the statement: never later than its now()
+        self._claiming.add(destination)
+        args: tuple[object, ...] = (destination, limit, self.relay_id, self.lease, state.cursor)
+        try:
+            if recheck >= state.cursor:
+                # Nothing between the two can have committed late: no late range to read.
+                rows = await self._call("fetch", self.claim_fresh, *args, above)
+            else:
+                rows = await self._call("fetch", self.claim_late, *args, above, recheck)
+        finally:
+            self._claiming.discard(destination)
+        self._advance(destination, rows, limit, above, held)
+        return envelopes([r for r in rows if r[0] != -1], until)
+
+    async def _new_epoch(self, epoch: tuple[object, ...]) -> asyncpg.Record:
+        """A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
+        handed out again below where the cursors stand, and the fence is read again from the
+        start (the reading before capped its highest id with the old epoch's)."""
+        self._reading = None
+        self._epoch = epoch
+        self.cursors.clear()
+        self._on_new_epoch()
+        self.statements["fence"] += 1
+        return await self._call("fetchrow", self.fence, self.table, 0)
+
+    def _advance(
+        self,
+        destination: str,
+        rows: Sequence[asyncpg.Record],
+        limit: int,
+        above: int,
+        held: Collection[str],
+    ) -> None:
+        """Where ``destination``'s next claim starts, from the marker row of the claim that
+        read ``rows``, and whether it drains (the claim filled its batch)."""
+        # The marker row comes last (UNION ALL keeps its branches' order); found by its id.
+        marker = rows[-1] if rows[-1][0] == -1 else next(r for r in rows if r[0] == -1)
+        cursor, recheck = int(marker[2]), int(marker[4])
+        rewind = self._rewinds.pop(destination, None)
+        if rewind is not None:  # the sweep found rows below while this claim ran
+            cursor, recheck = min(cursor, rewind), min(recheck, rewind)
+        self.cursors[destination] = _Lane(cursor, recheck, above, frozenset(held))
+        if len(rows) > limit:  # the marker and a full batch
+            self._draining.add(destination)
+
+    def fresh_cursor(self, destination: str) -> int:
+        """Where the next claim of ``destination``'s fresh rows starts (0: no claim yet)."""
+        return self.cursors.get(destination, _Lane()).cursor
+
+    async def sweep(self) -> int:
+        """Look below each destination's cursor for fresh rows its claims will not reach
+        (ids handed out again: see queries.FRESH_BELOW) and walk from them again; returns how
+        many destinations had some. Under a held snapshot this reads every dead entry below
+        the cursors: the relay runs it every 30 minutes, off the claim's path."""
+        found = 0
+        for destination, lane in list(self.cursors.items()):
+            self.statements["sweep"] += 1
+            lowest = await self._call("fetchval", self._fresh_below, destination, lane.recheck)
+            if lowest is not None:
+                start = lowest - 1
+                now = self.cursors.get(destination, lane)
+                self.cursors[destination] = replace(
+                    now, cursor=min(now.cursor, start), recheck=min(now.recheck, start)
+                )
+                if destination in self._claiming:
+                    # The claim running now would write its own answer back over this.
+                    self._rewinds[destination] = min(self._rewinds.get(destination, start), start)
+                found += 1
+        return found
