@@ -54,7 +54,7 @@ async def _extended_and_running(conn: asyncpg.Connection, table: str) -> tuple[i
 
 
 async def _connect(db_url: str) -> asyncpg.Connection:
-    # The relay's own session settings (relay/db/store.py create_pool).
+    # The relay's own session settings (relay/db/pool.py create_pool).
     return await asyncpg.connect(
         to_asyncpg_dsn(db_url), server_settings={"plan_cache_mode": "force_custom_plan"}
     )
