@@ -311,7 +311,8 @@ async def _library(conn: asyncpg.Connection, schema: str, work: Action[T]) -> tu
             raise _missing_tables(schema, cause) from exc
         if isinstance(cause, asyncpg.PostgresError | asyncpg.InterfaceError | OSError):
             raise cause from None
-        raise
+        # Any other: the driver's words, not SQLAlchemy's (which carry the statement).
+        raise asyncpg.InterfaceError(str(cause)) from None
     except asyncpg.UndefinedTableError as exc:  # the statements run on ``conn`` itself
         raise _missing_tables(schema, exc) from exc
     return result, bool(unencrypted)
@@ -352,8 +353,15 @@ async def sqlalchemy_on(conn: asyncpg.Connection) -> AsyncIterator[AsyncConnecti
     engine = create_async_engine(
         "postgresql+asyncpg://", async_creator=same, poolclass=StaticPool, hide_parameters=True
     )
-    async with engine.connect() as sa:
-        yield sa
+    try:
+        async with engine.connect() as sa:
+            yield sa
+    finally:
+        # SQLAlchemy's dialect decodes json and jsonb on the connection it is given: the
+        # caller's connection goes back as it came (strings), whatever it is used for next.
+        if not conn.is_closed():
+            for name in ("json", "jsonb"):
+                await conn.reset_type_codec(name, schema="pg_catalog")
 
 
 async def _reencrypt_passes(

@@ -185,7 +185,50 @@ def test_secrets_never_reach_the_logs(db_url: str, kafka_bootstrap: str, tmp_pat
     assert SASL_SECRET not in everything
 
 
-SQL_CALLS = {"execute", "executemany", "fetch", "fetchrow", "fetchval", "_call", "text"}
+SQL_CALLS = {"execute", "executemany", "fetch", "fetchrow", "fetchval", "_call", "call", "text"}
+# Runners that take the method's name first and the SQL second: Store._call, the parts'
+# call (relay/db), store.call (the endpoints sink).
+SQL_SECOND = {"_call", "call"}
+
+
+def built_sql(tree: ast.AST) -> list[int]:
+    """The lines where SQL handed to a call is built from values: an f-string, % or + on
+    it, or .format(). Calls through an attribute (``conn.fetch(…)``, ``self._call(…)``) and
+    by a plain name (``call(…)``, a runner passed in; ``text(…)``, SQLAlchemy's) alike."""
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name not in SQL_CALLS or not node.args:
+            continue
+        sql = node.args[1] if name in SQL_SECOND and len(node.args) > 1 else node.args[0]
+        bad = isinstance(sql, ast.JoinedStr) or (
+            isinstance(sql, ast.BinOp) and isinstance(sql.op, ast.Mod | ast.Add)
+        )
+        bad |= (
+            isinstance(sql, ast.Call)
+            and isinstance(sql.func, ast.Attribute)
+            and sql.func.attr == "format"
+        )
+        if bad:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_the_check_sees_sql_built_wherever_it_is_run() -> None:
+    code = """
+async def checks(call, store, conn, t):
+    await call("fetchval", f"SELECT {t}")
+    await store.call("fetch", "SELECT " + t)
+    await store._call("fetchrow", "SELECT %s" % t)
+    await conn.fetchval("SELECT {}".format(t))
+    await call("fetchval", QUERY, t)
+    await conn.fetch(QUERY, t)
+    await conn.execute(text(f"SELECT {t}"))
+"""
+    assert built_sql(ast.parse(code)) == [3, 4, 5, 6, 9]
 
 
 def test_sql_is_only_ever_parameterised() -> None:
@@ -194,22 +237,6 @@ def test_sql_is_only_ever_parameterised() -> None:
     .format() and + on SQL text are refused wherever SQL is run."""
     offenders = []
     for path in sorted([*(ROOT / "relay").rglob("*.py"), *(ROOT / "outbox").rglob("*.py")]):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
-                continue
-            if node.func.attr not in SQL_CALLS or not node.args:
-                continue
-            # Store._call(method, sql, …) takes the SQL second.
-            sql = node.args[1] if node.func.attr == "_call" and len(node.args) > 1 else node.args[0]
-            bad = isinstance(sql, ast.JoinedStr) or (
-                isinstance(sql, ast.BinOp) and isinstance(sql.op, ast.Mod | ast.Add)
-            )
-            bad |= (
-                isinstance(sql, ast.Call)
-                and isinstance(sql.func, ast.Attribute)
-                and sql.func.attr == "format"
-            )
-            if bad:
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        for line in built_sql(ast.parse(path.read_text())):
+            offenders.append(f"{path.relative_to(ROOT)}:{line}")
     assert not offenders, offenders
