@@ -1,37 +1,13 @@
-"""The statements of `endpoints show` and `endpoints delete`'s question: an endpoint's
-deliveries and newest attempts. The endpoints themselves are read and changed by
-outbox.endpoints' own statements. Filled in as relay/ops/queries.py says."""
+"""The statements of `endpoints show` and `endpoints delete`'s question, by name: an endpoint's
+deliveries and newest attempts. Their text is in relay/ops/endpoints.sql; loaded as
+relay/ops/queries.py says. The endpoints themselves are read and changed by outbox.endpoints'
+own statements."""
 
 from __future__ import annotations
 
-# One endpoint's ($1) deliveries by status. Its last outcome is that of the newest delivery
-# that was tried: a success there (last_error NULL) means the endpoint has recovered.
-ENDPOINT_DELIVERIES = """
-WITH tried AS (
-    SELECT last_error, last_status
-    FROM {deliveries}
-    WHERE endpoint_id = $1 AND (last_error IS NOT NULL OR last_status IS NOT NULL)
-    ORDER BY id DESC
-    LIMIT 1
-)
-SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
-       count(*) FILTER (WHERE status = 'running') AS running,
-       count(*) FILTER (WHERE status = 'delivered') AS delivered,
-       count(*) FILTER (WHERE status = 'failed') AS failed,
-       count(*) FILTER (WHERE status = 'cancelled') AS cancelled,
-       CAST(extract(epoch FROM now() - min(created_at) FILTER (WHERE status = 'pending'))
-            AS float8) AS oldest_pending_age,
-       (SELECT last_error FROM tried) AS last_error,
-       (SELECT last_status FROM tried) AS last_status
-FROM {deliveries}
-WHERE endpoint_id = $1
-"""
+from outbox.sql import load
 
-# Its ($1) newest $2 attempts (outbox_attempts_endpoint_idx), replays included.
-ENDPOINT_RECENT_ATTEMPTS = """
-SELECT at, event_id, http_status, duration_ms, error
-FROM {attempts}
-WHERE endpoint_id = $1
-ORDER BY at DESC, id DESC
-LIMIT $2
-"""
+_q = load("relay.ops", "endpoints.sql")
+
+ENDPOINT_DELIVERIES = _q["endpoint_deliveries"]
+ENDPOINT_RECENT_ATTEMPTS = _q["endpoint_recent_attempts"]

@@ -264,7 +264,7 @@ def _replay_window(
     endpoint_id: int, since: float, failed_only: bool, within: Selection | None
 ) -> tuple[Any, ...]:
     """The arguments of the replay statements: their window, and a selection's bounds (for
-    those of replay_queries._REPLAY_WINDOW_WITHIN)."""
+    replay_endpoint_within and replay_endpoint_selection in relay/ops/replay.sql)."""
     statuses = _replay_statuses(failed_only)
     window = (endpoint_id, min(since, MAX_REPLAY_WINDOW), statuses)
     return window if within is None else (*window, within.max_id, within.at)

@@ -1,169 +1,19 @@
-"""The statements of `replay`: an event's deliveries put back to pending (or one added), an
-endpoint's deliveries of a window, and the selection that confirms a preview of them. Filled
-in as relay/ops/queries.py says."""
+"""The statements of `replay`, by name: an event's deliveries put back to pending (or one
+added), an endpoint's deliveries of a window, and the selection that confirms a preview of
+them. Their text, and why each is written so, is in relay/ops/replay.sql; loaded as
+relay/ops/queries.py says."""
 
 from __future__ import annotations
 
-# `replay`: the event, locked against deletion (retention, purge) until the replay commits:
-# a delivery put back to pending keeps its event from then on.
-REPLAY_EVENT_ROW = """
-SELECT id, destination, status, tenant, event_type FROM {table} WHERE id = $1 FOR KEY SHARE
-"""
+from outbox.sql import load
 
-REPLAY_ENDPOINT_ROW = """
-SELECT id, destination, url, enabled, tenant, event_types FROM {endpoints} WHERE id = $1
-"""
+_q = load("relay.ops", "replay.sql")
 
-# Whether endpoint e takes event o now: the rule fan-out applies (relay/db/queries/ FAN_OUT),
-# read at the time of the replay: an endpoint's tenant or event types may have changed since
-# the event was fanned out to it (an endpoint handed over to another customer), and a replay
-# must never send one tenant's event to another's endpoint. NULL-safe: an event without a
-# tenant goes only to endpoints taking every tenant.
-_TAKES = """coalesce((e.tenant IS NULL OR e.tenant = o.tenant)
-             AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types)),
-             false)"""
-
-# `replay ID [--endpoint EID]`: the event's deliveries ($1; $2: only that endpoint's, or NULL
-# for all) back to pending as replays, due now, with their attempts afresh; a running one is
-# left to the relay that holds it, one whose endpoint was deleted stays as it is (no relay
-# would ever claim it), and one whose endpoint no longer takes the event (_TAKES) is left as
-# it is and said so. Returns every delivery looked at, each saying whether it was replayed;
-# the row lock re-reads a delivery a relay changed meanwhile, so `status` is its state now.
-REPLAY_EVENT = (
-    """
-WITH target AS (
-    SELECT d.id, d.endpoint_id, d.status, d.locked_by, e.url, e.id IS NOT NULL AS endpoint_exists,
-           coalesce(e.enabled, false) AS enabled, e.tenant, e.event_types,
-           """
-    + _TAKES
-    + """ AS takes
-    FROM {deliveries} AS d
-    JOIN {table} AS o ON o.id = d.event_id
-    LEFT JOIN {endpoints} AS e ON e.id = d.endpoint_id
-    WHERE d.event_id = $1 AND ($2::bigint IS NULL OR d.endpoint_id = $2::bigint)
-    FOR UPDATE OF d
-),
-replayed AS (
-    UPDATE {deliveries} AS d
-    SET status = 'pending', attempts = 0, run_after = now(), replay = true, finished_at = NULL,
-        locked_by = NULL, locked_until = NULL
-    FROM target AS t
-    WHERE d.id = t.id AND t.status <> 'running' AND t.endpoint_exists AND t.takes
-    RETURNING d.id
-)
-SELECT t.id, t.endpoint_id, t.status, t.locked_by, t.url, t.endpoint_exists, t.enabled,
-       t.tenant, t.event_types, t.takes, r.id IS NOT NULL AS replayed
-FROM target AS t
-LEFT JOIN replayed AS r ON r.id = t.id
-ORDER BY t.endpoint_id
-"""
-)
-
-# `replay ID --endpoint EID` for an endpoint the event was never fanned out to (it was added
-# later, or did not match then): a delivery of its own, pending as a replay. The caller has
-# checked that the endpoint takes the event (admin.replay_event).
-REPLAY_EVENT_INSERT = """
-INSERT INTO {deliveries} (event_id, endpoint_id, destination, replay)
-VALUES ($1, $2, $3, true)
-ON CONFLICT (event_id, endpoint_id) DO NOTHING
-RETURNING id
-"""
-
-# `replay --endpoint EID --since D`: the endpoint's deliveries ($1) created in the last $2
-# seconds whose status is one of $3 (ended ones, and pending ones: a disabled endpoint's
-# backlog, or deliveries waiting out a backoff), back to pending as replays, due now. Those
-# whose event is gone (deleted by retention or purge) and those whose event the endpoint no
-# longer takes (_TAKES: its tenant or event types changed since) are left as they are and
-# counted. The events of the others are locked against deletion until the replay commits.
-_REPLAY_WINDOW = """
-WHERE d.endpoint_id = $1 AND d.created_at >= now() - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
-"""
-
-# The window of a preview confirmed later (REPLAY_ENDPOINT_WITHIN): ids up to $4, measured
-# from the preview's clock $5 (NULL for none and now(), in the preview itself).
-_REPLAY_WINDOW_WITHIN = """
-WHERE d.endpoint_id = $1
-  AND d.created_at >= coalesce($5::timestamptz, now()) - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
-  AND ($4::bigint IS NULL OR d.id <= $4::bigint)
-"""
-
-# The deliveries of the window as a selection (see _SELECTION). Whether each one's event is
-# still there is part of the digest (the seed of its hash), as it decides what is sent; so is
-# where the delivery stands (status, attempts, when it ended or is due): a replay leaves its
-# deliveries in the window (pending, due), and a preview confirmed twice (a form posted again)
-# must not send them twice, nor again once the relay has sent them.
-REPLAY_ENDPOINT_SELECTION = (
-    """
-SELECT count(*) AS rows, coalesce(max(d.id), 0) AS max_id,
-       coalesce(sum(hashint8extended(d.id, hashtextextended(concat_ws(',',
-           EXISTS (SELECT 1 FROM {table} AS o WHERE o.id = d.event_id), d.status, d.attempts,
-           d.finished_at, d.run_after, d.replay), 0))::numeric), 0)::text AS digest,
-       now() AS at
-FROM {deliveries} AS d
-"""
-    + _REPLAY_WINDOW_WITHIN
-)
-
-REPLAY_ENDPOINT_PREVIEW = (
-    """
-SELECT d.status, o.id IS NOT NULL AS found, coalesce("""
-    + _TAKES
-    + """, false) AS takes, count(*) AS n
-FROM {deliveries} AS d
-JOIN {endpoints} AS e ON e.id = d.endpoint_id
-LEFT JOIN {table} AS o ON o.id = d.event_id
-"""
-    + _REPLAY_WINDOW
-    + """
-GROUP BY 1, 2, 3
-"""
-)
-
-REPLAY_ENDPOINT = (
-    """
-WITH target AS (
-    SELECT d.id, d.status
-    FROM {deliveries} AS d
-    JOIN {endpoints} AS e ON e.id = d.endpoint_id
-    JOIN {table} AS o ON o.id = d.event_id
-"""
-    + _REPLAY_WINDOW
-    + """
-      AND """
-    + _TAKES
-    + """
-    FOR UPDATE OF d FOR KEY SHARE OF o
-),
-replayed AS (
-    UPDATE {deliveries} AS d
-    SET status = 'pending', attempts = 0, run_after = now(), replay = true, finished_at = NULL,
-        locked_by = NULL, locked_until = NULL
-    FROM target AS t
-    WHERE d.id = t.id
-    RETURNING t.status
-),
-skipped AS (
-    SELECT o.id IS NOT NULL AS found, count(*) AS n
-    FROM {deliveries} AS d
-    JOIN {endpoints} AS e ON e.id = d.endpoint_id
-    LEFT JOIN {table} AS o ON o.id = d.event_id
-"""
-    + _REPLAY_WINDOW
-    + """
-      AND NOT (o.id IS NOT NULL AND """
-    + _TAKES
-    + """)
-    GROUP BY 1
-)
-SELECT status, count(*) AS n, true AS found, true AS takes FROM replayed GROUP BY status
-UNION ALL
-SELECT NULL, n, found, false FROM skipped
-"""
-)
-
-# REPLAY_ENDPOINT within a confirmed preview's selection: the same statement, both its
-# windows bounded as _REPLAY_WINDOW_WITHIN says (derived, so that the two cannot drift apart;
-# tests/test_console_actions.py runs it).
-REPLAY_ENDPOINT_WITHIN = REPLAY_ENDPOINT.replace(_REPLAY_WINDOW, _REPLAY_WINDOW_WITHIN)
+REPLAY_EVENT_ROW = _q["replay_event_row"]
+REPLAY_ENDPOINT_ROW = _q["replay_endpoint_row"]
+REPLAY_EVENT = _q["replay_event"]
+REPLAY_EVENT_INSERT = _q["replay_event_insert"]
+REPLAY_ENDPOINT_SELECTION = _q["replay_endpoint_selection"]
+REPLAY_ENDPOINT_PREVIEW = _q["replay_endpoint_preview"]
+REPLAY_ENDPOINT = _q["replay_endpoint"]
+REPLAY_ENDPOINT_WITHIN = _q["replay_endpoint_within"]

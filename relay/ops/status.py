@@ -203,8 +203,7 @@ async def status(
 async def _read(conn: asyncpg.Connection, schema: str) -> _Read:
     has_endpoints = await has_endpoint_tables(conn, schema)
     async with conn.transaction(isolation="repeatable_read", readonly=True):
-        # Aggregates over the partial indexes: compiling them (JIT) costs more than it saves.
-        await conn.execute("SET LOCAL jit = off")
+        await conn.execute(queries.JIT_OFF)
         counts = await conn.fetch(sql(queries.STATUS_COUNTS, schema))
         ended = await conn.fetch(sql(queries.STATUS_ENDED, schema))
         counted = {r["destination"]: r["pending"] + r["running"] for r in counts}

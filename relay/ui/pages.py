@@ -222,7 +222,7 @@ async def endpoints(request: Request) -> Response:
         raise AdminError(f"after_id must be a whole number, not {after!r}")
     async with console.connection() as conn:
         tables = await conn.fetchval(
-            "SELECT to_regclass($1) IS NOT NULL", f"{_quoted(console.schema)}.outbox_endpoints"
+            queries.TABLE_EXISTS, f"{_quoted(console.schema)}.outbox_endpoints"
         )
         found = (
             await conn.fetch(

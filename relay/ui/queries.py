@@ -1,4 +1,5 @@
-"""The console's own statements (what it shows beyond the operations commands' functions).
+"""The console's own statements (what it shows beyond the operations commands' functions), by
+name: their text is in relay/ui/queries.sql; loaded as relay/ops/queries.py says.
 
 Placeholders as in relay/db/queries/ (``{table}``, ``{endpoints}``, …), filled by
 ``relay.db.queries.render_ops``.
@@ -6,47 +7,15 @@ Placeholders as in relay/db/queries/ (``{table}``, ``{endpoints}``, …), filled
 
 from __future__ import annotations
 
-# Delivered rows per minute of the last hour, and their commit-to-delivery lag (average and
-# worst), per destination ($1: one destination, or NULL for all). Read from the delivered
-# rows still kept (relay.retention), through the partial index on delivered_at.
-SERIES = """
-WITH per_minute AS (
-    SELECT date_trunc('minute', delivered_at) AS minute,
-           count(*) AS delivered,
-           avg(extract(epoch FROM delivered_at - created_at))::float8 AS lag_avg,
-           max(extract(epoch FROM delivered_at - created_at))::float8 AS lag_max
-    FROM {table}
-    WHERE status = 'delivered' AND delivered_at > now() - interval '1 hour'
-      AND ($1::text IS NULL OR destination = $1::text)
-    GROUP BY 1
-)
--- Every minute of the hour, a quiet one as 0 delivered (no lag): the chart shows the gap.
-SELECT extract(epoch FROM m.minute)::bigint AS minute,
-       coalesce(p.delivered, 0) AS delivered, p.lag_avg, p.lag_max
-FROM generate_series(date_trunc('minute', now() - interval '59 minutes'),
-                     date_trunc('minute', now()), interval '1 minute') AS m(minute)
-LEFT JOIN per_minute AS p USING (minute)
-ORDER BY 1
-"""
+from outbox.sql import load
 
-# A page of endpoints with their health, never their secrets; the URL is shown by origin
-# only. By keyset: those after id $3 (0 for the first page), through the primary key.
-ENDPOINTS = """
-SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.description,
-       e.enabled, e.disabled_reason, e.failing_since, e.last_success_at,
-       CASE WHEN (to_jsonb(e) ->> 'circuit_open_until')::timestamptz > now()
-            THEN (to_jsonb(e) ->> 'circuit_open_until')::timestamptz END AS circuit_open_until,
-       (SELECT count(*) FROM {deliveries} AS d
-        WHERE d.endpoint_id = e.id AND d.status = 'pending') AS pending
-FROM {endpoints} AS e
-WHERE ($1::text IS NULL OR e.destination = $1::text) AND e.id > $3::bigint
-ORDER BY e.id
-LIMIT $2
-"""
+# Whether a table is there: the library's statement.
+from relay.db.queries import TABLE_EXISTS as TABLE_EXISTS
 
-# One endpoint, named on the question before an action on it.
-ENDPOINT_ROW = "SELECT id, destination, url, enabled FROM {endpoints} WHERE id = $1"
+_q = load("relay.ui", "queries.sql")
 
-ENDPOINT_DESTINATION = "SELECT destination FROM {endpoints} WHERE id = $1"
-
-SERVER_NOW = "SELECT now()"
+SERIES = _q["series"]
+ENDPOINTS = _q["endpoints"]
+ENDPOINT_ROW = _q["endpoint_row"]
+ENDPOINT_DESTINATION = _q["endpoint_destination"]
+SERVER_NOW = _q["server_now"]
