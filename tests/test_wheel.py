@@ -29,6 +29,10 @@ CONSOLE_FILES = sorted(
     for p in (REPO / "relay" / "ui" / folder).rglob("*")
     if p.is_file()
 )
+# The statements the code loads by name (outbox/sql.py) travel with it.
+SQL_FILES = sorted(
+    str(p.relative_to(REPO)) for d in ("outbox", "relay") for p in (REPO / d).rglob("*.sql")
+)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +76,7 @@ def test_the_wheel_holds_the_migrations_the_console_files_and_the_demo_extra(whe
         metadata = Parser().parsestr(z.read(meta).decode())
     assert {f"outbox/_migrations/{m}" for m in MIGRATIONS} <= names
     assert set(CONSOLE_FILES) <= names
+    assert SQL_FILES and set(SQL_FILES) <= names, set(SQL_FILES) - names
     assert "demo" in (metadata.get_all("Provides-Extra") or [])
     extra = re.compile(r"""extra\s*==\s*["']demo["']""")
     demo = [r for r in metadata.get_all("Requires-Dist") or [] if extra.search(r)]
