@@ -63,15 +63,20 @@ def load(package: str, filename: str) -> Statements:
     """The statements of ``filename`` in ``package`` (``load("relay.ops", "queries.sql")``),
     read and parsed once per file; through importlib.resources, so an installed wheel's are
     found as the checkout's."""
-    text = resources.files(package).joinpath(filename).read_text(encoding="utf-8")
+    # utf-8-sig: a file an editor saved with a byte order mark reads as without it.
+    text = resources.files(package).joinpath(filename).read_text(encoding="utf-8-sig")
     return Statements(f"{package.replace('.', '/')}/{filename}", parse(text, filename))
 
 
 def parse(text: str, where: str = "<sql>") -> dict[str, str]:
     """The statements of a file's ``text`` by name, in file order (see the module's docstring
     for the format); ``where`` names the file in errors."""
-    lines = text.splitlines()
+    # Lines end at "\n" alone: splitlines() would also cut at a form feed or U+2028 inside a
+    # string literal, and the text would no longer be the statement's, byte for byte.
+    lines = text.replace("\r\n", "\n").split("\n")
     starts = [i for i, line in enumerate(lines) if line.startswith("-- name:")]
+    if not starts:
+        raise SqlFileError(f"{where}: no statement (each begins with a '-- name:' line)")
     for i in range(starts[0] if starts else len(lines)):
         if lines[i].strip() and not lines[i].startswith("--"):
             raise SqlFileError(f"{where}:{i + 1}: SQL before the first '-- name:' line")
@@ -109,5 +114,12 @@ def _statement(lines: list[str], where: str, name: str) -> str:
         body += 1
     if end <= body:
         raise SqlFileError(f"{where}: statement {name!r} has no text")
+    if lines[end - 1].startswith("--"):
+        # It would be sent as the statement's last line, and whatever follows the text (a
+        # ";" appended) would be inside the comment.
+        raise SqlFileError(
+            f"{where}: comment lines after statement {name!r}: put them under the name of the "
+            "statement they explain"
+        )
     text = "\n".join(lines[body:end])
     return f"\n{text}\n" if wrapped else text

@@ -21,26 +21,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 KEYWORDS = (
     "SELECT|INSERT|UPDATE|DELETE|WITH|CREATE|ALTER|DROP|LOCK|TRUNCATE|VACUUM|ANALYZE|SET|SHOW|"
-    "LISTEN|NOTIFY|BEGIN|COMMIT|ROLLBACK|DO|COPY|EXPLAIN"
+    "RESET|LISTEN|NOTIFY|BEGIN|COMMIT|ROLLBACK|DO|COPY|EXPLAIN"
 )
-# A statement: after blank space and `--` comment lines, an upper-case keyword and a space.
-STATEMENT = re.compile(r"(?:\s|--[^\n]*(?:\n|$))*(?:" + KEYWORDS + r")\s")
+# A piece of a statement, to be spliced into others (the rule: written out in full).
+PIECES = "FROM|WHERE|RETURNING|\\(SELECT"
+# A statement or a piece: after blank space and `--` comment lines, an upper-case keyword and
+# a space.
+STATEMENT = re.compile(r"(?:\s|--[^\n]*(?:\n|$))*(?:" + KEYWORDS + "|" + PIECES + r")\s")
 
 # Move these into .sql files (the next steps of issue #28); the figure is the most SQL
 # literals each may hold meanwhile.
 SQL_LITERALS = {
     "outbox/migrate.py": 1,
-    "outbox/queries.py": 44,
+    "outbox/queries.py": 47,
     "outbox/schema.py": 6,
     "relay/db/queries/checks.py": 4,
     "relay/db/queries/claim.py": 4,
     "relay/db/queries/deliveries.py": 7,
     "relay/db/queries/gauges.py": 2,
     "relay/db/queries/leases.py": 5,
-    "relay/db/queries/ordered.py": 7,
+    "relay/db/queries/ordered.py": 8,
     "relay/db/queries/outcomes.py": 3,
-    "relay/db/queries/registry.py": 7,
-    "relay/db/queries/retention.py": 6,
+    "relay/db/queries/registry.py": 8,
+    "relay/db/queries/retention.py": 7,
     "relay/db/snapshots.py": 2,
     "relay/pipeline/listener.py": 1,
     "relay/tools/bench/common.py": 11,
@@ -276,3 +279,47 @@ def test_a_file_is_loaded_once_and_a_missing_name_names_the_file() -> None:
     assert sorted(statements) == ["endpoint_deliveries", "endpoint_recent_attempts"]
     with pytest.raises(KeyError, match=r"relay/ops/endpoints.sql has no statement 'nope' \(it"):
         statements["nope"]
+
+
+# --- found by the review of the first step (each failed before its fix) ---------------------
+
+
+@pytest.mark.parametrize("char", ["\x0b", "\x0c", "\x1c", "\x85", "\u2028", "\u2029"])
+def test_a_statement_keeps_every_character_but_the_newlines(char: str) -> None:
+    text = f"-- name: a\n\nSELECT 'x{char}y' AS s\n"
+    assert parse(text, "f.sql") == {"a": f"\nSELECT 'x{char}y' AS s\n"}
+
+
+@pytest.mark.parametrize("text", ["", "\n", "-- a header only\n"])
+def test_a_file_without_statements_is_said_so(text: str) -> None:
+    with pytest.raises(SqlFileError, match=r"f\.sql: no statement"):
+        parse(text, "f.sql")
+
+
+def test_comments_after_a_statement_are_refused() -> None:
+    text = (
+        "-- name: reset_search_path\nRESET search_path\n-- The migrations':\n\n"
+        "-- name: b\nSELECT 1\n"
+    )
+    with pytest.raises(SqlFileError, match="comment lines after statement 'reset_search_path'"):
+        parse(text, "f.sql")
+
+
+def test_a_file_with_a_byte_order_mark_reads_as_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "bom_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "q.sql").write_bytes("\ufeff-- name: a\nSELECT 1\n".encode())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert dict(load("bom_package", "q.sql")) == {"a": "SELECT 1"}
+
+
+def test_the_check_finds_reset_and_the_pieces_of_statements() -> None:
+    source = (
+        'RESET_SEARCH_PATH = "RESET search_path"\n'
+        '_FAILED_MATCHING = """\nFROM {table}\nWHERE status = \'failed\'\n"""\n'
+        '_OPEN_DELIVERY = """(SELECT EXISTS (\n  SELECT 1 FROM {deliveries} AS d))"""\n'
+    )
+    assert sql_literals(source) == [1, 2, 6]
