@@ -18,9 +18,24 @@ blank lines at its end left out. Written after a blank line (as above) its text 
 ends with a newline, as the triple-quoted Python string it was held; written right under the
 name or the comments it is the bare text (``-- name: server_now`` then ``SELECT now()``). So
 the text is byte for byte what the statement was in Python, what PostgreSQL receives and
-prepares. Placeholders (``{table}``, ``$1``) are left as written: the statements are asyncpg's
-(``$n`` binds), and the render functions fill in the tables (relay.db.queries.render_ops).
-Before the first name a file may hold only ``--`` comments and blank lines (its header).
+prepares. Before the first name a file may hold only ``--`` comments and blank lines (its
+header).
+
+Values are binds written one way in every file, ``:name``, and each statement that has any
+declares them in a comment line under its name, in the order its caller passes them::
+
+    -- name: resume
+    -- params: destination
+    DELETE FROM {paused} WHERE destination = :destination RETURNING paused_at
+
+The relay's statements run on asyncpg, which binds ``$1``, ``$2``, …: they are loaded with
+``binds="numbered"``, each ``:name`` handed out as its place in the params line (the text
+above becomes ``… WHERE destination = $1 …``). The library's run through SQLAlchemy's text(),
+which binds ``:name`` itself: ``binds="named"`` leaves them as written (and refuses
+``:name::type``, which text() would not read as a bind: ``CAST(:name AS type)`` is read by
+both). A bind used but not declared, declared but not used, or a ``$1`` written in a file is
+an error naming the statement. Tables are placeholders (``{table}``), filled in by the render
+functions (relay.db.queries.render_ops): identifiers are never binds.
 """
 
 from __future__ import annotations
@@ -29,8 +44,34 @@ import functools
 import re
 from collections.abc import Iterator, Mapping
 from importlib import resources
+from typing import Literal
 
 NAME = re.compile(r"-- name: (?P<name>[a-z][a-z0-9_]*)\s*$")
+PARAMS = re.compile(r"-- params:(?P<names>.*)$")
+PARAM_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+Binds = Literal["numbered", "named"]
+"""How a file's ``:name`` binds are handed out: ``numbered`` as asyncpg's ``$1``, ``$2``, … in
+the order the statement's ``-- params:`` line gives (the relay's statements); ``named`` as
+written, for SQLAlchemy's text() (the library's)."""
+
+# What in a statement's text is not a bind although it may look like one: comments, string
+# literals (E'…' with backslash escapes), quoted identifiers, dollar-quoted bodies; and what
+# is one: ``:name`` not after a word character, a backslash or another colon (SQLAlchemy's
+# rule), ``::`` being a cast. ``$1`` is found to be refused: one style in every file.
+_TOKEN = re.compile(
+    r"""
+    (?P<comment>--[^\n]*)
+  | (?P<block>/\*.*?\*/)
+  | (?P<string>(?<!\w)[eE]'(?:[^'\\]|\\.|'')*'|'(?:[^']|'')*')
+  | (?P<ident>"(?:[^"]|"")*")
+  | (?P<dollar>\$(?P<tag>(?:[A-Za-z_][A-Za-z0-9_]*)?)\$.*?\$(?P=tag)\$)
+  | (?P<numbered>\$[0-9]+)
+  | (?P<cast>::)
+  | (?<![\w\\:]):(?P<bind>[A-Za-z_][A-Za-z0-9_]*)
+    """,
+    re.S | re.X,
+)
 
 
 class SqlFileError(ValueError):
@@ -59,25 +100,26 @@ class Statements(Mapping[str, str]):
 
 
 @functools.cache
-def load(package: str, filename: str) -> Statements:
-    """The statements of ``filename`` in ``package`` (``load("relay.ops", "queries.sql")``),
-    read and parsed once per file; through importlib.resources, so an installed wheel's are
-    found as the checkout's."""
+def load(package: str, filename: str, *, binds: Binds) -> Statements:
+    """The statements of ``filename`` in ``package`` (``load("relay.ops", "queries.sql",
+    binds="numbered")``), read and parsed once per file; through importlib.resources, so an
+    installed wheel's are found as the checkout's."""
     # utf-8-sig: a file an editor saved with a byte order mark reads as without it.
     text = resources.files(package).joinpath(filename).read_text(encoding="utf-8-sig")
-    return Statements(f"{package.replace('.', '/')}/{filename}", parse(text, filename))
+    return Statements(f"{package.replace('.', '/')}/{filename}", parse(text, filename, binds))
 
 
-def parse(text: str, where: str = "<sql>") -> dict[str, str]:
-    """The statements of a file's ``text`` by name, in file order (see the module's docstring
-    for the format); ``where`` names the file in errors."""
+def parse(text: str, where: str = "<sql>", binds: Binds = "numbered") -> dict[str, str]:
+    """The statements of a file's ``text`` by name, in file order, their binds handed out as
+    ``binds`` says (see the module's docstring for the format); ``where`` names the file in
+    errors."""
     # Lines end at "\n" alone: splitlines() would also cut at a form feed or U+2028 inside a
     # string literal, and the text would no longer be the statement's, byte for byte.
     lines = text.replace("\r\n", "\n").split("\n")
     starts = [i for i, line in enumerate(lines) if line.startswith("-- name:")]
     if not starts:
         raise SqlFileError(f"{where}: no statement (each begins with a '-- name:' line)")
-    for i in range(starts[0] if starts else len(lines)):
+    for i in range(starts[0]):
         if lines[i].strip() and not lines[i].startswith("--"):
             raise SqlFileError(f"{where}:{i + 1}: SQL before the first '-- name:' line")
     found: dict[str, str] = {}
@@ -95,16 +137,25 @@ def parse(text: str, where: str = "<sql>") -> dict[str, str]:
                 f"{where}:{start + 1}: statement {name!r} is named twice "
                 f"(first at line {first_at[name]})"
             )
-        found[name] = _statement(lines[start + 1 : end], f"{where}:{start + 1}", name)
+        here = f"{where}:{start + 1}"
+        params, text_ = _statement(lines[start + 1 : end], here, name)
+        found[name] = bind(text_, params, binds, f"{here}: statement {name!r}")
         first_at[name] = start + 1
     return found
 
 
-def _statement(lines: list[str], where: str, name: str) -> str:
-    """The text of a statement from the lines under its name: the comment lines first, then
-    the statement (after a blank line: between newlines)."""
+def _statement(lines: list[str], where: str, name: str) -> tuple[list[str] | None, str]:
+    """The declared parameters (its ``-- params:`` line, if any) and the text of a statement
+    from the lines under its name: the comment lines first, then the statement (after a blank
+    line: between newlines)."""
     body = 0
+    params: list[str] | None = None
     while body < len(lines) and lines[body].startswith("--"):
+        declared = PARAMS.match(lines[body])
+        if declared is not None:
+            if params is not None:
+                raise SqlFileError(f"{where}: statement {name!r} has two '-- params:' lines")
+            params = _param_names(declared["names"], where, name)
         body += 1
     wrapped = body < len(lines) and not lines[body].strip()
     end = len(lines)
@@ -122,4 +173,62 @@ def _statement(lines: list[str], where: str, name: str) -> str:
             "statement they explain"
         )
     text = "\n".join(lines[body:end])
-    return f"\n{text}\n" if wrapped else text
+    return params, f"\n{text}\n" if wrapped else text
+
+
+def _param_names(line: str, where: str, name: str) -> list[str]:
+    names = [part.strip() for part in line.split(",")]
+    for part in names:
+        if not PARAM_NAME.fullmatch(part):
+            raise SqlFileError(
+                f"{where}: statement {name!r}: {part!r} in its '-- params:' line is not a "
+                "name (lower-case letters, digits and underscores, comma-separated)"
+            )
+    twice = sorted({part for part in names if names.count(part) > 1})
+    if twice:
+        raise SqlFileError(f"{where}: statement {name!r} declares {', '.join(twice)} twice")
+    return names
+
+
+def bind(text: str, params: list[str] | None, binds: Binds, where: str = "<sql>") -> str:
+    """``text`` with its ``:name`` binds handed out as ``binds`` says: as ``$n`` in the order of
+    ``params`` (its ``-- params:`` line), or as written. Every bind must be declared and every
+    declared name used, so the order the caller passes values in is the one written down."""
+    used: list[tuple[int, int, str]] = []
+    for token in _TOKEN.finditer(text):
+        if token["numbered"] is not None:
+            raise SqlFileError(
+                f"{where}: {token['numbered']} is a numbered bind; write it as :name and "
+                "declare the order in its '-- params:' line"
+            )
+        name = token["bind"]
+        if name is None:
+            continue
+        if binds == "named" and text.startswith("::", token.end()):
+            # SQLAlchemy's text() reads ":name::type" as no bind at all.
+            raise SqlFileError(
+                f"{where}: :{name}:: is not a bind for SQLAlchemy; write CAST(:{name} AS …)"
+            )
+        used.append((token.start(), token.end(), name))
+    declared = params or []
+    unknown = sorted({name for _, _, name in used} - set(declared))
+    if unknown:
+        raise SqlFileError(
+            f"{where} uses {', '.join(':' + n for n in unknown)} without declaring it in its "
+            "'-- params:' line"
+        )
+    unused = [name for name in declared if name not in {n for _, _, n in used}]
+    if unused:
+        raise SqlFileError(
+            f"{where} declares {', '.join(unused)} in its '-- params:' line but never uses it"
+        )
+    if binds == "named":
+        return text
+    out: list[str] = []
+    at = 0
+    for start, end, name in used:
+        out.append(text[at:start])
+        out.append(f"${declared.index(name) + 1}")
+        at = end
+    out.append(text[at:])
+    return "".join(out)

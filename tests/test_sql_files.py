@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from outbox.sql import SqlFileError, load, parse
+from outbox.sql import Binds, SqlFileError, load, parse
 from relay.db import queries as relay_queries
 from relay.ops import queries, replay_queries
 
@@ -142,10 +142,10 @@ def test_the_check_finds_what_it_is_for() -> None:
 # --- the files and the modules that load them ----------------------------------------------
 
 
-def loaders() -> dict[Path, str]:
-    """Every ``.sql`` file a module loads (``load("relay.ops", "queries.sql")``), and that
-    module's name."""
-    found: dict[Path, str] = {}
+def loaders() -> dict[Path, list[tuple[str, Binds]]]:
+    """Every ``.sql`` file a module loads (``load("relay.ops", "queries.sql", binds=…)``), and
+    that module's name with the binds it asks for."""
+    found: dict[Path, list[tuple[str, Binds]]] = {}
     for p in sources():
         for node in ast.walk(ast.parse(p.read_text())):
             if (
@@ -155,10 +155,11 @@ def loaders() -> dict[Path, str]:
                 and all(isinstance(a, ast.Constant) for a in node.args)
             ):
                 package, filename = (a.value for a in node.args if isinstance(a, ast.Constant))
+                binds = next(k.value for k in node.keywords if k.arg == "binds")
+                assert isinstance(binds, ast.Constant), f"{p}: binds= is written out"
                 sql_file = ROOT.joinpath(*package.split("."), filename)
-                assert sql_file not in found, f"{sql_file} loaded twice"
                 module = p.relative_to(ROOT).with_suffix("")
-                found[sql_file] = ".".join(module.parts)
+                found.setdefault(sql_file, []).append((".".join(module.parts), binds.value))
     return found
 
 
@@ -166,10 +167,11 @@ def test_every_sql_file_is_loaded_and_each_statement_named_by_its_module() -> No
     files = sorted(p for d in ("outbox", "relay") for p in (ROOT / d).rglob("*.sql"))
     loaded = loaders()
     assert sorted(loaded) == files
-    for sql_file, module_name in loaded.items():
-        module = importlib.import_module(module_name)
-        for name, text in parse(sql_file.read_text(), str(sql_file)).items():
-            assert getattr(module, name.upper(), None) == text, (module_name, name)
+    for sql_file, modules in loaded.items():
+        for module_name, binds in modules:
+            module = importlib.import_module(module_name)
+            for name, text in parse(sql_file.read_text(), str(sql_file), binds).items():
+                assert getattr(module, name.upper(), None) == text, (module_name, name)
 
 
 # The pieces the statements once were composed of in Python, each now written out in every
@@ -242,9 +244,10 @@ def test_a_statement_is_the_text_under_its_name_and_comments() -> None:
         "DELETE FROM t\n"
         "\n"
         "-- name: last\n"
+        "-- params: id\n"
         "\n"
         "    -- a comment inside the statement\n"
-        "SELECT {table}.x FROM {table} WHERE id = $1"
+        "SELECT {table}.x FROM {table} WHERE id = :id"
     )
     assert parse(text) == {
         "wrapped": "\nSELECT a\n\nFROM t  -- the blank line above is the statement's\n",
@@ -274,8 +277,8 @@ def test_a_file_that_is_not_statements_is_an_error_saying_where(text: str, error
 
 
 def test_a_file_is_loaded_once_and_a_missing_name_names_the_file() -> None:
-    statements = load("relay.ops", "endpoints.sql")
-    assert load("relay.ops", "endpoints.sql") is statements
+    statements = load("relay.ops", "endpoints.sql", binds="numbered")
+    assert load("relay.ops", "endpoints.sql", binds="numbered") is statements
     assert sorted(statements) == ["endpoint_deliveries", "endpoint_recent_attempts"]
     with pytest.raises(KeyError, match=r"relay/ops/endpoints.sql has no statement 'nope' \(it"):
         statements["nope"]
@@ -313,7 +316,7 @@ def test_a_file_with_a_byte_order_mark_reads_as_without(
     (package / "__init__.py").write_text("")
     (package / "q.sql").write_bytes("\ufeff-- name: a\nSELECT 1\n".encode())
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert dict(load("bom_package", "q.sql")) == {"a": "SELECT 1"}
+    assert dict(load("bom_package", "q.sql", binds="named")) == {"a": "SELECT 1"}
 
 
 def test_the_check_finds_reset_and_the_pieces_of_statements() -> None:
@@ -323,3 +326,76 @@ def test_the_check_finds_reset_and_the_pieces_of_statements() -> None:
         '_OPEN_DELIVERY = """(SELECT EXISTS (\n  SELECT 1 FROM {deliveries} AS d))"""\n'
     )
     assert sql_literals(source) == [1, 2, 6]
+
+
+# --- binds: one style in every file (:name), handed out as asyncpg's $n or as written -------
+
+
+PARAMS_FILE = (
+    "-- name: claim\n"
+    "-- params: destination, batch, cursor\n"
+    "-- Why: the params line says the order the caller passes values in, whatever the order\n"
+    "-- the statement uses them in (:not_a_bind in a comment).\n"
+    "\n"
+    "SELECT id, ':no' AS \"a:b\", E'\\' :no', $$ :no $$, $q$ :no $q$, x::text /* :no */\n"
+    "FROM {table} WHERE id > :cursor::bigint AND destination = :destination -- :no\n"
+    "  AND :cursor IS NOT NULL\n"
+    "LIMIT :batch\n"
+)
+
+
+def test_binds_are_numbered_in_their_declared_order_and_nothing_else_is_a_bind() -> None:
+    assert parse(PARAMS_FILE, "f.sql", "numbered")["claim"] == (
+        "\nSELECT id, ':no' AS \"a:b\", E'\\' :no', $$ :no $$, $q$ :no $q$, x::text /* :no */\n"
+        "FROM {table} WHERE id > $3::bigint AND destination = $1 -- :no\n"
+        "  AND $3 IS NOT NULL\n"
+        "LIMIT $2\n"
+    )
+
+
+def test_named_binds_are_left_as_written_for_sqlalchemy() -> None:
+    text = "-- name: a\n-- params: id, key\nSELECT CAST(:id AS bigint), :key"
+    assert parse(text, "f.sql", "named") == {"a": "SELECT CAST(:id AS bigint), :key"}
+    assert parse(text, "f.sql", "numbered") == {"a": "SELECT CAST($1 AS bigint), $2"}
+
+
+@pytest.mark.parametrize(
+    ("text", "binds", "error"),
+    [
+        ("-- name: a\nSELECT $1", "numbered", "f.sql:1: statement 'a': $1 is a numbered bind"),
+        ("-- name: a\nSELECT :x", "named", "f.sql:1: statement 'a' uses :x without declaring"),
+        (
+            "-- name: a\n-- params: x, y\nSELECT :x",
+            "numbered",
+            "f.sql:1: statement 'a' declares y in its '-- params:' line but never uses it",
+        ),
+        (
+            "-- name: a\n-- params: x, x\nSELECT :x",
+            "named",
+            "f.sql:1: statement 'a' declares x twice",
+        ),
+        ("-- name: a\n-- params: x y\nSELECT :x", "named", "f.sql:1: statement 'a': 'x y' in"),
+        (
+            "-- name: a\n-- params: x\n-- params: x\nSELECT :x",
+            "named",
+            "f.sql:1: statement 'a' has two '-- params:' lines",
+        ),
+        (
+            "-- name: a\n-- params: x\nSELECT :x::int",
+            "named",
+            "f.sql:1: statement 'a': :x:: is not a bind for SQLAlchemy; write CAST(:x AS",
+        ),
+    ],
+)
+def test_binds_that_do_not_add_up_are_an_error_saying_where(
+    text: str, binds: Binds, error: str
+) -> None:
+    with pytest.raises(SqlFileError, match="^" + re.escape(error)):
+        parse(text, "f.sql", binds)
+
+
+def test_every_file_declares_its_binds() -> None:
+    for sql_file, modules in loaders().items():
+        for _, binds in modules:
+            parse(sql_file.read_text(), str(sql_file), binds)
+        assert not re.search(r"^[^-\n]*\$[0-9]", sql_file.read_text(), re.M), sql_file

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from outbox.sql import load
 
-_q = load("relay.ops", "endpoints.sql")
+_q = load("relay.ops", "endpoints.sql", binds="numbered")
 
 ENDPOINT_DELIVERIES = _q["endpoint_deliveries"]
 ENDPOINT_RECENT_ATTEMPTS = _q["endpoint_recent_attempts"]

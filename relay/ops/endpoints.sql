@@ -3,13 +3,14 @@
 -- and changed by outbox.endpoints' own statements. Filled in as relay/ops/queries.sql says.
 
 -- name: endpoint_deliveries
--- One endpoint's ($1) deliveries by status. Its last outcome is that of the newest delivery
+-- params: endpoint_id
+-- One endpoint's (:endpoint_id) deliveries by status. Its last outcome is that of the newest delivery
 -- that was tried: a success there (last_error NULL) means the endpoint has recovered.
 
 WITH tried AS (
     SELECT last_error, last_status
     FROM {deliveries}
-    WHERE endpoint_id = $1 AND (last_error IS NOT NULL OR last_status IS NOT NULL)
+    WHERE endpoint_id = :endpoint_id AND (last_error IS NOT NULL OR last_status IS NOT NULL)
     ORDER BY id DESC
     LIMIT 1
 )
@@ -23,13 +24,14 @@ SELECT count(*) FILTER (WHERE status = 'pending') AS pending,
        (SELECT last_error FROM tried) AS last_error,
        (SELECT last_status FROM tried) AS last_status
 FROM {deliveries}
-WHERE endpoint_id = $1
+WHERE endpoint_id = :endpoint_id
 
 -- name: endpoint_recent_attempts
--- Its ($1) newest $2 attempts (outbox_attempts_endpoint_idx), replays included.
+-- params: endpoint_id, limit
+-- Its (:endpoint_id) newest :limit attempts (outbox_attempts_endpoint_idx), replays included.
 
 SELECT at, event_id, http_status, duration_ms, error
 FROM {attempts}
-WHERE endpoint_id = $1
+WHERE endpoint_id = :endpoint_id
 ORDER BY at DESC, id DESC
-LIMIT $2
+LIMIT :limit

@@ -26,7 +26,7 @@ from relay.db.queries import TABLE_EXISTS as TABLE_EXISTS
 from relay.db.queries import qualified_table as qualified_table
 from relay.db.queries import render_ops as render_ops
 
-_q = load("relay.ops", "queries.sql")
+_q = load("relay.ops", "queries.sql", binds="numbered")
 
 # status
 JIT_OFF = _q["jit_off"]

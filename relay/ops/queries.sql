@@ -1,6 +1,7 @@
 -- The statements of the operations commands (status, show, list, retry, purge, pause, skip),
 -- which relay/ops/ runs through relay/ops/queries.py; replay's are in relay/ops/replay.sql,
--- the endpoints commands' in relay/ops/endpoints.sql. They are asyncpg's ($n binds); see
+-- the endpoints commands' in relay/ops/endpoints.sql. They are asyncpg's (:name binds handed
+-- out as $1, $2, … in their params' order: outbox/sql.py); see
 -- relay/db/queries/ for how {table}, {paused} and {relays} are filled in, and
 -- outbox.queries.render_endpoints for {endpoints}, {deliveries} and {attempts}.
 --
@@ -16,15 +17,17 @@
 SELECT destination, paused_at, paused_by, reason FROM {paused} ORDER BY destination
 
 -- name: pause
+-- params: destination, paused_by, reason
 
 INSERT INTO {paused} (destination, paused_by, reason)
-VALUES ($1, $2, $3)
+VALUES (:destination, :paused_by, :reason)
 ON CONFLICT (destination) DO UPDATE
 SET reason = COALESCE(EXCLUDED.reason, {paused}.reason)
 RETURNING paused_at, (xmax = 0) AS inserted
 
 -- name: resume
-DELETE FROM {paused} WHERE destination = $1 RETURNING paused_at
+-- params: destination
+DELETE FROM {paused} WHERE destination = :destination RETURNING paused_at
 
 -- name: relays
 -- circuits through to_jsonb: a schema before migration 0010 has no such column.
@@ -78,10 +81,11 @@ GROUP BY 1, 2, 3
 ORDER BY destination, rows DESC
 
 -- name: status_delivered_probe
--- Delivered rows, up to $1 of them (an index-only scan of outbox_delivered_idx): whether
+-- params: limit
+-- Delivered rows, up to :limit of them (an index-only scan of outbox_delivered_idx): whether
 -- there are few enough to count exactly.
 
-SELECT count(*) FROM (SELECT 1 FROM {table} WHERE status = 'delivered' LIMIT $1) AS few
+SELECT count(*) FROM (SELECT 1 FROM {table} WHERE status = 'delivered' LIMIT :limit) AS few
 
 -- name: status_delivered
 
@@ -91,7 +95,8 @@ WHERE status = 'delivered'
 GROUP BY destination
 
 -- name: status_delivered_latest
--- The newest $1 deliveries, walked back through outbox_delivered_idx: each destination among
+-- params: limit
+-- The newest :limit deliveries, walked back through outbox_delivered_idx: each destination among
 -- them and its last delivery (when there are too many delivered rows to read them all).
 
 SELECT destination, max(delivered_at) AS last_delivered_at
@@ -99,11 +104,12 @@ FROM (SELECT destination, delivered_at
       FROM {table}
       WHERE status = 'delivered'
       ORDER BY delivered_at DESC
-      LIMIT $1) AS latest
+      LIMIT :limit) AS latest
 GROUP BY destination
 
 -- name: status_estimate
--- What the planner knows of the outbox ($1, the qualified table; $2 its schema): its rows at
+-- params: table, schema
+-- What the planner knows of the outbox (:table, the qualified table; :schema its schema): its rows at
 -- the last VACUUM or ANALYZE and the pages they filled then, the pages it has now, and the
 -- destinations' shares (the most common values and the rest). No row of pg_stats: not yet
 -- analyzed.
@@ -115,8 +121,8 @@ SELECT c.reltuples::float8 AS reltuples, c.relpages::float8 AS relpages,
        s.attname IS NOT NULL AS analyzed
 FROM pg_class AS c
 LEFT JOIN pg_stats AS s
-  ON s.schemaname = $2 AND s.tablename = 'outbox' AND s.attname = 'destination'
-WHERE c.oid = $1::regclass
+  ON s.schemaname = :schema AND s.tablename = 'outbox' AND s.attname = 'destination'
+WHERE c.oid = :table::regclass
 
 -- name: status_leases
 
@@ -146,17 +152,19 @@ WHERE f.status = 'failed' AND f.key IS NOT NULL AND k.waiting > 0 AND k.failed_b
 ORDER BY f.destination, f.key
 
 -- name: show
+-- params: ids, payload_bytes
 
 SELECT id, destination, key, status, attempts, run_after, locked_by, locked_until, last_error,
        created_at, delivered_at, content_type, headers::text AS headers,
-       octet_length(payload) AS payload_bytes, substring(payload FROM 1 FOR $2) AS payload_head
+       octet_length(payload) AS payload_bytes, substring(payload FROM 1 FOR :payload_bytes) AS payload_head
 FROM {table}
-WHERE id = ANY($1::bigint[])
+WHERE id = ANY(:ids::bigint[])
 ORDER BY id
 
 -- name: retry_selection
+-- params: destinations, ids, since, error_like, max_id
 -- The failed rows matching the retry filters, as a selection; a NULL filter matches
--- everything. $5 bounds the ids when a preview is confirmed: rows that failed since, with
+-- everything. :max_id bounds the ids when a preview is confirmed: rows that failed since, with
 -- higher ids, are not the preview's. retry_preview and retry filter the same way (written
 -- alike, tests/test_sql_files.py checks it).
 
@@ -165,39 +173,41 @@ SELECT count(*) AS rows, coalesce(max(id), 0) AS max_id,
 
 FROM {table}
 WHERE status = 'failed'
-  AND ($1::text[] IS NULL OR destination = ANY($1::text[]))
-  AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
-  AND ($3::timestamptz IS NULL OR created_at >= $3::timestamptz)
-  AND ($4::text IS NULL OR last_error ILIKE $4::text)
-  AND ($5::bigint IS NULL OR id <= $5::bigint)
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
+  AND (:ids::bigint[] IS NULL OR id = ANY(:ids::bigint[]))
+  AND (:since::timestamptz IS NULL OR created_at >= :since::timestamptz)
+  AND (:error_like::text IS NULL OR last_error ILIKE :error_like::text)
+  AND (:max_id::bigint IS NULL OR id <= :max_id::bigint)
 
 -- name: retry_preview
+-- params: destinations, ids, since, error_like, max_id
 
 SELECT destination, count(*) AS rows, min(id) AS first_id, max(id) AS last_id
 
 FROM {table}
 WHERE status = 'failed'
-  AND ($1::text[] IS NULL OR destination = ANY($1::text[]))
-  AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
-  AND ($3::timestamptz IS NULL OR created_at >= $3::timestamptz)
-  AND ($4::text IS NULL OR last_error ILIKE $4::text)
-  AND ($5::bigint IS NULL OR id <= $5::bigint)
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
+  AND (:ids::bigint[] IS NULL OR id = ANY(:ids::bigint[]))
+  AND (:since::timestamptz IS NULL OR created_at >= :since::timestamptz)
+  AND (:error_like::text IS NULL OR last_error ILIKE :error_like::text)
+  AND (:max_id::bigint IS NULL OR id <= :max_id::bigint)
 
 GROUP BY destination
 ORDER BY destination
 
 -- name: retry
+-- params: destinations, ids, since, error_like, max_id
 
 WITH matching AS (
     SELECT id
 
 FROM {table}
 WHERE status = 'failed'
-  AND ($1::text[] IS NULL OR destination = ANY($1::text[]))
-  AND ($2::bigint[] IS NULL OR id = ANY($2::bigint[]))
-  AND ($3::timestamptz IS NULL OR created_at >= $3::timestamptz)
-  AND ($4::text IS NULL OR last_error ILIKE $4::text)
-  AND ($5::bigint IS NULL OR id <= $5::bigint)
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
+  AND (:ids::bigint[] IS NULL OR id = ANY(:ids::bigint[]))
+  AND (:since::timestamptz IS NULL OR created_at >= :since::timestamptz)
+  AND (:error_like::text IS NULL OR last_error ILIKE :error_like::text)
+  AND (:max_id::bigint IS NULL OR id <= :max_id::bigint)
 
     FOR UPDATE
 )
@@ -209,93 +219,101 @@ WHERE o.id = matching.id
 RETURNING o.id, o.destination
 
 -- name: id_statuses
-SELECT id, destination, status FROM {table} WHERE id = ANY($1::bigint[])
+-- params: ids
+SELECT id, destination, status FROM {table} WHERE id = ANY(:ids::bigint[])
 
 -- name: purge_preview
+-- params: older_than_seconds, destinations, include_failed
 -- purge: delivered rows age from delivered_at (found through outbox_delivered_idx), skipped
 -- and failed rows from finished_at, when they got that status (outbox_finished_idx; rows that
 -- ended before migration 0004 have none and age from created_at).
--- $1: seconds, $2: destinations or NULL, $3: whether failed rows go too.
+-- Destinations NULL for all; include_failed: whether failed rows go too.
 
 SELECT destination, status, count(*) AS rows
 FROM {table}
-WHERE ((status = 'delivered' AND delivered_at < now() - make_interval(secs => $1))
+WHERE ((status = 'delivered' AND delivered_at < now() - make_interval(secs => :older_than_seconds))
        OR (status IN ('failed', 'skipped')
-           AND (status = 'skipped' OR $3::bool)
-           AND coalesce(finished_at, created_at) < now() - make_interval(secs => $1)))
-  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
+           AND (status = 'skipped' OR :include_failed::bool)
+           AND coalesce(finished_at, created_at) < now() - make_interval(secs => :older_than_seconds)))
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
 GROUP BY destination, status
 ORDER BY destination, status
 
 -- name: purge_selection
--- The rows purge_preview counts, as a selection ($4: the clock "older than" is measured from,
--- NULL for now(); $5: the highest id, or NULL).
+-- params: older_than_seconds, destinations, include_failed, as_of, max_id
+-- The rows purge_preview counts, as a selection (as_of: the clock "older than" is measured
+-- from, NULL for now(); max_id: the highest id, or NULL).
 
 SELECT count(*) AS rows, coalesce(max(id), 0) AS max_id,
        coalesce(sum(hashint8extended(id, 0)::numeric), 0)::text AS digest, now() AS at
 
 FROM {table}
 WHERE ((status = 'delivered'
-        AND delivered_at < coalesce($4::timestamptz, now()) - make_interval(secs => $1))
+        AND delivered_at < coalesce(:as_of::timestamptz, now()) - make_interval(secs => :older_than_seconds))
        OR (status IN ('failed', 'skipped')
-           AND (status = 'skipped' OR $3::bool)
+           AND (status = 'skipped' OR :include_failed::bool)
            AND coalesce(finished_at, created_at)
-               < coalesce($4::timestamptz, now()) - make_interval(secs => $1)))
-  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-  AND ($5::bigint IS NULL OR id <= $5::bigint)
+               < coalesce(:as_of::timestamptz, now()) - make_interval(secs => :older_than_seconds)))
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
+  AND (:max_id::bigint IS NULL OR id <= :max_id::bigint)
 
 -- name: purge_selected_delivered
+-- params: older_than_seconds, destinations, batch, as_of, max_id
 -- A confirmed preview's purge, in batches as the relay's (relay/db/queries/retention.py's
 -- PURGE_DELIVERED, PURGE_FINISHED, each followed by DELETE_LOCKED: change them together; the
 -- NOT (SELECT EXISTS …) is its _OPEN_DELIVERY, written alike, tests/test_sql_files.py checks
--- it), within its selection: aged as of the preview's clock ($4 with the seconds $1), ids up to
--- its highest ($5). Rows only leave that set (their timestamps are set when they end, to a
+-- it), within its selection: aged as of the preview's clock (:as_of with the seconds :older_than_seconds), ids up to
+-- its highest (:max_id). Rows only leave that set (their timestamps are set when they end, to a
 -- later time), so no batch deletes a row the preview did not count.
 
 SELECT id FROM {table} AS o
-WHERE status = 'delivered' AND delivered_at < $4::timestamptz - make_interval(secs => $1)
-  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-  AND id <= $5::bigint
+WHERE status = 'delivered' AND delivered_at < :as_of::timestamptz - make_interval(secs => :older_than_seconds)
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
+  AND id <= :max_id::bigint
   AND NOT (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
 ORDER BY delivered_at
-LIMIT $3
+LIMIT :batch
 FOR UPDATE SKIP LOCKED
 
 -- name: purge_selected_finished
--- $6: which of failed and skipped.
+-- params: older_than_seconds, destinations, batch, as_of, max_id, statuses
+-- statuses: which of failed and skipped.
 
 SELECT id FROM {table} AS o
-WHERE status IN ('failed', 'skipped') AND status = ANY($6::text[])
-  AND coalesce(finished_at, created_at) < $4::timestamptz - make_interval(secs => $1)
-  AND ($2::text[] IS NULL OR destination = ANY($2::text[]))
-  AND id <= $5::bigint
+WHERE status IN ('failed', 'skipped') AND status = ANY(:statuses::text[])
+  AND coalesce(finished_at, created_at) < :as_of::timestamptz - make_interval(secs => :older_than_seconds)
+  AND (:destinations::text[] IS NULL OR destination = ANY(:destinations::text[]))
+  AND id <= :max_id::bigint
   AND NOT (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
 ORDER BY coalesce(finished_at, created_at)
-LIMIT $3
+LIMIT :batch
 FOR UPDATE SKIP LOCKED
 
 -- name: skip
+-- params: ids, skipped_by
 -- An operator gives up on failed rows: they will not be delivered, and an ordered key they
 -- were blocking moves on (its next row is the key's head from now on).
 
 UPDATE {table}
 SET status = 'skipped',
     finished_at = now(),
-    last_error = coalesce(last_error, '') || ' [skipped by ' || $2 || ' at ' || now() || ']'
-WHERE id = ANY($1::bigint[]) AND status = 'failed'
+    last_error = coalesce(last_error, '') || ' [skipped by ' || :skipped_by || ' at ' || now() || ']'
+WHERE id = ANY(:ids::bigint[]) AND status = 'failed'
 RETURNING id, destination, key
 
 -- name: endpoint_tables_exist
+-- params: endpoints, deliveries, attempts
 -- Endpoints in show, status and replay. Their URLs are read to be cut down to their origin:
 -- the commands never print a path or query, nor a secret.
 
-SELECT to_regclass($1) IS NOT NULL AND to_regclass($2) IS NOT NULL AND to_regclass($3) IS NOT NULL
+SELECT to_regclass(:endpoints) IS NOT NULL AND to_regclass(:deliveries) IS NOT NULL AND to_regclass(:attempts) IS NOT NULL
 
 -- name: show_deliveries
+-- params: ids
 -- `show`: the deliveries of these events (the unique index on (event_id, endpoint_id)), the
 -- ones that need a look first. An endpoint deleted since has no URL.
 
@@ -303,24 +321,26 @@ SELECT d.id, d.event_id, d.endpoint_id, e.url, d.status, d.attempts, d.last_stat
        d.last_error, d.run_after, d.locked_by, d.created_at, d.finished_at
 FROM {deliveries} AS d
 LEFT JOIN {endpoints} AS e ON e.id = d.endpoint_id
-WHERE d.event_id = ANY($1::bigint[])
+WHERE d.event_id = ANY(:ids::bigint[])
 ORDER BY d.event_id,
          CASE d.status WHEN 'failed' THEN 0 WHEN 'running' THEN 1 WHEN 'pending' THEN 2
                        WHEN 'cancelled' THEN 3 ELSE 4 END,
          d.endpoint_id
 
 -- name: show_attempts
+-- params: ids
 -- `show`: the message log of these events (outbox_attempts_event_idx), oldest first.
 
 SELECT id, delivery_id, event_id, endpoint_id, at, http_status, duration_ms, response, error,
        replay
 FROM {attempts}
-WHERE event_id = ANY($1::bigint[])
+WHERE event_id = ANY(:ids::bigint[])
 ORDER BY event_id, at, id
 
 -- name: status_endpoints
+-- params: limit
 -- `status`: the endpoints, those that need a look first (pending deliveries, failing or
--- disabled), at most $1. Pending deliveries are counted from the claim index alone (their
+-- disabled), at most :limit. Pending deliveries are counted from the claim index alone (their
 -- count and lowest id per endpoint, an index-only scan of outbox_deliveries_claim_idx), and
 -- the age of the oldest is read from that one row; the last HTTP status is the newest attempt's
 -- (outbox_attempts_endpoint_idx). total and needing_attention count every endpoint.
@@ -341,7 +361,7 @@ listed AS (
     FROM {endpoints} AS e
     LEFT JOIN waiting AS w ON w.endpoint_id = e.id
     ORDER BY attention DESC, pending DESC, e.failing_since NULLS LAST, e.id
-    LIMIT $1
+    LIMIT :limit
 )
 SELECT l.id, l.destination, l.url, l.enabled, l.disabled_reason, l.disabled_at,
        l.failing_since, l.last_success_at, l.pending, l.total, l.needing_attention,
@@ -401,6 +421,7 @@ ORDER BY id DESC
 LIMIT {limit}
 
 -- name: notify_endpoints
+-- params: channel
 -- A NOTIFY whose payload wakes the relays' endpoint deliveries as well as their claims (see
 -- relay.app.Relay._notified): after a replay or a resume.
-SELECT pg_notify($1, 'endpoints')
+SELECT pg_notify(:channel, 'endpoints')

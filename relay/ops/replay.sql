@@ -11,18 +11,21 @@
 -- without a tenant goes only to endpoints taking every tenant.
 
 -- name: replay_event_row
+-- params: event_id
 -- `replay`: the event, locked against deletion (retention, purge) until the replay commits:
 -- a delivery put back to pending keeps its event from then on.
 
-SELECT id, destination, status, tenant, event_type FROM {table} WHERE id = $1 FOR KEY SHARE
+SELECT id, destination, status, tenant, event_type FROM {table} WHERE id = :event_id FOR KEY SHARE
 
 -- name: replay_endpoint_row
+-- params: endpoint_id
 
-SELECT id, destination, url, enabled, tenant, event_types FROM {endpoints} WHERE id = $1
+SELECT id, destination, url, enabled, tenant, event_types FROM {endpoints} WHERE id = :endpoint_id
 
 -- name: replay_event
--- `replay ID [--endpoint EID]`: the event's deliveries ($1; $2: only that endpoint's, or NULL
--- for all) back to pending as replays, due now, with their attempts afresh; a running one is
+-- params: event_id, endpoint_id
+-- `replay ID [--endpoint EID]`: the event's deliveries (endpoint_id: only that endpoint's, or
+-- NULL for all) back to pending as replays, due now, with their attempts afresh; a running one is
 -- left to the relay that holds it, one whose endpoint was deleted stays as it is (no relay
 -- would ever claim it), and one whose endpoint no longer takes the event (see above) is left
 -- as it is and said so. Returns every delivery looked at, each saying whether it was replayed;
@@ -37,7 +40,7 @@ WITH target AS (
     FROM {deliveries} AS d
     JOIN {table} AS o ON o.id = d.event_id
     LEFT JOIN {endpoints} AS e ON e.id = d.endpoint_id
-    WHERE d.event_id = $1 AND ($2::bigint IS NULL OR d.endpoint_id = $2::bigint)
+    WHERE d.event_id = :event_id AND (:endpoint_id::bigint IS NULL OR d.endpoint_id = :endpoint_id::bigint)
     FOR UPDATE OF d
 ),
 replayed AS (
@@ -55,19 +58,21 @@ LEFT JOIN replayed AS r ON r.id = t.id
 ORDER BY t.endpoint_id
 
 -- name: replay_event_insert
+-- params: event_id, endpoint_id, destination
 -- `replay ID --endpoint EID` for an endpoint the event was never fanned out to (it was added
 -- later, or did not match then): a delivery of its own, pending as a replay. The caller has
 -- checked that the endpoint takes the event (admin.replay_event).
 
 INSERT INTO {deliveries} (event_id, endpoint_id, destination, replay)
-VALUES ($1, $2, $3, true)
+VALUES (:event_id, :endpoint_id, :destination, true)
 ON CONFLICT (event_id, endpoint_id) DO NOTHING
 RETURNING id
 
 -- name: replay_endpoint_selection
+-- params: endpoint_id, within_seconds, statuses, max_id, as_of
 -- The deliveries of replay_endpoint's window as a selection (see relay/ops/queries.sql,
 -- retry_selection), within a confirmed preview's window as replay_endpoint_within's: ids up
--- to $4, measured from the preview's clock $5 (NULL for none and now(), in the preview
+-- to :max_id, measured from the preview's clock :as_of (NULL for none and now(), in the preview
 -- itself). Whether each one's event is
 -- still there is part of the digest (the seed of its hash), as it decides what is sent; so is
 -- where the delivery stands (status, attempts, when it ended or is due): a replay leaves its
@@ -81,12 +86,13 @@ SELECT count(*) AS rows, coalesce(max(d.id), 0) AS max_id,
        now() AS at
 FROM {deliveries} AS d
 
-WHERE d.endpoint_id = $1
-  AND d.created_at >= coalesce($5::timestamptz, now()) - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
-  AND ($4::bigint IS NULL OR d.id <= $4::bigint)
+WHERE d.endpoint_id = :endpoint_id
+  AND d.created_at >= coalesce(:as_of::timestamptz, now()) - make_interval(secs => :within_seconds)
+  AND d.status = ANY(:statuses::text[])
+  AND (:max_id::bigint IS NULL OR d.id <= :max_id::bigint)
 
 -- name: replay_endpoint_preview
+-- params: endpoint_id, within_seconds, statuses
 -- What replay_endpoint would do, counted by status, whether the event is still there and
 -- whether the endpoint still takes it.
 
@@ -97,14 +103,15 @@ FROM {deliveries} AS d
 JOIN {endpoints} AS e ON e.id = d.endpoint_id
 LEFT JOIN {table} AS o ON o.id = d.event_id
 
-WHERE d.endpoint_id = $1 AND d.created_at >= now() - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
+WHERE d.endpoint_id = :endpoint_id AND d.created_at >= now() - make_interval(secs => :within_seconds)
+  AND d.status = ANY(:statuses::text[])
 
 GROUP BY 1, 2, 3
 
 -- name: replay_endpoint
--- `replay --endpoint EID --since D`: the endpoint's deliveries ($1) created in the last $2
--- seconds whose status is one of $3 (ended ones, and pending ones: a disabled endpoint's
+-- params: endpoint_id, within_seconds, statuses
+-- `replay --endpoint EID --since D`: the endpoint's deliveries (:endpoint_id) created in the last :within_seconds
+-- seconds whose status is one of :statuses (ended ones, and pending ones: a disabled endpoint's
 -- backlog, or deliveries waiting out a backoff), back to pending as replays, due now. Those
 -- whose event is gone (deleted by retention or purge) and those whose event the endpoint no
 -- longer takes (its tenant or event types changed since) are left as they are and counted.
@@ -116,8 +123,8 @@ WITH target AS (
     JOIN {endpoints} AS e ON e.id = d.endpoint_id
     JOIN {table} AS o ON o.id = d.event_id
 
-WHERE d.endpoint_id = $1 AND d.created_at >= now() - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
+WHERE d.endpoint_id = :endpoint_id AND d.created_at >= now() - make_interval(secs => :within_seconds)
+  AND d.status = ANY(:statuses::text[])
 
       AND coalesce((e.tenant IS NULL OR e.tenant = o.tenant)
              AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types)),
@@ -138,8 +145,8 @@ skipped AS (
     JOIN {endpoints} AS e ON e.id = d.endpoint_id
     LEFT JOIN {table} AS o ON o.id = d.event_id
 
-WHERE d.endpoint_id = $1 AND d.created_at >= now() - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
+WHERE d.endpoint_id = :endpoint_id AND d.created_at >= now() - make_interval(secs => :within_seconds)
+  AND d.status = ANY(:statuses::text[])
 
       AND NOT (o.id IS NOT NULL AND coalesce((e.tenant IS NULL OR e.tenant = o.tenant)
              AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types)),
@@ -151,9 +158,10 @@ UNION ALL
 SELECT NULL, n, found, false FROM skipped
 
 -- name: replay_endpoint_within
+-- params: endpoint_id, within_seconds, statuses, max_id, as_of
 -- replay_endpoint within a confirmed preview's selection: the same statement, both its
--- windows bounded as replay_endpoint_selection's (ids up to $4, measured from the preview's
--- clock $5); tests/test_sql_files.py checks that the two differ in their windows alone, and
+-- windows bounded as replay_endpoint_selection's (ids up to :max_id, measured from the preview's
+-- clock :as_of); tests/test_sql_files.py checks that the two differ in their windows alone, and
 -- tests/test_console_actions.py runs it.
 
 WITH target AS (
@@ -162,10 +170,10 @@ WITH target AS (
     JOIN {endpoints} AS e ON e.id = d.endpoint_id
     JOIN {table} AS o ON o.id = d.event_id
 
-WHERE d.endpoint_id = $1
-  AND d.created_at >= coalesce($5::timestamptz, now()) - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
-  AND ($4::bigint IS NULL OR d.id <= $4::bigint)
+WHERE d.endpoint_id = :endpoint_id
+  AND d.created_at >= coalesce(:as_of::timestamptz, now()) - make_interval(secs => :within_seconds)
+  AND d.status = ANY(:statuses::text[])
+  AND (:max_id::bigint IS NULL OR d.id <= :max_id::bigint)
 
       AND coalesce((e.tenant IS NULL OR e.tenant = o.tenant)
              AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types)),
@@ -186,10 +194,10 @@ skipped AS (
     JOIN {endpoints} AS e ON e.id = d.endpoint_id
     LEFT JOIN {table} AS o ON o.id = d.event_id
 
-WHERE d.endpoint_id = $1
-  AND d.created_at >= coalesce($5::timestamptz, now()) - make_interval(secs => $2)
-  AND d.status = ANY($3::text[])
-  AND ($4::bigint IS NULL OR d.id <= $4::bigint)
+WHERE d.endpoint_id = :endpoint_id
+  AND d.created_at >= coalesce(:as_of::timestamptz, now()) - make_interval(secs => :within_seconds)
+  AND d.status = ANY(:statuses::text[])
+  AND (:max_id::bigint IS NULL OR d.id <= :max_id::bigint)
 
       AND NOT (o.id IS NOT NULL AND coalesce((e.tenant IS NULL OR e.tenant = o.tenant)
              AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types)),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from outbox.sql import load
 
-_q = load("relay.ops", "replay.sql")
+_q = load("relay.ops", "replay.sql", binds="numbered")
 
 REPLAY_EVENT_ROW = _q["replay_event_row"]
 REPLAY_ENDPOINT_ROW = _q["replay_endpoint_row"]

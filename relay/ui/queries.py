@@ -12,7 +12,7 @@ from outbox.sql import load
 # Whether a table is there: the library's statement.
 from relay.db.queries import TABLE_EXISTS as TABLE_EXISTS
 
-_q = load("relay.ui", "queries.sql")
+_q = load("relay.ui", "queries.sql", binds="numbered")
 
 SERIES = _q["series"]
 ENDPOINTS = _q["endpoints"]

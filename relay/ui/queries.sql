@@ -3,8 +3,9 @@
 -- ({table}, {endpoints}, …), filled in by relay.db.queries.render_ops.
 
 -- name: series
+-- params: destination
 -- Delivered rows per minute of the last hour, and their commit-to-delivery lag (average and
--- worst), per destination ($1: one destination, or NULL for all). Read from the delivered
+-- worst), per destination (destination: one, or NULL for all). Read from the delivered
 -- rows still kept (relay.retention), through the partial index on delivered_at.
 
 WITH per_minute AS (
@@ -14,7 +15,7 @@ WITH per_minute AS (
            max(extract(epoch FROM delivered_at - created_at))::float8 AS lag_max
     FROM {table}
     WHERE status = 'delivered' AND delivered_at > now() - interval '1 hour'
-      AND ($1::text IS NULL OR destination = $1::text)
+      AND (:destination::text IS NULL OR destination = :destination::text)
     GROUP BY 1
 )
 -- Every minute of the hour, a quiet one as 0 delivered (no lag): the chart shows the gap.
@@ -26,8 +27,9 @@ LEFT JOIN per_minute AS p USING (minute)
 ORDER BY 1
 
 -- name: endpoints
+-- params: destination, limit, after_id
 -- A page of endpoints with their health, never their secrets; the URL is shown by origin
--- only. By keyset: those after id $3 (0 for the first page), through the primary key.
+-- only. By keyset: those after id :after_id (0 for the first page), through the primary key.
 
 SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.description,
        e.enabled, e.disabled_reason, e.failing_since, e.last_success_at,
@@ -36,16 +38,18 @@ SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.desc
        (SELECT count(*) FROM {deliveries} AS d
         WHERE d.endpoint_id = e.id AND d.status = 'pending') AS pending
 FROM {endpoints} AS e
-WHERE ($1::text IS NULL OR e.destination = $1::text) AND e.id > $3::bigint
+WHERE (:destination::text IS NULL OR e.destination = :destination::text) AND e.id > :after_id::bigint
 ORDER BY e.id
-LIMIT $2
+LIMIT :limit
 
 -- name: endpoint_row
+-- params: endpoint_id
 -- One endpoint, named on the question before an action on it.
-SELECT id, destination, url, enabled FROM {endpoints} WHERE id = $1
+SELECT id, destination, url, enabled FROM {endpoints} WHERE id = :endpoint_id
 
 -- name: endpoint_destination
-SELECT destination FROM {endpoints} WHERE id = $1
+-- params: endpoint_id
+SELECT destination FROM {endpoints} WHERE id = :endpoint_id
 
 -- name: server_now
 SELECT now()
