@@ -642,3 +642,46 @@ async def test_a_replay_window_confirmed_twice_replays_once(
     assert again.status_code == 409, again.text[:500]
     [d] = await sql(db_url, "SELECT status, replay FROM outbox_deliveries")
     assert (d["status"], d["replay"]) == ("delivered", False)  # not replayed a second time
+
+
+# --- endpoints: the console runs the operations of `outbox-relay endpoints` -------------------
+
+
+async def test_the_console_adds_disables_and_enables_endpoints(
+    db_url: str, operator: Operator
+) -> None:
+    await seed(db_url)
+    bad = await operator.act("endpoint-add", destination="customer-events", url="ftp://x/")
+    assert bad.status_code == 400 and "ftp" in bad.text, bad.text[:500]
+    added = await operator.act(
+        "endpoint-add",
+        destination="customer-events",
+        url="http://127.0.0.1:9/hook",
+        tenant="acme",
+        event_types="order.created, order.paid",
+        rate_limit="5",
+        allow_private_networks="on",
+        next="/endpoints",
+    )
+    assert added.status_code == 303, added.text[:500]
+    [ep] = await sql(
+        db_url, "SELECT id, tenant, event_types, rate_limit, enabled, secret FROM outbox_endpoints"
+    )
+    assert (ep["tenant"], ep["event_types"], ep["rate_limit"], ep["enabled"]) == (
+        "acme",
+        ["order.created", "order.paid"],
+        5,
+        True,
+    )
+    assert ep["secret"]
+    asked = await operator.act("endpoint-disable", endpoint=str(ep["id"]), next="/")
+    done = await operator.confirm("endpoint-disable", asked)
+    assert done.status_code == 303, done.text[:500]
+    [row] = await sql(db_url, "SELECT enabled, disabled_reason FROM outbox_endpoints")
+    assert (row["enabled"], row["disabled_reason"]) == (False, "disabled in console")
+    enabled = await operator.act("endpoint-enable", endpoint=str(ep["id"]), next="/")
+    assert enabled.status_code == 303, enabled.text[:500]
+    [row] = await sql(db_url, "SELECT enabled FROM outbox_endpoints")
+    assert row["enabled"] is True
+    unknown = await operator.act("endpoint-enable", endpoint="999999", next="/")
+    assert unknown.status_code == 400 and "999999" in unknown.text, unknown.text[:500]

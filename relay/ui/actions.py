@@ -22,9 +22,13 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
+from outbox.endpoint_secrets import warn_unencrypted
+from outbox.endpoints.checks import DEFAULT_KEEP_PREVIOUS
 from outbox.errors import OutboxError, describe
+from outbox.queries import qualified_table
 from relay.db.queries import render_ops
 from relay.durations import parse_duration
+from relay.ops import endpoints as endpoint_ops
 from relay.ops import pause as pausing
 from relay.ops import purge as purging
 from relay.ops import replay as replaying
@@ -381,10 +385,9 @@ async def _replay_event(request: Request, form: Form, endpoint: int | None) -> R
 
 
 async def _endpoint_state(request: Request, form: Form) -> Response:
-    """Disable, enable or rotate an endpoint's secret, through outbox.endpoints. A new secret
-    is never shown here: the command line shows it to whoever may see it."""
-    import outbox.endpoints as api
-
+    """Disable, enable or rotate an endpoint's secret: the operations the command line runs
+    (relay.ops.endpoints). A new secret is never shown here: the command line shows it to
+    whoever may see it."""
     console = console_of(request)
     what = request.path_params["name"]
     eid = whole(form.get("endpoint"))
@@ -404,15 +407,18 @@ async def _endpoint_state(request: Request, form: Form) -> Response:
             f"(`outbox-relay endpoints show {eid} --show-secret`).",
         ]
         return ask(request, form, f"Rotate the secret of endpoint {eid}", lines)
-    endpoints = api.Endpoints(schema=console.schema)
-    async with console.sqlalchemy().begin() as conn:
+    async with console.connection() as conn:
         if what == "endpoint-disable":
-            await endpoints.disable(conn, eid, reason=form.get("reason") or "disabled in console")
+            reason = form.get("reason") or "disabled in console"
+            await endpoint_ops.disable(conn, console.schema, eid, reason=reason)
             return finish(request, form, f"endpoint {eid} disabled", endpoint=eid)
         if what == "endpoint-enable":
-            await endpoints.enable(conn, eid)
+            await endpoint_ops.enable(conn, console.schema, eid)
             return finish(request, form, f"endpoint {eid} enabled", endpoint=eid)
-        await endpoints.rotate_secret(conn, eid)
+        rotated = await endpoint_ops.rotate_secret(
+            conn, console.schema, eid, keep_previous=DEFAULT_KEEP_PREVIOUS, secret=None
+        )
+    _warn_if_unencrypted(rotated, console.schema)
     return finish(
         request,
         form,
@@ -423,23 +429,24 @@ async def _endpoint_state(request: Request, form: Form) -> Response:
 
 
 async def _endpoint_add(request: Request, form: Form) -> Response:
-    """Register an endpoint through outbox.endpoints (its checks: URL, DNS, addresses)."""
-    import outbox.endpoints as api
-
+    """Register an endpoint: the operation `outbox-relay endpoints add` runs (the library's
+    checks: URL, DNS, addresses)."""
     console = console_of(request)
     rate = form.get("rate_limit", "").strip()
     if rate and whole(rate) is None:
         raise AdminError("the rate limit is a whole number of requests per second")
-    async with console.sqlalchemy().begin() as conn:
-        ep = await api.Endpoints(schema=console.schema).create(
-            conn,
-            destination=form.get("destination", "").strip(),
-            url=form.get("url", "").strip(),
-            tenant=form.get("tenant", "").strip() or None,
-            event_types=[t.strip() for t in form.get("event_types", "").split(",") if t.strip()],
-            rate_limit=int(rate) if rate else None,
-            allow_private_networks=form.get("allow_private_networks") == "on",
-        )
+    new = endpoint_ops.Registration(
+        destination=form.get("destination", "").strip(),
+        url=form.get("url", "").strip(),
+        tenant=form.get("tenant", "").strip() or None,
+        event_types=tuple(t.strip() for t in form.get("event_types", "").split(",") if t.strip()),
+        rate_limit=int(rate) if rate else None,
+        allow_private_networks=form.get("allow_private_networks") == "on",
+    )
+    async with console.connection() as conn:
+        added = await endpoint_ops.add(conn, console.schema, new)
+    _warn_if_unencrypted(added, console.schema)
+    ep = added.endpoint
     return finish(
         request,
         form,
@@ -448,6 +455,14 @@ async def _endpoint_add(request: Request, form: Form) -> Response:
         endpoint=ep.id,
         destination=ep.destination,
     )
+
+
+def _warn_if_unencrypted(changed: endpoint_ops.Changed, schema: str) -> None:
+    """The library's warning event for a secret stored in clear (the operations leave it to
+    their caller: the command line says it on stderr, the console logs it as the library does)."""
+    if changed.unencrypted:
+        ep = changed.endpoint
+        warn_unencrypted(ep.id, ep.destination, qualified_table(schema, "outbox_endpoints"))
 
 
 ACTIONS: dict[str, Callable[[Request, Form], Awaitable[Response]]] = {

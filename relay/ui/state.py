@@ -36,7 +36,6 @@ class Console:
     # Seconds past which the snapshot holding back VACUUM is named on the pages.
     snapshot_warning: float = DEFAULT_SNAPSHOT_WARNING
     pool: asyncpg.Pool | None = None
-    engine: Any = None  # SQLAlchemy AsyncEngine, for outbox.endpoints (made on first use)
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @contextlib.asynccontextmanager
@@ -62,32 +61,6 @@ class Console:
         pool, self.pool = self.pool, None
         if pool is not None:
             await pool.close()
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            await engine.dispose()
-
-    def sqlalchemy(self) -> Any:
-        if self.engine is None:
-            from sqlalchemy.ext.asyncio import create_async_engine
-
-            from outbox.dburl import to_sqlalchemy_async_url
-
-            # As bounded as the asyncpg pool: two connections, the same statement timeout.
-            self.engine = create_async_engine(
-                to_sqlalchemy_async_url(self.database_url),
-                hide_parameters=True,
-                pool_size=2,
-                max_overflow=0,
-                pool_timeout=STATEMENT_TIMEOUT_MS / 1000,
-                connect_args={
-                    "server_settings": {
-                        "application_name": "outbox-relay console",
-                        "statement_timeout": str(STATEMENT_TIMEOUT_MS),
-                        **SESSION_SETTINGS,
-                    }
-                },
-            )
-        return self.engine
 
     def render(
         self, request: Request, name: str, status_code: int = 200, **context: Any
