@@ -16,10 +16,10 @@ import structlog
 from outbox.errors import OutboxError, describe
 from outbox.status import Status
 from outbox.webhooks.signing import decode_secret
+from relay import outcomes
 from relay.breaker import Breaker, State
 from relay.db.store import Record
 from relay.model import Envelope, Outcome, Result, epoch, header_problem, truncate_error
-from relay.pipeline import outcomes
 from relay.sinks.endpoints.base import DispatcherBase
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import average as latency_average
