@@ -1,4 +1,4 @@
-"""relay/pipeline/backoff.py: the retry delay, exact figures for each rule (the property tests in
+"""relay/backoff.py: the retry delay, exact figures for each rule (the property tests in
 tests/faults/test_properties.py check its shape over random policies)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from relay.backoff import delay
 from relay.config.base import Backoff
-from relay.pipeline.backoff import delay
 
 
 def policy(**kw: object) -> Backoff:

@@ -23,10 +23,12 @@ BREAKS = {
     "layers": (LAYERS, "relay/db/store.py", "from relay.pipeline import claimer"),
     "layers-config-above-db": (LAYERS, "relay/config/base.py", "from relay.db import queries"),
     "layers-sinks-above-settings": (LAYERS, "relay/sinks/null.py", "import relay.settings"),
+    "layers-outcomes-below-sinks": (LAYERS, "relay/outcomes.py", "from relay.sinks import null"),
+    "layers-backoff-below-outcomes": (LAYERS, "relay/backoff.py", "from relay import outcomes"),
     "pipeline": (
         "the pipeline's stages layered",
-        "relay/pipeline/backoff.py",
-        "def _later() -> None:\n    from relay.pipeline import completer  # records its own\n",
+        "relay/pipeline/completer.py",
+        "def _later() -> None:\n    from relay.pipeline import claimer  # a lower stage\n",
     ),
     "outbox-free-of-relay": (
         "outbox never imports relay",

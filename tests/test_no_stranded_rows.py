@@ -17,8 +17,8 @@ import pytest
 from structlog.testing import capture_logs
 
 import outbox
+import relay.backoff
 import relay.obs.tracing
-import relay.pipeline.backoff
 import relay.pipeline.sending
 import relay.runtime.shutdown
 from outbox.dburl import to_asyncpg_dsn
@@ -126,7 +126,7 @@ STEPS: dict[str, tuple[object, str]] = {
     "span start": (relay.obs.tracing, "start_delivery_spans"),
     "header check": (relay.pipeline.sending, "header_problem"),
     "outcome mapping": (Sending, "_records"),
-    "backoff": (relay.pipeline.backoff, "delay"),
+    "backoff": (relay.backoff, "delay"),
     "metrics": (Sending, "_observe"),
     "completer hand-off": (Completer, "add"),
 }

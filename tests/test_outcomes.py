@@ -11,7 +11,7 @@ from outbox.schema import Status
 from relay.config import MAX_SECONDS, Backoff
 from relay.db.store import Record
 from relay.model import MAX_ERROR_CHARS, Envelope, Lease, Outcome, Result
-from relay.pipeline.outcomes import clamp_delay, crashed, to_record
+from relay.outcomes import clamp_delay, crashed, to_record
 
 FIXED = Backoff(base=2, factor=3, max=100, jitter=0)
 

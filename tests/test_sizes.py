@@ -11,10 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MODULE_LINES = 500
 FUNCTION_LINES = 60
 
-# Split these (docs/architecture.md, "Layers"); the figure is the most each may hold meanwhile.
-LONG_MODULES = {
-    "relay/sinks/endpoints/dispatcher.py": 765,
-}
+# Every module is under the limit; an entry may not come back.
+LONG_MODULES: dict[str, int] = {}
 # Every function is under the limit; an entry may not come back.
 LONG_FUNCTIONS: dict[str, int] = {}
 

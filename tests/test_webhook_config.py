@@ -10,8 +10,8 @@ import pytest
 
 from outbox.webhooks.signing import Signer, decode_secret
 from outbox.webhooks.ssrf import is_public
+from relay import backoff
 from relay.config import ConfigError
-from relay.pipeline import backoff
 from relay.pipeline.routes import build_routes, build_sinks
 from relay.settings import load_settings
 from relay.sinks.webhook.config import WebhookDestination

@@ -18,11 +18,11 @@ import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
+from relay import backoff, outcomes
 from relay.db.store import Record, Store
 from relay.model import MAX_EPOCH, MIN_EPOCH, Envelope, Outcome, Result, header_problem
 from relay.obs import tracing
 from relay.obs.metrics import Metrics
-from relay.pipeline import backoff, outcomes
 from relay.pipeline.completer import Completer
 from relay.pipeline.leases import Leases, ids
 from relay.pipeline.routes import Route

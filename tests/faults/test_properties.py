@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn
+from relay import backoff
 from relay.config import Backoff, ConfigError, Settings
-from relay.pipeline import backoff
 from relay.settings import load_settings
 from relay.sinks.webhook.config import RESERVED_HEADERS
 from tests.support.kafka import consume_ids, outbox_id

@@ -43,7 +43,7 @@ from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import migrate
 from relay.db.pool import create_pool
 from relay.db.store import Store
-from relay.sinks.endpoints.dispatcher import SCAN
+from relay.sinks.endpoints.base import SCAN
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.tools.bench.common import DESTINATION, machine
 from relay.tools.bench.fanout_load import Load

@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 from outbox.status import Status
+from relay import backoff
 from relay.config.base import MAX_SECONDS, Backoff
 from relay.db.store import Record
 from relay.model import Envelope, Outcome, Result, truncate_error
-from relay.pipeline import backoff
 
 
 def clamp_delay(seconds: float | None, fallback: float) -> float:

@@ -1,0 +1,97 @@
+"""What the endpoints dispatcher's parts share: its settings, the endpoints' states, the
+deliveries it holds, the outcomes waiting to be written, and the wake-ups between its loops.
+
+The dispatcher (dispatcher.py) is this state with the loops that claim, record, heartbeat and
+reap; its attempts (attempts.py: one delivery each) and its health (health.py: what the
+attempts said of their endpoints) are classes over this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
+
+from outbox.endpoint_secrets import SecretBox
+from relay.model import Envelope
+from relay.obs.metrics import Metrics
+from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.endpoints.state import EndpointState
+from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
+from relay.sinks.webhook.config import WebhookClientSettings
+from relay.sinks.webhook.sink import WebhookSink
+
+HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
+SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
+WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for together
+
+
+class Sender(WebhookSink):
+    """The webhook sink's request path; each answer kept for the message log (on_answer)."""
+
+    def __init__(self, http: WebhookClientSettings) -> None:  # no destination configured
+        self.answers: dict[Envelope, tuple[int, bytes]] = {}
+        super().__init__(http, {}, on_answer=self._keep)
+
+    def _keep(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
+        self.answers[env] = (status, body)
+
+
+class DispatcherBase:
+    """The dispatcher's state (Dispatcher, in dispatcher.py, is the class to use)."""
+
+    def __init__(
+        self,
+        sender: Sender,
+        destinations: Mapping[str, EndpointsDestination],
+        *,
+        max_in_flight: int = 1000,
+        poll_interval: float = 1.0,
+        secret_box: SecretBox | None = None,
+    ) -> None:
+        self.sender = sender
+        self.destinations = dict(destinations)
+        self.max_in_flight = max_in_flight
+        self.poll_interval = poll_interval
+        self.secret_box = secret_box or SecretBox.from_environment()
+        self.states: dict[int, EndpointState] = {}
+        self.held: dict[int, Claimed] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.stats: Counter[str] = Counter()
+        self.store: DeliveryStore | None = None
+        self._wake = asyncio.Event()
+        self._capacity = asyncio.Event()
+        self._written = asyncio.Event()
+        self._outcomes: list[DeliveryRecord] = []
+        self._record_lock = asyncio.Lock()
+        self._wake_pending: asyncio.TimerHandle | None = None
+        self._claim_lock = asyncio.Lock()
+        self.metrics: Metrics | None = None
+        # Destinations an operator paused (outbox-relay pause): their deliveries wait too.
+        self.paused: Callable[[], Collection[str]] = frozenset
+        self.health_refresh = HEALTH_REFRESH
+        self._health: dict[int, bool] = {}
+        self._gone: set[int] = set()  # endpoints that answered 410 since the last write
+        # Circuits that opened (seconds until their probe) or closed (None) since the last
+        # write: the table shows them to `status`.
+        self._circuits: dict[int, float | None] = {}
+        self._cursor: int | None = None
+        self.scan = SCAN
+        self._draining = False
+        self._limits = {name: d.max_attempts for name, d in self.destinations.items()}
+        self._default_max = max(self._limits.values())
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _wake_soon(self) -> None:
+        """Wake the claim loop shortly: requests finishing one by one are claimed for in one
+        statement, not one claim each (a claim costs 1-3 ms of the server's time)."""
+        if self._wake_pending is None:
+            self._wake_pending = asyncio.get_running_loop().call_later(
+                WAKE_COALESCE, self._woken_soon
+            )
+
+    def _woken_soon(self) -> None:
+        self._wake_pending = None
+        self._wake.set()
