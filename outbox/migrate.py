@@ -92,6 +92,18 @@ class MigrationError(Exception):
     """The migrations cannot be applied; the message says why and what to do."""
 
 
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    ValueError,
+    TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)
+"""What else :func:`migrate` raises when the database cannot be reached or refuses (a bad
+URL, a refused connection, a timeout, a server error): the commands that run it (``outbox-relay
+migrate``, Django's ``outbox_migrate``) catch these to name the database and what to check."""
+
+
 def not_utf8(encoding: str) -> str:
     return (
         f"the database's encoding is {encoding}: the outbox needs a UTF8 database (events "

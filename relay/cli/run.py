@@ -7,12 +7,11 @@ import signal
 import sys
 from pathlib import Path
 
-import asyncpg
 import click
 
 from outbox.dburl import redact
 from outbox.errors import describe
-from outbox.migrate import MigrationError
+from outbox.migrate import UNREACHABLE, MigrationError
 from outbox.migrate import migrate as run_migrations
 from relay.cli.options import database_url_option, schema_option
 from relay.cli.render import echo, echo_exact, echo_lines
@@ -49,13 +48,7 @@ def migrate(database_url: str, schema: str, dry_run: bool, wait: float) -> None:
         )
     except MigrationError as exc:
         raise click.ClickException(str(exc)) from exc
-    except (
-        OSError,
-        ValueError,
-        TimeoutError,
-        asyncpg.PostgresError,
-        asyncpg.InterfaceError,
-    ) as exc:
+    except UNREACHABLE as exc:
         raise click.ClickException(
             f"cannot migrate {redact(database_url)}: {describe(exc)}. Check "
             "--database-url / OUTBOX_DATABASE_URL and that PostgreSQL is running."

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import asyncpg
 from django.conf import settings  # type: ignore[import-untyped]
 from django.core.management.base import BaseCommand, CommandError  # type: ignore[import-untyped]
 from django.db import DEFAULT_DB_ALIAS, connections  # type: ignore[import-untyped]
@@ -24,7 +23,7 @@ from django.db import DEFAULT_DB_ALIAS, connections  # type: ignore[import-untyp
 from outbox.dburl import redact
 from outbox.django.dburl import UnusableDatabaseSettings, database_url
 from outbox.errors import describe
-from outbox.migrate import MigrationError, migrate
+from outbox.migrate import UNREACHABLE, MigrationError, migrate
 
 __all__ = ["Command", "database_url"]
 
@@ -86,13 +85,7 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django has no type informat
             )
         except MigrationError as exc:
             raise CommandError(str(exc)) from exc
-        except (
-            OSError,
-            ValueError,
-            TimeoutError,
-            asyncpg.PostgresError,
-            asyncpg.InterfaceError,
-        ) as exc:
+        except UNREACHABLE as exc:
             raise CommandError(
                 f"cannot migrate database {alias!r} ({redact(url)}): {describe(exc)}"
             ) from exc
