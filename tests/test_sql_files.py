@@ -46,8 +46,6 @@ SQL_LITERALS = {
     "relay/db/queries/retention.py": 7,
     "relay/db/snapshots.py": 2,
     "relay/pipeline/listener.py": 1,
-    "relay/tools/bench/simple.py": 2,
-    "relay/tools/bench/steady.py": 2,
     "relay/tools/demo.py": 4,
 }
 
