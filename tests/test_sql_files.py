@@ -46,7 +46,6 @@ SQL_LITERALS = {
     "relay/db/queries/retention.py": 7,
     "relay/db/snapshots.py": 2,
     "relay/pipeline/listener.py": 1,
-    "relay/tools/demo.py": 4,
 }
 
 
