@@ -46,16 +46,6 @@ SQL_LITERALS = {
     "relay/db/queries/retention.py": 7,
     "relay/db/snapshots.py": 2,
     "relay/pipeline/listener.py": 1,
-    "relay/tools/bench/common.py": 11,
-    "relay/tools/bench/console.py": 4,
-    "relay/tools/bench/drain.py": 4,
-    "relay/tools/bench/fanout.py": 3,
-    "relay/tools/bench/fanout_load.py": 3,
-    "relay/tools/bench/fanout_sql.py": 10,
-    "relay/tools/bench/history.py": 1,
-    "relay/tools/bench/simple.py": 2,
-    "relay/tools/bench/steady.py": 2,
-    "relay/tools/demo.py": 4,
 }
 
 

@@ -22,20 +22,21 @@ from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 import outbox
 from outbox.dburl import redact, to_asyncpg_dsn, to_sqlalchemy_async_url
 from outbox.migrate import migrate
+from outbox.sql import load
 from relay.app import Relay
 from relay.obs.logs import configure
 from relay.settings import load_settings
 from relay.tools.localbroker import LocalBroker
 from relay.tools.scratch import scratch_database
 
-ORDERS = """
-CREATE TABLE IF NOT EXISTS orders (
-    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    customer text NOT NULL,
-    total numeric(10, 2) NOT NULL,
-    created_at timestamptz NOT NULL DEFAULT now()
-)
-"""
+# The statements' text is in demo.sql beside this module: the orders' run through SQLAlchemy's
+# text(), which binds :name itself.
+_q = load("relay.tools", "demo.sql", binds="named")
+
+ORDERS = _q["orders"]
+INSERT_ORDER = _q["insert_order"]
+INSERT_ROLLED_BACK_ORDER = _q["insert_rolled_back_order"]
+DELIVERED_COUNT = _q["delivered_count"]
 
 
 async def place_orders(db_url: str, count: int) -> list[int]:
@@ -50,7 +51,7 @@ async def place_orders(db_url: str, count: int) -> list[int]:
                 total = Decimal(10 + i) + Decimal("0.99")
                 order_id = (
                     await session.execute(
-                        text("INSERT INTO orders (customer, total) VALUES (:c, :t) RETURNING id"),
+                        text(INSERT_ORDER),
                         {"c": f"customer-{i % 3}", "t": total},
                     )
                 ).scalar_one()
@@ -70,9 +71,7 @@ async def place_orders(db_url: str, count: int) -> list[int]:
         # A transaction that fails after enqueueing: neither the order nor its event survive.
         with contextlib.suppress(RuntimeError):
             async with AsyncSession(engine) as session, session.begin():
-                await session.execute(
-                    text("INSERT INTO orders (customer, total) VALUES ('rolled-back', 1)")
-                )
+                await session.execute(text(INSERT_ROLLED_BACK_ORDER))
                 await outbox.enqueue(
                     session, destination="orders", payload={"type": "order.created", "x": 1}
                 )
@@ -87,7 +86,7 @@ async def wait_delivered(db_url: str, count: int, timeout: float) -> None:
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            n = await conn.fetchval("SELECT count(*) FROM outbox WHERE status = 'delivered'")
+            n = await conn.fetchval(DELIVERED_COUNT)
             if n >= count:
                 return
             await asyncio.sleep(0.05)

@@ -22,7 +22,8 @@ import asyncpg
 import click
 
 from outbox.dburl import to_asyncpg_dsn
-from outbox.queries import qualified_table
+from outbox.queries import qualified_table, render
+from outbox.sql import load
 from relay.breaker import Breaker
 from relay.model import Envelope, Outcome, Result
 from relay.sinks import Host, Sink
@@ -36,22 +37,22 @@ DESTINATION = "bench"
 # The scratch database is migrated into the default schema.
 TABLE = qualified_table("public")
 SNAPSHOT_APP = "bench-held-snapshot"
-# What a pg_dump reads first: the table, in the snapshot it then holds.
-READ_OUTBOX = "SELECT count(*) FROM " + TABLE
 
-PREFILL = """
-INSERT INTO outbox (destination, key, payload, content_type)
-SELECT $1, 'key-' || (i % $3), convert_to(rpad('{"i":' || i || ',"pad":"', $4, 'x') || '"}',
-       'UTF8'), 'application/json'
-FROM generate_series(1, $2) AS i
-"""
+# The statements' text, and why each is written so, is in common.sql beside this module.
+_q = load("relay.tools.bench", "common.sql", binds="numbered")
 
-FILL_HISTORY = """
-INSERT INTO outbox (destination, key, payload, content_type, status, attempts, delivered_at)
-SELECT $1, 'key-' || (i % 1000), convert_to(repeat('x', $3), 'UTF8'), 'application/json',
-       'delivered', 1, now()
-FROM generate_series(1, $2) AS i
-"""
+# What a pg_dump reads first: the table ({table}, filled in with TABLE where it is run).
+READ_OUTBOX = _q["read_outbox"]
+PREFILL = _q["prefill"]
+FILL_HISTORY = _q["fill_history"]
+BEGIN_REPEATABLE_READ = _q["begin_repeatable_read"]
+OWN_XMIN = _q["own_xmin"]
+BACKEND_XMIN = _q["backend_xmin"]
+TABLE_STATS = _q["table_stats"]
+OTHER_BACKENDS = _q["other_backends"]
+CLEAR_STATS_SNAPSHOT = _q["clear_stats_snapshot"]
+VACUUM_ANALYZE = _q["vacuum_analyze"]
+SERVER_VERSION = _q["server_version"]
 
 
 @dataclass
@@ -238,40 +239,21 @@ async def held_snapshot(db_url: str) -> AsyncIterator[HeldSnapshot]:
         to_asyncpg_dsn(db_url), server_settings={"application_name": SNAPSHOT_APP}
     )
     try:
-        await conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-        await conn.fetchval(READ_OUTBOX)
+        await conn.execute(BEGIN_REPEATABLE_READ)
+        await conn.fetchval(render(READ_OUTBOX, TABLE))
         held.pid = conn.get_server_pid()
-        held.xmin = await conn.fetchval(
-            "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = pg_backend_pid()"
-        )
+        held.xmin = await conn.fetchval(OWN_XMIN)
         held.started = time.monotonic()
         yield held
         # Its own connection would show the activity it read at the transaction's start.
         other = await asyncpg.connect(to_asyncpg_dsn(db_url))
         try:
-            held.xmin_at_end = await other.fetchval(
-                "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = $1", held.pid
-            )
+            held.xmin_at_end = await other.fetchval(BACKEND_XMIN, held.pid)
         finally:
             await other.close()
     finally:
         held.seconds = time.monotonic() - held.started if held.started else 0.0
         await conn.close()
-
-
-TABLE_STATS = """
-SELECT n_live_tup, n_dead_tup, n_tup_ins, n_tup_upd, n_tup_hot_upd, n_tup_del,
-       autovacuum_count, pg_table_size(relid) AS table_bytes,
-       pg_indexes_size(relid) AS indexes_bytes
-FROM pg_stat_user_tables WHERE relid = to_regclass($1)
-"""
-
-# Backends of this database other than the asking one and the held snapshot.
-OTHER_BACKENDS = """
-SELECT count(*) FROM pg_stat_activity
-WHERE datname = current_database() AND backend_type = 'client backend'
-  AND pid <> pg_backend_pid() AND application_name <> $1
-"""
 
 
 async def table_stats(db_url: str, events: int, settle: float = 5.0) -> dict[str, Any]:
@@ -289,7 +271,7 @@ async def table_stats(db_url: str, events: int, settle: float = 5.0) -> dict[str
         deadline = time.monotonic() + settle
         while await conn.fetchval(OTHER_BACKENDS, SNAPSHOT_APP) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        await conn.execute(CLEAR_STATS_SNAPSHOT)
         row = await conn.fetchrow(TABLE_STATS, TABLE)
     finally:
         await conn.close()
@@ -318,7 +300,7 @@ async def prefill(db_url: str, events: int, payload: int, keys: int) -> None:
         step = 100_000
         for start in range(0, events, step):
             await conn.execute(PREFILL, DESTINATION, min(step, events - start), keys, payload - 2)
-        await conn.execute("VACUUM ANALYZE outbox")
+        await conn.execute(VACUUM_ANALYZE)
     finally:
         await conn.close()
 
@@ -326,7 +308,7 @@ async def prefill(db_url: str, events: int, payload: int, keys: int) -> None:
 async def machine(db_url: str) -> dict[str, Any]:
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
-        pg = await conn.fetchval("SHOW server_version")
+        pg = await conn.fetchval(SERVER_VERSION)
     finally:
         await conn.close()
     return {

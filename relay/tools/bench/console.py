@@ -25,6 +25,7 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
+from outbox.sql import load
 from relay.tools.bench.common import percentile
 
 # The issue's target for GET / on 10 million rows, 1% pending.
@@ -35,60 +36,13 @@ RUNNING_ROWS = 200
 # in a million rows; the other failed rows carry none.
 KEYED_FAILED = 500_000
 
-# Rows $1..$2 of $3 in all; $4 pending rows (the newest), $8 of them running; $5 hours of
-# history; $6 the payload's padding; $7 KEYED_FAILED.
-# A row's place i sets its time (created_at rises with id, as in a live table), its
-# destination (i % 10) and, through a multiplicative hash h, whether it failed or was skipped.
-FILL = """
-INSERT INTO outbox (destination, key, tenant, event_type, payload, content_type, status,
-                    attempts, run_after, locked_by, locked_until, last_error, created_at,
-                    delivered_at, finished_at)
-SELECT d.destination,
-       CASE WHEN d.keyed AND (NOT r.failed OR h % $7::bigint = 0) THEN 'key-' || (i % 10000) END,
-       'tenant-' || (i % 50), d.event_type,
-       convert_to('{"i":' || i || ',"pad":"' || $6::text || '"}', 'UTF8'), 'application/json',
-       r.status,
-       CASE r.status WHEN 'failed' THEN 25 WHEN 'pending' THEN h % 3 ELSE 1 END,
-       CASE WHEN r.status = 'pending' AND h % 20 = 0 THEN now() + interval '5 min'
-            ELSE t.created_at END,
-       CASE WHEN r.status = 'running' THEN 'bench-relay-1' END,
-       CASE WHEN r.status = 'running' THEN now() + interval '20 s' END,
-       CASE WHEN r.status IN ('failed', 'skipped')
-            THEN (ARRAY['HTTP 503 from https://hooks.example.com: upstream unavailable',
-                        'timeout after 10s waiting for https://partner.example.net',
-                        'MessageSizeTooLargeError: the message is 1048712 bytes',
-                        'HTTP 410 from https://old.example.org: endpoint gone',
-                        'KafkaTimeoutError: batch expired'])[1 + (h / 1000) % 5]
-                 || CASE WHEN r.status = 'skipped' THEN ' [skipped by ops]' ELSE '' END END,
-       t.created_at,
-       CASE WHEN r.status = 'delivered' THEN t.created_at + t.lag END,
-       CASE WHEN r.status = 'delivered' THEN t.created_at + t.lag
-            WHEN r.status IN ('failed', 'skipped') THEN t.created_at + interval '20 min' END
-FROM generate_series($1::bigint, $2::bigint) AS i
-CROSS JOIN LATERAL (SELECT (i * 2654435761) % 1000003 AS h) AS x
-CROSS JOIN LATERAL (
-    SELECT now() - make_interval(secs => $5::float8 * 3600 * ($3::bigint - i) / $3)
-               AS created_at,
-           make_interval(secs => 0.05 + (h % 2000) / 1000.0) AS lag
-) AS t
-CROSS JOIN LATERAL (
-    SELECT CASE
-               WHEN i > $3 - $4::bigint AND i <= $3 - $4 + $8::bigint THEN 'running'
-               WHEN i > $3 - $4 THEN 'pending'
-               WHEN h % 1000 = 0 THEN 'failed'
-               WHEN h % 10000 = 1 THEN 'skipped'
-               ELSE 'delivered'
-           END AS status,
-           h % 1000 = 0 AND i <= $3 - $4 AS failed
-) AS r
-CROSS JOIN LATERAL (
-    SELECT (ARRAY['orders', 'orders', 'orders', 'orders', 'emails', 'emails', 'emails',
-                  'webhooks', 'webhooks', 'audit'])[1 + i % 10] AS destination,
-           (i % 10 < 4 OR i % 10 IN (7, 8)) AS keyed,
-           (ARRAY['order.created', 'order.paid', 'email.sent', 'audit.logged'])[1 + i % 4]
-               AS event_type
-) AS d
-"""
+# The statements' text, and why each is written so, is in console.sql beside this module.
+_q = load("relay.tools.bench", "console.sql", binds="numbered")
+
+FILL = _q["fill"]
+VACUUM_ANALYZE = _q["vacuum_analyze"]
+TABLE_SIZE = _q["table_size"]
+ROWS_BY_STATUS = _q["rows_by_status"]
 
 FILTER_ERROR = "timeout"
 
@@ -126,13 +80,10 @@ async def fill(
                 progress(end)
         filled = time.perf_counter() - started
         started = time.perf_counter()
-        await conn.execute("VACUUM (ANALYZE) outbox", timeout=None)
+        await conn.execute(VACUUM_ANALYZE, timeout=None)
         vacuumed = time.perf_counter() - started
-        size = await conn.fetchval("SELECT pg_total_relation_size('outbox')")
-        by_status = {
-            r["status"]: r["n"]
-            for r in await conn.fetch("SELECT status, count(*) AS n FROM outbox GROUP BY 1")
-        }
+        size = await conn.fetchval(TABLE_SIZE)
+        by_status = {r["status"]: r["n"] for r in await conn.fetch(ROWS_BY_STATUS)}
     finally:
         await conn.close()
     return {

@@ -11,6 +11,7 @@ from typing import Any
 import asyncpg
 
 from outbox.dburl import to_asyncpg_dsn
+from outbox.sql import load
 from relay.app import Relay
 from relay.model import Envelope, Lease
 from relay.settings import load_settings
@@ -28,13 +29,14 @@ from relay.tools.bench.common import (
 )
 
 # The seed article's loop, one row per round: claim and mark running, commit, deliver, mark
-# done. Kept here (not in outbox.queries) because the product never runs it.
-NAIVE_PICK = """
-SELECT id, destination, key, payload, content_type, attempts, created_at FROM outbox
-WHERE status = 'pending' AND run_after <= now() ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED
-"""
-NAIVE_RUNNING = "UPDATE outbox SET status = 'running' WHERE id = $1"
-NAIVE_DONE = "UPDATE outbox SET status = 'delivered', delivered_at = now() WHERE id = $1"
+# done. Kept beside this module in drain.sql (not in outbox.queries) because the product never
+# runs it.
+_q = load("relay.tools.bench", "drain.sql", binds="numbered")
+
+NAIVE_PICK = _q["naive_pick"]
+NAIVE_RUNNING = _q["naive_running"]
+NAIVE_DONE = _q["naive_done"]
+TRUNCATE_OUTBOX = _q["truncate_outbox"]
 
 
 def relay_settings(
@@ -188,7 +190,7 @@ async def naive(
     db_url: str, target: Target, *, events: int, payload: int, keys: int, max_seconds: float
 ) -> dict[str, Any]:
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    await conn.execute("TRUNCATE outbox")
+    await conn.execute(TRUNCATE_OUTBOX)
     await prefill(db_url, events, payload, keys)
     sink = target.make_sink()
     await sink.start()

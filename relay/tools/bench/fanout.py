@@ -48,7 +48,14 @@ from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.tools.bench.common import DESTINATION, machine
 from relay.tools.bench.fanout_load import Load
 from relay.tools.bench.fanout_setup import add_events, register, relay_settings, running
-from relay.tools.bench.fanout_sql import DEAD_BACKLOG, FILLER, PROBE_CLAIM_ALL
+from relay.tools.bench.fanout_sql import (
+    ANALYZE_ENDPOINTS,
+    COUNT_ENDPOINTS,
+    DEAD_BACKLOG,
+    FILLER,
+    PROBE_CLAIM_ALL,
+    TRUNCATE_PROBE,
+)
 from relay.tools.bench.receiver import LocalReceivers, local_receivers
 from relay.tools.localbroker import free_port
 from relay.tools.scratch import scratch_database
@@ -251,11 +258,9 @@ async def scale(
             if registered > fan_out:
                 secret = endpoint_secrets.generate()  # never used: no event matches them
                 await conn.execute(FILLER, DESTINATION, registered - fan_out, secret)
-            await conn.execute("ANALYZE outbox_endpoints")
+            await conn.execute(ANALYZE_ENDPOINTS)
             out: dict[str, Any] = {
-                "endpoints_registered": int(
-                    await conn.fetchval("SELECT count(*) FROM outbox_endpoints")
-                ),
+                "endpoints_registered": int(await conn.fetchval(COUNT_ENDPOINTS)),
                 "fan_out": fan_out,
                 "max_concurrency": max_concurrency,
             }
@@ -319,7 +324,7 @@ async def statement_probe(
             elif cursor is None:
                 break
         async with pool.acquire() as conn:
-            await conn.execute("TRUNCATE outbox, outbox_deliveries, outbox_attempts")
+            await conn.execute(TRUNCATE_PROBE)
     finally:
         await pool.close()
     per = max(deliveries, 1)

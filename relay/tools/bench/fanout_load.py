@@ -21,6 +21,9 @@ from relay.sinks.endpoints.sink import EndpointsSink
 from relay.tools.bench.common import DESTINATION, percentile, rss_mb
 from relay.tools.bench.fanout_setup import add_events
 from relay.tools.bench.fanout_sql import (
+    COUNT_ATTEMPTS,
+    COUNT_EVENTS,
+    DELIVERIES_BY_STATUS,
     FANNED_OUT,
     HEALTHY_DELIVERED,
     LAST_HEALTHY,
@@ -135,15 +138,12 @@ async def account(
     backlog: int = 0,
 ) -> dict[str, Any]:
     """Every delivery accounted for: the rows there are, against those there should be."""
-    events = int(await conn.fetchval("SELECT count(*) FROM outbox"))
+    events = int(await conn.fetchval(COUNT_EVENTS))
     expected = events * matching + backlog
-    by_status = {
-        r[0]: int(r[1])
-        for r in await conn.fetch("SELECT status, count(*) FROM outbox_deliveries GROUP BY 1")
-    }
+    by_status = {r[0]: int(r[1]) for r in await conn.fetch(DELIVERIES_BY_STATUS)}
     deliveries = sum(by_status.values())
     healthy_delivered = await _healthy_delivered(conn, healthy_ids)
-    attempts = int(await conn.fetchval("SELECT count(*) FROM outbox_attempts"))
+    attempts = int(await conn.fetchval(COUNT_ATTEMPTS))
     healthy_requests = [(i, e) for i, e, _ in received if i < healthy_ports]
     unique = len(set(healthy_requests))
     expected_healthy = events * len(healthy_ids)

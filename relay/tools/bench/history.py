@@ -10,7 +10,13 @@ import asyncpg
 from outbox import queries
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries as relay_queries
-from relay.tools.bench.common import DESTINATION, FILL_HISTORY, percentile, prefill
+from relay.tools.bench.common import (
+    DESTINATION,
+    FILL_HISTORY,
+    VACUUM_ANALYZE,
+    percentile,
+    prefill,
+)
 
 
 async def _claims(conn: asyncpg.Connection, claim: str, rounds: int, batch: int) -> list[float]:
@@ -37,7 +43,7 @@ async def history(db_url: str, *, rows: int, rounds: int, batch: int) -> dict[st
         step = 500_000
         for start in range(0, rows, step):
             await conn.execute(FILL_HISTORY, DESTINATION, min(step, rows - start), 200)
-        await conn.execute("VACUUM ANALYZE outbox")
+        await conn.execute(VACUUM_ANALYZE)
         await _claims(conn, claim, 20, batch)
         full = await _claims(conn, claim, rounds, batch)
     finally:

@@ -19,24 +19,16 @@ import asyncpg
 from aiokafka import AIOKafkaProducer
 
 from outbox.dburl import to_asyncpg_dsn
+from outbox.sql import load
 from relay.model import Envelope, Lease
 from relay.sinks.kafka.partitioner import Partitioner
 from relay.tools.bench.common import DESTINATION, Target, machine_cpu, per_event_us, prefill
 
-# Kept here, not in relay/db/queries/: the product never runs them.
-SIMPLE_CLAIM = """
-UPDATE outbox SET status = 'running', locked_until = now() + interval '60 seconds'
-WHERE id = ANY(ARRAY(
-    SELECT id FROM outbox
-    WHERE status = 'pending' AND run_after <= now() AND destination = $1
-    ORDER BY run_after, id LIMIT $2 FOR UPDATE SKIP LOCKED))
-RETURNING id, key, payload, content_type
-"""
-SIMPLE_DONE = """
-UPDATE outbox SET status = 'delivered', delivered_at = now(), finished_at = now(),
-                  locked_until = NULL
-WHERE id = ANY($1::bigint[])
-"""
+# Kept beside this module in simple.sql, not in relay/db/queries/: the product never runs them.
+_q = load("relay.tools.bench", "simple.sql", binds="numbered")
+
+SIMPLE_CLAIM = _q["simple_claim"]
+SIMPLE_DONE = _q["simple_done"]
 
 
 async def simple(

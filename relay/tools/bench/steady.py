@@ -30,6 +30,7 @@ import click
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.errors import describe
+from outbox.sql import load
 from relay.app import Relay
 from relay.tools.bench.common import (
     DESTINATION,
@@ -47,8 +48,11 @@ REACHED = 0.95  # of the offered rate, for its latency figures to be printed
 TX_PER_S = 500  # transactions per second the writers keep up with, comfortably, on 2 cores
 MINUTE = 60.0
 
-BUSINESS = "CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, total int)"
-ORDER = "INSERT INTO bench_orders (total) VALUES ($1) RETURNING id"
+# The writers' business statements: their text is in steady.sql beside this module.
+_q = load("relay.tools.bench", "steady.sql", binds="numbered")
+
+BUSINESS = _q["business"]
+ORDER = _q["order"]
 
 
 @dataclass

@@ -1,0 +1,24 @@
+-- The demo's statements (relay/tools/demo.py runs them): the application's orders, written
+-- through SQLAlchemy's text() (:name binds as written, outbox/sql.py), and what the demo reads
+-- back on asyncpg (delivered_count, which has no binds).
+
+-- name: orders
+
+CREATE TABLE IF NOT EXISTS orders (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    customer text NOT NULL,
+    total numeric(10, 2) NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: insert_order
+-- params: c, t
+-- An order (:c its customer, :t its total), in the transaction that enqueues its event.
+INSERT INTO orders (customer, total) VALUES (:c, :t) RETURNING id
+
+-- name: insert_rolled_back_order
+-- The order of the transaction that fails after enqueueing: neither it nor its event survive.
+INSERT INTO orders (customer, total) VALUES ('rolled-back', 1)
+
+-- name: delivered_count
+SELECT count(*) FROM outbox WHERE status = 'delivered'
