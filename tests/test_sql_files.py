@@ -35,7 +35,6 @@ SQL_LITERALS = {
     "outbox/migrate.py": 1,
     "outbox/queries.py": 47,
     "outbox/schema.py": 6,
-    "relay/pipeline/listener.py": 1,
     "relay/tools/bench/common.py": 11,
     "relay/tools/bench/console.py": 4,
     "relay/tools/bench/drain.py": 4,
