@@ -23,7 +23,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.db.snapshots import BACKEND, HIDDEN_HINT, PREPARED, SnapshotHolder, oldest_holder
+from relay.db.snapshots import BACKEND, HIDDEN_HINT, PREPARED, SLOT, SnapshotHolder, oldest_holder
 from relay.db.store import Store, create_pool
 from relay.maintenance import every
 from relay.maintenance.horizon import REPEAT_EVERY, Horizon
@@ -161,6 +161,29 @@ async def test_a_prepared_transaction_is_named(db_url: str) -> None:
     finally:
         await conn.execute(f"ROLLBACK PREPARED '{gid}'")
         await conn.close()
+
+
+def test_what_ends_a_holder_names_it_quoted() -> None:
+    """The commands an operator is given (relay/db/snapshots.sql): a slot's name and a prepared
+    transaction's gid as string literals, their quotes doubled; a backend's pid as it is."""
+
+    def holder(kind: str, pid: int | None, name: str | None) -> SnapshotHolder:
+        return SnapshotHolder(
+            kind, pid, name, "db", None, "u", None, None, None, None, None, None, None, 1, "7", True
+        )
+
+    assert (
+        holder(SLOT, None, "it's")
+        .action()
+        .endswith(", or if that standby is gone, SELECT pg_drop_replication_slot('it''s')")
+    )
+    assert holder(PREPARED, None, "g'{gid}").action() == (
+        "COMMIT PREPARED 'g''{gid}' or ROLLBACK PREPARED 'g''{gid}' (in database db), once you "
+        "know which its transaction manager wants"
+    )
+    assert holder(BACKEND, 42, None).action() == (
+        "SELECT pg_terminate_backend(42) if it is not needed"
+    )
 
 
 @pytest.fixture

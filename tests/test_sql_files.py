@@ -35,17 +35,6 @@ SQL_LITERALS = {
     "outbox/migrate.py": 1,
     "outbox/queries.py": 47,
     "outbox/schema.py": 6,
-    "relay/db/queries/checks.py": 4,
-    "relay/db/queries/claim.py": 4,
-    "relay/db/queries/deliveries.py": 7,
-    "relay/db/queries/gauges.py": 2,
-    "relay/db/queries/leases.py": 5,
-    "relay/db/queries/ordered.py": 8,
-    "relay/db/queries/outcomes.py": 3,
-    "relay/db/queries/registry.py": 8,
-    "relay/db/queries/retention.py": 7,
-    "relay/db/snapshots.py": 2,
-    "relay/pipeline/listener.py": 1,
 }
 
 
@@ -206,9 +195,249 @@ def test_the_pieces_statements_share_are_written_alike() -> None:
     assert queries.RETRY_SELECTION == SELECTION + FAILED_MATCHING
     assert FAILED_MATCHING in queries.RETRY_PREVIEW and FAILED_MATCHING in queries.RETRY
     assert queries.PURGE_SELECTION.startswith(SELECTION + "\nFROM {table}\n")
-    # A confirmed purge keeps what the relay's purge keeps (relay/db/queries/retention.py).
+    # A confirmed purge keeps what the relay's purge keeps (relay/db/queries/retention.sql).
     for purge in (queries.PURGE_SELECTED_DELIVERED, queries.PURGE_SELECTED_FINISHED):
-        assert "  AND NOT " + relay_queries._OPEN_DELIVERY + "\nORDER BY" in purge
+        assert "  AND NOT " + OPEN_DELIVERY + "\nORDER BY" in purge
+
+
+# The relay's own statements (relay/db/queries/*.sql), as their pieces were in Python: the test
+# of an open delivery (retention.sql), a fresh row and a claim's last step (claim.sql), a step
+# of the ordered walk (ordered.sql), the fence of held rows, the heartbeat, the release and what
+# a reap sets (leases.sql), the lists recording outcomes (outcomes.sql), the rows nobody serves
+# (registry.sql) and a relay that claims as an owner (ordered.sql).
+OPEN_DELIVERY = (
+    "(SELECT EXISTS (\n"
+    "          SELECT 1 FROM {deliveries} AS d\n"
+    "          WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))"
+)
+FRESH = "status = 'pending' AND claims = 0 AND run_after <= created_at"
+FRESH_O = "o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at"
+LATE = (
+    "\nlate AS (\n"
+    "    SELECT id, run_after FROM {table}\n"
+    f"    WHERE destination = $1 AND {FRESH} AND id > $7::bigint AND id <= $5::bigint\n"
+    "      AND run_after <= now()\n"
+    "    ORDER BY id\n"
+    "    LIMIT $2\n"
+    "    FOR UPDATE SKIP LOCKED\n"
+    "),"
+)
+LATE_UNION = "SELECT * FROM late UNION ALL "
+LATE_REST = (
+    ", coalesce(\n"
+    "           (SELECT min(o.id) - 1 FROM {table} AS o\n"
+    f"            WHERE o.destination = $1 AND {FRESH_O}\n"
+    "              AND o.id > $7::bigint AND o.id <= $5::bigint\n"
+    "              AND o.id NOT IN (SELECT c.id FROM chosen AS c)),\n"
+    "           n.cursor)"
+)
+WALK_STEP = re.compile(
+    r"\(SELECT o\.key, o\.id, o\.status, o\.run_after, (?:false AS wrapped|false|true) "
+    r"FROM \{table\} AS o\n"
+    r"         WHERE [^()]*(?:\([^()]*\)[^()]*)*\n"
+    r"           AND o\.status IN \('pending', 'failed'\)\n"
+    r"         ORDER BY o\.key, o\.id\n"
+    r"         LIMIT 1\)"
+)
+LIMITS = (
+    "limits AS (\n"
+    "    SELECT * FROM unnest($3::text[], $4::int[]) AS l(destination, max_attempts)\n"
+    ")"
+)
+OUTCOMES = (
+    "unnest($1::bigint[], $2::int[], $3::text[], $4::int[], $5::float8[], $6::text[])\n"
+    "     AS u(id, token, status, counted, delay, error)"
+)
+RECORD_CLAIMS = (
+    "-- Unchanged (the WHERE demands it), and written so that a trigger auditing the table can\n"
+    "    -- tell which claim an outcome belongs to (the fault suite counts outcomes recorded"
+    " over a\n"
+    "    -- newer claim that way).\n"
+    "    claims = u.token,"
+)
+UNSERVED = (
+    "\nWHERE status = 'pending' AND NOT (destination = ANY($1::text[]))\n"
+    "  AND NOT EXISTS (SELECT 1 FROM {relays} AS r\n"
+    "                  WHERE r.seen_at > now() - make_interval(secs => $2)\n"
+    "                    AND {table}.destination = ANY(r.destinations))\n"
+)
+OWNER_CAPABLE = "('ordered-owner' = ANY(features) AND features_at IS NOT DISTINCT FROM seen_at)"
+
+
+def mark_running(rows: str) -> str:
+    """Every claim's last step: the rows of CTE ``rows`` marked running under this relay's
+    lease ($3, $4 seconds), the fencing token taken, returned as relay.db.envelopes reads them."""
+    return (
+        "claimed AS (\n"
+        "    UPDATE {table} AS o\n"
+        "    SET status = 'running', locked_by = $3,"
+        " locked_until = now() + make_interval(secs => $4),\n"
+        "        claims = o.claims + 1\n"
+        f"    WHERE o.id = ANY(ARRAY(SELECT id FROM {rows}))\n"
+        "    RETURNING o.id, o.destination, o.key, o.payload, o.content_type,"
+        " o.headers::text AS headers,\n"
+        "              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at,"
+        " o.claims,\n"
+        "              o.event_type\n"
+        ")"
+    )
+
+
+def held(row: str, pairs: str, relay: str) -> str:
+    """The fence of every outcome, heartbeat and release: row ``row`` matched to its (id,
+    token) pair in ``pairs``, still running under this relay (``relay``) and that very claim."""
+    return (
+        f"{row}.id = {pairs}.id AND {row}.claims = {pairs}.token AND {row}.status = 'running' "
+        f"AND {row}.locked_by = {relay}"
+    )
+
+
+DELIVERIES = ("{deliveries}", "d")
+
+
+def heartbeat(table: str, row: str) -> str:
+    return (
+        f"\nUPDATE {table} AS {row} SET locked_until = now() + make_interval(secs => $4)\n"
+        "FROM unnest($1::bigint[], $2::int[]) AS u(id, token)\n"
+        f"WHERE {held(row, 'u', '$3')}\n"
+        f"RETURNING {row}.id\n"
+    )
+
+
+def release(table: str, row: str) -> str:
+    return (
+        f"\nUPDATE {table} AS {row}\n"
+        "SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()\n"
+        "FROM unnest($2::bigint[], $3::int[]) AS u(id, token)\n"
+        f"WHERE {held(row, 'u', '$1')}\n"
+    )
+
+
+def reaped(row: str) -> str:
+    """What reap and delivery_reap set on a row whose lease expired."""
+    return (
+        f"attempts = {row}.attempts + 1,\n"
+        "    run_after = now(),\n"
+        f"    last_error = 'lease expired: relay ' || coalesce({row}.locked_by, '?')\n"
+        "                 || ' stopped before recording an outcome',"
+    )
+
+
+def outcome_set(claims: str) -> str:
+    """record's SET list, but for its ``claims`` line."""
+    return (
+        "status = u.status,\n"
+        "    attempts = o.attempts + u.counted,\n"
+        "    run_after = CASE WHEN u.status = 'pending'\n"
+        "                     THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,\n"
+        "    last_error = COALESCE(u.error, o.last_error),\n"
+        "    delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,\n"
+        "    finished_at = CASE WHEN u.status <> 'pending' THEN now() END,\n"
+        f"    {claims}\n"
+        "    locked_by = NULL,\n"
+        "    locked_until = NULL"
+    )
+
+
+def delivered_set(extra: str = "") -> str:
+    """record_delivered's SET list; ``extra``: lines before its ``claims`` line."""
+    return (
+        "status = 'delivered',\n"
+        "    attempts = o.attempts + 1,\n"
+        "    delivered_at = now(),\n"
+        "    finished_at = now(),\n"
+        f"    {extra}claims = u.token,  -- unchanged; see RECORD\n"
+        "    locked_by = NULL,\n"
+        "    locked_until = NULL"
+    )
+
+
+def indented(text: str) -> str:
+    """``text`` four more spaces in, but for its first line (it follows a keyword)."""
+    return text.replace("\n", "\n    ")
+
+
+def test_the_claims_pieces_are_written_alike() -> None:
+    q = relay_queries
+    claims = (q.CLAIM, q.CLAIM_FRESH, q.FRESH_BELOW, q.CLAIM_OWNED)
+    assert [s.count(FRESH) for s in claims] == [2, 1, 1, 1]
+    assert [s.count(FRESH_O) for s in (q.CLAIM, q.CLAIM_FRESH)] == [2, 1]
+    assert [s.count(mark_running("chosen")) for s in (q.CLAIM, q.CLAIM_FRESH)] == [1, 1]
+    assert [s.count(mark_running("locked")) for s in (q.CLAIM_ORDERED, q.CLAIM_OWNED)] == [1, 1]
+    # claim_fresh is claim without the reads of late commits, nothing more.
+    assert [q.CLAIM.count(piece) for piece in (LATE, LATE_UNION, LATE_REST)] == [1, 1, 1]
+    assert q.CLAIM.replace(LATE, "").replace(LATE_UNION, "").replace(LATE_REST, "") == (
+        q.CLAIM_FRESH
+    )
+    # The ordered walk: its first step's four branches and each further step's four.
+    assert len(WALK_STEP.findall(q.CLAIM_ORDERED)) == 8
+    assert q.CLAIM_ORDERED.count("(SELECT o.key, o.id, o.status, o.run_after, ") == 8
+
+
+def test_the_lease_fences_are_written_alike() -> None:
+    q = relay_queries
+    # The events' heartbeat and release and the deliveries', alike but for the table.
+    for written, rows in ((q.HEARTBEAT, ("{table}", "o")), (q.DELIVERY_HEARTBEAT, DELIVERIES)):
+        assert written == heartbeat(*rows)
+    for written, rows in ((q.RELEASE, ("{table}", "o")), (q.DELIVERY_RELEASE, DELIVERIES)):
+        assert written == release(*rows)
+    fenced = {
+        "FAN_OUT": [("o", "u", "$3")],
+        "RECORD": [("o", "u", "$7")],
+        "RECORD_DELIVERED": [("o", "u", "$3")],
+        "RECORD_DELETING": [("o", "g", "$7")],
+        "RECORD_DELIVERED_DELETING": [("o", "g", "$3"), ("o", "u", "$3")],
+    }
+    for name, fences in fenced.items():
+        for fence in fences:
+            assert getattr(q, name).count("WHERE " + held(*fence) + "\n") == 1, (name, fence)
+    # record_deleting's kept rows: the fence, with the delivered ones an open delivery keeps.
+    kept = held("o", "u", "$7").split(" AND ", 1)[1]
+    assert q.RECORD_DELETING.count("\n      AND " + kept + "\n") == 1
+    for reap, row in ((q.REAP, "o"), (q.DELIVERY_REAP, "d")):
+        assert reap.count(LIMITS) == 1 and reap.count("    " + reaped(row) + "\n") == 1
+
+
+def test_the_outcome_records_are_written_alike() -> None:
+    q = relay_queries
+    assert q.RECORD.count(f"SET {outcome_set(RECORD_CLAIMS)}\nFROM {OUTCOMES}\nWHERE ") == 1
+    deleting = outcome_set("claims = u.token,  -- unchanged; see RECORD")
+    assert (
+        q.RECORD_DELETING.count(
+            f"SET {indented(deleting)}\n    FROM {indented(OUTCOMES)}\n    WHERE "
+        )
+        == 1
+    )
+    assert q.RECORD_DELIVERED.count(f"SET {delivered_set()}\nFROM unnest(") == 1
+    assert q.RECORD_DELIVERED_DELETING.count(f"SET {indented(delivered_set())}\n") == 1
+    no_match = "last_error = CASE WHEN c.n IS NULL THEN $4::text ELSE o.last_error END,\n    "
+    assert q.FAN_OUT.count(f"SET {indented(delivered_set(no_match))}\n") == 1
+    # Never an event a delivery still needs: whoever deletes events keeps those.
+    deleting_events = {
+        "RECORD_DELETING": 2,
+        "RECORD_DELIVERED_DELETING": 2,
+        "PURGE_DELIVERED": 1,
+        "PURGE_FINISHED": 1,
+        "DELETE_LOCKED": 1,
+        "RETENTION_DELIVERED": 1,
+    }
+    assert {name: getattr(q, name).count(OPEN_DELIVERY) for name in deleting_events} == (
+        deleting_events
+    )
+    for purge in (q.PURGE_DELIVERED, q.PURGE_FINISHED):
+        assert "  AND NOT " + OPEN_DELIVERY + "\nORDER BY" in purge
+
+
+def test_the_registrys_pieces_are_written_alike() -> None:
+    q = relay_queries
+    assert [s.count(UNSERVED) for s in (q.UNKNOWN_DESTINATIONS, q.FAIL_UNKNOWN_DESTINATIONS)] == [
+        1,
+        1,
+    ]
+    assert [s.count("AND NOT " + OWNER_CAPABLE) for s in (q.UNOWNED_PEERS, q.CLAIM_OWNED)] == [
+        1,
+        1,
+    ]
 
 
 # --- the loader -------------------------------------------------------------------------------

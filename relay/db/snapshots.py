@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from outbox.sql import load
 from relay.config.base import DEFAULT_SNAPSHOT_WARNING
 from relay.db import queries
 
@@ -21,6 +22,14 @@ DEFAULT_WARNING = DEFAULT_SNAPSHOT_WARNING
 BACKEND = "backend"
 PREPARED = "prepared transaction"
 SLOT = "replication slot"
+
+# What ends a holder, for an operator to run (see snapshots.sql): {slot}, {gid} and {pid} are
+# filled in by action().
+_q = load("relay.db", "snapshots.sql", binds="numbered")
+DROP_REPLICATION_SLOT = _q["drop_replication_slot"]
+COMMIT_PREPARED = _q["commit_prepared"]
+ROLLBACK_PREPARED = _q["rollback_prepared"]
+TERMINATE_BACKEND = _q["terminate_backend"]
 
 HIDDEN_HINT = (
     "grant pg_read_all_stats (or pg_monitor) to this role to see the holder's state, "
@@ -90,15 +99,17 @@ class SnapshotHolder:
             return (
                 f"a standby's hot_standby_feedback holds it through slot {self.name}: end the "
                 "standby's long queries, or if that standby is gone, "
-                f"SELECT pg_drop_replication_slot({_literal(self.name or '')})"
+                + DROP_REPLICATION_SLOT.replace("{slot}", _literal(self.name or ""))
             )
         if self.kind == PREPARED:
             gid = _literal(self.name or "")
+            commit = COMMIT_PREPARED.replace("{gid}", gid)
+            rollback = ROLLBACK_PREPARED.replace("{gid}", gid)
             return (
-                f"COMMIT PREPARED {gid} or ROLLBACK PREPARED {gid} (in database "
-                f"{self.database}), once you know which its transaction manager wants"
+                f"{commit} or {rollback} (in database {self.database}), once you know which "
+                "its transaction manager wants"
             )
-        return f"SELECT pg_terminate_backend({self.pid}) if it is not needed"
+        return TERMINATE_BACKEND.replace("{pid}", str(self.pid)) + " if it is not needed"
 
     def as_json(self, threshold: float) -> dict[str, Any]:
         """What `status --json` and the console say of it."""

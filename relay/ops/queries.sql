@@ -259,10 +259,10 @@ WHERE ((status = 'delivered'
 
 -- name: purge_selected_delivered
 -- params: older_than_seconds, destinations, batch, as_of, max_id
--- A confirmed preview's purge, in batches as the relay's (relay/db/queries/retention.py's
--- PURGE_DELIVERED, PURGE_FINISHED, each followed by DELETE_LOCKED: change them together; the
--- NOT (SELECT EXISTS …) is its _OPEN_DELIVERY, written alike, tests/test_sql_files.py checks
--- it), within its selection: aged as of the preview's clock (:as_of with the seconds :older_than_seconds), ids up to
+-- A confirmed preview's purge, in batches as the relay's (relay/db/queries/retention.sql's
+-- purge_delivered, purge_finished, each followed by delete_locked: change them together; the
+-- NOT (SELECT EXISTS …) is its open-delivery test, written alike, tests/test_sql_files.py
+-- checks it), within its selection: aged as of the preview's clock (:as_of with the seconds :older_than_seconds), ids up to
 -- its highest (:max_id). Rows only leave that set (their timestamps are set when they end, to a
 -- later time), so no batch deletes a row the preview did not count.
 

@@ -10,6 +10,7 @@ import asyncpg
 import structlog
 
 from outbox.errors import describe
+from relay.db import queries
 from relay.db.store import DB_ERRORS
 
 log = structlog.get_logger("relay.listener")
@@ -71,7 +72,7 @@ class Listener:
                         await asyncio.wait_for(lost.wait(), 30)
                     except TimeoutError:
                         # A silent network loss never terminates the connection; ask.
-                        await conn.execute("SELECT 1", timeout=10)
+                        await conn.execute(queries.PING, timeout=10)
             except DB_ERRORS as exc:
                 log.warning("relay.listener.lost", error=describe(exc))
                 was_lost = True

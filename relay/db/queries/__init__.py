@@ -2,8 +2,10 @@
 (``queries.CLAIM``).
 
 The domains: the claim (claim, ordered), outcomes, leases, the registry, retention, gauges,
-the start-up checks and the endpoints' deliveries. The commands' statements (status, retry,
-purge, …) are in relay/ops/queries.py.
+the start-up checks and the endpoints' deliveries. Each module names the statements of the
+``.sql`` file beside it (claim.py those of claim.sql), where their text is, with why each is
+written so (outbox/sql.py reads them). The commands' statements (status, retry, purge, …) are
+in relay/ops/queries.py.
 
 Statements name the outbox table ``{table}``, outbox_paused ``{paused}`` and outbox_relays
 ``{relays}``; :func:`render_ops` fills them in for a schema once, when the store is created.
@@ -62,7 +64,6 @@ from relay.db.queries.registry import UNREGISTER as UNREGISTER
 from relay.db.queries.render import PAUSED_TABLE as PAUSED_TABLE
 from relay.db.queries.render import RELAYS_TABLE as RELAYS_TABLE
 from relay.db.queries.render import render_ops as render_ops
-from relay.db.queries.retention import _OPEN_DELIVERY as _OPEN_DELIVERY
 from relay.db.queries.retention import DELETE_LOCKED as DELETE_LOCKED
 from relay.db.queries.retention import PURGE_ATTEMPTS as PURGE_ATTEMPTS
 from relay.db.queries.retention import PURGE_DELIVERED as PURGE_DELIVERED

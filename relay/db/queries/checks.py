@@ -1,22 +1,15 @@
 """The relay's checks of the database at start: that it answers, and that the columns, indexes
-and privileges it needs are there."""
+and privileges it needs are there.
+
+Their text, and why each is written so, is in relay/db/queries/checks.sql."""
 
 from __future__ import annotations
 
-PING = "SELECT 1"
+from outbox.sql import load
 
-# pg_attribute, not information_schema: the latter hides columns the role has no privilege
-# on, and a role granted before a migration must hear "grant", not "migrate".
-COLUMN_EXISTS = """
-SELECT EXISTS (SELECT 1 FROM pg_attribute
-               WHERE attrelid = to_regclass($1) AND attname = $2 AND NOT attisdropped)
-"""
+_q = load("relay.db.queries", "checks.sql", binds="numbered")
 
-# A usable index (an interrupted CREATE INDEX CONCURRENTLY leaves an invalid one behind) and
-# its predicate, as PostgreSQL prints it.
-INDEX_VALID = """
-SELECT (SELECT pg_get_expr(indpred, indrelid) FROM pg_index
-        WHERE indexrelid = to_regclass($1) AND indisvalid)
-"""
-
-TABLE_PRIVILEGE = "SELECT has_table_privilege(to_regclass($1), $2)"
+PING = _q["ping"]
+COLUMN_EXISTS = _q["column_exists"]
+INDEX_VALID = _q["index_valid"]
+TABLE_PRIVILEGE = _q["table_privilege"]

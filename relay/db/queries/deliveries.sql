@@ -1,0 +1,338 @@
+-- Endpoints (kind = "endpoints"): the fan-out of events to one delivery per (event, endpoint),
+-- then the deliveries' claim, outcomes, heartbeat, release and reap, and the endpoints'
+-- health. relay/db/queries/deliveries.py names them, relay/sinks/endpoints/store.py runs them;
+-- they are asyncpg's (:name binds handed out as $1, $2, … in their params' order:
+-- outbox/sql.py).
+--
+-- Written alike with other files' statements (tests/test_sql_files.py checks it): fan_out's
+-- SET list is outcomes.sql's record_delivered's, and its fence of held rows theirs;
+-- delivery_heartbeat and delivery_release are leases.sql's heartbeat and release on the
+-- deliveries; delivery_reap's limits and what it sets on a reaped row are leases.sql's reap's.
+
+-- name: fan_out
+-- params: ids, tokens, relay, no_match
+-- Fan-out of a claimed batch of events and their outcome, in one statement: one delivery per
+-- matching endpoint (enabled, of the event's destination, of its tenant or of every tenant,
+-- taking its type or every type), and each event recorded as delivered (with :no_match as
+-- last_error when no endpoint matched), for the events this relay still holds under their
+-- claim (:ids, :tokens their fencing tokens, :relay this relay), as record_delivered fences
+-- them. A relay that dies at any point has either fanned a batch out and recorded it, or done
+-- neither: an event is never fanned out twice, even when retention has deleted the deliveries
+-- of a first fan-out (the UNIQUE pair alone made a second fan-out harmless only while they
+-- were kept). Returns each event recorded with how many endpoints it matched; an event missing
+-- from the answer was no longer this relay's (its lease ran out): nothing was fanned out for
+-- it.
+
+WITH matched AS (
+    SELECT o.id AS event_id, e.id AS endpoint_id, o.destination
+    FROM {table} AS o
+    CROSS JOIN LATERAL (
+        SELECT e.id FROM {endpoints} AS e
+        WHERE e.enabled AND e.destination = o.destination AND e.tenant = o.tenant
+          AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types))
+        UNION ALL
+        SELECT e.id FROM {endpoints} AS e
+        WHERE e.enabled AND e.destination = o.destination AND e.tenant IS NULL
+          AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types))
+    ) AS e
+    WHERE o.id = ANY(:ids::bigint[])
+),
+counted AS (
+    SELECT event_id, count(*)::int AS n FROM matched GROUP BY event_id
+),
+recorded AS (
+    UPDATE {table} AS o
+    SET status = 'delivered',
+        attempts = o.attempts + 1,
+        delivered_at = now(),
+        finished_at = now(),
+        last_error = CASE WHEN c.n IS NULL THEN :no_match::text ELSE o.last_error END,
+        claims = u.token,  -- unchanged; see RECORD
+        locked_by = NULL,
+        locked_until = NULL
+    FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
+    LEFT JOIN counted AS c ON c.event_id = u.id
+    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+    RETURNING o.id, coalesce(c.n, 0) AS endpoints
+),
+added AS (
+    INSERT INTO {deliveries} (event_id, endpoint_id, destination)
+    SELECT m.event_id, m.endpoint_id, m.destination
+    FROM matched AS m JOIN recorded AS r ON r.id = m.event_id
+    ORDER BY m.event_id, m.endpoint_id
+    ON CONFLICT (event_id, endpoint_id) DO NOTHING
+    RETURNING 1
+)
+SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
+
+-- name: delivery_claim
+-- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps
+-- The delivery claim. It walks the endpoints that have pending deliveries, in id order from
+-- the cursor :cursor (NULL: from the first), at most :scan of them, with a loose index scan of
+-- the claim index. From each enabled endpoint of this relay's destinations (:destinations, with
+-- each one's max_concurrency in :max_concurrency) but those of the tenants it skips
+-- (:skip_tenants: at their fair share, see relay/sinks/endpoints/fairness.py), it takes due
+-- deliveries of the endpoint's own destination, oldest first: as many as the endpoint has room
+-- for, fewer for a rate-limited one. Its room is its max_concurrency, or the cap this relay
+-- gives it (:caps, a JSON object of endpoint id to cap: 0 for one it skips, circuit open,
+-- answered 410 or at its fair share; a slow endpoint's slow_concurrency; one this relay knows
+-- nothing of starts at its destination's slow_concurrency, :start_caps), less its deliveries in
+-- flight claimed by ANY relay under a live lease (the running index: one probe), so that
+-- max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit less
+-- its attempts in the last second. A dead endpoint's backlog is never scanned past: the claim
+-- reads one endpoint's due rows at a time. At most :batch rows in all, marked running under
+-- this relay's lease (:relay, :lease seconds). The rows come with what sending needs: the event
+-- (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
+-- and event types, all of one snapshot, so that the relay checks the endpoint still takes the
+-- event before it sends it to that URL. Pending deliveries of an endpoint met on the walk that
+-- no longer exists (deleted while its events were being fanned out) or that now belongs to
+-- another destination are cancelled, saying so. The last row (id -1) carries the cursor for
+-- the next claim in endpoint_id: the last endpoint examined when the scan limit cut the walk
+-- short, the last one claimed from when the batch filled up, NULL when the walk reached the
+-- end.
+
+WITH RECURSIVE eps AS (
+    (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
+     WHERE d.status = 'pending' AND d.endpoint_id > coalesce(:cursor::bigint, -1)
+     ORDER BY d.endpoint_id
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.endpoint_id, eps.n + 1
+    FROM eps CROSS JOIN LATERAL (
+        SELECT d.endpoint_id FROM {deliveries} AS d
+        WHERE d.status = 'pending' AND d.endpoint_id > eps.endpoint_id
+        ORDER BY d.endpoint_id
+        LIMIT 1
+    ) AS nxt
+    WHERE eps.n < :scan
+),
+conc AS (
+    SELECT * FROM unnest(:destinations::text[], :max_concurrency::int[], :start_caps::int[])
+        AS c(destination, max_concurrency, start_cap)
+),
+picked AS (
+    SELECT d.id, e.id AS endpoint_id
+    FROM eps
+    -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
+    -- the endpoints registered.
+    CROSS JOIN LATERAL (
+        SELECT e.id, e.destination, e.rate_limit,
+               -- The caps are a JSON object, a lookup by key in it a binary search: an
+               -- array of thousands of endpoints would be scanned for each one walked.
+               least(c.max_concurrency,
+                     coalesce((:caps::jsonb ->> e.id::text)::int, c.start_cap)) AS limit_,
+               -- Leases expired count no more: a dead relay's rows wait for the reaper,
+               -- and must not hold the endpoint meanwhile.
+               (SELECT count(*) FROM {deliveries} AS r
+                WHERE r.endpoint_id = e.id AND r.status = 'running'
+                  AND r.locked_until > now()) AS running
+        FROM {endpoints} AS e
+        JOIN conc AS c ON c.destination = e.destination
+        WHERE e.id = eps.endpoint_id AND e.enabled
+          AND (e.tenant IS NULL OR NOT (e.tenant = ANY(:skip_tenants::text[])))
+        OFFSET 0
+    ) AS e
+    CROSS JOIN LATERAL (
+        SELECT d.id FROM {deliveries} AS d
+        WHERE d.endpoint_id = e.id AND d.destination = e.destination
+          AND d.status = 'pending' AND d.run_after <= now()
+        ORDER BY d.run_after, d.id
+        LIMIT greatest(0, CASE WHEN e.rate_limit IS NULL THEN e.limit_ - e.running
+                   ELSE least(e.limit_, e.rate_limit
+                       - (SELECT count(*) FROM {attempts} AS a
+                          WHERE a.endpoint_id = e.id AND a.at > now() - interval '1 second'))
+                        - e.running
+              END)
+    ) AS d
+    LIMIT :batch
+),
+stale AS (
+    -- Endpoints met on the walk that are gone, or whose oldest pending delivery is of
+    -- another destination than theirs (moved with SQL): one probe each.
+    SELECT eps.endpoint_id, x.destination
+    FROM eps LEFT JOIN {endpoints} AS x ON x.id = eps.endpoint_id
+    WHERE x.id IS NULL
+       OR x.destination <> (SELECT d.destination FROM {deliveries} AS d
+                            WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
+                            ORDER BY d.run_after, d.id LIMIT 1)
+),
+orphaned AS (
+    UPDATE {deliveries} AS d
+    SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
+        last_error = CASE WHEN s.destination IS NULL
+                          THEN 'endpoint ' || d.endpoint_id || ' was deleted'
+                          ELSE 'endpoint ' || d.endpoint_id || ' moved to destination '
+                               || quote_literal(s.destination) END
+    FROM stale AS s
+    -- Uncorrelated, so evaluated once: without a stale endpoint nothing below is read.
+    WHERE EXISTS (SELECT 1 FROM stale)
+      AND d.endpoint_id = s.endpoint_id AND d.status = 'pending'
+      AND (s.destination IS NULL OR s.destination <> d.destination)
+    RETURNING d.id
+),
+locked AS (
+    -- Another relay may have claimed a row since this statement's snapshot: the lock
+    -- re-reads it and the status check drops it. Written so that the planner finds the rows
+    -- by id (the primary key) rather than through the partial claim index, which it would
+    -- otherwise read whole for the ids.
+    SELECT d.id FROM {deliveries} AS d
+    WHERE d.id = ANY(ARRAY(SELECT id FROM picked)) AND (d.status = 'pending') IS TRUE
+    ORDER BY d.id
+    FOR UPDATE SKIP LOCKED
+),
+claimed AS (
+    UPDATE {deliveries} AS d
+    SET status = 'running', locked_by = :relay, locked_until = now() + make_interval(secs => :lease),
+        claims = d.claims + 1
+    WHERE d.id = ANY(ARRAY(SELECT id FROM locked))
+    RETURNING d.id, d.event_id, d.endpoint_id, d.destination, d.attempts, d.claims, d.replay
+)
+SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.replay,
+       o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
+       extract(epoch FROM o.created_at)::float8 AS created_at,
+       e.url, e.secret, CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END
+           AS previous_secret, e.rate_limit, o.event_type, e.tenant, e.event_types,
+       o.tenant AS event_tenant
+FROM claimed AS c
+JOIN {endpoints} AS e ON e.id = c.endpoint_id
+LEFT JOIN {table} AS o ON o.id = c.event_id
+UNION ALL
+SELECT -1, (SELECT count(*) FROM orphaned), CASE
+           WHEN (SELECT count(*) FROM picked) >= :batch THEN (SELECT max(endpoint_id) FROM picked)
+           WHEN (SELECT count(*) FROM eps) >= :scan
+               THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
+       END,
+       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL
+
+-- name: delivery_record
+-- params: ids, tokens, statuses, counted, delays, errors, http_statuses, event_ids, endpoint_ids, durations_ms, responses, replays, relay
+-- The outcomes of deliveries, in one statement: each delivery still held under its claim's
+-- token (:tokens) is recorded, as outcomes.sql's record does for events, and every attempt made
+-- (:counted = 1) is logged, whether or not its delivery was still held: the request was sent. A
+-- try that sent nothing (:counted = 2: the relay could not open the endpoint's secret) is
+-- logged too, but not counted among the delivery's attempts. Returns the (id, token) pairs
+-- recorded.
+
+WITH u AS (
+    SELECT * FROM unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[], :delays::float8[],
+                         :errors::text[], :http_statuses::int[], :event_ids::bigint[], :endpoint_ids::bigint[], :durations_ms::float8[],
+                         :responses::text[], :replays::bool[])
+         AS u(id, token, status, counted, delay, error, http_status, event_id, endpoint_id,
+              duration_ms, response, replay)
+),
+done AS (
+    UPDATE {deliveries} AS d
+    SET status = u.status,
+        attempts = d.attempts + CASE WHEN u.counted = 1 THEN 1 ELSE 0 END,
+        run_after = CASE WHEN u.status = 'pending'
+                         THEN now() + make_interval(secs => u.delay) ELSE d.run_after END,
+        last_error = CASE WHEN u.status = 'delivered' THEN NULL
+                          ELSE COALESCE(u.error, d.last_error) END,
+        last_status = COALESCE(u.http_status, d.last_status),
+        finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
+        replay = u.status = 'pending' AND u.counted <> 1 AND d.replay,
+        locked_by = NULL,
+        locked_until = NULL
+    FROM u
+    WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay
+    RETURNING d.id, d.claims
+),
+logged AS (
+    INSERT INTO {attempts} (delivery_id, event_id, endpoint_id, http_status, duration_ms,
+                            response, error, replay)
+    SELECT u.id, u.event_id, u.endpoint_id, u.http_status, u.duration_ms, u.response,
+           u.error, u.replay
+    FROM u
+    WHERE u.counted > 0
+)
+SELECT id, claims FROM done
+
+-- name: delivery_heartbeat
+-- params: ids, tokens, relay, lease
+-- leases.sql's heartbeat, for the deliveries.
+
+UPDATE {deliveries} AS d SET locked_until = now() + make_interval(secs => :lease)
+FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
+WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay
+RETURNING d.id
+
+-- name: delivery_release
+-- params: relay, ids, tokens
+-- leases.sql's release, for the deliveries.
+
+UPDATE {deliveries} AS d
+SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
+FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
+WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay
+
+-- name: delivery_reap
+-- params: default_max_attempts, batch, destinations, max_attempts
+-- Deliveries whose relay stopped heartbeating: back to pending, an attempt counted (the
+-- request may have been sent), or failed at their destination's attempt limit
+-- (:destinations/:max_attempts; :default_max_attempts otherwise). At most :batch.
+
+WITH expired AS (
+    SELECT id FROM {deliveries}
+    WHERE status = 'running' AND locked_until < now()
+    ORDER BY locked_until
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+),
+limits AS (
+    SELECT * FROM unnest(:destinations::text[], :max_attempts::int[]) AS l(destination, max_attempts)
+),
+judged AS (
+    SELECT d.id, d.attempts + 1 >= coalesce(
+               (SELECT l.max_attempts FROM limits AS l WHERE l.destination = d.destination), :default_max_attempts)
+           AS spent
+    FROM {deliveries} AS d JOIN expired USING (id)
+)
+UPDATE {deliveries} AS d
+SET status = CASE WHEN j.spent THEN 'failed' ELSE 'pending' END,
+    attempts = d.attempts + 1,
+    run_after = now(),
+    last_error = 'lease expired: relay ' || coalesce(d.locked_by, '?')
+                 || ' stopped before recording an outcome',
+    finished_at = CASE WHEN j.spent THEN now() END,
+    locked_by = NULL,
+    locked_until = NULL
+FROM judged AS j
+WHERE d.id = j.id
+RETURNING d.id, d.status
+
+-- name: endpoint_health
+-- params: ids, ok
+-- An endpoint's health after a batch of attempts (:ok: whether any succeeded): the first
+-- failure after a success starts failing_since, a success clears it. Returns for how long each
+-- endpoint has been failing (NULL: it is not).
+
+UPDATE {endpoints} AS e
+SET last_success_at = CASE WHEN h.ok THEN now() ELSE e.last_success_at END,
+    failing_since = CASE WHEN h.ok THEN NULL ELSE coalesce(e.failing_since, now()) END
+FROM (SELECT * FROM unnest(:ids::bigint[], :ok::bool[]) AS h(id, ok) ORDER BY id) AS h
+WHERE e.id = h.id
+RETURNING e.id, extract(epoch FROM now() - e.failing_since)::float8 AS failing_for
+
+-- name: endpoint_disable
+-- params: endpoint, reason, failing_for
+-- Disables an endpoint (:endpoint) with a reason (:reason): at once (:failing_for NULL, a 410
+-- Gone), or if it has been failing for at least :failing_for seconds. Only an enabled endpoint;
+-- returns its id if it did.
+
+UPDATE {endpoints}
+SET enabled = false, disabled_at = now(), disabled_reason = :reason, updated_at = now()
+WHERE id = :endpoint AND enabled
+  AND (:failing_for::float8 IS NULL OR failing_since <= now() - make_interval(secs => :failing_for))
+RETURNING id
+
+-- name: endpoint_circuit
+-- params: ids, open, seconds
+-- An endpoint's circuit as this relay's breaker sees it (:open: open; :seconds until its
+-- probe), for `status`: written when it opens and when it closes again.
+
+UPDATE {endpoints} AS e
+SET circuit_open_until = CASE WHEN c.open THEN now() + make_interval(secs => c.secs) END
+FROM (SELECT * FROM unnest(:ids::bigint[], :open::bool[], :seconds::float8[]) AS c(id, open, secs)
+      ORDER BY id) AS c
+WHERE e.id = c.id

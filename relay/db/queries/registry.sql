@@ -1,0 +1,78 @@
+-- What the relays share: the registry of relays (who serves which destinations), the rows of
+-- destinations nobody serves, the paused destinations and the lock of jobs run by one relay.
+-- relay/db/queries/registry.py names them; they are asyncpg's (:name binds handed out as $1,
+-- $2, … in their params' order: outbox/sql.py).
+
+-- name: register
+-- params: relay, host, pid, version, destinations, circuits
+-- A relay says it is alive, and what it serves, every few seconds (one row per relay).
+
+INSERT INTO {relays}
+    (relay_id, host, pid, version, destinations, circuits, features, features_at)
+VALUES (:relay, :host, :pid, :version, :destinations::text[], :circuits::jsonb, ARRAY['ordered-owner'], now())
+ON CONFLICT (relay_id) DO UPDATE
+SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
+    destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits,
+    features = EXCLUDED.features, features_at = now(), seen_at = now(), stopped_at = NULL
+
+-- name: unregister
+-- params: relay
+-- On a clean stop. The row stays: its destinations still count as served for a while, so a
+-- rolling restart does not make another relay fail their rows as unknown.
+
+UPDATE {relays} SET stopped_at = now(), seen_at = now(), circuits = '{}' WHERE relay_id = :relay
+
+-- name: forget_relays
+-- params: older_than
+-- Relays not seen for :older_than seconds leave the registry.
+DELETE FROM {relays} WHERE seen_at < now() - make_interval(secs => :older_than)
+
+-- name: unknown_destinations
+-- params: known, served_within
+-- Pending rows of destinations that neither this relay (:known) nor any relay seen in the last
+-- :served_within seconds serves (see the relay registry): nobody will deliver them until a
+-- config changes. Its WHERE is fail_unknown_destinations' (written alike: tests/test_sql_files.py
+-- checks it).
+
+SELECT destination, count(*) AS rows, min(created_at) AS oldest
+FROM {table}
+
+WHERE status = 'pending' AND NOT (destination = ANY(:known::text[]))
+  AND NOT EXISTS (SELECT 1 FROM {relays} AS r
+                  WHERE r.seen_at > now() - make_interval(secs => :served_within)
+                    AND {table}.destination = ANY(r.destinations))
+
+GROUP BY destination
+ORDER BY destination
+
+-- name: fail_unknown_destinations
+-- params: known, served_within, grace
+-- Failing the rows of unknown_destinations spares rows younger than a grace period (:grace
+-- seconds), so a relay that serves them has time to start (a new deployment, a relay added for a
+-- new destination).
+
+UPDATE {table}
+SET status = 'failed',
+    finished_at = now(),
+    last_error = 'unknown destination ' || quote_literal(destination)
+                 || ': no running relay serves it; add it to a relay config, then run '
+                 || 'outbox-relay retry'
+
+WHERE status = 'pending' AND NOT (destination = ANY(:known::text[]))
+  AND NOT EXISTS (SELECT 1 FROM {relays} AS r
+                  WHERE r.seen_at > now() - make_interval(secs => :served_within)
+                    AND {table}.destination = ANY(r.destinations))
+
+  AND created_at < now() - make_interval(secs => :grace)
+  AND attempts = 0  -- a row some relay already tried is served (maybe by one not registered)
+RETURNING destination
+
+-- name: paused
+-- The destinations paused (`outbox-relay pause`): the relay claims none of their rows.
+SELECT destination FROM {paused}
+
+-- name: try_job_lock
+-- params: job
+-- Jobs that one relay at a time should run take this lock in their own short transaction. It
+-- is released at commit or when the connection dies, so a crashed relay never holds it.
+SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay:' || :job, 0))
