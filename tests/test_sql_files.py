@@ -346,7 +346,7 @@ def delivered_set(extra: str = "") -> str:
         "    attempts = o.attempts + 1,\n"
         "    delivered_at = now(),\n"
         "    finished_at = now(),\n"
-        f"    {extra}claims = u.token,  -- unchanged; see RECORD\n"
+        f"    {extra}claims = u.token,  -- unchanged; see record\n"
         "    locked_by = NULL,\n"
         "    locked_until = NULL"
     )
@@ -401,7 +401,7 @@ def test_the_lease_fences_are_written_alike() -> None:
 def test_the_outcome_records_are_written_alike() -> None:
     q = relay_queries
     assert q.RECORD.count(f"SET {outcome_set(RECORD_CLAIMS)}\nFROM {OUTCOMES}\nWHERE ") == 1
-    deleting = outcome_set("claims = u.token,  -- unchanged; see RECORD")
+    deleting = outcome_set("claims = u.token,  -- unchanged; see record")
     assert (
         q.RECORD_DELETING.count(
             f"SET {indented(deleting)}\n    FROM {indented(OUTCOMES)}\n    WHERE "

@@ -178,8 +178,7 @@ SELECT min(id) FROM {table} WHERE destination = :destination AND status = 'pendi
 -- lower ids). Only this table's keys count (:table; see migrations/0004 for the key's layout),
 -- and untagged keys of inserts that began under the trigger of migration 0003: an untagged key
 -- is ignored only when its transaction holds a tagged key of the same value (the pair the new
--- trigger takes together). :top: a highest id seen before, or 0 (the comments inside the
--- statement, sent with it, say $2).
+-- trigger takes together). :top: a highest id seen before, or 0.
 
 WITH held AS (
     SELECT l.virtualtransaction AS vxid,
@@ -199,7 +198,7 @@ mine AS MATERIALIZED (
                                      WHERE b.vxid = a.vxid AND b.tag > 0 AND b.v = a.v))
 ),
 top AS MATERIALIZED (
-    -- From a highest id seen before ($2, or 0), which stays a valid cap (those ids were drawn
+    -- From a highest id seen before (top, or 0), which stays a valid cap (those ids were drawn
     -- before), so that the walk back from the end of the primary key stops there: with
     -- retention = 0 and a held snapshot, every deleted row's entry lies on that walk.
     SELECT coalesce(max(id), :top::bigint) AS id FROM {table} WHERE id > :top::bigint

@@ -47,7 +47,7 @@ recorded AS (
         delivered_at = now(),
         finished_at = now(),
         last_error = CASE WHEN c.n IS NULL THEN :no_match::text ELSE o.last_error END,
-        claims = u.token,  -- unchanged; see RECORD
+        claims = u.token,  -- unchanged; see record
         locked_by = NULL,
         locked_until = NULL
     FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)

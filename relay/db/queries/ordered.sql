@@ -152,7 +152,7 @@ unkeyed AS (
 locked AS (
     -- Another relay may have claimed a head since this statement's snapshot: the lock
     -- re-reads the row and the status check drops it. IS TRUE: read by id, never through
-    -- a partial index of pending rows (see CLAIM_OWNED).
+    -- a partial index of pending rows (see claim_owned).
     SELECT o.id FROM {table} AS o
     WHERE o.id = ANY(ARRAY(SELECT id FROM heads UNION ALL SELECT id FROM unkeyed))
       AND (o.status = 'pending') IS TRUE
@@ -236,8 +236,7 @@ SELECT EXISTS (
 -- purged: its id in content_type; the owner forgets it), id -3 for each fresh row read (its key
 -- in `key`, its id in content_type: the owner keeps those it did not claim), id -4 when a relay
 -- of an earlier release serves the destination (:peers_within: seen within so many seconds),
--- and nothing was claimed. (The comments inside the statement, sent with it, say $5 for
--- :read_from.)
+-- and nothing was claimed.
 
 WITH peers AS MATERIALIZED (
     -- A relay of an earlier release that began to serve the destination (it registers before
@@ -258,7 +257,7 @@ scanned AS MATERIALIZED (
     LIMIT :reading
 ),
 reach AS MATERIALIZED (
-    -- Up to where every fresh row has now been read, the memory's ($5) or this reading's. A
+    -- Up to where every fresh row has now been read, the memory's (read_from) or this reading's. A
     -- waiting or failed row above it may have a lower fresh row of its key not read yet, or
     -- not yet committed (above the fence): it cannot be its key's head yet.
     SELECT CASE WHEN :reading = 0 THEN :read_from::bigint

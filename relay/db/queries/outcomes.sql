@@ -49,7 +49,7 @@ SET status = 'delivered',
     attempts = o.attempts + 1,
     delivered_at = now(),
     finished_at = now(),
-    claims = u.token,  -- unchanged; see RECORD
+    claims = u.token,  -- unchanged; see record
     locked_by = NULL,
     locked_until = NULL
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
@@ -90,7 +90,7 @@ kept AS (
         last_error = COALESCE(u.error, o.last_error),
         delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
         finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
-        claims = u.token,  -- unchanged; see RECORD
+        claims = u.token,  -- unchanged; see record
         locked_by = NULL,
         locked_until = NULL
     FROM unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
@@ -124,7 +124,7 @@ kept AS (
         attempts = o.attempts + 1,
         delivered_at = now(),
         finished_at = now(),
-        claims = u.token,  -- unchanged; see RECORD
+        claims = u.token,  -- unchanged; see record
         locked_by = NULL,
         locked_until = NULL
     FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
