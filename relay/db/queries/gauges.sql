@@ -5,7 +5,6 @@
 
 -- name: pending_by_destination
 -- params: destinations, floors, fence
--- Pending rows per destination, for the gauges: the partial claim index holds exactly them.
 -- The pending gauges: rows and the oldest one's age per destination, read lane by lane (see
 -- claim.sql's claim). A held snapshot keeps a dead entry in outbox_fresh_idx for every row
 -- claimed since, and counting a destination's pending rows from the start of its range read all
