@@ -1,5 +1,5 @@
-"""Every statement the relay runs, a module per domain, each a name of this package
-(``queries.CLAIM``).
+"""Every statement the relay runs, a ``.sql`` file per domain (claim.sql, ordered.sql, …), each
+a name of this package (``queries.CLAIM``).
 
 The domains: the claim (claim, ordered), outcomes, leases, the registry, retention, gauges,
 the start-up checks and the endpoints' deliveries. Each module names the statements of the
