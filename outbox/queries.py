@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from outbox.sql import load
+
 
 def quote_ident(name: str) -> str:
     """Quote an SQL identifier the way PostgreSQL's quote_ident() does, always."""
@@ -78,77 +80,20 @@ DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
 
 # --- enqueue --------------------------------------------------------------------------------
 
-# SQLAlchemy text() form (named binds); works for every SQLAlchemy PostgreSQL driver.
-ENQUEUE_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
-        COALESCE(CAST(:run_after AS timestamptz), now()))
-RETURNING id
-"""
+_enqueue_sa = load("outbox", "enqueue_sqlalchemy.sql", binds="named")
+_enqueue_pg = load("outbox", "enqueue_asyncpg.sql", binds="numbered")
 
-# Events with an event type or tenant (migration 0006's columns). Events without use the
-# statements above, which name only 0001's columns: an application deployed before `migrate`
-# ran keeps enqueueing.
-ENQUEUE_LABELLED_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
-        COALESCE(CAST(:run_after AS timestamptz), now()), :event_type, :tenant)
-RETURNING id
-"""
+# SQLAlchemy text() forms (named binds); work for every SQLAlchemy PostgreSQL driver.
+ENQUEUE_SA = _enqueue_sa["enqueue_sa"]
+ENQUEUE_LABELLED_SA = _enqueue_sa["enqueue_labelled_sa"]
+ENQUEUE_MANY_SA = _enqueue_sa["enqueue_many_sa"]
+ENQUEUE_MANY_LABELLED_SA = _enqueue_sa["enqueue_many_labelled_sa"]
 
-ENQUEUE_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()))
-RETURNING id
-"""
-
-ENQUEUE_LABELLED_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()), $7, $8)
-RETURNING id
-"""
-
-# Many rows in one statement. Identity values are drawn in the order unnest yields rows, so
-# the ascending ids correspond to the input order.
-ENQUEUE_MANY_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
-FROM unnest(CAST(:destinations AS text[]), CAST(:keys AS text[]), CAST(:payloads AS bytea[]),
-            CAST(:content_types AS text[]), CAST(:headers AS text[]),
-            CAST(:run_afters AS timestamptz[])) AS u(d, k, p, c, h, r)
-RETURNING id
-"""
-
-ENQUEUE_MANY_LABELLED_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
-FROM unnest(CAST(:destinations AS text[]), CAST(:keys AS text[]), CAST(:payloads AS bytea[]),
-            CAST(:content_types AS text[]), CAST(:headers AS text[]),
-            CAST(:run_afters AS timestamptz[]), CAST(:event_types AS text[]),
-            CAST(:tenants AS text[])) AS u(d, k, p, c, h, r, e, t)
-RETURNING id
-"""
-
-ENQUEUE_MANY_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[])
-     AS u(d, k, p, c, h, r)
-RETURNING id
-"""
-
-ENQUEUE_MANY_LABELLED_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[],
-            $7::text[], $8::text[])
-     AS u(d, k, p, c, h, r, e, t)
-RETURNING id
-"""
+# asyncpg's ($n).
+ENQUEUE_PG = _enqueue_pg["enqueue_pg"]
+ENQUEUE_LABELLED_PG = _enqueue_pg["enqueue_labelled_pg"]
+ENQUEUE_MANY_PG = _enqueue_pg["enqueue_many_pg"]
+ENQUEUE_MANY_LABELLED_PG = _enqueue_pg["enqueue_many_labelled_pg"]
 
 
 # psycopg 3 (and Django's cursor, whichever driver it runs on) takes %s placeholders: the
