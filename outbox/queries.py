@@ -72,12 +72,6 @@ def render_database(sql: str, name: str) -> str:
     return sql.replace("{database}", quote_ident(name))
 
 
-# Scratch databases of the demo and the benchmark.
-CREATE_DATABASE = "CREATE DATABASE {database}"
-
-DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
-
-
 # --- enqueue --------------------------------------------------------------------------------
 
 _enqueue_sa = load("outbox", "enqueue_sqlalchemy.sql", binds="named")
@@ -121,63 +115,30 @@ ENQUEUE_MANY_LABELLED_PSYCOPG = to_psycopg(ENQUEUE_MANY_LABELLED_PG)
 
 # --- migrations -----------------------------------------------------------------------------
 
-MIGRATIONS_TABLE = """
-CREATE TABLE IF NOT EXISTS outbox_migrations (
-    version    integer PRIMARY KEY,
-    name       text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-"""
+_migrate = load("outbox", "migrate.sql", binds="numbered")
 
-# Names are passed raw and quoted here: to_regnamespace/to_regclass parse their argument as
-# SQL text, which would fold "Events" to events and refuse "my events".
-SCHEMA_EXISTS = "SELECT to_regnamespace(quote_ident($1)) IS NOT NULL"
+MIGRATIONS_TABLE = _migrate["migrations_table"]
+SCHEMA_EXISTS = _migrate["schema_exists"]
+OUTBOX_TABLE_EXISTS = _migrate["outbox_table_exists"]
+MIGRATIONS_TABLE_EXISTS = _migrate["migrations_table_exists"]
+APPLIED_MIGRATIONS = _migrate["applied_migrations"]
+CREATE_SCHEMA = _migrate["create_schema"]
+USE_SCHEMA = _migrate["use_schema"]
+USE_SCHEMA_SESSION = _migrate["use_schema_session"]
+RESET_SEARCH_PATH = _migrate["reset_search_path"]
+RECORD_MIGRATION = _migrate["record_migration"]
+RECORD_MIGRATION_SCRIPT = _migrate["record_migration_script"]
+MIGRATE_LOCK = _migrate["migrate_lock"]
+MIGRATE_UNLOCK = _migrate["migrate_unlock"]
+MIGRATE_LOCK_HOLDER = _migrate["migrate_lock_holder"]
+MIGRATION_LOCK_TIMEOUT = _migrate["migration_lock_timeout"]
+TABLE_EXISTS = _migrate["table_exists"]
+SERVER_ENCODING = _migrate["server_encoding"]
+NOTIFY = _migrate["notify"]
 
-OUTBOX_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox') IS NOT NULL"
-
-MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox_migrations') IS NOT NULL"
-
-APPLIED_MIGRATIONS = "SELECT version FROM {schema}.outbox_migrations ORDER BY version"
-
-CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
-
-# SET LOCAL keeps the connection's own search_path once the migration's transaction ends.
-USE_SCHEMA = "SET LOCAL search_path TO {schema}"
-
-# For a migration that runs outside a transaction (migrate's own connection, reset after).
-USE_SCHEMA_SESSION = "SET search_path TO {schema}"
-
-RESET_SEARCH_PATH = "RESET search_path"
-
-RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2)"
-
-# A fixed key so concurrent `migrate` runs on one database queue up instead of racing. Tried,
-# not waited for in one statement: a session waiting on a lock is a transaction, and CREATE
-# INDEX CONCURRENTLY (run by the session holding the lock) waits for every transaction, so the
-# two would deadlock.
-MIGRATE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
-
-MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
-
-MIGRATE_LOCK_HOLDER = """
-SELECT a.pid, a.application_name, a.state, a.state_change AS since
-FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND ((l.classid::bigint << 32) | l.objid::bigint)
-      = hashtextextended('outbox-relay:migrate:' || $1, 0)
-LIMIT 1
-"""
-
-# A migration waits this long at most for a lock (ALTER TABLE waits for every transaction
-# using the table, and every new insert queues behind it meanwhile), then tries again later.
-MIGRATION_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '3s'"
-
-TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
-
-# Events carry any Unicode text (keys, headers, error messages): the database must store it.
-SERVER_ENCODING = "SELECT current_setting('server_encoding')"
-
-NOTIFY = "SELECT pg_notify($1, '')"
+# Scratch databases of the demo and the benchmark.
+CREATE_DATABASE = _migrate["create_database"]
+DROP_DATABASE = _migrate["drop_database"]
 
 
 # --- endpoints (webhooks for many receivers) ------------------------------------------------
