@@ -144,206 +144,28 @@ DROP_DATABASE = _migrate["drop_database"]
 # --- endpoints (webhooks for many receivers) ------------------------------------------------
 # SQLAlchemy text() forms; {endpoints} and {deliveries} are the schema's tables.
 
-_ENDPOINT_COLUMNS = """
-id, destination, url, tenant, event_types, secret, previous_secret, previous_secret_until,
-rate_limit, description, enabled, disabled_reason, disabled_at, failing_since,
-last_success_at, created_at, updated_at
-"""
+_endpoints = load("outbox", "endpoints.sql", binds="named")
 
-# Whether any endpoint's secret, current or previous, is encrypted: then a writer without the
-# key must not store one in clear beside them (it would be a downgrade the relays never
-# notice). EXISTS stops at the first such row, which where secrets are encrypted is about the
-# first row read; only a table of plaintext secrets is read whole (one row per registered
-# endpoint, and only by writers without a key).
-_HOLDS_SEALED = """EXISTS (SELECT 1 FROM {endpoints}
-        WHERE secret LIKE 'enc:%' OR previous_secret LIKE 'enc:%')"""
+ENDPOINT_CREATE = _endpoints["endpoint_create"]
+ENDPOINT_HOLDS_SEALED = _endpoints["endpoint_holds_sealed"]
+ENDPOINT_GET = _endpoints["endpoint_get"]
+ENDPOINT_LIST = _endpoints["endpoint_list"]
+ENDPOINT_UPDATE = _endpoints["endpoint_update"]
+ENDPOINT_DISABLE = _endpoints["endpoint_disable"]
+ENDPOINT_ENABLE = _endpoints["endpoint_enable"]
+ENDPOINT_ROTATE = _endpoints["endpoint_rotate"]
+ENDPOINT_SEAL_PREVIOUS = _endpoints["endpoint_seal_previous"]
+ENDPOINT_REENCRYPT_READ = _endpoints["endpoint_reencrypt_read"]
+ENDPOINT_REENCRYPT_WRITE = _endpoints["endpoint_reencrypt_write"]
+ENDPOINT_DELETE = _endpoints["endpoint_delete"]
 
-# A secret in clear (no key here) is inserted only where none is encrypted; the check and the
-# insert are one statement in the caller's transaction, so it sees what committed before it
-# and the caller's own writes. No row back: refused (the caller says why).
-ENDPOINT_CREATE = (
-    """
-INSERT INTO {endpoints} (destination, url, tenant, event_types, secret, rate_limit, description)
-SELECT CAST(:destination AS text), CAST(:url AS text), CAST(:tenant AS text),
-       CAST(:event_types AS text[]), CAST(:secret AS text), CAST(:rate_limit AS integer),
-       CAST(:description AS text)
-WHERE CAST(:secret AS text) LIKE 'enc:%' OR NOT """
-    + _HOLDS_SEALED
-    + """
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
+# The relay's statements about secrets at rest (asyncpg's, $n; relay/sinks/endpoints/
+# at_rest.py).
+_secrets = load("outbox", "endpoint_secrets.sql", binds="numbered")
 
-ENDPOINT_HOLDS_SEALED = "SELECT " + _HOLDS_SEALED
-
-ENDPOINT_GET = "SELECT" + _ENDPOINT_COLUMNS + "FROM {endpoints} WHERE id = :id"
-
-ENDPOINT_LIST = (
-    "SELECT"
-    + _ENDPOINT_COLUMNS
-    + """FROM {endpoints}
-WHERE (CAST(:destination AS text) IS NULL OR destination = :destination)
-  AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
-ORDER BY id
-"""
-)
-
-# Each :set_x says whether x is changed, so that "set to NULL" and "leave as it is" differ.
-ENDPOINT_UPDATE = (
-    """
-UPDATE {endpoints} SET
-    url = CASE WHEN :set_url THEN :url ELSE url END,
-    -- A new URL starts its health afresh: the old one's failures are not its own.
-    failing_since = CASE WHEN :set_url AND url IS DISTINCT FROM :url THEN NULL
-                         ELSE failing_since END,
-    tenant = CASE WHEN :set_tenant THEN :tenant ELSE tenant END,
-    event_types = CASE WHEN :set_event_types THEN CAST(:event_types AS text[])
-                       ELSE event_types END,
-    rate_limit = CASE WHEN :set_rate_limit THEN CAST(:rate_limit AS integer) ELSE rate_limit END,
-    description = CASE WHEN :set_description THEN :description ELSE description END,
-    updated_at = now()
-WHERE id = :id
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-ENDPOINT_DISABLE = (
-    """
-UPDATE {endpoints}
-SET enabled = false,
-    -- Disabling a disabled endpoint keeps when and why it was (an auto-disable's reason).
-    disabled_reason = CASE WHEN enabled THEN CAST(:reason AS text)
-                           ELSE coalesce(CAST(:reason AS text), disabled_reason) END,
-    disabled_at = CASE WHEN enabled THEN now() ELSE disabled_at END,
-    updated_at = now()
-WHERE id = :id
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-# Enabling starts its health afresh: the failures before it was disabled do not count again.
-# Enabling an endpoint sends everything queued for it: its pending deliveries (kept, with
-# their events, while it was disabled) become due now, whatever backoff they were waiting out
-# when it was disabled. Only when it was disabled: enabling an enabled endpoint changes
-# nothing. One UPDATE of its backlog, through the deliveries' claim index.
-ENDPOINT_ENABLE = (
-    """
-WITH due AS (
-    UPDATE {deliveries} AS d SET run_after = now()
-    WHERE d.endpoint_id = CAST(:id AS bigint) AND d.status = 'pending' AND d.run_after > now()
-      AND EXISTS (SELECT 1 FROM {endpoints} AS e WHERE e.id = CAST(:id AS bigint)
-                  AND NOT e.enabled)
-)
-UPDATE {endpoints}
-SET enabled = true, disabled_reason = NULL, disabled_at = NULL, failing_since = NULL,
-    updated_at = now()
-WHERE id = :id
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-# One previous secret at a time: while it is still valid, only a rotation that drops it at
-# once (keep_seconds = 0, a leaked secret) goes through. A new secret in clear goes in only
-# where none is encrypted: not this row's (tested on the row itself, so that if another writer
-# changes it meanwhile, the test is made again on its newest version once that commits) and
-# no other row's. The others change no row, and the caller reads ENDPOINT_GET to say why.
-ENDPOINT_ROTATE = (
-    """
-UPDATE {endpoints}
-SET previous_secret = CASE WHEN :keep_seconds > 0 THEN secret END,
-    previous_secret_until = CASE WHEN :keep_seconds > 0
-                                 THEN now() + make_interval(secs => :keep_seconds) END,
-    secret = :secret,
-    updated_at = now()
-WHERE id = :id
-  AND (:keep_seconds = 0 OR previous_secret_until IS NULL OR previous_secret_until <= now())
-  AND (CAST(:secret AS text) LIKE 'enc:%'
-       OR (secret NOT LIKE 'enc:%' AND coalesce(previous_secret, '') NOT LIKE 'enc:%'
-           AND NOT """
-    + _HOLDS_SEALED
-    + """))
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-# After a rotation with a key of a secret stored in clear (a table encrypted since): the
-# secret that still signs for a while is stored encrypted too. The row is this transaction's
-# (locked by the rotation).
-ENDPOINT_SEAL_PREVIOUS = """
-UPDATE {endpoints} SET previous_secret = :previous WHERE id = :id RETURNING id
-"""
-
-# Re-encryption under a new key (`outbox-relay endpoints reencrypt`), a batch per transaction
-# in id order. The batch is locked: a writer rotating one of its secrets meanwhile waits, and
-# then rotates what this wrote (never the other way round). A previous secret past its window
-# signs nothing any more: it is reported as expired, to be cleared rather than re-encrypted.
-ENDPOINT_REENCRYPT_READ = """
-SELECT id, secret, previous_secret,
-       previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
-           AS previous_expired
-FROM {endpoints}
-WHERE id > :after_id
-ORDER BY id
-LIMIT :limit
-FOR UPDATE
-"""
-
-# Only the rows the batch changes; a cleared previous secret takes its window with it.
-ENDPOINT_REENCRYPT_WRITE = """
-UPDATE {endpoints} AS e
-SET secret = v.secret,
-    previous_secret = v.previous_secret,
-    previous_secret_until = CASE WHEN v.previous_secret IS NULL THEN NULL
-                                 ELSE e.previous_secret_until END
-FROM unnest(CAST(:ids AS bigint[]), CAST(:secrets AS text[]), CAST(:previous AS text[]))
-         AS v(id, secret, previous_secret)
-WHERE e.id = v.id
-RETURNING e.id
-"""
-
-# The relay's statements about secrets at rest (asyncpg form, $n; relay/sinks/endpoints/
-# at_rest.py). At start-up, where encryption is required: the endpoints with a secret in
-# clear, current or previous, and the first ids ($1 of them); one read of the table.
-ENDPOINT_UNENCRYPTED_PG = """
-SELECT count(*), (array_agg(id ORDER BY id))[1:$1]
-FROM {endpoints}
-WHERE secret NOT LIKE 'enc:%' OR previous_secret NOT LIKE 'enc:%'
-"""
-
-# Previous secrets whose window has passed (or that have none: they never sign), $1 at a
-# time. Read first, so that the update (which wakes every relay) runs only when one is due.
-ENDPOINT_EXPIRED_PREVIOUS_PG = """
-SELECT id FROM {endpoints}
-WHERE previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
-ORDER BY id
-LIMIT $1
-"""
-
-# The window is tested again: a rotation since the read gave the endpoint a new previous
-# secret, which stays (and a rotation waiting on the row sees the cleared one afterwards).
-ENDPOINT_CLEAR_PREVIOUS_PG = """
-UPDATE {endpoints} SET previous_secret = NULL, previous_secret_until = NULL
-WHERE id = ANY($1::bigint[])
-  AND previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
-RETURNING id
-"""
-
-# Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
-# sent, and the log says why.
-ENDPOINT_DELETE = """
-WITH gone AS (
-    DELETE FROM {endpoints} WHERE id = CAST(:id AS bigint) RETURNING 1
-),
-cancelled AS (
-    UPDATE {deliveries}
-    SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
-        last_error = 'endpoint ' || CAST(:id AS bigint) || ' was deleted'
-    WHERE endpoint_id = CAST(:id AS bigint) AND status IN ('pending', 'running')
-      AND EXISTS (SELECT 1 FROM gone)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM cancelled) AS cancelled
-"""
+ENDPOINT_UNENCRYPTED_PG = _secrets["endpoint_unencrypted_pg"]
+ENDPOINT_EXPIRED_PREVIOUS_PG = _secrets["endpoint_expired_previous_pg"]
+ENDPOINT_CLEAR_PREVIOUS_PG = _secrets["endpoint_clear_previous_pg"]
 
 
 def render_endpoints(sql: str, schema: str) -> str:

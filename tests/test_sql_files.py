@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from outbox import queries as outbox_queries
 from outbox.sql import Binds, SqlFileError, load, parse
 from relay.db import queries as relay_queries
 from relay.ops import queries, replay_queries
@@ -32,7 +33,7 @@ STATEMENT = re.compile(r"(?:\s|--[^\n]*(?:\n|$))*(?:" + KEYWORDS + "|" + PIECES 
 # Move these into .sql files (the next steps of issue #28); the figure is the most SQL
 # literals each may hold meanwhile.
 SQL_LITERALS = {
-    "outbox/queries.py": 20,
+    "outbox/queries.py": 5,
     "outbox/schema.py": 6,
     "relay/db/queries/checks.py": 4,
     "relay/db/queries/claim.py": 4,
@@ -218,6 +219,36 @@ def test_the_pieces_statements_share_are_written_alike() -> None:
     # A confirmed purge keeps what the relay's purge keeps (relay/db/queries/retention.py).
     for purge in (queries.PURGE_SELECTED_DELIVERED, queries.PURGE_SELECTED_FINISHED):
         assert "  AND NOT " + relay_queries._OPEN_DELIVERY + "\nORDER BY" in purge
+
+
+# The endpoints API's pieces (outbox/endpoints.sql): the columns its statements return, and
+# whether a secret is stored encrypted, which a secret in clear is tested against.
+ENDPOINT_COLUMNS = (
+    "\nid, destination, url, tenant, event_types, secret, previous_secret, previous_secret_until,\n"
+    "rate_limit, description, enabled, disabled_reason, disabled_at, failing_since,\n"
+    "last_success_at, created_at, updated_at\n"
+)
+HOLDS_SEALED = (
+    "EXISTS (SELECT 1 FROM {endpoints}\n"
+    "        WHERE secret LIKE 'enc:%' OR previous_secret LIKE 'enc:%')"
+)
+
+
+def test_the_endpoint_statements_write_their_pieces_alike() -> None:
+    q = outbox_queries
+    for returning in (
+        q.ENDPOINT_CREATE,
+        q.ENDPOINT_UPDATE,
+        q.ENDPOINT_DISABLE,
+        q.ENDPOINT_ENABLE,
+        q.ENDPOINT_ROTATE,
+    ):
+        assert returning.endswith("\nRETURNING" + ENDPOINT_COLUMNS)
+    assert q.ENDPOINT_GET.startswith("SELECT" + ENDPOINT_COLUMNS + "FROM {endpoints} ")
+    assert q.ENDPOINT_LIST.startswith("SELECT" + ENDPOINT_COLUMNS + "FROM {endpoints}\n")
+    assert q.ENDPOINT_HOLDS_SEALED == "SELECT " + HOLDS_SEALED
+    assert "\nWHERE CAST(:secret AS text) LIKE 'enc:%' OR NOT " + HOLDS_SEALED in q.ENDPOINT_CREATE
+    assert "           AND NOT " + HOLDS_SEALED + "))\n" in q.ENDPOINT_ROTATE
 
 
 # --- the loader -------------------------------------------------------------------------------
