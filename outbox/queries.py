@@ -1,10 +1,16 @@
-"""The SQL of the outbox library and its migrations, in one place: enqueue, the schema, the
-migration runner. The relay's statements are in relay/db/queries/, the commands' in
-relay/ops/queries.py.
+"""The SQL of the outbox library and its migrations, by name: enqueue, the migration runner's
+bookkeeping, the endpoints API, the consumer's inbox. Their text, and why each is written so,
+is in the .sql files beside this module (outbox/enqueue_sqlalchemy.sql, enqueue_asyncpg.sql,
+migrate.sql, endpoints.sql, endpoint_secrets.sql, inbox.sql, inbox_sqlalchemy.sql,
+inbox_asyncpg.sql; the schema's triggers are outbox/schema.py's, in schema.sql). The relay's
+statements are in relay/db/queries/, the commands' in relay/ops/.
 
 Statements name the table as ``{table}``; :func:`render` fills in the quoted, schema-qualified
 name once, when an :class:`~outbox.Outbox` is created. Values are always bound parameters,
-never formatted in.
+never formatted in: ``:name`` for SQLAlchemy's text() (the ``_SA`` statements and the
+endpoints API's), asyncpg's ``$1 … $n`` (the ``_PG`` statements and the migrations'), psycopg's
+``%s`` (derived from asyncpg's). Each statement is a name of this module, assigned from its
+file one by one, so importers and mypy see every name as the ``str`` it is.
 """
 
 from __future__ import annotations
@@ -178,47 +184,15 @@ def render_endpoints(sql: str, schema: str) -> str:
 # --- the consumer's inbox (outbox.inbox) ----------------------------------------------------
 # {table} is the schema's outbox_inbox.
 
-# A row back: the event is new to this consumer. None: it was marked before (or is being
-# marked by a transaction still open, which this insert waits for, then sees committed).
-INBOX_MARK_SA = """
-INSERT INTO {table} (consumer, event_id) VALUES (:consumer, :event_id)
-ON CONFLICT (consumer, event_id) DO NOTHING
-RETURNING true
-"""
+# inbox.sql's statements are alike for SQLAlchemy and asyncpg but for their binds: the file
+# is loaded for each. The purges differ in their casts, one file each.
+_inbox_sa = load("outbox", "inbox.sql", binds="named")
+_inbox_pg = load("outbox", "inbox.sql", binds="numbered")
+_inbox_purge_sa = load("outbox", "inbox_sqlalchemy.sql", binds="named")
+_inbox_purge_pg = load("outbox", "inbox_asyncpg.sql", binds="numbered")
 
-INBOX_MARK_PG = """
-INSERT INTO {table} (consumer, event_id) VALUES ($1, $2)
-ON CONFLICT (consumer, event_id) DO NOTHING
-RETURNING true
-"""
-
-# Whether the consumer's transaction can still commit, asked after its handler and before its
-# COMMIT. A statement that failed in it (a unique violation the handler caught) aborted it:
-# then every statement fails with SQLSTATE 25P02, and COMMIT answers ROLLBACK without an
-# error, losing the effect and the mark. Any statement tells; this one reads nothing. The
-# drivers give no state to read instead (asyncpg's is private), so it is asked of the server.
-INBOX_CAN_COMMIT = "SELECT 1"
-
-# One bounded batch of the oldest marks, read from outbox_inbox_received_idx; rows another
-# purge is deleting are skipped rather than waited for.
-INBOX_PURGE_SA = """
-DELETE FROM {table}
-WHERE (consumer, event_id) IN (
-    SELECT consumer, event_id FROM {table}
-    WHERE received_at < now() - make_interval(secs => CAST(:older_than AS double precision))
-    ORDER BY received_at
-    LIMIT CAST(:batch_size AS integer)
-    FOR UPDATE SKIP LOCKED
-)
-"""
-
-INBOX_PURGE_PG = """
-DELETE FROM {table}
-WHERE (consumer, event_id) IN (
-    SELECT consumer, event_id FROM {table}
-    WHERE received_at < now() - make_interval(secs => $1::double precision)
-    ORDER BY received_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-"""
+INBOX_MARK_SA = _inbox_sa["inbox_mark"]
+INBOX_MARK_PG = _inbox_pg["inbox_mark"]
+INBOX_CAN_COMMIT = _inbox_sa["inbox_can_commit"]
+INBOX_PURGE_SA = _inbox_purge_sa["inbox_purge_sa"]
+INBOX_PURGE_PG = _inbox_purge_pg["inbox_purge_pg"]
