@@ -47,9 +47,7 @@ class Migration:
 
     def script(self, schema: str) -> str:
         """The migration as SQL psql can run as it is (what `migrate --dry-run` prints)."""
-        record = (
-            f"INSERT INTO outbox_migrations (version, name) VALUES ({self.version}, '{self.name}');"
-        )
+        record = queries.RECORD_MIGRATION_SCRIPT.format(version=self.version, name=self.name) + ";"
         if self.transactional:
             lines = ["BEGIN;", *(f"{p};" for p in self.preamble(schema)), self.sql.strip()]
             return "\n".join([*lines, record, "COMMIT;"])

@@ -1,15 +1,23 @@
-"""The SQL of the outbox library and its migrations, in one place: enqueue, the schema, the
-migration runner. The relay's statements are in relay/db/queries/, the commands' in
-relay/ops/queries.py.
+"""The SQL of the outbox library and its migrations, by name: enqueue, the migration runner's
+bookkeeping, the endpoints API, the consumer's inbox. Their text, and why each is written so,
+is in the .sql files beside this module (outbox/enqueue_sqlalchemy.sql, enqueue_asyncpg.sql,
+migrate.sql, endpoints.sql, endpoint_secrets.sql, inbox.sql, inbox_sqlalchemy.sql,
+inbox_asyncpg.sql; the schema's triggers are outbox/schema.py's, in schema.sql). The relay's
+statements are in relay/db/queries/, the commands' in relay/ops/.
 
 Statements name the table as ``{table}``; :func:`render` fills in the quoted, schema-qualified
 name once, when an :class:`~outbox.Outbox` is created. Values are always bound parameters,
-never formatted in.
+never formatted in: ``:name`` for SQLAlchemy's text() (the ``_SA`` statements and the
+endpoints API's), asyncpg's ``$1 … $n`` (the ``_PG`` statements and the migrations'), psycopg's
+``%s`` (derived from asyncpg's). Each statement is a name of this module, assigned from its
+file one by one, so importers and mypy see every name as the ``str`` it is.
 """
 
 from __future__ import annotations
 
 import re
+
+from outbox.sql import load
 
 
 def quote_ident(name: str) -> str:
@@ -70,85 +78,22 @@ def render_database(sql: str, name: str) -> str:
     return sql.replace("{database}", quote_ident(name))
 
 
-# Scratch databases of the demo and the benchmark.
-CREATE_DATABASE = "CREATE DATABASE {database}"
-
-DROP_DATABASE = "DROP DATABASE IF EXISTS {database} WITH (FORCE)"
-
-
 # --- enqueue --------------------------------------------------------------------------------
 
-# SQLAlchemy text() form (named binds); works for every SQLAlchemy PostgreSQL driver.
-ENQUEUE_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
-        COALESCE(CAST(:run_after AS timestamptz), now()))
-RETURNING id
-"""
+_enqueue_sa = load("outbox", "enqueue_sqlalchemy.sql", binds="named")
+_enqueue_pg = load("outbox", "enqueue_asyncpg.sql", binds="numbered")
 
-# Events with an event type or tenant (migration 0006's columns). Events without use the
-# statements above, which name only 0001's columns: an application deployed before `migrate`
-# ran keeps enqueueing.
-ENQUEUE_LABELLED_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-VALUES (:destination, :key, :payload, :content_type, CAST(:headers AS jsonb),
-        COALESCE(CAST(:run_after AS timestamptz), now()), :event_type, :tenant)
-RETURNING id
-"""
+# SQLAlchemy text() forms (named binds); work for every SQLAlchemy PostgreSQL driver.
+ENQUEUE_SA = _enqueue_sa["enqueue_sa"]
+ENQUEUE_LABELLED_SA = _enqueue_sa["enqueue_labelled_sa"]
+ENQUEUE_MANY_SA = _enqueue_sa["enqueue_many_sa"]
+ENQUEUE_MANY_LABELLED_SA = _enqueue_sa["enqueue_many_labelled_sa"]
 
-ENQUEUE_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()))
-RETURNING id
-"""
-
-ENQUEUE_LABELLED_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-VALUES ($1, $2, $3, $4, $5::jsonb, COALESCE($6::timestamptz, now()), $7, $8)
-RETURNING id
-"""
-
-# Many rows in one statement. Identity values are drawn in the order unnest yields rows, so
-# the ascending ids correspond to the input order.
-ENQUEUE_MANY_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
-FROM unnest(CAST(:destinations AS text[]), CAST(:keys AS text[]), CAST(:payloads AS bytea[]),
-            CAST(:content_types AS text[]), CAST(:headers AS text[]),
-            CAST(:run_afters AS timestamptz[])) AS u(d, k, p, c, h, r)
-RETURNING id
-"""
-
-ENQUEUE_MANY_LABELLED_SA = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
-FROM unnest(CAST(:destinations AS text[]), CAST(:keys AS text[]), CAST(:payloads AS bytea[]),
-            CAST(:content_types AS text[]), CAST(:headers AS text[]),
-            CAST(:run_afters AS timestamptz[]), CAST(:event_types AS text[]),
-            CAST(:tenants AS text[])) AS u(d, k, p, c, h, r, e, t)
-RETURNING id
-"""
-
-ENQUEUE_MANY_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now())
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[])
-     AS u(d, k, p, c, h, r)
-RETURNING id
-"""
-
-ENQUEUE_MANY_LABELLED_PG = """
-INSERT INTO {table} (destination, key, payload, content_type, headers, run_after, event_type,
-                     tenant)
-SELECT d, k, p, c, h::jsonb, COALESCE(r, now()), e, t
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[], $6::timestamptz[],
-            $7::text[], $8::text[])
-     AS u(d, k, p, c, h, r, e, t)
-RETURNING id
-"""
+# asyncpg's ($n).
+ENQUEUE_PG = _enqueue_pg["enqueue_pg"]
+ENQUEUE_LABELLED_PG = _enqueue_pg["enqueue_labelled_pg"]
+ENQUEUE_MANY_PG = _enqueue_pg["enqueue_many_pg"]
+ENQUEUE_MANY_LABELLED_PG = _enqueue_pg["enqueue_many_labelled_pg"]
 
 
 # psycopg 3 (and Django's cursor, whichever driver it runs on) takes %s placeholders: the
@@ -176,268 +121,57 @@ ENQUEUE_MANY_LABELLED_PSYCOPG = to_psycopg(ENQUEUE_MANY_LABELLED_PG)
 
 # --- migrations -----------------------------------------------------------------------------
 
-MIGRATIONS_TABLE = """
-CREATE TABLE IF NOT EXISTS outbox_migrations (
-    version    integer PRIMARY KEY,
-    name       text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
-)
-"""
+_migrate = load("outbox", "migrate.sql", binds="numbered")
 
-# Names are passed raw and quoted here: to_regnamespace/to_regclass parse their argument as
-# SQL text, which would fold "Events" to events and refuse "my events".
-SCHEMA_EXISTS = "SELECT to_regnamespace(quote_ident($1)) IS NOT NULL"
+MIGRATIONS_TABLE = _migrate["migrations_table"]
+SCHEMA_EXISTS = _migrate["schema_exists"]
+OUTBOX_TABLE_EXISTS = _migrate["outbox_table_exists"]
+MIGRATIONS_TABLE_EXISTS = _migrate["migrations_table_exists"]
+APPLIED_MIGRATIONS = _migrate["applied_migrations"]
+CREATE_SCHEMA = _migrate["create_schema"]
+USE_SCHEMA = _migrate["use_schema"]
+USE_SCHEMA_SESSION = _migrate["use_schema_session"]
+RESET_SEARCH_PATH = _migrate["reset_search_path"]
+RECORD_MIGRATION = _migrate["record_migration"]
+RECORD_MIGRATION_SCRIPT = _migrate["record_migration_script"]
+MIGRATE_LOCK = _migrate["migrate_lock"]
+MIGRATE_UNLOCK = _migrate["migrate_unlock"]
+MIGRATE_LOCK_HOLDER = _migrate["migrate_lock_holder"]
+MIGRATION_LOCK_TIMEOUT = _migrate["migration_lock_timeout"]
+TABLE_EXISTS = _migrate["table_exists"]
+SERVER_ENCODING = _migrate["server_encoding"]
+NOTIFY = _migrate["notify"]
 
-OUTBOX_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox') IS NOT NULL"
-
-MIGRATIONS_TABLE_EXISTS = "SELECT to_regclass(quote_ident($1) || '.outbox_migrations') IS NOT NULL"
-
-APPLIED_MIGRATIONS = "SELECT version FROM {schema}.outbox_migrations ORDER BY version"
-
-CREATE_SCHEMA = "CREATE SCHEMA IF NOT EXISTS {schema}"
-
-# SET LOCAL keeps the connection's own search_path once the migration's transaction ends.
-USE_SCHEMA = "SET LOCAL search_path TO {schema}"
-
-# For a migration that runs outside a transaction (migrate's own connection, reset after).
-USE_SCHEMA_SESSION = "SET search_path TO {schema}"
-
-RESET_SEARCH_PATH = "RESET search_path"
-
-RECORD_MIGRATION = "INSERT INTO outbox_migrations (version, name) VALUES ($1, $2)"
-
-# A fixed key so concurrent `migrate` runs on one database queue up instead of racing. Tried,
-# not waited for in one statement: a session waiting on a lock is a transaction, and CREATE
-# INDEX CONCURRENTLY (run by the session holding the lock) waits for every transaction, so the
-# two would deadlock.
-MIGRATE_LOCK = "SELECT pg_try_advisory_lock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
-
-MIGRATE_UNLOCK = "SELECT pg_advisory_unlock(hashtextextended('outbox-relay:migrate:' || $1, 0))"
-
-MIGRATE_LOCK_HOLDER = """
-SELECT a.pid, a.application_name, a.state, a.state_change AS since
-FROM pg_locks AS l JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND ((l.classid::bigint << 32) | l.objid::bigint)
-      = hashtextextended('outbox-relay:migrate:' || $1, 0)
-LIMIT 1
-"""
-
-# A migration waits this long at most for a lock (ALTER TABLE waits for every transaction
-# using the table, and every new insert queues behind it meanwhile), then tries again later.
-MIGRATION_LOCK_TIMEOUT = "SET LOCAL lock_timeout = '3s'"
-
-TABLE_EXISTS = "SELECT to_regclass($1) IS NOT NULL"
-
-# Events carry any Unicode text (keys, headers, error messages): the database must store it.
-SERVER_ENCODING = "SELECT current_setting('server_encoding')"
-
-NOTIFY = "SELECT pg_notify($1, '')"
+# Scratch databases of the demo and the benchmark.
+CREATE_DATABASE = _migrate["create_database"]
+DROP_DATABASE = _migrate["drop_database"]
 
 
 # --- endpoints (webhooks for many receivers) ------------------------------------------------
 # SQLAlchemy text() forms; {endpoints} and {deliveries} are the schema's tables.
 
-_ENDPOINT_COLUMNS = """
-id, destination, url, tenant, event_types, secret, previous_secret, previous_secret_until,
-rate_limit, description, enabled, disabled_reason, disabled_at, failing_since,
-last_success_at, created_at, updated_at
-"""
+_endpoints = load("outbox", "endpoints.sql", binds="named")
 
-# Whether any endpoint's secret, current or previous, is encrypted: then a writer without the
-# key must not store one in clear beside them (it would be a downgrade the relays never
-# notice). EXISTS stops at the first such row, which where secrets are encrypted is about the
-# first row read; only a table of plaintext secrets is read whole (one row per registered
-# endpoint, and only by writers without a key).
-_HOLDS_SEALED = """EXISTS (SELECT 1 FROM {endpoints}
-        WHERE secret LIKE 'enc:%' OR previous_secret LIKE 'enc:%')"""
+ENDPOINT_CREATE = _endpoints["endpoint_create"]
+ENDPOINT_HOLDS_SEALED = _endpoints["endpoint_holds_sealed"]
+ENDPOINT_GET = _endpoints["endpoint_get"]
+ENDPOINT_LIST = _endpoints["endpoint_list"]
+ENDPOINT_UPDATE = _endpoints["endpoint_update"]
+ENDPOINT_DISABLE = _endpoints["endpoint_disable"]
+ENDPOINT_ENABLE = _endpoints["endpoint_enable"]
+ENDPOINT_ROTATE = _endpoints["endpoint_rotate"]
+ENDPOINT_SEAL_PREVIOUS = _endpoints["endpoint_seal_previous"]
+ENDPOINT_REENCRYPT_READ = _endpoints["endpoint_reencrypt_read"]
+ENDPOINT_REENCRYPT_WRITE = _endpoints["endpoint_reencrypt_write"]
+ENDPOINT_DELETE = _endpoints["endpoint_delete"]
 
-# A secret in clear (no key here) is inserted only where none is encrypted; the check and the
-# insert are one statement in the caller's transaction, so it sees what committed before it
-# and the caller's own writes. No row back: refused (the caller says why).
-ENDPOINT_CREATE = (
-    """
-INSERT INTO {endpoints} (destination, url, tenant, event_types, secret, rate_limit, description)
-SELECT CAST(:destination AS text), CAST(:url AS text), CAST(:tenant AS text),
-       CAST(:event_types AS text[]), CAST(:secret AS text), CAST(:rate_limit AS integer),
-       CAST(:description AS text)
-WHERE CAST(:secret AS text) LIKE 'enc:%' OR NOT """
-    + _HOLDS_SEALED
-    + """
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
+# The relay's statements about secrets at rest (asyncpg's, $n; relay/sinks/endpoints/
+# at_rest.py).
+_secrets = load("outbox", "endpoint_secrets.sql", binds="numbered")
 
-ENDPOINT_HOLDS_SEALED = "SELECT " + _HOLDS_SEALED
-
-ENDPOINT_GET = "SELECT" + _ENDPOINT_COLUMNS + "FROM {endpoints} WHERE id = :id"
-
-ENDPOINT_LIST = (
-    "SELECT"
-    + _ENDPOINT_COLUMNS
-    + """FROM {endpoints}
-WHERE (CAST(:destination AS text) IS NULL OR destination = :destination)
-  AND (CAST(:tenant AS text) IS NULL OR tenant = :tenant)
-ORDER BY id
-"""
-)
-
-# Each :set_x says whether x is changed, so that "set to NULL" and "leave as it is" differ.
-ENDPOINT_UPDATE = (
-    """
-UPDATE {endpoints} SET
-    url = CASE WHEN :set_url THEN :url ELSE url END,
-    -- A new URL starts its health afresh: the old one's failures are not its own.
-    failing_since = CASE WHEN :set_url AND url IS DISTINCT FROM :url THEN NULL
-                         ELSE failing_since END,
-    tenant = CASE WHEN :set_tenant THEN :tenant ELSE tenant END,
-    event_types = CASE WHEN :set_event_types THEN CAST(:event_types AS text[])
-                       ELSE event_types END,
-    rate_limit = CASE WHEN :set_rate_limit THEN CAST(:rate_limit AS integer) ELSE rate_limit END,
-    description = CASE WHEN :set_description THEN :description ELSE description END,
-    updated_at = now()
-WHERE id = :id
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-ENDPOINT_DISABLE = (
-    """
-UPDATE {endpoints}
-SET enabled = false,
-    -- Disabling a disabled endpoint keeps when and why it was (an auto-disable's reason).
-    disabled_reason = CASE WHEN enabled THEN CAST(:reason AS text)
-                           ELSE coalesce(CAST(:reason AS text), disabled_reason) END,
-    disabled_at = CASE WHEN enabled THEN now() ELSE disabled_at END,
-    updated_at = now()
-WHERE id = :id
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-# Enabling starts its health afresh: the failures before it was disabled do not count again.
-# Enabling an endpoint sends everything queued for it: its pending deliveries (kept, with
-# their events, while it was disabled) become due now, whatever backoff they were waiting out
-# when it was disabled. Only when it was disabled: enabling an enabled endpoint changes
-# nothing. One UPDATE of its backlog, through the deliveries' claim index.
-ENDPOINT_ENABLE = (
-    """
-WITH due AS (
-    UPDATE {deliveries} AS d SET run_after = now()
-    WHERE d.endpoint_id = CAST(:id AS bigint) AND d.status = 'pending' AND d.run_after > now()
-      AND EXISTS (SELECT 1 FROM {endpoints} AS e WHERE e.id = CAST(:id AS bigint)
-                  AND NOT e.enabled)
-)
-UPDATE {endpoints}
-SET enabled = true, disabled_reason = NULL, disabled_at = NULL, failing_since = NULL,
-    updated_at = now()
-WHERE id = :id
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-# One previous secret at a time: while it is still valid, only a rotation that drops it at
-# once (keep_seconds = 0, a leaked secret) goes through. A new secret in clear goes in only
-# where none is encrypted: not this row's (tested on the row itself, so that if another writer
-# changes it meanwhile, the test is made again on its newest version once that commits) and
-# no other row's. The others change no row, and the caller reads ENDPOINT_GET to say why.
-ENDPOINT_ROTATE = (
-    """
-UPDATE {endpoints}
-SET previous_secret = CASE WHEN :keep_seconds > 0 THEN secret END,
-    previous_secret_until = CASE WHEN :keep_seconds > 0
-                                 THEN now() + make_interval(secs => :keep_seconds) END,
-    secret = :secret,
-    updated_at = now()
-WHERE id = :id
-  AND (:keep_seconds = 0 OR previous_secret_until IS NULL OR previous_secret_until <= now())
-  AND (CAST(:secret AS text) LIKE 'enc:%'
-       OR (secret NOT LIKE 'enc:%' AND coalesce(previous_secret, '') NOT LIKE 'enc:%'
-           AND NOT """
-    + _HOLDS_SEALED
-    + """))
-RETURNING"""
-    + _ENDPOINT_COLUMNS
-)
-
-# After a rotation with a key of a secret stored in clear (a table encrypted since): the
-# secret that still signs for a while is stored encrypted too. The row is this transaction's
-# (locked by the rotation).
-ENDPOINT_SEAL_PREVIOUS = """
-UPDATE {endpoints} SET previous_secret = :previous WHERE id = :id RETURNING id
-"""
-
-# Re-encryption under a new key (`outbox-relay endpoints reencrypt`), a batch per transaction
-# in id order. The batch is locked: a writer rotating one of its secrets meanwhile waits, and
-# then rotates what this wrote (never the other way round). A previous secret past its window
-# signs nothing any more: it is reported as expired, to be cleared rather than re-encrypted.
-ENDPOINT_REENCRYPT_READ = """
-SELECT id, secret, previous_secret,
-       previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
-           AS previous_expired
-FROM {endpoints}
-WHERE id > :after_id
-ORDER BY id
-LIMIT :limit
-FOR UPDATE
-"""
-
-# Only the rows the batch changes; a cleared previous secret takes its window with it.
-ENDPOINT_REENCRYPT_WRITE = """
-UPDATE {endpoints} AS e
-SET secret = v.secret,
-    previous_secret = v.previous_secret,
-    previous_secret_until = CASE WHEN v.previous_secret IS NULL THEN NULL
-                                 ELSE e.previous_secret_until END
-FROM unnest(CAST(:ids AS bigint[]), CAST(:secrets AS text[]), CAST(:previous AS text[]))
-         AS v(id, secret, previous_secret)
-WHERE e.id = v.id
-RETURNING e.id
-"""
-
-# The relay's statements about secrets at rest (asyncpg form, $n; relay/sinks/endpoints/
-# at_rest.py). At start-up, where encryption is required: the endpoints with a secret in
-# clear, current or previous, and the first ids ($1 of them); one read of the table.
-ENDPOINT_UNENCRYPTED_PG = """
-SELECT count(*), (array_agg(id ORDER BY id))[1:$1]
-FROM {endpoints}
-WHERE secret NOT LIKE 'enc:%' OR previous_secret NOT LIKE 'enc:%'
-"""
-
-# Previous secrets whose window has passed (or that have none: they never sign), $1 at a
-# time. Read first, so that the update (which wakes every relay) runs only when one is due.
-ENDPOINT_EXPIRED_PREVIOUS_PG = """
-SELECT id FROM {endpoints}
-WHERE previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
-ORDER BY id
-LIMIT $1
-"""
-
-# The window is tested again: a rotation since the read gave the endpoint a new previous
-# secret, which stays (and a rotation waiting on the row sees the cleared one afterwards).
-ENDPOINT_CLEAR_PREVIOUS_PG = """
-UPDATE {endpoints} SET previous_secret = NULL, previous_secret_until = NULL
-WHERE id = ANY($1::bigint[])
-  AND previous_secret IS NOT NULL AND NOT coalesce(previous_secret_until > now(), false)
-RETURNING id
-"""
-
-# Deleting ends the endpoint's unfinished deliveries first (same statement): they can never be
-# sent, and the log says why.
-ENDPOINT_DELETE = """
-WITH gone AS (
-    DELETE FROM {endpoints} WHERE id = CAST(:id AS bigint) RETURNING 1
-),
-cancelled AS (
-    UPDATE {deliveries}
-    SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
-        last_error = 'endpoint ' || CAST(:id AS bigint) || ' was deleted'
-    WHERE endpoint_id = CAST(:id AS bigint) AND status IN ('pending', 'running')
-      AND EXISTS (SELECT 1 FROM gone)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM cancelled) AS cancelled
-"""
+ENDPOINT_UNENCRYPTED_PG = _secrets["endpoint_unencrypted_pg"]
+ENDPOINT_EXPIRED_PREVIOUS_PG = _secrets["endpoint_expired_previous_pg"]
+ENDPOINT_CLEAR_PREVIOUS_PG = _secrets["endpoint_clear_previous_pg"]
 
 
 def render_endpoints(sql: str, schema: str) -> str:
@@ -450,47 +184,15 @@ def render_endpoints(sql: str, schema: str) -> str:
 # --- the consumer's inbox (outbox.inbox) ----------------------------------------------------
 # {table} is the schema's outbox_inbox.
 
-# A row back: the event is new to this consumer. None: it was marked before (or is being
-# marked by a transaction still open, which this insert waits for, then sees committed).
-INBOX_MARK_SA = """
-INSERT INTO {table} (consumer, event_id) VALUES (:consumer, :event_id)
-ON CONFLICT (consumer, event_id) DO NOTHING
-RETURNING true
-"""
+# inbox.sql's statements are alike for SQLAlchemy and asyncpg but for their binds: the file
+# is loaded for each. The purges differ in their casts, one file each.
+_inbox_sa = load("outbox", "inbox.sql", binds="named")
+_inbox_pg = load("outbox", "inbox.sql", binds="numbered")
+_inbox_purge_sa = load("outbox", "inbox_sqlalchemy.sql", binds="named")
+_inbox_purge_pg = load("outbox", "inbox_asyncpg.sql", binds="numbered")
 
-INBOX_MARK_PG = """
-INSERT INTO {table} (consumer, event_id) VALUES ($1, $2)
-ON CONFLICT (consumer, event_id) DO NOTHING
-RETURNING true
-"""
-
-# Whether the consumer's transaction can still commit, asked after its handler and before its
-# COMMIT. A statement that failed in it (a unique violation the handler caught) aborted it:
-# then every statement fails with SQLSTATE 25P02, and COMMIT answers ROLLBACK without an
-# error, losing the effect and the mark. Any statement tells; this one reads nothing. The
-# drivers give no state to read instead (asyncpg's is private), so it is asked of the server.
-INBOX_CAN_COMMIT = "SELECT 1"
-
-# One bounded batch of the oldest marks, read from outbox_inbox_received_idx; rows another
-# purge is deleting are skipped rather than waited for.
-INBOX_PURGE_SA = """
-DELETE FROM {table}
-WHERE (consumer, event_id) IN (
-    SELECT consumer, event_id FROM {table}
-    WHERE received_at < now() - make_interval(secs => CAST(:older_than AS double precision))
-    ORDER BY received_at
-    LIMIT CAST(:batch_size AS integer)
-    FOR UPDATE SKIP LOCKED
-)
-"""
-
-INBOX_PURGE_PG = """
-DELETE FROM {table}
-WHERE (consumer, event_id) IN (
-    SELECT consumer, event_id FROM {table}
-    WHERE received_at < now() - make_interval(secs => $1::double precision)
-    ORDER BY received_at
-    LIMIT $2
-    FOR UPDATE SKIP LOCKED
-)
-"""
+INBOX_MARK_SA = _inbox_sa["inbox_mark"]
+INBOX_MARK_PG = _inbox_pg["inbox_mark"]
+INBOX_CAN_COMMIT = _inbox_sa["inbox_can_commit"]
+INBOX_PURGE_SA = _inbox_purge_sa["inbox_purge_sa"]
+INBOX_PURGE_PG = _inbox_purge_pg["inbox_purge_pg"]

@@ -31,6 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 from outbox.queries import check_schema, quote_ident
+from outbox.sql import load
 from outbox.status import Status as Status  # where it used to live
 
 TABLE_NAME = "outbox"
@@ -44,46 +45,23 @@ INBOX_TABLE_NAME = "outbox_inbox"
 
 # The functions and triggers of migrations 0001 and 0003, created with the table by
 # metadata.create_all so a schema managed with Alembic gets the wake-up and the ordering fence
-# too. The drift test checks they match what the migrations create.
-_NOTIFY_FUNCTION = """
-CREATE FUNCTION {schema}outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
-    RETURN NULL;
-END
-$$
-"""
-_NOTIFY_TRIGGER = """
-CREATE TRIGGER outbox_notify AFTER INSERT ON {schema}outbox
-    FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_notify()
-"""
-_FENCE_FUNCTION = """
-CREATE FUNCTION {schema}outbox_fence_lock() RETURNS trigger
-LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog AS $$
-DECLARE
-    -- SECURITY DEFINER: reading the sequence needs a privilege INSERT alone does not give.
-    last bigint := least(coalesce(pg_sequence_last_value(
-        pg_get_serial_sequence(quote_ident(TG_TABLE_SCHEMA) || '.' || quote_ident(TG_TABLE_NAME),
-                               'id')::regclass), 0), 281474976710655);
-BEGIN
-    PERFORM pg_advisory_xact_lock_shared(
-        4611686018427387904 + ((1 + mod(TG_RELID::bigint, 16383)) << 48) + last);
-    PERFORM pg_advisory_xact_lock_shared(4611686018427387904 + last);
-    RETURN NULL;
-END
-$$
-"""
-_FENCE_TRIGGER = """
-CREATE TRIGGER outbox_fence_lock BEFORE INSERT ON {schema}outbox
-    FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_fence_lock()
-"""
+# too; the endpoints' wake-up (0006) likewise. Their text is in schema.sql beside this module.
+# The drift test checks they match what the migrations create.
+_ddl = load("outbox", "schema.sql", binds="named")
+
+NOTIFY_FUNCTION = _ddl["notify_function"]
+NOTIFY_TRIGGER = _ddl["notify_trigger"]
+FENCE_FUNCTION = _ddl["fence_function"]
+FENCE_TRIGGER = _ddl["fence_trigger"]
+ENDPOINTS_NOTIFY_FUNCTION = _ddl["endpoints_notify_function"]
+ENDPOINTS_NOTIFY_TRIGGER = _ddl["endpoints_notify_trigger"]
 
 
 def _attach_triggers(table: Table, schema: str | None) -> None:
     prefix = f"{quote_ident(check_schema(schema))}." if schema else ""
-    for sql in (_NOTIFY_FUNCTION, _FENCE_FUNCTION):
+    for sql in (NOTIFY_FUNCTION, FENCE_FUNCTION):
         event.listen(table, "before_create", DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
-    for sql in (_NOTIFY_TRIGGER, _FENCE_TRIGGER):
+    for sql in (NOTIFY_TRIGGER, FENCE_TRIGGER):
         event.listen(table, "after_create", DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
 
 
@@ -230,23 +208,6 @@ def define_relays_table(metadata: MetaData, schema: str | None = None) -> Table:
     )
 
 
-_ENDPOINTS_NOTIFY_FUNCTION = """
-CREATE FUNCTION {schema}outbox_endpoints_notify() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.outbox', 'endpoints');
-    RETURN NULL;
-END
-$$
-"""
-_ENDPOINTS_NOTIFY_TRIGGER = """
-CREATE TRIGGER outbox_endpoints_notify
-    AFTER INSERT OR DELETE OR UPDATE OF destination, url, tenant, event_types, secret,
-        previous_secret, previous_secret_until, rate_limit, enabled
-    ON {schema}outbox_endpoints
-    FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_endpoints_notify()
-"""
-
-
 def _id() -> Column[Any]:
     return Column("id", BigInteger, Identity(always=True), primary_key=True)
 
@@ -299,8 +260,8 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
     )
     prefix = f"{quote_ident(check_schema(schema))}." if schema else ""
     for when, sql in (
-        ("before_create", _ENDPOINTS_NOTIFY_FUNCTION),
-        ("after_create", _ENDPOINTS_NOTIFY_TRIGGER),
+        ("before_create", ENDPOINTS_NOTIFY_FUNCTION),
+        ("after_create", ENDPOINTS_NOTIFY_TRIGGER),
     ):
         event.listen(table, when, DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
     return table

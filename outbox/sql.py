@@ -1,8 +1,8 @@
 """Named statements read from ``.sql`` files: each domain's SQL lives in a file beside the code
 that runs it (docs/development.md, "Where statements live"), and its module loads it once.
 
-Here in the library rather than in the relay because both use it: the relay's statements and,
-next, the library's own (outbox/queries.py); outbox never imports relay, relay may import
+Here in the library rather than in the relay because both use it: the relay's statements and
+the library's own (outbox/queries.py); outbox never imports relay, relay may import
 outbox. A file is a list of statements, each under its name, in the style of procrastinate and
 River::
 
