@@ -28,14 +28,15 @@ declares them in a comment line under its name, in the order its caller passes t
     -- params: destination
     DELETE FROM {paused} WHERE destination = :destination RETURNING paused_at
 
-The relay's statements run on asyncpg, which binds ``$1``, ``$2``, …: they are loaded with
-``binds="numbered"``, each ``:name`` handed out as its place in the params line (the text
-above becomes ``… WHERE destination = $1 …``). The library's run through SQLAlchemy's text(),
-which binds ``:name`` itself: ``binds="named"`` leaves them as written (and refuses
-``:name::type``, which text() would not read as a bind: ``CAST(:name AS type)`` is read by
-both). A bind used but not declared, declared but not used, or a ``$1`` written in a file is
-an error naming the statement. Tables are placeholders (``{table}``), filled in by the render
-functions (relay.db.queries.render_ops): identifiers are never binds.
+The relay's statements, and the library's for asyncpg connections, run on asyncpg, which binds
+``$1``, ``$2``, …: they are loaded with ``binds="numbered"``, each ``:name`` handed out as its
+place in the params line (the text above becomes ``… WHERE destination = $1 …``). Statements
+run through SQLAlchemy's text() (the library's enqueue, endpoints API and inbox for SQLAlchemy
+sessions, the demo's), which binds ``:name`` itself: ``binds="named"`` leaves them as written
+(and refuses ``:name::type``, which text() would not read as a bind: ``CAST(:name AS type)`` is
+read by both). A bind used but not declared, declared but not used, or a ``$1`` written in a
+file is an error naming the statement. Tables are placeholders (``{table}``), filled in by the
+render functions (relay.db.queries.render_ops): identifiers are never binds.
 """
 
 from __future__ import annotations
