@@ -685,3 +685,17 @@ async def test_the_console_adds_disables_and_enables_endpoints(
     assert row["enabled"] is True
     unknown = await operator.act("endpoint-enable", endpoint="999999", next="/")
     assert unknown.status_code == 400 and "999999" in unknown.text, unknown.text[:500]
+
+
+async def test_the_console_refuses_an_endpoint_action_in_the_librarys_words(
+    db_url: str, operator: Operator
+) -> None:
+    # As every refusal of the library the console shows: its type, then its message (a review
+    # found the type lost when the actions moved onto relay.ops.endpoints).
+    await seed(db_url)
+    unknown = await operator.act("endpoint-enable", endpoint="999999", next="/")
+    assert unknown.status_code == 400, unknown.text[:500]
+    assert "EndpointNotFound: no endpoint 999999" in unknown.text, unknown.text[:2000]
+    bad = await operator.act("endpoint-add", destination="customer-events", url="ftp://x/")
+    assert bad.status_code == 400, bad.text[:500]
+    assert "OutboxValidationError: url" in bad.text, bad.text[:2000]

@@ -22,8 +22,6 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
-from outbox.endpoint_secrets import warn_unencrypted
-from outbox.endpoints.checks import DEFAULT_KEEP_PREVIOUS
 from outbox.errors import OutboxError, describe
 from outbox.queries import qualified_table
 from relay.db.queries import render_ops
@@ -130,7 +128,16 @@ async def act(request: Request) -> Response:
     try:
         return await handler(request, form)
     except (AdminError, OutboxError, ValueError, OverflowError) as exc:
-        return _refused(request, describe(exc) if not isinstance(exc, AdminError) else str(exc))
+        return _refused(request, _wording(exc))
+
+
+def _wording(exc: Exception) -> str:
+    """A refusal as the console words it: the library's (an OutboxError, also when an operation
+    passed it on as its own refusal) with its type, the console's and the operations' as said."""
+    if isinstance(exc, AdminError):
+        cause = exc.__cause__
+        return describe(cause) if isinstance(cause, OutboxError) else str(exc)
+    return describe(exc)
 
 
 def _refused(request: Request, why: str, status: int = 400) -> Response:
@@ -415,6 +422,10 @@ async def _endpoint_state(request: Request, form: Form) -> Response:
         if what == "endpoint-enable":
             await endpoint_ops.enable(conn, console.schema, eid)
             return finish(request, form, f"endpoint {eid} enabled", endpoint=eid)
+        # Imported here, as relay.ops.endpoints imports the library's endpoints: a console that
+        # never rotates a secret does not load them (nor SQLAlchemy).
+        from outbox.endpoints.checks import DEFAULT_KEEP_PREVIOUS
+
         rotated = await endpoint_ops.rotate_secret(
             conn, console.schema, eid, keep_previous=DEFAULT_KEEP_PREVIOUS, secret=None
         )
@@ -461,6 +472,8 @@ def _warn_if_unencrypted(changed: endpoint_ops.Changed, schema: str) -> None:
     """The library's warning event for a secret stored in clear (the operations leave it to
     their caller: the command line says it on stderr, the console logs it as the library does)."""
     if changed.unencrypted:
+        from outbox.endpoint_secrets import warn_unencrypted
+
         ep = changed.endpoint
         warn_unencrypted(ep.id, ep.destination, qualified_table(schema, "outbox_endpoints"))
 
