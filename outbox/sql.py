@@ -56,23 +56,53 @@ Binds = Literal["numbered", "named"]
 the order the statement's ``-- params:`` line gives (the relay's statements); ``named`` as
 written, for SQLAlchemy's text() (the library's)."""
 
-# What in a statement's text is not a bind although it may look like one: comments, string
-# literals (E'…' with backslash escapes), quoted identifiers, dollar-quoted bodies; and what
-# is one: ``:name`` not after a word character, a backslash or another colon (SQLAlchemy's
-# rule), ``::`` being a cast. ``$1`` is found to be refused: one style in every file.
+# What in a statement's text is not a bind although it may look like one: comments (block
+# comments nest, as PostgreSQL reads them: _block_end finds where one ends), string literals
+# (E'…' with backslash escapes), quoted identifiers, dollar-quoted bodies; and what is one:
+# ``:name`` not after a word character, a backslash or another colon (SQLAlchemy's rule),
+# ``::`` being a cast. ``$1`` is found to be refused: one style in every file. A ``$`` after an
+# identifier's character is part of it (``col$1``), neither a bind nor a dollar quote.
 _TOKEN = re.compile(
     r"""
     (?P<comment>--[^\n]*)
-  | (?P<block>/\*.*?\*/)
+  | (?P<block>/\*)
   | (?P<string>(?<!\w)[eE]'(?:[^'\\]|\\.|'')*'|'(?:[^']|'')*')
   | (?P<ident>"(?:[^"]|"")*")
-  | (?P<dollar>\$(?P<tag>(?:[A-Za-z_][A-Za-z0-9_]*)?)\$.*?\$(?P=tag)\$)
-  | (?P<numbered>\$[0-9]+)
+  | (?<![\w$])(?P<dollar>\$(?P<tag>(?:[A-Za-z_][A-Za-z0-9_]*)?)\$.*?\$(?P=tag)\$)
+  | (?<![\w$])(?P<numbered>\$[0-9]+)
   | (?P<cast>::)
   | (?<![\w\\:]):(?P<bind>[A-Za-z_][A-Za-z0-9_]*)
     """,
     re.S | re.X,
 )
+_BLOCK = re.compile(r"/\*|\*/")
+
+# How SQLAlchemy's text() finds binds (sqlalchemy.sql.elements.TextClause._bind_params_regex):
+# anywhere in the text, strings and comments included.
+_TEXT_BIND = re.compile(r"(?<![:\w\x5c]):(\w+)(?![:\w])", re.UNICODE)
+
+
+def _block_end(text: str, start: int) -> int:
+    """Where the block comment opened at ``start`` ends: after the ``*/`` that closes it, the
+    ones nested in it closed first (or the end of the text, which PostgreSQL refuses)."""
+    depth = 0
+    for mark in _BLOCK.finditer(text, start):
+        depth += 1 if mark.group() == "/*" else -1
+        if depth == 0:
+            return mark.end()
+    return len(text)
+
+
+def _tokens(text: str) -> Iterator[re.Match[str]]:
+    """The tokens of ``text`` that matter to its binds, a block comment (nested ones in it)
+    passed over whole."""
+    at = 0
+    while (token := _TOKEN.search(text, at)) is not None:
+        if token["block"] is not None:
+            at = _block_end(text, token.start())
+            continue
+        yield token
+        at = token.end()
 
 
 class SqlFileError(ValueError):
@@ -196,7 +226,7 @@ def bind(text: str, params: list[str] | None, binds: Binds, where: str = "<sql>"
     ``params`` (its ``-- params:`` line), or as written. Every bind must be declared and every
     declared name used, so the order the caller passes values in is the one written down."""
     used: list[tuple[int, int, str]] = []
-    for token in _TOKEN.finditer(text):
+    for token in _tokens(text):
         if token["numbered"] is not None:
             raise SqlFileError(
                 f"{where}: {token['numbered']} is a numbered bind; write it as :name and "
@@ -224,6 +254,7 @@ def bind(text: str, params: list[str] | None, binds: Binds, where: str = "<sql>"
             f"{where} declares {', '.join(unused)} in its '-- params:' line but never uses it"
         )
     if binds == "named":
+        _check_as_text_reads(text, {start for start, _, _ in used}, where)
         return text
     out: list[str] = []
     at = 0
@@ -233,3 +264,15 @@ def bind(text: str, params: list[str] | None, binds: Binds, where: str = "<sql>"
         at = end
     out.append(text[at:])
     return "".join(out)
+
+
+def _check_as_text_reads(text: str, binds_at: set[int], where: str) -> None:
+    """Refuse a named statement that SQLAlchemy's text() would read otherwise: it takes a
+    ``:name`` in a string literal or a comment for a bind too, and the statement, loaded
+    without an error, would fail when run ("A value is required for bind parameter")."""
+    for found in _TEXT_BIND.finditer(text):
+        if found.start() not in binds_at:
+            raise SqlFileError(
+                f"{where}: SQLAlchemy's text() reads :{found[1]} as a bind (it does inside "
+                "strings and comments too): write it without the colon, or bind the value"
+            )

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
+import sqlalchemy
 
 from outbox import queries as outbox_queries
 from outbox.sql import Binds, SqlFileError, load, parse
@@ -623,3 +624,58 @@ def test_every_file_declares_its_binds() -> None:
         for _, binds in modules:
             parse(sql_file.read_text(), str(sql_file), binds)
         assert not re.search(r"^[^-\n]*\$[0-9]", sql_file.read_text(), re.M), sql_file
+
+
+# --- where the loader must read a statement as PostgreSQL and text() do (found by a review) ---
+
+
+def test_a_nested_block_comment_is_one_comment() -> None:
+    # PostgreSQL's block comments nest: everything from the first /* to the last */ is one
+    # comment. _TOKEN's (?P<block>/\*.*?\*/) ends at the first */, so the rest of the comment
+    # is read as SQL: its apostrophe opens a "string" that swallows the first :id, which is
+    # left as ":id" in the text asyncpg prepares (a syntax error), while the load passes
+    # because :id is used again further on.
+    sql = (
+        "-- name: a\n"
+        "-- params: id\n"
+        "SELECT 1 /* see /* the note */ in claim's comment */ FROM t WHERE id = :id\n"
+        "   AND note <> 'x' AND other = :id"
+    )
+    assert parse(sql, "f.sql", "numbered") == {
+        "a": "SELECT 1 /* see /* the note */ in claim's comment */ FROM t WHERE id = $1\n"
+        "   AND note <> 'x' AND other = $1"
+    }
+
+
+def test_a_nested_block_comment_may_name_a_bind() -> None:
+    sql = "-- name: a\nSELECT 1 /* outer /* inner */ about :x */"
+    assert parse(sql, "f.sql", "numbered") == {"a": "SELECT 1 /* outer /* inner */ about :x */"}
+
+
+def test_a_dollar_sign_inside_an_identifier_is_neither_a_bind_nor_a_dollar_quote() -> None:
+    # PostgreSQL allows $ in an identifier after its first character (col$1, x$q$): neither
+    # is a positional parameter or the start of a dollar-quoted string there.
+    assert parse("-- name: a\nSELECT col$1 FROM t", "f.sql") == {"a": "SELECT col$1 FROM t"}
+    sql = "-- name: a\n-- params: id\nSELECT x$q$, :id FROM t WHERE y$q$ = :id"
+    assert parse(sql, "f.sql", "numbered") == {"a": "SELECT x$q$, $1 FROM t WHERE y$q$ = $1"}
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "SELECT 'at :noon' AS s",  # a string literal
+        "SELECT 1 AS s  -- see :note",  # a comment inside the text (sent with it)
+    ],
+)
+def test_a_named_statement_is_checked_as_sqlalchemys_text_reads_it(statement: str) -> None:
+    # binds="named" promises a statement whose binds do not add up fails the load, and models
+    # text()'s reading for :name::type; but text() knows neither strings nor comments: it takes
+    # ':noon' and '-- see :note' for binds, and the statement, loaded without an error, fails
+    # when run ("A value is required for bind parameter 'noon'").
+    sql = f"-- name: a\n{statement}"
+    try:
+        loaded = parse(sql, "f.sql", "named")["a"]
+    except SqlFileError:
+        return  # refused at load: what the loader promises
+    params = sqlalchemy.text(loaded).compile().params
+    assert not params, params
