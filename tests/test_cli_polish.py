@@ -5,6 +5,8 @@ whole sentences. Some run the real command on a pseudo-terminal."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import select
@@ -25,6 +27,7 @@ from click.testing import CliRunner, Result
 from relay.cli import COMMANDS, main, render
 from relay.cli import terminal as tty
 from relay.cli.ops import status as status_cli
+from relay.ops import status as ops_status
 from tests.test_ops_cli import insert, sql, statuses
 
 RED, GREEN, YELLOW = "\x1b[31m", "\x1b[32m", "\x1b[33m"
@@ -88,6 +91,7 @@ def spawn(
                 interrupted = True
         else:
             proc.kill()
+            proc.wait(timeout=10)  # not left to be reported by a later test
             pytest.fail(f"outbox-relay {' '.join(args)} still running: {out.decode()[-2000:]}")
     finally:
         os.close(reader)
@@ -321,6 +325,36 @@ def test_watch_usage(db_url: str) -> None:
     res = run(db_url, "status", "--watch", "--fail-if-failed")
     assert res.exit_code == 2 and "not with --watch" in res.output
     assert "--watch [SECONDS]" in ok(run(None, "status", "--help")).output
+
+
+def test_watch_stops_at_ctrl_c_even_when_the_snapshot_swallows_its_cancellation(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # asyncio.run turns Ctrl-C into the cancellation of its task; a library that swallows a
+    # cancellation (a race in a driver's timeout) would lose it, and the watch, a new
+    # asyncio.run per snapshot, went on until a second Ctrl-C (a suite run saw one go on for
+    # 30 s). Ctrl-C ends it wherever it lands.
+    insert(db_url, "orders", n=1)
+    real = ops_status.status
+    snapshots: list[int] = []
+
+    async def snapshot(conn: Any, schema: str, **kwargs: Any) -> Any:
+        snapshots.append(1)
+        if len(snapshots) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+            with contextlib.suppress(asyncio.CancelledError):  # as the driver's race does
+                await asyncio.sleep(0.5)
+        return await real(conn, schema, **kwargs)
+
+    def sleep(seconds: float) -> None:
+        assert len(snapshots) < 4, "still watching after Ctrl-C"
+
+    monkeypatch.setattr(ops_status, "status", snapshot)
+    monkeypatch.setattr(status_cli, "_sleep", sleep)
+    res = run(db_url, "status", "--watch", "0.5")
+    assert res.exit_code == 0, res.output
+    assert len(snapshots) == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
 
 
 @pytest.mark.parametrize("terminal", [False, True])
