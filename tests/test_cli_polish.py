@@ -351,10 +351,37 @@ def test_watch_stops_at_ctrl_c_even_when_the_snapshot_swallows_its_cancellation(
 
     monkeypatch.setattr(ops_status, "status", snapshot)
     monkeypatch.setattr(status_cli, "_sleep", sleep)
-    res = run(db_url, "status", "--watch", "0.5")
+    # Python's own handler, as a command run from a terminal has (a test worker ignores it).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        res = run(db_url, "status", "--watch", "0.5")
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
     assert res.exit_code == 0, res.output
     assert len(snapshots) == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert after is signal.default_int_handler  # put back
+
+
+def test_watch_keeps_sigint_ignored_when_it_was(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A shell starts a background job with SIGINT ignored, so that Ctrl-C at the terminal
+    # leaves it running: the watch does not take that back.
+    insert(db_url, "orders", n=1)
+    seen: list[object] = []
+
+    def sleep(seconds: float) -> None:
+        seen.append(signal.getsignal(signal.SIGINT))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(status_cli, "_sleep", sleep)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert run(db_url, "status", "--watch", "0.5").exit_code == 0
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [signal.SIG_IGN]
 
 
 @pytest.mark.parametrize("terminal", [False, True])

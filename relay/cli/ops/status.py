@@ -135,8 +135,11 @@ def _ctrl_c() -> Iterator[None]:
     def interrupt(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signals reach the main thread only
+    if (
+        threading.current_thread() is not threading.main_thread()  # signals reach it only
+        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a background job's: kept
+    ):
+        yield
         return
     previous = signal.signal(signal.SIGINT, interrupt)
     try:
