@@ -5,8 +5,6 @@ whole sentences. Some run the real command on a pseudo-terminal."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import select
@@ -27,7 +25,6 @@ from click.testing import CliRunner, Result
 from relay.cli import COMMANDS, main, render
 from relay.cli import terminal as tty
 from relay.cli.ops import status as status_cli
-from relay.ops import status as ops_status
 from tests.test_ops_cli import insert, sql, statuses
 
 RED, GREEN, YELLOW = "\x1b[31m", "\x1b[32m", "\x1b[33m"
@@ -70,7 +67,15 @@ def spawn(
     else:
         reader, writer = os.pipe()
         streams = {"stdin": subprocess.DEVNULL, "stdout": writer, "stderr": writer}
-    proc = subprocess.Popen([sys.executable, "-m", "relay.cli", *args], env=env, **streams)
+    # With Ctrl-C's default action, as a command typed at a terminal has: a suite started in
+    # the background (`./scripts/test &`) runs with SIGINT ignored, which a child inherits,
+    # and Python then installs no handler for it.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "relay.cli", *args],
+        env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **streams,
+    )
     os.close(writer)
     out = b""
     interrupted = False
@@ -325,63 +330,6 @@ def test_watch_usage(db_url: str) -> None:
     res = run(db_url, "status", "--watch", "--fail-if-failed")
     assert res.exit_code == 2 and "not with --watch" in res.output
     assert "--watch [SECONDS]" in ok(run(None, "status", "--help")).output
-
-
-def test_watch_stops_at_ctrl_c_even_when_the_snapshot_swallows_its_cancellation(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # asyncio.run turns Ctrl-C into the cancellation of its task; a library that swallows a
-    # cancellation (a race in a driver's timeout) would lose it, and the watch, a new
-    # asyncio.run per snapshot, went on until a second Ctrl-C (a suite run saw one go on for
-    # 30 s). Ctrl-C ends it wherever it lands.
-    insert(db_url, "orders", n=1)
-    real = ops_status.status
-    snapshots: list[int] = []
-
-    async def snapshot(conn: Any, schema: str, **kwargs: Any) -> Any:
-        snapshots.append(1)
-        if len(snapshots) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-            with contextlib.suppress(asyncio.CancelledError):  # as the driver's race does
-                await asyncio.sleep(0.5)
-        return await real(conn, schema, **kwargs)
-
-    def sleep(seconds: float) -> None:
-        assert len(snapshots) < 4, "still watching after Ctrl-C"
-
-    monkeypatch.setattr(ops_status, "status", snapshot)
-    monkeypatch.setattr(status_cli, "_sleep", sleep)
-    # Python's own handler, as a command run from a terminal has (a test worker ignores it).
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        res = run(db_url, "status", "--watch", "0.5")
-        after = signal.getsignal(signal.SIGINT)
-    finally:
-        signal.signal(signal.SIGINT, before)
-    assert res.exit_code == 0, res.output
-    assert len(snapshots) == 2
-    assert after is signal.default_int_handler  # put back
-
-
-def test_watch_keeps_sigint_ignored_when_it_was(
-    db_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A shell starts a background job with SIGINT ignored, so that Ctrl-C at the terminal
-    # leaves it running: the watch does not take that back.
-    insert(db_url, "orders", n=1)
-    seen: list[object] = []
-
-    def sleep(seconds: float) -> None:
-        seen.append(signal.getsignal(signal.SIGINT))
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(status_cli, "_sleep", sleep)
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        assert run(db_url, "status", "--watch", "0.5").exit_code == 0
-    finally:
-        signal.signal(signal.SIGINT, before)
-    assert seen == [signal.SIG_IGN]
 
 
 @pytest.mark.parametrize("terminal", [False, True])

@@ -5,15 +5,10 @@ again with --watch."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import signal
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
-from types import FrameType
 from typing import Any
 
 import click
@@ -116,67 +111,31 @@ def _watch(
     they follow one another, each after a line with its time. With ``as_json``: one compact
     JSON document per line, as `status --json` gives it."""
     on_screen = terminal.stdout()
+    shown = 0
     try:
-        with _ctrl_c():
-            _watching(database_url, schema, as_json, interval, snapshot_warning, on_screen)
+        while True:
+            report = with_db(
+                database_url,
+                lambda c: ops.status(c, schema, snapshot_warning=snapshot_warning),
+            )
+            if as_json:
+                echo(json.dumps(_json(report, []), default=str))
+            else:
+                at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+                if on_screen:
+                    echo(Control(CLEAR_SCREEN), nl=False, color=True)
+                    echo(f"every {interval:g}s, {at} (Ctrl-C to stop)")
+                    echo()
+                else:
+                    if shown:
+                        echo()
+                    echo(f"--- {at} ---")
+                print_status(report)
+            shown += 1
+            _sleep(interval)
     except KeyboardInterrupt:
         if on_screen and not as_json:
             echo()  # the prompt on a line of its own, after ^C
-
-
-@contextlib.contextmanager
-def _ctrl_c() -> Iterator[None]:
-    """Ctrl-C raises KeyboardInterrupt wherever it lands, for as long as the watch lasts.
-    Left to asyncio.run, it would cancel the snapshot's task instead, and a cancellation
-    swallowed by a library (a race in a driver's timeout) would lose it: a new asyncio.run
-    per snapshot, the watch would go on until a second Ctrl-C. A handler other than Python's
-    own is one that asyncio.run leaves in place."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    if (
-        threading.current_thread() is not threading.main_thread()  # signals reach it only
-        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a background job's: kept
-    ):
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _watching(
-    database_url: str,
-    schema: str,
-    as_json: bool,
-    interval: float,
-    snapshot_warning: float,
-    on_screen: bool,
-) -> None:
-    shown = 0
-    while True:
-        report = with_db(
-            database_url,
-            lambda c: ops.status(c, schema, snapshot_warning=snapshot_warning),
-        )
-        if as_json:
-            echo(json.dumps(_json(report, []), default=str))
-        else:
-            at = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-            if on_screen:
-                echo(Control(CLEAR_SCREEN), nl=False, color=True)
-                echo(f"every {interval:g}s, {at} (Ctrl-C to stop)")
-                echo()
-            else:
-                if shown:
-                    echo()
-                echo(f"--- {at} ---")
-            print_status(report)
-        shown += 1
-        _sleep(interval)
 
 
 # Clear the screen, cursor to the top left (as click.clear, which a test cannot see).
