@@ -254,7 +254,7 @@ def bind(text: str, params: list[str] | None, binds: Binds, where: str = "<sql>"
             f"{where} declares {', '.join(unused)} in its '-- params:' line but never uses it"
         )
     if binds == "named":
-        _check_as_text_reads(text, {start for start, _, _ in used}, where)
+        _check_as_text_reads(text, {start: name for start, _, name in used}, where)
         return text
     out: list[str] = []
     at = 0
@@ -266,13 +266,21 @@ def bind(text: str, params: list[str] | None, binds: Binds, where: str = "<sql>"
     return "".join(out)
 
 
-def _check_as_text_reads(text: str, binds_at: set[int], where: str) -> None:
-    """Refuse a named statement that SQLAlchemy's text() would read otherwise: it takes a
-    ``:name`` in a string literal or a comment for a bind too, and the statement, loaded
-    without an error, would fail when run ("A value is required for bind parameter")."""
-    for found in _TEXT_BIND.finditer(text):
-        if found.start() not in binds_at:
+def _check_as_text_reads(text: str, binds_at: dict[int, str], where: str) -> None:
+    """Refuse a named statement that SQLAlchemy's text() would read otherwise than the loader:
+    it takes a ``:name`` in a string literal or a comment for a bind too, reads none where a
+    colon follows (``[:lo: :hi]``), and reads a name on through any letter (``:idé``). The
+    statement, loaded without an error, would fail when run."""
+    read = {found.start(): found[1] for found in _TEXT_BIND.finditer(text)}
+    for start, name in read.items():
+        if start not in binds_at:
             raise SqlFileError(
-                f"{where}: SQLAlchemy's text() reads :{found[1]} as a bind (it does inside "
+                f"{where}: SQLAlchemy's text() reads :{name} as a bind (it does inside "
                 "strings and comments too): write it without the colon, or bind the value"
+            )
+    for start, name in binds_at.items():
+        if read.get(start) != name:
+            raise SqlFileError(
+                f"{where}: SQLAlchemy's text() does not read :{name} as the bind {name!r} "
+                "(a colon or a letter right after it): put a space or a cast after it"
             )

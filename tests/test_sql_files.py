@@ -679,3 +679,22 @@ def test_a_named_statement_is_checked_as_sqlalchemys_text_reads_it(statement: st
         return  # refused at load: what the loader promises
     params = sqlalchemy.text(loaded).compile().params
     assert not params, params
+
+
+@pytest.mark.parametrize(
+    ("statement", "params"),
+    [
+        ("SELECT (ARRAY[1,2,3])[:lo: :hi]", "lo, hi"),  # :lo followed by a colon: not a bind
+        ("SELECT :idé", "id"),  # text() reads \w+, Unicode letters too: the bind is "idé"
+    ],
+)
+def test_a_named_bind_is_one_sqlalchemys_text_reads_as_written(statement: str, params: str) -> None:
+    # The other way round from the test above (a review found it): each :name the loader counts
+    # must be one text() binds, under the same name, or the statement fails when run.
+    sql = f"-- name: a\n-- params: {params}\n{statement}"
+    try:
+        loaded = parse(sql, "f.sql", "named")["a"]
+    except SqlFileError:
+        return  # refused at load: what the loader promises
+    read = set(sqlalchemy.text(loaded).compile().params)
+    assert read == {p.strip() for p in params.split(",")}, read
