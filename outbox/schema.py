@@ -41,6 +41,7 @@ ENDPOINTS_TABLE_NAME = "outbox_endpoints"
 DELIVERIES_TABLE_NAME = "outbox_deliveries"
 ATTEMPTS_TABLE_NAME = "outbox_attempts"
 INBOX_TABLE_NAME = "outbox_inbox"
+BATCHES_TABLE_NAME = "outbox_batches"
 
 
 # The functions and triggers of migrations 0001 and 0003, created with the table by
@@ -349,6 +350,28 @@ def define_inbox_table(metadata: MetaData, schema: str | None = None) -> Table:
     )
 
 
+def define_batches_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_batches`` (the relays' batch leases, migration 0015) to ``metadata``."""
+    return Table(
+        BATCHES_TABLE_NAME,
+        metadata,
+        _id(),
+        Column("destination", Text, nullable=False),
+        Column("epoch", BigInteger, nullable=False),
+        Column("first_id", BigInteger, nullable=False),
+        Column("last_id", BigInteger, nullable=False),
+        Column("relay", Text, nullable=True),
+        Column("lease_until", DateTime(timezone=True), nullable=False),
+        _timestamp("created_at", now=True),
+        UniqueConstraint(
+            "destination", "epoch", "first_id", name="outbox_batches_chain_key"
+        ),
+        CheckConstraint("last_id > first_id", name="outbox_batches_range_check"),
+        _partial_index("outbox_batches_lease_idx", "lease_until", where="relay IS NOT NULL"),
+        schema=schema,
+    )
+
+
 metadata = MetaData()
 outbox_table = define_outbox_table(metadata)
 paused_table = define_paused_table(metadata)
@@ -357,3 +380,4 @@ endpoints_table = define_endpoints_table(metadata)
 deliveries_table = define_deliveries_table(metadata)
 attempts_table = define_attempts_table(metadata)
 inbox_table = define_inbox_table(metadata)
+batches_table = define_batches_table(metadata)

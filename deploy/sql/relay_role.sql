@@ -35,3 +35,4 @@ GRANT UPDATE (failing_since, last_success_at, enabled, disabled_at, disabled_rea
     ON TABLE :"schema".outbox_endpoints TO :"role";
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_deliveries TO :"role";
 GRANT SELECT, INSERT, DELETE ON TABLE :"schema".outbox_attempts TO :"role";
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE :"schema".outbox_batches TO :"role";

@@ -11,8 +11,8 @@ LANES = {"outbox_fresh_idx": "claims = 0", "outbox_waiting_idx": "claims <> 0"}
 
 
 def _tables(schema: str) -> tuple[str, ...]:
-    """The outbox tables, qualified for ``schema``: the outbox, its pauses, its relays, and
-    the endpoints, their deliveries and attempts."""
+    """The outbox tables, qualified for ``schema``: the outbox, its pauses, its relays, the
+    endpoints, their deliveries and attempts, and the batch leases (migration 0015)."""
     return (
         queries.qualified_table(schema),
         queries.qualified_table(schema, queries.PAUSED_TABLE),
@@ -21,6 +21,7 @@ def _tables(schema: str) -> tuple[str, ...]:
             queries.qualified_table(schema, t)
             for t in ("outbox_endpoints", "outbox_deliveries", "outbox_attempts")
         ),
+        queries.qualified_table(schema, queries.BATCHES_TABLE),
     )
 
 
@@ -63,10 +64,10 @@ async def missing_tables(call: Call, schema: str) -> list[str]:
 
 
 async def missing_privileges(call: Call, schema: str) -> list[str]:
-    """What the relay's role may not do on the endpoint tables (a role granted before
-    migration 0006/0007: deploy/sql/relay_role.sql must run again). Retention reads them
+    """What the relay's role may not do on the endpoint tables and the batch leases (a role
+    granted before migration 0006/0007/0015: deploy/sql/relay_role.sql must run again). Retention reads them
     for every destination."""
-    endpoints, deliveries, attempts = _tables(schema)[3:]
+    endpoints, deliveries, attempts, batches = _tables(schema)[3:]
     wanted = [
         (endpoints, "SELECT"),
         (deliveries, "SELECT"),
@@ -76,6 +77,11 @@ async def missing_privileges(call: Call, schema: str) -> list[str]:
         (attempts, "SELECT"),
         (attempts, "INSERT"),
         (attempts, "DELETE"),
+        # Every statement recording an outcome reads it (migration 0015).
+        (batches, "SELECT"),
+        (batches, "INSERT"),
+        (batches, "UPDATE"),
+        (batches, "DELETE"),
     ]
     return [
         f"{what} on {table}"

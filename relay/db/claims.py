@@ -54,6 +54,8 @@ class UnorderedClaims:
         relay_id: str,
         lease: float,
         new_epoch: Callable[[], None],
+        *,
+        batched: Collection[str] = (),
     ) -> None:
         self._call = call
         self.statements = statements
@@ -64,6 +66,9 @@ class UnorderedClaims:
         self.fence = queries.render_ops(queries.FENCE, schema)
         self.claim_late = queries.render_ops(queries.CLAIM, schema)
         self.claim_fresh = queries.render_ops(queries.CLAIM_FRESH, schema)
+        self.claim_batch = queries.render_ops(queries.CLAIM_BATCH, schema)
+        # The destinations claimed under batch leases (see queries.CLAIM_BATCH).
+        self.batched = frozenset(batched)
         self._fresh_below = queries.render_ops(queries.FRESH_BELOW, schema)
         # The last FENCE reading an unordered claim made (monotonic time, row), of the epoch
         # the cursors hold for, and the destinations whose last claim filled its batch: their
@@ -80,6 +85,8 @@ class UnorderedClaims:
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
         """Claim up to ``limit`` rows of an unordered ``destination`` (see queries.CLAIM), its
         fresh rows from where its previous claim ended."""
+        if destination in self.batched:
+            return await self._claim_batch(destination, limit)
         # Two statements, in this order: the claim's snapshot must be younger than the fence.
         state = self.cursors.get(destination, _Lane())
         reading = self._reading
@@ -128,6 +135,47 @@ class UnorderedClaims:
             self._claiming.discard(destination)
         self._advance(destination, rows, limit, above, held)
         return envelopes([r for r in rows if r[0] != -1], until)
+
+    async def _claim_batch(self, destination: str, limit: int) -> list[Envelope]:
+        """Claim up to ``limit`` rows of ``destination``, its fresh ones under a batch lease
+        (see queries.CLAIM_BATCH): nothing is kept between claims but the last FENCE reading,
+        since where the next claim begins is in the table."""
+        reading = self._reading
+        # As in claim: a claim that follows a full batch at once may go on an older reading
+        # (a lower fence is as safe; it may only take fewer rows).
+        reuse = (
+            reading is not None
+            and destination in self._draining
+            and time.monotonic() - reading[0] < FENCE_REUSE
+        )
+        self._draining.discard(destination)
+        if reuse:
+            assert reading is not None
+            row = reading[1]
+        else:
+            self.statements["fence"] += 1
+            top = reading[1][3] if reading is not None else 0
+            row = await self._call("fetchrow", self.fence, self.table, top)
+            if tuple(row[1:3]) != self._epoch:
+                # A new epoch: the highest id read before may not cap this one's ids.
+                row = await self._new_epoch(tuple(row[1:3]))
+            self._reading = (time.monotonic(), row)
+        fence, filenode = row[0], row[1]
+        self.statements["claim"] += 1
+        until = time.monotonic() + self.lease  # before the statement: never later than its now()
+        rows = await self._call(
+            "fetch",
+            self.claim_batch,
+            destination,
+            limit,
+            self.relay_id,
+            self.lease,
+            fence,
+            filenode,
+        )
+        if len(rows) >= limit:
+            self._draining.add(destination)
+        return envelopes(rows, until)
 
     async def _new_epoch(self, epoch: tuple[object, ...]) -> asyncpg.Record:
         """A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be

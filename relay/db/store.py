@@ -60,6 +60,7 @@ class Store:
         lease: float,
         *,
         delete_delivered: bool = False,
+        batched: Collection[str] = (),
     ) -> None:
         self.pool = pool
         # Statements run, by name: the benchmark reports statements per event from these.
@@ -73,7 +74,13 @@ class Store:
         # Its parts run their statements through _call (bound here, so a subclass's runs too).
         self.gauges = PendingGauges(pool, schema)
         self.unordered = UnorderedClaims(
-            self._call, self.statements, schema, relay_id, lease, self.gauges.forget
+            self._call,
+            self.statements,
+            schema,
+            relay_id,
+            lease,
+            self.gauges.forget,
+            batched=batched,
         )
         self.owner = Owner(pool, self._call, self.statements, schema)
         self.retention = Retention(pool, schema)
@@ -88,6 +95,8 @@ class Store:
         self._heartbeat = sql(queries.HEARTBEAT)
         self._settled = sql(queries.SETTLED)
         self._reap = sql(queries.REAP)
+        self._reap_batches = sql(queries.REAP_BATCHES)
+        self._forget_batches = sql(queries.FORGET_BATCHES)
         self._expired = sql(queries.EXPIRED)
         self._release = sql(queries.RELEASE)
         self._table = queries.qualified_table(schema)
@@ -259,6 +268,28 @@ class Store:
                 within,
             )
         )
+
+    async def reap_batches(
+        self, max_attempts: int, per_destination: dict[str, int], limit: int = 500
+    ) -> list[asyncpg.Record]:
+        """End batch leases that expired (see queries.REAP_BATCHES): their rows not recorded go
+        back to pending (or failed), as reap puts back a row."""
+        self.statements["reap_batches"] += 1
+        return list(
+            await self._call(
+                "fetch",
+                self._reap_batches,
+                max_attempts,
+                limit,
+                list(per_destination),
+                list(per_destination.values()),
+            )
+        )
+
+    async def forget_batches(self, keep: float) -> int:
+        """Delete ended batch leases older than ``keep`` seconds (see queries.FORGET_BATCHES)."""
+        status = await self._call("execute", self._forget_batches, keep)
+        return int(status.split()[-1])
 
     async def expired(self, limit: int, never: Sequence[int]) -> list[int]:
         return [r[0] for r in await self._call("fetch", self._expired, limit, list(never))]

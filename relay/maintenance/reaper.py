@@ -1,5 +1,7 @@
 """The reaper: rows whose lease expired (their relay died or stalled) go back to pending,
-an attempt counted, or to failed once their destination's attempts are spent."""
+an attempt counted, or to failed once their destination's attempts are spent; so do the rows
+of batch leases that expired unrecorded (relay.claims = "batch"), and old ended batches are
+forgotten."""
 
 from __future__ import annotations
 
@@ -28,6 +30,11 @@ MARGIN = 10.0
 # Between full passes (every lease ever ended, a held snapshot's dead entries included).
 FULL_EVERY = 600.0
 REAP_LIMIT = 5000
+# Ended batch leases are deleted this often, once older than BATCHES_KEPT (or four leases):
+# far longer than any claim statement runs (the relay's command timeout is two leases, or a
+# minute), so a claim on an older snapshot still meets the batch it would overlap.
+FORGET_EVERY = 60.0
+BATCHES_KEPT = 600.0
 
 
 class Reaper:
@@ -49,6 +56,7 @@ class Reaper:
         # full one (monotonic times; None: not yet).
         self._complete: float | None = None
         self._full: float | None = None
+        self._forgot: float | None = None
 
     async def __call__(self) -> None:
         now = time.monotonic()
@@ -69,6 +77,10 @@ class Reaper:
                 self._complete = now
                 if full:
                     self._full = now
+        rows += await self.store.reap_batches(self.max_attempts, self.limits)
+        if self._forgot is None or now - self._forgot >= FORGET_EVERY:
+            self._forgot = now
+            await self.store.forget_batches(max(BATCHES_KEPT, 4 * self.store.lease))
         if rows:
             self.metrics.reaped.inc(len(rows))
             failed = [r["id"] for r in rows if r["status"] == Status.FAILED]

@@ -72,7 +72,14 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
         settings.dsn, relay_id, rs.pool_size, command_timeout=max(2 * rs.lease, 60.0)
     )
     try:
-        store = Store(pool, rs.db_schema, relay_id, rs.lease, delete_delivered=rs.retention == 0)
+        store = Store(
+            pool,
+            rs.db_schema,
+            relay_id,
+            rs.lease,
+            delete_delivered=rs.retention == 0,
+            batched=batched(settings),
+        )
         encoding = await store.server_encoding()
         if encoding != "UTF8":
             raise RelayStartupError(not_utf8(encoding))
@@ -94,6 +101,19 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
         await pool.close()
         raise
     return store
+
+
+def batched(settings: Settings) -> frozenset[str]:
+    """The destinations whose fresh rows are claimed under batch leases (relay.claims =
+    "batch"): the unordered ones whose sink does not record outcomes in its own statements
+    (the endpoints sink's fan-out does)."""
+    if settings.relay.claims != "batch":
+        return frozenset()
+    return frozenset(
+        name
+        for name, d in settings.destinations.items()
+        if d.ordering == "none" and d.kind != "endpoints"
+    )
 
 
 def refused_at_startup(exc: BaseException) -> str:

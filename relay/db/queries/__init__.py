@@ -19,6 +19,9 @@ from outbox.queries import NOTIFY as NOTIFY
 from outbox.queries import SERVER_ENCODING as SERVER_ENCODING
 from outbox.queries import TABLE_EXISTS as TABLE_EXISTS
 from outbox.queries import qualified_table as qualified_table
+from relay.db.queries.batches import CLAIM_BATCH as CLAIM_BATCH
+from relay.db.queries.batches import FORGET_BATCHES as FORGET_BATCHES
+from relay.db.queries.batches import REAP_BATCHES as REAP_BATCHES
 from relay.db.queries.checks import COLUMN_EXISTS as COLUMN_EXISTS
 from relay.db.queries.checks import INDEX_VALID as INDEX_VALID
 from relay.db.queries.checks import PING as PING
@@ -61,6 +64,7 @@ from relay.db.queries.registry import REGISTER as REGISTER
 from relay.db.queries.registry import TRY_JOB_LOCK as TRY_JOB_LOCK
 from relay.db.queries.registry import UNKNOWN_DESTINATIONS as UNKNOWN_DESTINATIONS
 from relay.db.queries.registry import UNREGISTER as UNREGISTER
+from relay.db.queries.render import BATCHES_TABLE as BATCHES_TABLE
 from relay.db.queries.render import PAUSED_TABLE as PAUSED_TABLE
 from relay.db.queries.render import RELAYS_TABLE as RELAYS_TABLE
 from relay.db.queries.render import render_ops as render_ops

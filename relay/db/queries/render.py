@@ -2,7 +2,7 @@
 in for a schema.
 
 Statements name the outbox table ``{table}``, outbox_paused ``{paused}``, outbox_relays
-``{relays}`` and the endpoint tables ``{endpoints}``, ``{deliveries}``, ``{attempts}``."""
+``{relays}``, outbox_batches ``{batches}`` and the endpoint tables ``{endpoints}``, ``{deliveries}``, ``{attempts}``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from outbox.queries import qualified_table, render_endpoints
 
 def render_ops(sql: str, schema: str) -> str:
     """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused), ``{relays}``
-    (outbox_relays), and ``{endpoints}``, ``{deliveries}``, ``{attempts}`` of ``schema``."""
+    (outbox_relays), ``{batches}`` (outbox_batches), and ``{endpoints}``, ``{deliveries}``, ``{attempts}`` of ``schema``."""
     return render_endpoints(
         sql.replace("{table}", qualified_table(schema))
         .replace("{paused}", qualified_table(schema, PAUSED_TABLE))
-        .replace("{relays}", qualified_table(schema, RELAYS_TABLE)),
+        .replace("{relays}", qualified_table(schema, RELAYS_TABLE))
+        .replace("{batches}", qualified_table(schema, BATCHES_TABLE)),
         schema,
     )
 
@@ -23,3 +24,5 @@ def render_ops(sql: str, schema: str) -> str:
 PAUSED_TABLE = "outbox_paused"
 
 RELAYS_TABLE = "outbox_relays"
+
+BATCHES_TABLE = "outbox_batches"

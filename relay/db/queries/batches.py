@@ -1,0 +1,15 @@
+"""Batch leases (relay.claims = "batch"): the claim that takes an unordered destination's
+fresh rows under one lease row, the reaper's statement for such leases that ended, and the
+forgetting of old ones.
+
+Their text, and why each is written so, is in relay/db/queries/batches.sql."""
+
+from __future__ import annotations
+
+from outbox.sql import load
+
+_q = load("relay.db.queries", "batches.sql", binds="numbered")
+
+CLAIM_BATCH = _q["claim_batch"]
+REAP_BATCHES = _q["reap_batches"]
+FORGET_BATCHES = _q["forget_batches"]

@@ -1,0 +1,146 @@
+-- Batch leases (relay.claims = "batch", migration 0015): the claim of an unordered
+-- destination that takes its fresh rows under one lease row in outbox_batches ({batches})
+-- instead of writing a new version of each, and what the reaper does when such a lease
+-- expires. relay/db/queries/batches.py names them, relay/db/claims.py and the reaper run them;
+-- they are asyncpg's (:name binds handed out as $1, $2, … in their params' order:
+-- outbox/sql.py).
+--
+-- A row taken by a batch stays as it was written (pending, claims = 0) until its outcome is
+-- recorded; its fencing token is the batch's id, negated (outcomes.sql, leases.sql): the
+-- outcome applies while the row is still fresh and the batch is still this relay's. A
+-- delivered event then leaves one dead row version (its outcome's), not two, and a held
+-- snapshot keeps half as many.
+
+-- name: claim_batch
+-- params: destination, batch, relay, lease, fence, epoch
+-- The claim of claim.sql, in one statement, with the fresh lane under a batch lease. Rows due
+-- again (the waiting lane) are claimed row by row as there, written running with their own
+-- token. Fresh rows are read in id order from the end of the destination's chain of batches
+-- (the last_id of its batch with the highest first_id, of the table's current file :epoch)
+-- up to :fence, a FENCE reading made before this statement (claim.sql): every id up to it
+-- belongs to a transaction that had ended, so no row that commits late can be passed over,
+-- and nothing but the chain's end needs to be kept between claims. The batch added to the
+-- chain begins where it ended and ends at the last row taken; a claim that read an end of
+-- the chain another claim has added to since (its snapshot is older than that commit) meets
+-- the unique (destination, epoch, first_id) and takes no fresh row (ON CONFLICT DO NOTHING:
+-- it waits for that claim to end, and adds nothing if it committed). The :batch first rows
+-- of both lanes in run_after order are claimed, as in claim.sql; the fresh ones taken are as
+-- many of the lowest fresh ids, so that a batch holds every fresh row of its range.
+-- Fresh rows are returned with the token -id of their batch.
+
+WITH chain AS MATERIALIZED (
+    SELECT coalesce(
+        (SELECT b.last_id FROM {batches} AS b
+         WHERE b.destination = :destination AND b.epoch = :epoch::bigint
+         ORDER BY b.first_id DESC
+         LIMIT 1),
+        0) AS position
+),
+waiting AS (
+    SELECT id, run_after FROM {table}
+    WHERE destination = :destination AND status = 'pending' AND (claims <> 0 OR run_after > created_at)
+      AND run_after <= now()
+    ORDER BY run_after, id
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+),
+fresh AS MATERIALIZED (
+    SELECT id, run_after FROM {table}
+    WHERE destination = :destination AND status = 'pending' AND claims = 0 AND run_after <= created_at AND id > (SELECT position FROM chain) AND id <= :fence::bigint
+      AND run_after <= now()
+    ORDER BY id
+    LIMIT :batch
+),
+chosen AS MATERIALIZED (
+    SELECT c.id, c.fresh FROM (
+        SELECT id, run_after, false AS fresh FROM waiting
+        UNION ALL SELECT id, run_after, true AS fresh FROM fresh
+    ) AS c
+    ORDER BY c.run_after, c.id
+    LIMIT :batch
+),
+taken AS MATERIALIZED (
+    SELECT f.id FROM fresh AS f
+    ORDER BY f.id
+    LIMIT (SELECT count(*) FROM chosen AS c WHERE c.fresh)
+),
+lease AS (
+    INSERT INTO {batches} (destination, epoch, first_id, last_id, relay, lease_until)
+    SELECT :destination, :epoch::bigint, c.position, t.last_id, :relay,
+           now() + make_interval(secs => :lease)
+    FROM chain AS c, (SELECT max(id) AS last_id FROM taken) AS t
+    WHERE t.last_id IS NOT NULL
+    ON CONFLICT (destination, epoch, first_id) DO NOTHING
+    RETURNING id
+),
+claimed AS (
+    UPDATE {table} AS o
+    SET status = 'running', locked_by = :relay, locked_until = now() + make_interval(secs => :lease),
+        claims = o.claims + 1
+    WHERE o.id = ANY(ARRAY(SELECT c.id FROM chosen AS c WHERE NOT c.fresh))
+    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
+              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at,
+              o.claims::bigint AS claims, o.event_type
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
+       o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at,
+       -l.id AS claims, o.event_type
+FROM {table} AS o, lease AS l
+WHERE o.id = ANY(ARRAY(SELECT t.id FROM taken AS t))
+
+-- name: reap_batches
+-- params: default_max_attempts, batch, destinations, max_attempts
+-- Batches whose lease ended (their relay stopped heartbeating, or recorded everything and let
+-- it lapse): the rows of each still fresh, which its relay took and did not record, are put
+-- back as leases.sql's reap puts back a row (an attempt counted, since the request may have
+-- been sent, due at once, why; failed once every attempt is used), into the waiting lane
+-- (run_after is now later than created_at). The batch is marked ended (relay NULL), which
+-- fences off an outcome its relay might still record. At most :batch batches, oldest first;
+-- :destinations/:max_attempts and :default_max_attempts as for reap.
+
+WITH expired AS (
+    SELECT id, relay FROM {batches}
+    WHERE relay IS NOT NULL AND lease_until < now()
+    ORDER BY lease_until
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+),
+ended AS (
+    UPDATE {batches} AS b SET relay = NULL
+    FROM expired AS e
+    WHERE b.id = e.id
+    RETURNING b.destination, b.first_id, b.last_id, e.relay
+),
+limits AS (
+    SELECT * FROM unnest(:destinations::text[], :max_attempts::int[]) AS l(destination, max_attempts)
+)
+UPDATE {table} AS o
+SET status = CASE WHEN o.attempts + 1 >= coalesce(
+                      (SELECT l.max_attempts FROM limits AS l WHERE l.destination = o.destination),
+                      :default_max_attempts)
+                  THEN 'failed' ELSE 'pending' END,
+    attempts = o.attempts + 1,
+    run_after = now(),
+    last_error = 'lease expired: relay ' || e.relay
+                 || ' stopped before recording an outcome',
+    finished_at = CASE WHEN o.attempts + 1 >= coalesce(
+                      (SELECT l.max_attempts FROM limits AS l WHERE l.destination = o.destination),
+                      :default_max_attempts)
+                  THEN now() END
+FROM ended AS e
+WHERE o.destination = e.destination AND o.id > e.first_id AND o.id <= e.last_id
+  AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+RETURNING o.id, o.status, o.destination
+
+-- name: forget_batches
+-- params: keep
+-- Ended batches older than :keep seconds, but the last of each chain (where the next claim
+-- begins). Kept that long so that a claim whose snapshot predates a batch still meets it
+-- (claim_batch); a claim statement never runs for that long (the relay's command timeout).
+
+DELETE FROM {batches} AS b
+WHERE b.relay IS NULL AND b.created_at < now() - make_interval(secs => :keep::float8)
+  AND EXISTS (SELECT 1 FROM {batches} AS n
+              WHERE n.destination = b.destination AND n.epoch = b.epoch AND n.first_id > b.first_id)
