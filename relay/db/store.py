@@ -92,6 +92,17 @@ class Store:
         self._record_delivered = sql(
             queries.RECORD_DELIVERED_DELETING if delete_delivered else queries.RECORD_DELIVERED
         )
+        # Rows of batch leases (negative tokens: queries.CLAIM_BATCH) have statements of their own.
+        self._record_batch = sql(
+            queries.RECORD_BATCH_DELETING if delete_delivered else queries.RECORD_BATCH
+        )
+        self._record_batch_delivered = sql(
+            queries.RECORD_BATCH_DELIVERED_DELETING
+            if delete_delivered
+            else queries.RECORD_BATCH_DELIVERED
+        )
+        self._heartbeat_batches = sql(queries.HEARTBEAT_BATCHES)
+        self._release_batch = sql(queries.RELEASE_BATCH)
         self._heartbeat = sql(queries.HEARTBEAT)
         self._settled = sql(queries.SETTLED)
         self._reap = sql(queries.REAP)
@@ -193,6 +204,19 @@ class Store:
             done = {(r.id, r.token) for r in records if r.written}
             rest = [r for r in records if not r.written]
             return done | (await self.record(rest) if rest else set())
+        if any(r.token < 0 for r in records):
+            # Rows of batch leases: their own statement, and the others' after it.
+            batch = [r for r in records if r.token < 0]
+            rows_ = [r for r in records if r.token >= 0]
+            done = await self._write(batch, self._record_batch, self._record_batch_delivered)
+            return done | (await self.record(rows_) if rows_ else set())
+        return await self._write(records, self._record, self._record_delivered)
+
+    async def _write(
+        self, records: Sequence[Record], every: str, delivered_only: str
+    ) -> set[tuple[int, int]]:
+        """record with ``every`` (queries.RECORD's parameters) or, for a batch of plain
+        deliveries, ``delivered_only`` (queries.RECORD_DELIVERED's)."""
         self.statements["record"] += 1
         if all(
             r.status == Status.DELIVERED and r.counted == 1 and r.error is None for r in records
@@ -200,7 +224,7 @@ class Store:
             self.statements["record_delivered"] += 1  # of the "record" ones
             rows = await self._call(
                 "fetch",
-                self._record_delivered,
+                delivered_only,
                 [r.id for r in records],
                 [r.token for r in records],
                 self.relay_id,
@@ -219,28 +243,49 @@ class Store:
             # RECORD_DELETING takes the delivered pairs apart as well (see there why).
             delivered = [r for r in records if r.status == Status.DELIVERED]
             args += [[r.id for r in delivered], [r.token for r in delivered]]
-        rows = await self._call("fetch", self._record, *args)
+        rows = await self._call("fetch", every, *args)
         return {(r[0], r[1]) for r in rows}
 
     async def settled(self, leases: Sequence[tuple[int, int]]) -> set[int]:
-        """Of (id, token) pairs, the ids recorded as delivered under that claim."""
+        """Of (id, token) pairs, the ids recorded as delivered under that claim (rows of
+        batch leases never are: only the endpoints sink records in its own statements)."""
+        leases = [(i, t) for i, t in leases if t >= 0]
+        if not leases:
+            return set()
         rows = await self._call(
             "fetch", self._settled, [i for i, _ in leases], [t for _, t in leases]
         )
         return {r[0] for r in rows}
 
     async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
-        """Extend the leases of (id, token) pairs; returns the ids still held."""
-        self.statements["heartbeat"] += 1
-        rows = await self._call(
-            "fetch",
-            self._heartbeat,
-            [i for i, _ in leases],
-            [t for _, t in leases],
-            self.relay_id,
-            self.lease,
-        )
-        return {r[0] for r in rows}
+        """Extend the leases of (id, token) pairs; returns the ids still held. Rows of batch
+        leases (negative tokens) are held while their batch is: one row per batch renewed."""
+        held: set[int] = set()
+        batched = [(i, t) for i, t in leases if t < 0]
+        if batched:
+            self.statements["heartbeat"] += 1
+            rows = await self._call(
+                "fetch",
+                self._heartbeat_batches,
+                [t for _, t in batched],
+                self.relay_id,
+                self.lease,
+            )
+            renewed = {r[0] for r in rows}
+            held.update(i for i, t in batched if t in renewed)
+            leases = [(i, t) for i, t in leases if t >= 0]
+        if leases:
+            self.statements["heartbeat"] += 1
+            rows = await self._call(
+                "fetch",
+                self._heartbeat,
+                [i for i, _ in leases],
+                [t for _, t in leases],
+                self.relay_id,
+                self.lease,
+            )
+            held.update(r[0] for r in rows)
+        return held
 
     async def reap(
         self,
@@ -420,13 +465,14 @@ class Store:
 
     async def release(self, leases: Sequence[tuple[int, int]]) -> None:
         """Put (id, token) pairs back to pending, unattempted."""
-        await self._call(
-            "execute",
-            self._release,
-            self.relay_id,
-            [i for i, _ in leases],
-            [t for _, t in leases],
-        )
+        for sql, pairs in (
+            (self._release_batch, [(i, t) for i, t in leases if t < 0]),
+            (self._release, [(i, t) for i, t in leases if t >= 0]),
+        ):
+            if pairs:
+                await self._call(
+                    "execute", sql, self.relay_id, [i for i, _ in pairs], [t for _, t in pairs]
+                )
 
     async def unknown_destinations(
         self, known: Sequence[str], served_within: float

@@ -21,7 +21,15 @@ from outbox.queries import TABLE_EXISTS as TABLE_EXISTS
 from outbox.queries import qualified_table as qualified_table
 from relay.db.queries.batches import CLAIM_BATCH as CLAIM_BATCH
 from relay.db.queries.batches import FORGET_BATCHES as FORGET_BATCHES
+from relay.db.queries.batches import HEARTBEAT_BATCHES as HEARTBEAT_BATCHES
 from relay.db.queries.batches import REAP_BATCHES as REAP_BATCHES
+from relay.db.queries.batches import RECORD_BATCH as RECORD_BATCH
+from relay.db.queries.batches import RECORD_BATCH_DELETING as RECORD_BATCH_DELETING
+from relay.db.queries.batches import RECORD_BATCH_DELIVERED as RECORD_BATCH_DELIVERED
+from relay.db.queries.batches import (
+    RECORD_BATCH_DELIVERED_DELETING as RECORD_BATCH_DELIVERED_DELETING,
+)
+from relay.db.queries.batches import RELEASE_BATCH as RELEASE_BATCH
 from relay.db.queries.checks import COLUMN_EXISTS as COLUMN_EXISTS
 from relay.db.queries.checks import INDEX_VALID as INDEX_VALID
 from relay.db.queries.checks import PING as PING

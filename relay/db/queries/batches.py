@@ -1,6 +1,6 @@
 """Batch leases (relay.claims = "batch"): the claim that takes an unordered destination's
-fresh rows under one lease row, the reaper's statement for such leases that ended, and the
-forgetting of old ones.
+fresh rows under one lease row, the outcomes, heartbeat and release of such rows, the reaper's
+statement for such leases that ended, and the forgetting of old ones.
 
 Their text, and why each is written so, is in relay/db/queries/batches.sql."""
 
@@ -13,3 +13,9 @@ _q = load("relay.db.queries", "batches.sql", binds="numbered")
 CLAIM_BATCH = _q["claim_batch"]
 REAP_BATCHES = _q["reap_batches"]
 FORGET_BATCHES = _q["forget_batches"]
+RECORD_BATCH = _q["record_batch"]
+RECORD_BATCH_DELIVERED = _q["record_batch_delivered"]
+RECORD_BATCH_DELETING = _q["record_batch_deleting"]
+RECORD_BATCH_DELIVERED_DELETING = _q["record_batch_delivered_deleting"]
+HEARTBEAT_BATCHES = _q["heartbeat_batches"]
+RELEASE_BATCH = _q["release_batch"]

@@ -10,6 +10,18 @@
 -- outcome applies while the row is still fresh and the batch is still this relay's. A
 -- delivered event then leaves one dead row version (its outcome's), not two, and a held
 -- snapshot keeps half as many.
+--
+-- The outcomes, heartbeat and release of a batch's rows: outcomes.sql's and leases.sql's for
+-- rows whose token is a batch's. The fence, written alike in each (tests/test_sql_files.py):
+-- the row still as the claim found it (fresh: no outcome recorded, not released or reaped, not
+-- changed by an operator) and its batch still this relay's (not ended by the reaper),
+--     o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+--       AND -u.token IN (SELECT b.id FROM {batches} AS b WHERE b.id = ANY(…) AND b.relay = :relay)
+-- the batches read once per statement (a hashed subplan: a statement's rows come from one
+-- batch or a few). A recorded row's claims becomes 1: it has been claimed once, and is no
+-- longer fresh (a retry waits in the waiting lane, and is claimed row by row). Endpoints
+-- destinations are never claimed in batches, so no delivery ever reads these rows: the
+-- _deleting statements need not keep an event for its deliveries, as outcomes.sql's do.
 
 -- name: claim_batch
 -- params: destination, batch, relay, lease, fence, epoch
@@ -144,3 +156,114 @@ DELETE FROM {batches} AS b
 WHERE b.relay IS NULL AND b.created_at < now() - make_interval(secs => :keep::float8)
   AND EXISTS (SELECT 1 FROM {batches} AS n
               WHERE n.destination = b.destination AND n.epoch = b.epoch AND n.first_id > b.first_id)
+
+-- name: record_batch
+-- params: ids, tokens, statuses, counted, delays, errors, relay
+-- outcomes.sql's record for rows of batches.
+
+UPDATE {table} AS o
+SET status = u.status,
+    attempts = o.attempts + u.counted,
+    run_after = CASE WHEN u.status = 'pending'
+                     THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
+    last_error = COALESCE(u.error, o.last_error),
+    delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
+    finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
+    claims = 1
+FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
+     AS u(id, token, status, counted, delay, error)
+WHERE o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+  AND -u.token IN (SELECT b.id FROM {batches} AS b
+                   WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t))
+                     AND b.relay = :relay)
+RETURNING o.id, u.token
+
+-- name: record_batch_delivered
+-- params: ids, tokens, relay
+-- outcomes.sql's record_delivered for rows of batches: a batch of plain deliveries.
+
+UPDATE {table} AS o
+SET status = 'delivered',
+    attempts = o.attempts + 1,
+    delivered_at = now(),
+    finished_at = now(),
+    claims = 1
+FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
+WHERE o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+  AND -u.token IN (SELECT b.id FROM {batches} AS b
+                   WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t))
+                     AND b.relay = :relay)
+RETURNING o.id, u.token
+
+-- name: record_batch_deleting
+-- params: ids, tokens, statuses, counted, delays, errors, relay, delivered_ids, delivered_tokens
+-- record_batch with retention = 0: delivered rows deleted, the others updated as there.
+-- :delivered_ids/:delivered_tokens are the delivered ones again (see outcomes.sql's
+-- record_deleting why each part reads its pairs straight from unnest).
+
+WITH gone AS (
+    DELETE FROM {table} AS o
+    USING unnest(:delivered_ids::bigint[], :delivered_tokens::bigint[]) AS u(id, token)
+    WHERE o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+      AND -u.token IN (SELECT b.id FROM {batches} AS b
+                       WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t))
+                         AND b.relay = :relay)
+    RETURNING o.id, u.token
+),
+kept AS (
+    UPDATE {table} AS o
+    SET status = u.status,
+        attempts = o.attempts + u.counted,
+        run_after = CASE WHEN u.status = 'pending'
+                         THEN now() + make_interval(secs => u.delay) ELSE o.run_after END,
+        last_error = COALESCE(u.error, o.last_error),
+        delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
+        finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
+        claims = 1
+    FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
+         AS u(id, token, status, counted, delay, error)
+    WHERE o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+      AND -u.token IN (SELECT b.id FROM {batches} AS b
+                       WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t))
+                         AND b.relay = :relay)
+      AND u.status <> 'delivered'
+    RETURNING o.id, u.token
+)
+SELECT id, token FROM gone UNION ALL SELECT id, token FROM kept
+
+-- name: record_batch_delivered_deleting
+-- params: ids, tokens, relay
+-- record_batch_delivered with retention = 0.
+
+DELETE FROM {table} AS o
+USING unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
+WHERE o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+  AND -u.token IN (SELECT b.id FROM {batches} AS b
+                   WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t))
+                     AND b.relay = :relay)
+RETURNING o.id, u.token
+
+-- name: heartbeat_batches
+-- params: tokens, relay, lease
+-- leases.sql's heartbeat for rows of batches: extends the leases of the batches (:tokens, the
+-- rows' tokens) this relay still holds; returns their tokens. One row per batch, whatever
+-- its size.
+
+UPDATE {batches} AS b SET lease_until = now() + make_interval(secs => :lease)
+WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t)) AND b.relay = :relay
+RETURNING -b.id
+
+-- name: release_batch
+-- params: relay, ids, tokens
+-- leases.sql's release for rows of batches: on a clean stop, rows claimed and not attempted
+-- move to the waiting lane untouched (run_after later than created_at; no attempt counted),
+-- if still fresh and their batch still this relay's. The batch itself ends when its lease
+-- does (reap_batches finds nothing of it left to put back).
+
+UPDATE {table} AS o
+SET run_after = now()
+FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
+WHERE o.id = u.id AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+  AND -u.token IN (SELECT b.id FROM {batches} AS b
+                   WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t))
+                     AND b.relay = :relay)

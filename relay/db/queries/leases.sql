@@ -14,27 +14,14 @@
 
 -- name: heartbeat
 -- params: ids, tokens, relay, lease
--- Extends the lease of the rows this relay still holds under their claims' tokens, and of the
--- batches (batches.sql) it still holds for rows whose token is a batch's (negative); returns
+-- Extends the lease of the rows this relay still holds under their claims' tokens; returns
 -- their ids. A row missing from the answer was lost (reaped after a stall, and maybe claimed
 -- again).
 
-WITH renewed AS (
-    UPDATE {batches} AS b SET lease_until = now() + make_interval(secs => :lease)
-    WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-      AND b.relay = :relay
-    RETURNING b.id
-),
-held AS (
-    UPDATE {table} AS o SET locked_until = now() + make_interval(secs => :lease)
-    FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
-    RETURNING o.id
-)
-SELECT id FROM held
-UNION ALL
-SELECT u.id FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-WHERE -u.token IN (SELECT r.id FROM renewed AS r)
+UPDATE {table} AS o SET locked_until = now() + make_interval(secs => :lease)
+FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+RETURNING o.id
 
 -- name: settled
 -- params: ids, tokens
@@ -44,7 +31,7 @@ WHERE -u.token IN (SELECT r.id FROM renewed AS r)
 -- failed, or claimed again under a newer token.) Rare: only rows the heartbeat missed.
 
 SELECT o.id FROM {table} AS o
-JOIN unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token) ON o.id = u.id AND o.claims = u.token
+JOIN unnest(:ids::bigint[], :tokens::int[]) AS u(id, token) ON o.id = u.id AND o.claims = u.token
 WHERE o.status = 'delivered'
 
 -- name: reap
@@ -113,17 +100,7 @@ LIMIT :batch
 -- On clean shutdown: rows claimed but not attempted go back untouched (no attempt counted),
 -- if this relay still holds them under the same claim.
 
-WITH batched AS (
-    -- A batch's rows (batches.sql) leave the fresh lane for the waiting one, untouched:
-    -- run_after later than created_at.
-    UPDATE {table} AS o SET run_after = now()
-    FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-    WHERE o.id = u.id AND u.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-      AND -u.token IN (SELECT b.id FROM {batches} AS b
-                       WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-                         AND b.relay = :relay)
-)
 UPDATE {table} AS o
 SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
-FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
+FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
 WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay

@@ -6,7 +6,7 @@
 -- Written alike (tests/test_sql_files.py checks it): record_deleting's UPDATE sets what record
 -- sets (but for what its claims line says of itself), record_delivered_deleting's what
 -- record_delivered sets, and deliveries.sql's fan_out that too; the outcomes and their text,
--- "unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[],
+-- "unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[],
 -- :delays::float8[], :errors::text[]) AS u(id, token, status, counted, delay, error)", in
 -- record and record_deleting; each holds leases.sql's fence of held rows, and the _deleting
 -- ones retention.sql's open-delivery test.
@@ -30,17 +30,13 @@ SET status = u.status,
     -- Unchanged (the WHERE demands it), and written so that a trigger auditing the table can
     -- tell which claim an outcome belongs to (the fault suite counts outcomes recorded over a
     -- newer claim that way).
-    claims = greatest(u.token, 1),
+    claims = u.token,
     locked_by = NULL,
     locked_until = NULL
-FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
+FROM unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
      AS u(id, token, status, counted, delay, error)
-WHERE o.id = u.id AND (o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
-     OR u.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-        AND -u.token IN (SELECT b.id FROM {batches} AS b
-                               WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-                                 AND b.relay = :relay))
-RETURNING o.id, u.token
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+RETURNING o.id, o.claims
 
 -- name: record_delivered
 -- params: ids, tokens, relay
@@ -53,16 +49,12 @@ SET status = 'delivered',
     attempts = o.attempts + 1,
     delivered_at = now(),
     finished_at = now(),
-    claims = greatest(u.token, 1),  -- see record
+    claims = u.token,  -- unchanged; see record
     locked_by = NULL,
     locked_until = NULL
-FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-WHERE o.id = u.id AND (o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
-     OR u.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-        AND -u.token IN (SELECT b.id FROM {batches} AS b
-                               WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-                                 AND b.relay = :relay))
-RETURNING o.id, u.token
+FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
+WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+RETURNING o.id, o.claims
 
 -- name: record_deleting
 -- params: ids, tokens, statuses, counted, delays, errors, relay, delivered_ids, delivered_tokens
@@ -82,16 +74,12 @@ RETURNING o.id, u.token
 
 WITH gone AS (
     DELETE FROM {table} AS o
-    USING unnest(:delivered_ids::bigint[], :delivered_tokens::bigint[]) AS g(id, token)
-    WHERE o.id = g.id AND (o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay
-         OR g.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-            AND -g.token IN (SELECT b.id FROM {batches} AS b
-                                   WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:delivered_tokens::bigint[]) AS t WHERE t < 0))
-                                     AND b.relay = :relay))
+    USING unnest(:delivered_ids::bigint[], :delivered_tokens::int[]) AS g(id, token)
+    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay
       AND NOT (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
-    RETURNING o.id, g.token
+    RETURNING o.id, o.claims
 ),
 kept AS (
     UPDATE {table} AS o
@@ -102,24 +90,20 @@ kept AS (
         last_error = COALESCE(u.error, o.last_error),
         delivered_at = CASE WHEN u.status = 'delivered' THEN now() END,
         finished_at = CASE WHEN u.status <> 'pending' THEN now() END,
-        claims = greatest(u.token, 1),  -- see record
+        claims = u.token,  -- unchanged; see record
         locked_by = NULL,
         locked_until = NULL
-    FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
+    FROM unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
          AS u(id, token, status, counted, delay, error)
     WHERE o.id = u.id
       AND (u.status <> 'delivered'
            OR (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running'))))
-      AND (o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
-           OR u.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-              AND -u.token IN (SELECT b.id FROM {batches} AS b
-                               WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-                                 AND b.relay = :relay))
-    RETURNING o.id, u.token
+      AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+    RETURNING o.id, o.claims
 )
-SELECT id, token FROM gone UNION ALL SELECT id, token FROM kept
+SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
 
 -- name: record_delivered_deleting
 -- params: ids, tokens, relay
@@ -127,16 +111,12 @@ SELECT id, token FROM gone UNION ALL SELECT id, token FROM kept
 
 WITH gone AS (
     DELETE FROM {table} AS o
-    USING unnest(:ids::bigint[], :tokens::bigint[]) AS g(id, token)
-    WHERE o.id = g.id AND (o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay
-         OR g.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-            AND -g.token IN (SELECT b.id FROM {batches} AS b
-                                   WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-                                     AND b.relay = :relay))
+    USING unnest(:ids::bigint[], :tokens::int[]) AS g(id, token)
+    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay
       AND NOT (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
-    RETURNING o.id, g.token
+    RETURNING o.id, o.claims
 ),
 kept AS (
     UPDATE {table} AS o
@@ -144,18 +124,14 @@ kept AS (
         attempts = o.attempts + 1,
         delivered_at = now(),
         finished_at = now(),
-        claims = greatest(u.token, 1),  -- see record
+        claims = u.token,  -- unchanged; see record
         locked_by = NULL,
         locked_until = NULL
-    FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-    WHERE o.id = u.id AND (o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
-         OR u.token < 0 AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-            AND -u.token IN (SELECT b.id FROM {batches} AS b
-                                   WHERE b.id = ANY(ARRAY(SELECT -t FROM unnest(:tokens::bigint[]) AS t WHERE t < 0))
-                                     AND b.relay = :relay))
+    FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
+    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
       AND (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
-    RETURNING o.id, u.token
+    RETURNING o.id, o.claims
 )
-SELECT id, token FROM gone UNION ALL SELECT id, token FROM kept
+SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
