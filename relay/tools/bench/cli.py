@@ -101,6 +101,7 @@ def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
             ordering=ordering,
             retention=opts["retention"],
             hold_snapshot=opts["hold_snapshot"],
+            claims=opts["claims"],
         )
 
     scenarios: dict[str, Scenario] = {}
@@ -174,6 +175,12 @@ def _ratios(results: dict[str, Any]) -> None:
     "REPEATABLE READ transaction, as a pg_dump holds one): opened after the prefill and before "
     "the relay starts, so vacuum can remove none of the claims' and outcomes' dead versions.",
 )
+@shown(
+    "--claims",
+    "row",
+    type=click.Choice(["row", "batch"]),
+    help="relay.claims: fresh rows claimed row by row, or under batch leases.",
+)
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
 @shown("--naive-events", 3000)
 @click.option(
@@ -231,6 +238,12 @@ def drain_cmd(**opts: Any) -> None:
     "the load starts: vacuum can remove none of the run's dead row versions.",
 )
 @shown(
+    "--claims",
+    "row",
+    type=click.Choice(["row", "batch"]),
+    help="relay.claims: fresh rows claimed row by row, or under batch leases.",
+)
+@shown(
     "--window",
     15.0,
     type=click.FloatRange(0.1, clamp=False),
@@ -271,6 +284,7 @@ def steady_cmd(**opts: Any) -> None:
                     hold_snapshot=opts["hold_snapshot"],
                     window=opts["window"],
                     warmup=opts["warmup"],
+                    claims=opts["claims"],
                 )
             },
         )

@@ -273,6 +273,7 @@ async def table_stats(db_url: str, events: int, settle: float = 5.0) -> dict[str
             await asyncio.sleep(0.05)
         await conn.execute(CLEAR_STATS_SNAPSHOT)
         row = await conn.fetchrow(TABLE_STATS, TABLE)
+        batches = await conn.fetchrow(TABLE_STATS, "outbox_batches")
     finally:
         await conn.close()
     assert row is not None, f"{TABLE} is not in pg_stat_user_tables"
@@ -288,9 +289,17 @@ async def table_stats(db_url: str, events: int, settle: float = 5.0) -> dict[str
         "outbox_table_mb": round(row["table_bytes"] / 2**20, 1),
         "outbox_indexes_mb": round(row["indexes_bytes"] / 2**20, 1),
         # Every UPDATE and DELETE leaves a dead version behind: 2 per event on the happy
-        # path (the claim's and the outcome's UPDATE), until vacuum removes them.
+        # path (the claim's and the outcome's UPDATE), until vacuum removes them; 1 with
+        # relay.claims = "batch" (the outcome's).
         "row_versions_written_per_event": round((row["n_tup_upd"] + row["n_tup_del"]) / per, 3),
         "dead_rows_per_event": round(row["n_dead_tup"] / per, 3),
+        # relay.claims = "batch": a lease row per claim (inserted, ended by the reaper,
+        # deleted later), the outbox rows written once each.
+        "batch_rows_written_per_event": round(
+            (batches["n_tup_ins"] + batches["n_tup_upd"] + batches["n_tup_del"]) / per, 4
+        )
+        if batches is not None
+        else None,
     }
 
 

@@ -45,6 +45,7 @@ def relay_settings(
     max_in_flight: int | None,
     ordering: str = "none",
     retention: float | None = None,
+    claims: str = "row",
 ) -> Any:
     return load_settings(
         None,
@@ -55,6 +56,7 @@ def relay_settings(
             "max_in_flight": max_in_flight or batch_size * 4,
             "poll_interval": 0.5,
             **({} if retention is None else {"retention": retention}),
+            "claims": claims,
         },
         # Placeholders: the benchmark passes its sinks in directly.
         destinations={DESTINATION: {"kind": "kafka", "topic": "unused", "ordering": ordering}},
@@ -77,6 +79,7 @@ async def drain(
     ordering: str = "none",
     retention: float | None = None,
     hold_snapshot: bool = False,
+    claims: str = "row",
 ) -> dict[str, Any]:
     await prefill(db_url, events, payload, keys)
     held: HeldSnapshot | None = None
@@ -85,7 +88,9 @@ async def drain(
             # After the prefill (and its VACUUM), before the relay claims anything: the
             # claims' and the outcomes' updates leave versions no vacuum may remove.
             held = await stack.enter_async_context(held_snapshot(db_url))
-        settings = relay_settings(db_url, batch_size, max_in_flight, ordering, retention)
+        settings = relay_settings(
+            db_url, batch_size, max_in_flight, ordering, retention, claims
+        )
         run = await _drain(settings, target, events, relays, max_seconds)
         result: dict[str, Any] = {
             "events": events,
@@ -93,6 +98,7 @@ async def drain(
             "complete": run.delivered == events,
             "relays": relays,
             "ordering": ordering,
+            "claims": claims,
             "keys": keys,
             "batch_size": batch_size,
             "payload_bytes": payload,

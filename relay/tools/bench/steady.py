@@ -211,6 +211,7 @@ async def steady(
     hold_snapshot: bool = False,
     window: float = 15.0,
     warmup: float = 15.0,
+    claims: str = "row",
 ) -> dict[str, Any]:
     await _create_business_table(db_url)
     held: HeldSnapshot | None = None
@@ -218,7 +219,7 @@ async def steady(
         if hold_snapshot:  # before the load, held until the figures below are taken
             held = await stack.enter_async_context(held_snapshot(db_url))
         sink = TimingSink(target.make_sink())
-        settings = relay_settings(db_url, batch_size, None, ordering, retention)
+        settings = relay_settings(db_url, batch_size, None, ordering, retention, claims)
         relay = Relay(settings, sinks={DESTINATION: sink})
         task = asyncio.create_task(relay.run())
         await relay.started.wait()
@@ -237,7 +238,7 @@ async def steady(
         report = _report(
             sink, commits, rate, per_tx, processes, idle_cpu, window=window, warmup=warmup
         )
-        report.update(ordering=ordering, keys=keys, hold_snapshot=hold_snapshot)
+        report.update(ordering=ordering, keys=keys, hold_snapshot=hold_snapshot, claims=claims)
         # While the snapshot is still held: what it kept is in the table.
         report.update(await table_stats(db_url, report["acked"]))
     if held is not None:
