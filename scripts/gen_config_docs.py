@@ -60,6 +60,7 @@ MORE: dict[str, str] = {
     "relay.retention": "`0` deletes delivered rows in the statement that records them (see "
     "[Retention](operations.md#retention)).",
     "relay.retention_batch_size": "each statement is its own transaction.",
+    "relay.claims": "see [Batch leases](deploying.md#batch-leases).",
     "relay.unknown_destinations": "see *Unknown destinations* in [How it works](how-it-works.md).",
     "relay.snapshot_warning": "see [A snapshot that holds back VACUUM]"
     "(operations.md#a-snapshot-that-holds-back-vacuum).",

@@ -379,3 +379,65 @@ async def test_retention_examines_each_kept_event_once_per_run(db_url: str) -> N
         assert await left.fetchval("SELECT count(*) FROM outbox") == kept
     finally:
         await left.close()
+
+
+async def _batch_claimed(
+    conn: asyncpg.Connection, table_rows: int, n: int
+) -> tuple[list[int], list[int]]:
+    """``n`` fresh rows taken by a batch lease (queries.CLAIM_BATCH) of a table of
+    ``table_rows`` pending rows, statistics taken while every row was fresh."""
+    await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
+    await conn.execute(
+        "INSERT INTO outbox (destination, key, payload) "
+        "SELECT 'd', 'k' || (i % 50), '\\x00'::bytea FROM generate_series(1, $1) AS i",
+        table_rows,
+    )
+    await conn.execute("VACUUM ANALYZE")
+    epoch = await conn.fetchval("SELECT pg_relation_filenode('outbox')::bigint")
+    rows = await conn.fetch(
+        queries.render_ops(queries.CLAIM_BATCH, "public"), "d", n, RELAY, 60.0, 2**62, epoch
+    )
+    assert len(rows) == n and all(r[8] < 0 for r in rows)
+    return [r[0] for r in rows], [r[8] for r in rows]
+
+
+@pytest.mark.parametrize(("table_rows", "n"), SHAPES)
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "RECORD_BATCH",
+        "RECORD_BATCH_DELETING",
+        "RECORD_BATCH_DELIVERED",
+        "RECORD_BATCH_DELIVERED_DELETING",
+        "RELEASE_BATCH",
+    ],
+)
+async def test_batch_statements_are_linear(
+    db_url: str, statement: str, table_rows: int, n: int
+) -> None:
+    """The statements on a batch's rows read each row by its key, never the fresh rows of the
+    destination (every row of the table, here) that their fence names."""
+    conn = await _connect(db_url)
+    try:
+        ids, tokens = await _batch_claimed(conn, table_rows, n)
+        sql = queries.render_ops(getattr(queries, statement), "public")
+        args: list[Any]
+        if statement == "RELEASE_BATCH":
+            args = [RELAY, ids, tokens]
+        elif statement.startswith("RECORD_BATCH_DELIVERED"):
+            args = [ids, tokens, RELAY]
+        else:
+            args = [ids, tokens, ["delivered"] * n, [1] * n, [1.0] * n, [None] * n, RELAY]
+            if statement == "RECORD_BATCH_DELETING":
+                args += [ids, tokens]
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args)
+        _assert_linear(raw, n)
+        # And the statement did its job: none of the batch's rows is fresh any more.
+        fresh = await conn.fetchval(
+            "SELECT count(*) FROM outbox WHERE id = ANY($1::bigint[]) "
+            "AND status = 'pending' AND claims = 0 AND run_after <= created_at",
+            ids,
+        )
+        assert fresh == 0
+    finally:
+        await conn.close()

@@ -698,3 +698,36 @@ def test_a_named_bind_is_one_sqlalchemys_text_reads_as_written(statement: str, p
         return  # refused at load: what the loader promises
     read = set(sqlalchemy.text(loaded).compile().params)
     assert read == {p.strip() for p in params.split(",")}, read
+
+
+def batch_fence(pairs: str, tokens: str, relay: str) -> str:
+    """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh) and
+    its batch still this relay's, the batches read once per statement."""
+    return (
+        f"o.id = {pairs}.id AND {FRESH_O} AND -{pairs}.token IN (SELECT b.id FROM {{batches}} AS b "
+        f"WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest({tokens}::bigint[]) AS t)) "
+        f"AND b.relay = {relay})"
+    )
+
+
+def test_the_batch_fences_are_written_alike() -> None:
+    q = relay_queries
+
+    def flat(sql: str) -> str:
+        return " ".join(sql.split())
+
+    fenced = {
+        "RECORD_BATCH": (1, "$2", "$7"),
+        "RECORD_BATCH_DELIVERED": (1, "$2", "$3"),
+        "RECORD_BATCH_DELETING": (2, "$2", "$7"),
+        "RECORD_BATCH_DELIVERED_DELETING": (1, "$2", "$3"),
+        "RELEASE_BATCH": (1, "$3", "$1"),
+    }
+    for name, (count, tokens, relay) in fenced.items():
+        assert flat(getattr(q, name)).count(batch_fence("u", tokens, relay)) == count, name
+    # A recorded row is no longer fresh, and was claimed once.
+    for name in ("RECORD_BATCH", "RECORD_BATCH_DELIVERED", "RECORD_BATCH_DELETING"):
+        assert flat(getattr(q, name)).count("claims = 1 FROM unnest(") >= 1, name
+    # What reap_batches sets is what reap sets, but for the relay's name, read from the batch.
+    assert reaped("o").replace("coalesce(o.locked_by, '?')", "e.relay") in q.REAP_BATCHES
+    assert q.REAP_BATCHES.count(LIMITS) == 1
