@@ -363,9 +363,7 @@ def define_batches_table(metadata: MetaData, schema: str | None = None) -> Table
         Column("relay", Text, nullable=True),
         Column("lease_until", DateTime(timezone=True), nullable=False),
         _timestamp("created_at", now=True),
-        UniqueConstraint(
-            "destination", "epoch", "first_id", name="outbox_batches_chain_key"
-        ),
+        UniqueConstraint("destination", "epoch", "first_id", name="outbox_batches_chain_key"),
         CheckConstraint("last_id > first_id", name="outbox_batches_range_check"),
         _partial_index("outbox_batches_lease_idx", "lease_until", where="relay IS NOT NULL"),
         schema=schema,

@@ -65,8 +65,8 @@ async def missing_tables(call: Call, schema: str) -> list[str]:
 
 async def missing_privileges(call: Call, schema: str) -> list[str]:
     """What the relay's role may not do on the endpoint tables and the batch leases (a role
-    granted before migration 0006/0007/0015: deploy/sql/relay_role.sql must run again). Retention reads them
-    for every destination."""
+    granted before migration 0006/0007/0015: deploy/sql/relay_role.sql must run again).
+    Retention reads the endpoint tables for every destination."""
     endpoints, deliveries, attempts, batches = _tables(schema)[3:]
     wanted = [
         (endpoints, "SELECT"),

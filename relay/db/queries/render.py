@@ -2,7 +2,8 @@
 in for a schema.
 
 Statements name the outbox table ``{table}``, outbox_paused ``{paused}``, outbox_relays
-``{relays}``, outbox_batches ``{batches}`` and the endpoint tables ``{endpoints}``, ``{deliveries}``, ``{attempts}``."""
+``{relays}``, outbox_batches ``{batches}`` and the endpoint tables ``{endpoints}``,
+``{deliveries}``, ``{attempts}``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from outbox.queries import qualified_table, render_endpoints
 
 def render_ops(sql: str, schema: str) -> str:
     """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused), ``{relays}``
-    (outbox_relays), ``{batches}`` (outbox_batches), and ``{endpoints}``, ``{deliveries}``, ``{attempts}`` of ``schema``."""
+    (outbox_relays), ``{batches}`` (outbox_batches), and ``{endpoints}``, ``{deliveries}``,
+    ``{attempts}`` of ``schema``."""
     return render_endpoints(
         sql.replace("{table}", qualified_table(schema))
         .replace("{paused}", qualified_table(schema, PAUSED_TABLE))

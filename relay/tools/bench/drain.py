@@ -88,9 +88,7 @@ async def drain(
             # After the prefill (and its VACUUM), before the relay claims anything: the
             # claims' and the outcomes' updates leave versions no vacuum may remove.
             held = await stack.enter_async_context(held_snapshot(db_url))
-        settings = relay_settings(
-            db_url, batch_size, max_in_flight, ordering, retention, claims
-        )
+        settings = relay_settings(db_url, batch_size, max_in_flight, ordering, retention, claims)
         run = await _drain(settings, target, events, relays, max_seconds)
         result: dict[str, Any] = {
             "events": events,
