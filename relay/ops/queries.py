@@ -12,6 +12,7 @@ defined. tests/test_sql_files.py checks that the file's statements and these nam
 from __future__ import annotations
 
 from outbox.sql import load
+from relay.db.queries import BATCHES_TABLE as BATCHES_TABLE
 
 # The relay's statements the commands run too.
 from relay.db.queries import BLOCKED_KEYS as BLOCKED_KEYS
@@ -33,6 +34,7 @@ JIT_OFF = _q["jit_off"]
 PAUSED_DETAIL = _q["paused_detail"]
 RELAYS = _q["relays"]
 STATUS_COUNTS = _q["status_counts"]
+STATUS_BATCHED = _q["status_batched"]
 STATUS_ENDED = _q["status_ended"]
 STATUS_DELIVERED_PROBE = _q["status_delivered_probe"]
 STATUS_DELIVERED = _q["status_delivered"]

@@ -133,6 +133,22 @@ WHERE status = 'running'
 GROUP BY destination, locked_by
 ORDER BY destination, locked_by
 
+-- name: status_batched
+-- Rows in flight under batch leases (relay.claims = "batch"): the fresh rows of each open
+-- batch's range, which the table shows pending. status counts them running, with their relay
+-- and lease, as status_leases does rows claimed one by one. Read through outbox_fresh_idx,
+-- only in the ranges of open batches (a few).
+
+SELECT b.destination, b.relay AS locked_by, count(o.id) AS rows,
+       extract(epoch FROM min(b.lease_until) - now())::float8 AS lease_left
+FROM {batches} AS b
+JOIN {table} AS o
+  ON o.destination = b.destination AND o.id > b.first_id AND o.id <= b.last_id
+ AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+WHERE b.relay IS NOT NULL
+GROUP BY b.destination, b.relay
+ORDER BY b.destination, b.relay
+
 -- name: status_blocked_keys
 -- BLOCKED_KEYS for `status` (the relay's reporter runs relay.db.queries.BLOCKED_KEYS): the same
 -- rows, planned per failed row with a key: one probe of outbox_key_idx (which holds the

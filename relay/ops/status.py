@@ -5,6 +5,7 @@ oldest snapshot holding back VACUUM. Read in one snapshot, so that the parts agr
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -158,12 +159,12 @@ Delivered = dict[str, tuple[int, datetime | None]]
 class _Read:
     """What status reads in its one snapshot."""
 
-    counts: list[asyncpg.Record]
+    counts: list[Mapping[str, Any]]
     ended: list[asyncpg.Record]
     relays: list[asyncpg.Record]
     delivered: Delivered
     estimated: bool
-    leases: list[asyncpg.Record]
+    leases: list[asyncpg.Record]  # and status_batched's rows
     paused: list[asyncpg.Record]
     blocked: list[asyncpg.Record]
     endpoints: list[asyncpg.Record]
@@ -200,11 +201,40 @@ async def status(
     )
 
 
+def _in_batches(
+    counts: Sequence[Mapping[str, Any]], batched: Sequence[Mapping[str, Any]]
+) -> list[Mapping[str, Any]]:
+    """``counts`` (status_counts) with the rows in flight under batch leases (status_batched)
+    counted running, not pending (the table shows them pending, and due)."""
+    if not batched:
+        return list(counts)
+    flying: dict[str, int] = {}
+    for r in batched:
+        flying[r["destination"]] = flying.get(r["destination"], 0) + r["rows"]
+    out: list[Mapping[str, Any]] = []
+    for r in counts:
+        n = flying.get(r["destination"], 0)
+        row = dict(r)
+        # A batch's rows are fresh, so pending and due; the counts are of one snapshot.
+        row.update(
+            pending=max(row["pending"] - n, 0),
+            due=max(row["due"] - n, 0),
+            running=row["running"] + n,
+        )
+        out.append(row)
+    return out
+
+
 async def _read(conn: asyncpg.Connection, schema: str) -> _Read:
     has_endpoints = await has_endpoint_tables(conn, schema)
+    has_batches = await conn.fetchval(
+        queries.TABLE_EXISTS, queries.qualified_table(schema, queries.BATCHES_TABLE)
+    )
     async with conn.transaction(isolation="repeatable_read", readonly=True):
         await conn.execute(queries.JIT_OFF)
         counts = await conn.fetch(sql(queries.STATUS_COUNTS, schema))
+        batched = await conn.fetch(sql(queries.STATUS_BATCHED, schema)) if has_batches else []
+        counts = _in_batches(counts, batched)
         ended = await conn.fetch(sql(queries.STATUS_ENDED, schema))
         counted = {r["destination"]: r["pending"] + r["running"] for r in counts}
         for r in ended:
@@ -218,7 +248,7 @@ async def _read(conn: asyncpg.Connection, schema: str) -> _Read:
             relays=relays,
             delivered=delivered,
             estimated=estimated,
-            leases=await conn.fetch(sql(queries.STATUS_LEASES, schema)),
+            leases=[*await conn.fetch(sql(queries.STATUS_LEASES, schema)), *batched],
             paused=await conn.fetch(sql(queries.PAUSED_DETAIL, schema)),
             blocked=await conn.fetch(sql(queries.STATUS_BLOCKED_KEYS, schema)),
             endpoints=(
@@ -243,7 +273,7 @@ def _destinations(read: _Read, relays: list[RelayStatus]) -> list[DestinationSta
 
 def _destination(
     name: str,
-    counts: asyncpg.Record | None,
+    counts: Mapping[str, Any] | None,
     paused: asyncpg.Record | None,
     read: _Read,
     relays: list[RelayStatus],
