@@ -700,13 +700,14 @@ def test_a_named_bind_is_one_sqlalchemys_text_reads_as_written(statement: str, p
     assert read == {p.strip() for p in params.split(",")}, read
 
 
-def batch_fence(pairs: str, tokens: str, relay: str) -> str:
-    """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh) and
-    its batch still this relay's, the batches read once per statement."""
+def batch_fence(relay: str) -> str:
+    """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh), in the
+    range of its own batch, of the table's current file, and that batch still this relay's."""
     return (
-        f"o.id = {pairs}.id AND {FRESH_O} AND -{pairs}.token IN (SELECT b.id FROM {{batches}} AS b "
-        f"WHERE b.id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest({tokens}::bigint[]) AS t)) "
-        f"AND b.relay = {relay})"
+        f"o.id = u.id AND {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
+        f"WHERE b.id = -u.token AND b.relay = {relay} AND b.destination = o.destination "
+        "AND o.id > b.first_id AND o.id <= b.last_id "
+        "AND b.epoch = pg_relation_filenode('{table}'))"
     )
 
 
@@ -717,17 +718,23 @@ def test_the_batch_fences_are_written_alike() -> None:
         return " ".join(sql.split())
 
     fenced = {
-        "RECORD_BATCH": (1, "$2", "$7"),
-        "RECORD_BATCH_DELIVERED": (1, "$2", "$3"),
-        "RECORD_BATCH_DELETING": (2, "$2", "$7"),
-        "RECORD_BATCH_DELIVERED_DELETING": (1, "$2", "$3"),
-        "RELEASE_BATCH": (1, "$3", "$1"),
+        "RECORD_BATCH": (1, "$7"),
+        "RECORD_BATCH_DELIVERED": (1, "$3"),
+        "RECORD_BATCH_DELETING": (2, "$7"),
+        "RECORD_BATCH_DELIVERED_DELETING": (1, "$3"),
+        "RELEASE_BATCH": (1, "$1"),
     }
-    for name, (count, tokens, relay) in fenced.items():
-        assert flat(getattr(q, name)).count(batch_fence("u", tokens, relay)) == count, name
+    for name, (count, relay) in fenced.items():
+        assert flat(getattr(q, name)).count(batch_fence(relay)) == count, name
     # A recorded row is no longer fresh, and was claimed once.
     for name in ("RECORD_BATCH", "RECORD_BATCH_DELIVERED", "RECORD_BATCH_DELETING"):
         assert flat(getattr(q, name)).count("claims = 1 FROM unnest(") >= 1, name
+    assert "SET run_after = now(), claims = 1" in q.RELEASE_BATCH
+    # A batch of an earlier file of the table puts nothing back.
+    assert "AND e.epoch = pg_relation_filenode('{table}')" in q.REAP_BATCHES
     # What reap_batches sets is what reap sets, but for the relay's name, read from the batch.
-    assert reaped("o").replace("coalesce(o.locked_by, '?')", "e.relay") in q.REAP_BATCHES
+    assert (
+        reaped("o").replace("coalesce(o.locked_by, '?')", "e.relay") + "\n    claims = 1,"
+        in q.REAP_BATCHES
+    )
     assert q.REAP_BATCHES.count(LIMITS) == 1

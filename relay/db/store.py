@@ -315,10 +315,16 @@ class Store:
         )
 
     async def reap_batches(
-        self, max_attempts: int, per_destination: dict[str, int], limit: int = 500
+        self,
+        max_attempts: int,
+        per_destination: dict[str, int],
+        limit: int = 5000,
+        *,
+        within: float | None = None,
     ) -> list[asyncpg.Record]:
         """End batch leases that expired (see queries.REAP_BATCHES): their rows not recorded go
-        back to pending (or failed), as reap puts back a row."""
+        back to pending (or failed), as reap puts back a row; ``within``: only those whose
+        lease ended in the last so many seconds (None: whenever)."""
         self.statements["reap_batches"] += 1
         return list(
             await self._call(
@@ -328,6 +334,7 @@ class Store:
                 limit,
                 list(per_destination),
                 list(per_destination.values()),
+                within,
             )
         )
 

@@ -77,7 +77,8 @@ class Reaper:
                 self._complete = now
                 if full:
                     self._full = now
-        rows += await self.store.reap_batches(self.max_attempts, self.limits)
+        # The same bound as reap's: a pass over every lease ever ended is a full one.
+        rows += await self.store.reap_batches(self.max_attempts, self.limits, within=within)
         if self._forgot is None or now - self._forgot >= FORGET_EVERY:
             self._forgot = now
             await self.store.forget_batches(max(BATCHES_KEPT, 4 * self.store.lease))
