@@ -1,0 +1,201 @@
+"""Batch leases (relay.claims = "batch") against a real PostgreSQL: a claim of an unordered
+destination's fresh rows writes one row of outbox_batches and none of the outbox; the rows are
+written once, by their outcome, fenced by the batch (its relay, its lease); the reaper puts
+back what an expired batch did not record; the chain of batches passes over no committed row
+and takes none twice, under concurrent claims and inserts, open transactions and a TRUNCATE."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import asyncpg
+import pytest
+
+from outbox.dburl import to_asyncpg_dsn
+from outbox.status import Status
+from relay.db.store import Record, Store, create_pool
+from relay.model import Envelope
+
+D = "d"
+LEASE = 60.0
+INSERT = (
+    "INSERT INTO outbox (destination, payload) "
+    "SELECT $1, '\\x00'::bytea FROM generate_series(1, $2) RETURNING id"
+)
+LEASE_EXPIRED = "lease expired: relay {} stopped before recording an outcome"
+
+
+def batch_store(pool: asyncpg.Pool, relay: str, lease: float = LEASE) -> Store:
+    return Store(pool, "public", relay, lease, batched={D, "e"})
+
+
+@contextlib.asynccontextmanager
+async def opened(db_url: str, relay: str, size: int = 2) -> AsyncIterator[Store]:
+    """A Store of relay ``relay`` on a pool of its own, made as the relay makes it."""
+    pool = await create_pool(to_asyncpg_dsn(db_url), relay, size)
+    try:
+        yield batch_store(pool, relay)
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def admin(db_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+async def insert(conn: asyncpg.Connection, n: int, destination: str = D) -> list[int]:
+    return sorted(r[0] for r in await conn.fetch(INSERT, destination, n))
+
+
+def delivered(envs: Sequence[Envelope]) -> list[Record]:
+    return [Record(e.id, e.token, Status.DELIVERED, 1, 0.0, None) for e in envs]
+
+
+def retry(envs: Sequence[Envelope], delay: float, error: str = "boom") -> list[Record]:
+    return [Record(e.id, e.token, Status.PENDING, 1, delay, error) for e in envs]
+
+
+def pairs(envs: Sequence[Envelope]) -> set[tuple[int, int]]:
+    return {(e.id, e.token) for e in envs}
+
+
+async def versions(conn: asyncpg.Connection, ids: Sequence[int]) -> dict[int, tuple[str, str]]:
+    """Each row's current version: its inserting transaction and its place."""
+    rows = await conn.fetch(
+        "SELECT id, xmin::text, ctid::text FROM outbox WHERE id = ANY($1::bigint[])", list(ids)
+    )
+    return {r[0]: (r[1], r[2]) for r in rows}
+
+
+async def state(conn: asyncpg.Connection, ids: Sequence[int]) -> dict[int, dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT id, status, claims, attempts, last_error, locked_by, "
+        "run_after > created_at AS waiting, run_after - now() AS due_in, "
+        "delivered_at IS NOT NULL AS delivered_at, finished_at IS NOT NULL AS finished_at "
+        "FROM outbox WHERE id = ANY($1::bigint[])",
+        list(ids),
+    )
+    return {r["id"]: dict(r) for r in rows}
+
+
+async def fresh(conn: asyncpg.Connection, ids: Sequence[int]) -> bool:
+    """Whether every row of ``ids`` is as written: pending, never claimed, due when written."""
+    rows = await state(conn, ids)
+    return len(rows) == len(ids) and all(
+        (r["status"], r["claims"], r["attempts"], r["waiting"]) == ("pending", 0, 0, False)
+        for r in rows.values()
+    )
+
+
+async def batches(conn: asyncpg.Connection) -> list[dict[str, Any]]:
+    rows = await conn.fetch(
+        "SELECT id, destination, epoch, first_id, last_id, relay, "
+        "extract(epoch FROM lease_until - now())::float8 AS lease_left "
+        "FROM outbox_batches ORDER BY destination, epoch, first_id"
+    )
+    return [dict(r) for r in rows]
+
+
+async def filenode(conn: asyncpg.Connection) -> int:
+    return int(await conn.fetchval("SELECT pg_relation_filenode('outbox')::bigint"))
+
+
+async def expire(conn: asyncpg.Connection, relay: str) -> None:
+    """``relay`` stopped heartbeating its batches a while ago."""
+    await conn.execute(
+        "UPDATE outbox_batches SET lease_until = now() - interval '1 second' WHERE relay = $1",
+        relay,
+    )
+
+
+# --- 1. the claim writes no row; the outcome writes each once --------------------------------
+
+
+async def updates(pool: asyncpg.Pool, admin: asyncpg.Connection) -> int:
+    """Row versions written to the outbox so far (pg_stat_user_tables.n_tup_upd), with the
+    statistics of the pool's one connection and of ``admin`` flushed first."""
+    await pool.fetchval("SELECT pg_stat_force_next_flush()")
+    await admin.fetchval("SELECT pg_stat_force_next_flush()")
+    return int(
+        await admin.fetchval("SELECT n_tup_upd FROM pg_stat_user_tables WHERE relname = 'outbox'")
+    )
+
+
+async def test_a_batch_claim_writes_no_row_and_an_outcome_writes_each_once(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    ids = await insert(admin, 30)
+    written = await versions(admin, ids)
+    # One connection: the store's statements and the statistics' flush run on it.
+    async with opened(db_url, "relay-a", size=1) as store:
+        before = await updates(store.pool, admin)
+        envs = await store.claim(D, 20)
+        assert [e.id for e in envs] == ids[:20]
+        (token,) = {e.token for e in envs}
+        assert token < 0 and all(e.attempts == 0 for e in envs)
+        # One lease row: the chain's first batch, from 0 to the last row taken.
+        (batch,) = await batches(admin)
+        assert batch["id"] == -token
+        assert (batch["destination"], batch["first_id"], batch["last_id"]) == (D, 0, ids[19])
+        assert batch["relay"] == "relay-a" and batch["epoch"] == await filenode(admin)
+        assert LEASE - 5 < batch["lease_left"] <= LEASE
+        # And not a row written: the same versions, still fresh.
+        assert await versions(admin, ids) == written
+        assert await fresh(admin, ids)
+        assert await updates(store.pool, admin) == before
+
+        # 15 delivered, 5 to be retried in 30 s: one new version of each of the 20 rows.
+        done = await store.record(delivered(envs[:15]) + retry(envs[15:], 30.0))
+        assert done == pairs(envs)
+        assert await updates(store.pool, admin) == before + 20
+        now = await versions(admin, ids)
+        assert all(now[i] != written[i] for i in ids[:20])
+        assert all(now[i] == written[i] for i in ids[20:])
+        rows = await state(admin, ids)
+        for i in ids[:15]:
+            assert (rows[i]["status"], rows[i]["claims"], rows[i]["attempts"]) == (
+                "delivered",
+                1,
+                1,
+            )
+            assert rows[i]["delivered_at"] and rows[i]["finished_at"]
+        for i in ids[15:20]:
+            # The waiting lane: claimed once, an attempt counted, due in 30 s.
+            r = rows[i]
+            assert (r["status"], r["claims"], r["attempts"], r["waiting"]) == (
+                "pending",
+                1,
+                1,
+                True,
+            )
+            assert r["last_error"] == "boom" and r["due_in"].total_seconds() > 25
+        # Recording them again (a duplicate outcome) writes nothing.
+        assert await store.record(delivered(envs)) == set()
+        assert await updates(store.pool, admin) == before + 20
+
+        # The next claim takes the fresh rows after the chain's end, not the retries (not due).
+        rest = await store.claim(D, 100)
+        assert [e.id for e in rest] == ids[20:]
+        assert {e.token for e in rest} == {-(await batches(admin))[1]["id"]}
+        # Once due, the retries are claimed row by row: written running, a token of their own.
+        await admin.execute(
+            "UPDATE outbox SET run_after = now() - interval '1 second' WHERE id = ANY($1)",
+            ids[15:20],
+        )
+        again = await store.claim(D, 100)
+        assert sorted(e.id for e in again) == ids[15:20]
+        assert {(e.token, e.attempts) for e in again} == {(2, 1)}
+        rows = await state(admin, ids[15:20])
+        assert {(r["status"], r["locked_by"]) for r in rows.values()} == {("running", "relay-a")}
+        assert len(await batches(admin)) == 2  # no batch for them
+        assert await store.record(delivered(again) + delivered(rest)) == pairs(again) | pairs(rest)
+    rows = await state(admin, ids)
+    assert {r["status"] for r in rows.values()} == {"delivered"}
+    assert sorted(r["attempts"] for r in rows.values()) == [1] * 25 + [2] * 5
