@@ -199,3 +199,125 @@ async def test_a_batch_claim_writes_no_row_and_an_outcome_writes_each_once(
     rows = await state(admin, ids)
     assert {r["status"] for r in rows.values()} == {"delivered"}
     assert sorted(r["attempts"] for r in rows.values()) == [1] * 25 + [2] * 5
+
+
+# --- 2. the batch fences its rows: another relay, an expired lease ---------------------------
+
+
+async def test_only_the_batchs_relay_writes_its_rows_and_not_once_it_is_reaped(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    ids = await insert(admin, 10)
+    async with opened(db_url, "relay-a") as a:
+        b = batch_store(a.pool, "relay-b")  # another relay (on the same pool: the fence is SQL's)
+        envs = await a.claim(D, 10)
+        assert [e.id for e in envs] == ids
+        held = [(e.id, e.token) for e in envs]
+        written = await versions(admin, ids)
+        (batch,) = await batches(admin)
+
+        # relay-b holds no lease on them: it records, renews and releases nothing.
+        assert await b.record(delivered(envs)) == set()
+        assert await b.record(retry(envs, 0.0)) == set()
+        assert await b.heartbeat(held) == set()
+        await b.release(held)
+        assert await versions(admin, ids) == written
+        assert (await batches(admin))[0]["lease_left"] <= batch["lease_left"]
+
+        # relay-a renews its lease: the one batch row, however many rows it holds.
+        await admin.execute("UPDATE outbox_batches SET lease_until = now() + interval '5 s'")
+        assert await a.heartbeat(held) == set(ids)
+        assert (await batches(admin))[0]["lease_left"] > LEASE - 5
+        assert await versions(admin, ids) == written
+
+        # Its lease runs out unrenewed: any relay's reaper puts the rows back, an attempt
+        # counted (each may have been sent), due at once, naming the relay.
+        await expire(admin, "relay-a")
+        reaped = await b.reap_batches(25, {})
+        assert sorted(r["id"] for r in reaped) == ids
+        assert {(r["status"], r["destination"]) for r in reaped} == {("pending", D)}
+        rows = await state(admin, ids)
+        for r in rows.values():
+            assert (r["status"], r["attempts"], r["claims"], r["waiting"]) == (
+                "pending",
+                1,
+                0,
+                True,
+            )
+            assert r["last_error"] == LEASE_EXPIRED.format("relay-a")
+            assert r["due_in"].total_seconds() <= 0
+        (ended,) = await batches(admin)
+        assert ended["relay"] is None
+        assert await b.reap_batches(25, {}) == []  # nothing left of it
+
+        # relay-a, late: nothing it writes under that batch lands.
+        reaped_versions = await versions(admin, ids)
+        assert await a.record(delivered(envs)) == set()
+        assert await a.record(retry(envs, 0.0)) == set()
+        assert await a.heartbeat(held) == set()
+        await a.release(held)
+        assert await versions(admin, ids) == reaped_versions
+
+        # The rows are claimed again, row by row (the waiting lane), with tokens of their own;
+        # relay-a's old tokens still write nothing.
+        again = await b.claim(D, 10)
+        assert sorted(e.id for e in again) == ids
+        assert {(e.token, e.attempts) for e in again} == {(1, 1)}
+        assert await a.record(delivered(envs)) == set()
+        assert {r["status"] for r in (await state(admin, ids)).values()} == {"running"}
+        assert await b.record(delivered(again)) == pairs(again)
+        assert len(await batches(admin)) == 1
+
+
+async def test_the_reaper_fails_a_batchs_rows_whose_attempts_are_spent(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    """Per destination (its own max_attempts, or the default), and only the rows of the
+    expired batch's destination and range: rows of another destination whose ids are in that
+    range, and rows after it, are left as they are."""
+    d_ids, e_ids = [], []
+    for n in (0, 1, 2, 5):  # attempts made before (a retry that became fresh again by hand)
+        d_ids += [
+            await admin.fetchval(
+                "INSERT INTO outbox (destination, payload, attempts) "
+                "VALUES ('d', '\\x00', $1) RETURNING id",
+                n,
+            )
+        ]
+        e_ids += await insert(admin, 1, "e")
+    async with opened(db_url, "relay-a") as a:
+        envs = await a.claim(D, 10)
+        assert [e.id for e in envs] == d_ids
+        later = await insert(admin, 2)  # after the batch's range
+        untouched = await versions(admin, e_ids + later)
+        await expire(admin, "relay-a")
+        reaped = await a.reap_batches(25, {"d": 3, "x": 1})
+        assert sorted((r["id"], r["status"]) for r in reaped) == [
+            (d_ids[0], "pending"),
+            (d_ids[1], "pending"),
+            (d_ids[2], "failed"),
+            (d_ids[3], "failed"),
+        ]
+        rows = await state(admin, d_ids)
+        assert [rows[i]["attempts"] for i in d_ids] == [1, 2, 3, 6]
+        assert [rows[i]["finished_at"] for i in d_ids] == [False, False, True, True]
+        assert all(r["last_error"] == LEASE_EXPIRED.format("relay-a") for r in rows.values())
+        assert await versions(admin, e_ids + later) == untouched
+
+        # Destination e has no limit of its own: the default one (2) applies.
+        await admin.execute("UPDATE outbox SET attempts = 1 WHERE id = ANY($1)", e_ids[2:])
+        e_envs = await a.claim("e", 10)
+        assert [e.id for e in e_envs] == e_ids
+        await expire(admin, "relay-a")
+        reaped = await a.reap_batches(2, {"d": 3})
+        assert sorted((r["id"], r["status"]) for r in reaped) == [
+            (e_ids[0], "pending"),
+            (e_ids[1], "pending"),
+            (e_ids[2], "failed"),
+            (e_ids[3], "failed"),
+        ]
+        assert await fresh(admin, later)
+        # d's next claim: its two rows put back, by row, and the fresh rows after the range.
+        claimed = {e.id: e.token for e in await a.claim(D, 10)}
+        assert sorted(claimed) == sorted([*d_ids[:2], *later])
+        assert [claimed[i] for i in d_ids[:2]] == [1, 1] and claimed[later[0]] < 0
