@@ -6,7 +6,11 @@ and takes none twice, under concurrent claims and inserts, open transactions and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
+import random
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -321,3 +325,124 @@ async def test_the_reaper_fails_a_batchs_rows_whose_attempts_are_spent(
         claimed = {e.id: e.token for e in await a.claim(D, 10)}
         assert sorted(claimed) == sorted([*d_ids[:2], *later])
         assert [claimed[i] for i in d_ids[:2]] == [1, 1] and claimed[later[0]] < 0
+
+
+# --- 3. concurrent claims and inserts: every committed row taken once -----------------------
+
+
+async def test_concurrent_claims_take_every_committed_row_exactly_once(db_url: str) -> None:
+    """Four relays (two to a pool) claim in loops with batches of random sizes while three
+    writers insert 20 rows per transaction, some transactions held open a while, some rolled
+    back. Every committed row is taken in a batch exactly once and ends delivered; a fifth of
+    them is retried once (recorded pending, then claimed by row, once); no rolled-back id is
+    ever claimed; the chain's batches follow each other with neither gap nor overlap."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    dsn = to_asyncpg_dsn(db_url)
+    writers, transactions = 3, 20
+    committed: set[int] = set()
+    rolled_back: set[int] = set()
+    held_open = 0
+    in_batch: Counter[int] = Counter()
+    by_row: Counter[int] = Counter()
+    tokens: dict[int, int] = {}
+    retried: set[int] = set()
+    writing = asyncio.Event()
+
+    async def write() -> None:
+        nonlocal held_open
+        conn = await asyncpg.connect(dsn)
+        try:
+            for _ in range(transactions):
+                tx = conn.transaction()
+                await tx.start()
+                try:
+                    ids = [r[0] for r in await conn.fetch(INSERT, D, 20)]
+                    if rng.random() < 0.3:  # rows committed meanwhile wait behind these
+                        held_open += 1
+                        await asyncio.sleep(rng.uniform(0.05, 0.3))
+                except BaseException:
+                    await tx.rollback()
+                    raise
+                if rng.random() < 0.2:
+                    await tx.rollback()
+                    rolled_back.update(ids)
+                else:
+                    await tx.commit()
+                    committed.update(ids)
+                await asyncio.sleep(rng.uniform(0, 0.02))
+        finally:
+            await conn.close()
+
+    async def all_delivered(pool: asyncpg.Pool) -> bool:
+        row = await pool.fetchrow(
+            "SELECT count(*) FILTER (WHERE status <> 'delivered') AS left, count(*) FROM outbox"
+        )
+        return bool(row["left"] == 0 and row["count"] == len(committed))
+
+    async def claim(store: Store) -> None:
+        while True:
+            envs = await store.claim(D, rng.randint(1, 60))
+            if not envs:
+                if not writing.is_set() and await all_delivered(store.pool):
+                    return
+                await asyncio.sleep(0.002)
+                continue
+            records = []
+            for e in envs:
+                if e.token < 0:
+                    in_batch[e.id] += 1
+                    tokens[e.id] = e.token
+                    if rng.random() < 0.2:
+                        retried.add(e.id)
+                        records += retry([e], 0.0)
+                        continue
+                else:
+                    by_row[e.id] += 1
+                records += delivered([e])
+            assert await store.record(records) == pairs(envs)
+
+    pools = [await create_pool(dsn, f"relay-pool-{i}", 3) for i in range(2)]
+    try:
+        stores = [batch_store(pools[i % 2], f"relay-{i}") for i in range(4)]
+        writing.set()
+        claimers = [asyncio.create_task(claim(s)) for s in stores]
+
+        async def run() -> None:
+            await asyncio.gather(*(write() for _ in range(writers)))
+            writing.clear()
+            await asyncio.gather(*claimers)
+
+        try:
+            await asyncio.wait_for(run(), 20)
+        except TimeoutError:
+            never = sorted(committed - set(in_batch))
+            raise AssertionError(
+                f"seed {seed}: not all delivered within 20 s; committed, never claimed: "
+                f"{len(never)} ({never[:10]})"
+            ) from None
+        finally:
+            for t in claimers:
+                t.cancel()
+            await asyncio.gather(*claimers, return_exceptions=True)
+        async with pools[0].acquire() as conn:
+            chain = await batches(conn)
+    finally:
+        for p in pools:
+            await p.close()
+
+    why = f"seed {seed}"
+    assert held_open and rolled_back and retried, why  # each case happened
+    assert set(in_batch) == committed, why
+    assert set(in_batch.values()) == {1}, why
+    assert set(by_row) == retried and set(by_row.values()) == {1}, why
+    assert not (set(in_batch) | set(by_row)) & rolled_back, why
+    # The chain: from 0 to the last committed row, each batch where the one before ended,
+    # each row taken in the batch whose range holds it.
+    assert chain[0]["first_id"] == 0 and chain[-1]["last_id"] == max(committed), why
+    for before, after in itertools.pairwise(chain):
+        assert after["first_id"] == before["last_id"], why
+    ranges = {-b["id"]: (b["first_id"], b["last_id"]) for b in chain}
+    for row_id, token in tokens.items():
+        first, last = ranges[token]
+        assert first < row_id <= last, why
