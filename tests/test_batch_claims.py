@@ -19,8 +19,10 @@ import pytest
 
 from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
+from relay.db import queries
 from relay.db.store import Record, Store, create_pool
 from relay.model import Envelope
+from tests.support.relays import wait_until
 
 D = "d"
 LEASE = 60.0
@@ -446,3 +448,162 @@ async def test_concurrent_claims_take_every_committed_row_exactly_once(db_url: s
     for row_id, token in tokens.items():
         first, last = ranges[token]
         assert first < row_id <= last, why
+
+
+# --- 4. the chain: a claim that read an end since extended takes no fresh row ----------------
+
+
+async def waits_on_a_lock(admin: asyncpg.Connection, relay: str) -> bool:
+    return bool(
+        await admin.fetchval(
+            "SELECT count(*) = 1 FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name = $1 AND wait_event_type = 'Lock'",
+            f"outbox-relay:{relay}",
+        )
+    )
+
+
+@pytest.mark.parametrize("first_claim", ["commits", "rolls back"])
+async def test_a_claim_from_an_end_of_the_chain_another_claim_extended_takes_no_fresh_row(
+    db_url: str, admin: asyncpg.Connection, first_claim: str
+) -> None:
+    """relay-1's claim is in a transaction still open; relay-2's claim reads the same end of
+    the chain (0) and waits on the unique chain key. Once relay-1's commits, relay-2's adds no
+    batch and takes no fresh row (it still claims the waiting lane's); had relay-1's rolled
+    back, relay-2's takes the rows itself."""
+    ids = await insert(admin, 10)
+    first = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = first.transaction()
+        await tx.start()
+        taken = await first.fetch(
+            queries.render_ops(queries.CLAIM_BATCH, "public"),
+            D,
+            5,
+            "relay-1",
+            LEASE,
+            2**62,
+            await filenode(admin),
+        )
+        assert [r["id"] for r in taken] == ids[:5]
+        # Due again (an earlier attempt failed): the waiting lane, claimed by row.
+        waiting = await admin.fetchval(
+            "INSERT INTO outbox (destination, payload, claims, attempts, created_at, run_after)"
+            " VALUES ('d', '\\x00', 1, 1, now() - interval '1 minute', now() - interval '1 s')"
+            " RETURNING id"
+        )
+        async with opened(db_url, "relay-2") as second:
+            claim = asyncio.create_task(second.claim(D, 5))
+            await wait_until(
+                lambda: waits_on_a_lock(admin, "relay-2"), timeout=10, what="relay-2 waits"
+            )
+            assert not claim.done()
+            if first_claim == "commits":
+                await tx.commit()
+            else:
+                await tx.rollback()
+            got = await asyncio.wait_for(claim, 10)
+            chain = await batches(admin)
+            if first_claim == "commits":
+                assert [(e.id, e.token) for e in got] == [(waiting, 2)]
+                assert [(b["first_id"], b["last_id"], b["relay"]) for b in chain] == [
+                    (0, ids[4], "relay-1")
+                ]
+                assert await fresh(admin, ids)  # relay-1's, and the five after them
+                # relay-2's next claim begins where relay-1's batch ended.
+                after = await second.claim(D, 10)
+                assert [e.id for e in after] == ids[5:]
+                assert [(b["first_id"], b["last_id"]) for b in await batches(admin)] == [
+                    (0, ids[4]),
+                    (ids[4], ids[9]),
+                ]
+            else:
+                # Its waiting row first (run_after order), then the four lowest fresh rows.
+                assert [e.id for e in got] == [waiting, *ids[:4]]
+                assert [(b["first_id"], b["last_id"], b["relay"]) for b in chain] == [
+                    (0, ids[3], "relay-2")
+                ]
+                assert {e.token for e in got[1:]} == {-chain[0]["id"]}
+    finally:
+        await first.close()
+
+
+# --- 5. the fence: an open insert holds back rows committed after it --------------------------
+
+
+@pytest.mark.parametrize("open_insert", ["commits", "rolls back"])
+async def test_rows_committed_after_an_open_insert_wait_for_it(
+    db_url: str, admin: asyncpg.Connection, open_insert: str
+) -> None:
+    before = await insert(admin, 3)
+    writer = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = writer.transaction()
+        await tx.start()
+        held = await insert(writer, 3)
+        after = await insert(admin, 4)  # committed, with higher ids than the open insert's
+        assert max(before) < min(held) and max(held) < min(after)
+        async with opened(db_url, "relay-a") as store:
+            envs = await store.claim(D, 100)
+            # Only the rows below the open insert: a batch taking `after` would end the chain
+            # past `held`, which would never be taken once committed.
+            assert [e.id for e in envs] == before
+            assert [(b["first_id"], b["last_id"]) for b in await batches(admin)] == [
+                (0, before[-1])
+            ]
+            assert await store.claim(D, 100) == []  # still held back
+            assert await fresh(admin, after)
+            if open_insert == "commits":
+                await tx.commit()
+            else:
+                await tx.rollback()
+            envs = await store.claim(D, 100)
+            expected = held + after if open_insert == "commits" else after
+            assert [e.id for e in envs] == expected
+            assert [(b["first_id"], b["last_id"]) for b in await batches(admin)] == [
+                (0, before[-1]),
+                (before[-1], after[-1]),
+            ]
+            assert await store.claim(D, 100) == []
+    finally:
+        await writer.close()
+
+
+# --- 6. a clean stop releases what was not attempted ------------------------------------------
+
+
+async def test_released_rows_wait_in_their_lane_unattempted_and_are_claimed_again(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    ids = await insert(admin, 10)
+    async with opened(db_url, "relay-a") as a:
+        envs = await a.claim(D, 10)
+        assert await a.record(delivered(envs[:4])) == pairs(envs[:4])
+        recorded = await versions(admin, ids[:4])
+        # On a clean stop the relay releases its claims' rows: those recorded are left alone.
+        await a.release([(e.id, e.token) for e in envs])
+        assert await versions(admin, ids[:4]) == recorded
+        rows = await state(admin, ids[4:])
+        for r in rows.values():
+            assert (r["status"], r["claims"], r["attempts"], r["last_error"], r["waiting"]) == (
+                "pending",
+                0,
+                0,
+                None,
+                True,
+            )
+            assert r["due_in"].total_seconds() <= 0
+        # Nothing left to record under the batch.
+        assert await a.record(delivered(envs[4:])) == set()
+        # Another relay claims them at once, row by row; nothing is counted as attempted.
+        async with opened(db_url, "relay-b") as b:
+            again = await b.claim(D, 10)
+            assert sorted(e.id for e in again) == ids[4:]
+            assert {(e.token, e.attempts) for e in again} == {(1, 0)}
+            assert await b.record(delivered(again)) == pairs(again)
+        # The batch's lease ends with nothing of it left to put back.
+        await expire(admin, "relay-a")
+        assert await a.reap_batches(25, {}) == []
+        assert [b["relay"] for b in await batches(admin)] == [None]
+    rows = await state(admin, ids)
+    assert {(r["status"], r["attempts"]) for r in rows.values()} == {("delivered", 1)}
