@@ -244,10 +244,11 @@ async def test_only_the_batchs_relay_writes_its_rows_and_not_once_it_is_reaped(
         assert {(r["status"], r["destination"]) for r in reaped} == {("pending", D)}
         rows = await state(admin, ids)
         for r in rows.values():
+            # claims 1: out of the fresh lane whatever the clock says.
             assert (r["status"], r["attempts"], r["claims"], r["waiting"]) == (
                 "pending",
                 1,
-                0,
+                1,
                 True,
             )
             assert r["last_error"] == LEASE_EXPIRED.format("relay-a")
@@ -268,7 +269,7 @@ async def test_only_the_batchs_relay_writes_its_rows_and_not_once_it_is_reaped(
         # relay-a's old tokens still write nothing.
         again = await b.claim(D, 10)
         assert sorted(e.id for e in again) == ids
-        assert {(e.token, e.attempts) for e in again} == {(1, 1)}
+        assert {(e.token, e.attempts) for e in again} == {(2, 1)}  # claims 1 when reaped
         assert await a.record(delivered(envs)) == set()
         assert {r["status"] for r in (await state(admin, ids)).values()} == {"running"}
         assert await b.record(delivered(again)) == pairs(again)
@@ -326,7 +327,8 @@ async def test_the_reaper_fails_a_batchs_rows_whose_attempts_are_spent(
         # d's next claim: its two rows put back, by row, and the fresh rows after the range.
         claimed = {e.id: e.token for e in await a.claim(D, 10)}
         assert sorted(claimed) == sorted([*d_ids[:2], *later])
-        assert [claimed[i] for i in d_ids[:2]] == [1, 1] and claimed[later[0]] < 0
+        # Put back with claims 1 (out of the fresh lane), claimed again: token 2.
+        assert [claimed[i] for i in d_ids[:2]] == [2, 2] and claimed[later[0]] < 0
 
 
 # --- 3. concurrent claims and inserts: every committed row taken once -----------------------
@@ -585,9 +587,10 @@ async def test_released_rows_wait_in_their_lane_unattempted_and_are_claimed_agai
         assert await versions(admin, ids[:4]) == recorded
         rows = await state(admin, ids[4:])
         for r in rows.values():
+            # claims 1: out of the fresh lane whatever the clock says; no attempt counted.
             assert (r["status"], r["claims"], r["attempts"], r["last_error"], r["waiting"]) == (
                 "pending",
-                0,
+                1,
                 0,
                 None,
                 True,
@@ -599,7 +602,7 @@ async def test_released_rows_wait_in_their_lane_unattempted_and_are_claimed_agai
         async with opened(db_url, "relay-b") as b:
             again = await b.claim(D, 10)
             assert sorted(e.id for e in again) == ids[4:]
-            assert {(e.token, e.attempts) for e in again} == {(1, 0)}
+            assert {(e.token, e.attempts) for e in again} == {(2, 0)}  # claims 1 when released
             assert await b.record(delivered(again)) == pairs(again)
         # The batch's lease ends with nothing of it left to put back.
         await expire(admin, "relay-a")
