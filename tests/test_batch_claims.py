@@ -10,19 +10,27 @@ import asyncio
 import contextlib
 import itertools
 import random
+import signal
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
 
+import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
 from relay.db import queries
 from relay.db.store import Record, Store, create_pool
 from relay.model import Envelope
+from relay.runtime.startup import batched
+from relay.settings import load_settings
+from tests.support.faults import fleet
+from tests.support.receiver import Receiver
 from tests.support.relays import wait_until
+from tests.webhook_helpers import SECRET, verify
 
 D = "d"
 LEASE = 60.0
@@ -201,6 +209,8 @@ async def test_a_batch_claim_writes_no_row_and_an_outcome_writes_each_once(
         rows = await state(admin, ids[15:20])
         assert {(r["status"], r["locked_by"]) for r in rows.values()} == {("running", "relay-a")}
         assert len(await batches(admin)) == 2  # no batch for them
+        # Rows of both kinds renewed and recorded together: each by its own statement.
+        assert await store.heartbeat(sorted(pairs(again) | pairs(rest))) == set(ids[15:])
         assert await store.record(delivered(again) + delivered(rest)) == pairs(again) | pairs(rest)
     rows = await state(admin, ids)
     assert {r["status"] for r in rows.values()} == {"delivered"}
@@ -610,3 +620,368 @@ async def test_released_rows_wait_in_their_lane_unattempted_and_are_claimed_agai
         assert [b["relay"] for b in await batches(admin)] == [None]
     rows = await state(admin, ids)
     assert {(r["status"], r["attempts"]) for r in rows.values()} == {("delivered", 1)}
+
+
+# --- 7. forgetting ended batches; a TRUNCATE starts a new chain -------------------------------
+
+
+async def test_forget_batches_keeps_each_chains_last_and_the_recent_ones(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    d_ids = await insert(admin, 10)
+    e_ids = await insert(admin, 4, "e")
+    async with opened(db_url, "relay-a") as a:
+        for _ in range(5):
+            assert await a.record(delivered(await a.claim(D, 2))) != set()
+        for _ in range(2):
+            assert await a.record(delivered(await a.claim("e", 2))) != set()
+        chain = await batches(admin)
+        d_chain = [b["id"] for b in chain if b["destination"] == D]
+        e_chain = [b["id"] for b in chain if b["destination"] == "e"]
+        assert (len(d_chain), len(e_chain)) == (5, 2)
+        # All ended but d's third (its lease still running), all an hour old but d's second.
+        await admin.execute(
+            "UPDATE outbox_batches SET relay = NULL, created_at = now() - interval '1 hour' "
+            "WHERE id <> $1",
+            d_chain[2],
+        )
+        await admin.execute(
+            "UPDATE outbox_batches SET created_at = now() - interval '1 minute' WHERE id = $1",
+            d_chain[1],
+        )
+        assert await a.forget_batches(600) == 3
+        kept = {b["id"] for b in await batches(admin)}
+        assert kept == {d_chain[1], d_chain[2], d_chain[4], e_chain[1]}
+        assert await a.forget_batches(30) == 1  # d's second, now older than that
+        assert await a.forget_batches(30) == 0  # each chain's last stays: claims begin there
+        # The chains go on from where they ended, for any relay (where a claim begins is in
+        # the table): new rows only, none of the old again.
+        more = await insert(admin, 3)
+        b = batch_store(a.pool, "relay-b")
+        assert [e.id for e in await b.claim(D, 10)] == more
+        assert await b.claim("e", 10) == []
+    assert {r["status"] for r in (await state(admin, d_ids + e_ids)).values()} == {"delivered"}
+
+
+async def test_a_truncate_starts_a_new_chain_from_the_first_id(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    async with opened(db_url, "relay-a") as a:
+        await insert(admin, 10)
+        assert await a.record(delivered(await a.claim(D, 100))) != set()
+        old = await filenode(admin)
+        await admin.execute("TRUNCATE outbox RESTART IDENTITY")
+        new = await filenode(admin)
+        assert new != old
+        ids = await insert(admin, 5)
+        assert ids == [1, 2, 3, 4, 5]  # below where the old chain ended (10)
+        envs = await a.claim(D, 100)
+        assert [e.id for e in envs] == ids
+        chain = await batches(admin)
+        assert [(b["epoch"], b["first_id"], b["last_id"]) for b in chain] == [
+            (old, 0, 10),
+            (new, 0, 5),
+        ]
+        assert {e.token for e in envs} == {-chain[1]["id"]}
+        assert await a.record(delivered(envs)) == pairs(envs)
+        assert {r["status"] for r in (await state(admin, ids)).values()} == {"delivered"}
+        # The old epoch's chain is forgotten once ended, but for its last batch.
+        await admin.execute("UPDATE outbox_batches SET relay = NULL")
+        assert await a.forget_batches(0) == 0
+        assert len(await batches(admin)) == 2
+
+
+@pytest.mark.parametrize("late", ["record", "reap"])
+async def test_a_batch_from_before_a_truncate_writes_nothing_to_the_rows_after_it(
+    db_url: str, admin: asyncpg.Connection, late: str
+) -> None:
+    """A batch in flight when the table is truncated with RESTART IDENTITY names ids that new
+    rows are given again. Its relay's outcomes (it sent the old rows) and the reaper (its
+    relay stopped) must leave the new rows alone: as row claims' tokens do, since a new row
+    is not running under that claim."""
+    async with opened(db_url, "relay-a") as a:
+        await insert(admin, 5)
+        envs = await a.claim(D, 10)
+        await admin.execute("TRUNCATE outbox RESTART IDENTITY")
+        ids = await insert(admin, 5)
+        assert ids == [e.id for e in envs]  # the same ids, other events
+        written = await versions(admin, ids)
+        if late == "record":
+            assert await a.record(delivered(envs)) == set()
+            assert await a.record(retry(envs, 0.0)) == set()
+            await a.release([(e.id, e.token) for e in envs])
+        else:
+            await expire(admin, "relay-a")
+            assert await a.reap_batches(1, {}) == []
+        assert await versions(admin, ids) == written
+        assert await fresh(admin, ids)
+        # The new rows are claimed, each once, under the new epoch's chain.
+        again = await a.claim(D, 10)
+        assert [e.id for e in again] == ids
+        assert await a.record(delivered(again)) == pairs(again)
+
+
+async def test_a_drain_on_a_reading_from_before_a_truncate_takes_no_row_twice(
+    db_url: str, admin: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim that follows a full batch goes on the FENCE reading made before it (within
+    FENCE_REUSE: made long here, so that a slow machine takes the same path). When the table
+    was truncated with RESTART IDENTITY in between, that reading names the old epoch: its
+    chain and its fence must not take the new rows (the new epoch's chain takes them too)."""
+    monkeypatch.setattr("relay.db.claims.FENCE_REUSE", 3600.0)
+    async with opened(db_url, "relay-a") as a:
+        await insert(admin, 20)
+        first = await a.claim(D, 10)
+        assert len(first) == 10  # a full batch: the next claim goes on its reading
+        await admin.execute("TRUNCATE outbox RESTART IDENTITY")
+        ids = await insert(admin, 20)
+        # Claimed while the claims before are in flight, as the relay claims.
+        envs = [e for _ in range(6) for e in await a.claim(D, 10)]
+        assert Counter(e.id for e in envs) == Counter(ids)
+        assert await a.record(delivered(envs)) == pairs(envs)
+        epochs = {b["epoch"] for b in await batches(admin) if b["last_id"] > 10}
+        assert epochs == {await filenode(admin)}
+
+
+async def test_a_drain_reads_the_fence_again_once_its_batches_reach_the_last_reading(
+    db_url: str, admin: asyncpg.Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim that follows a full batch may go on the FENCE reading made before it, while
+    rows that reading showed are still ahead of the chain. Once the chain has reached that
+    reading's fence, an older reading can only make the claim come back empty while rows
+    committed since wait: the relay then sleeps until a wake-up or its poll interval, though
+    their NOTIFY may already have been taken."""
+    monkeypatch.setattr("relay.db.claims.FENCE_REUSE", 3600.0)  # however slow the machine
+    async with opened(db_url, "relay-a") as a:
+        ids = await insert(admin, 30)
+        envs = await a.claim(D, 10)
+        read = a.statements["fence"]
+        envs += [e for _ in range(2) for e in await a.claim(D, 10)]
+        assert [e.id for e in envs] == ids
+        assert a.statements["fence"] == read  # the first reading served all three batches
+        more = await insert(admin, 5)
+        assert [e.id for e in await a.claim(D, 10)] == more
+        assert a.statements["fence"] == read + 1
+
+
+# --- retention = 0: the outcome deletes the delivered rows, fenced alike -----------------------
+
+
+async def test_with_retention_0_a_batchs_outcome_deletes_its_delivered_rows_only(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    ids = await insert(admin, 13)
+    pool = await create_pool(to_asyncpg_dsn(db_url), "relay-a", 2)
+    try:
+        a, b = (
+            Store(pool, "public", relay, LEASE, delete_delivered=True, batched={D})
+            for relay in ("relay-a", "relay-b")
+        )
+        envs = await a.claim(D, 10)
+        # Neither statement of another relay deletes or writes a row.
+        assert await b.record(delivered(envs)) == set()
+        assert await b.record(delivered(envs[:5]) + retry(envs[5:], 0.0)) == set()
+        assert await fresh(admin, ids)
+        # Its own: the delivered deleted, the retries in the waiting lane.
+        done = await a.record(delivered(envs[:5]) + retry(envs[5:], 30.0))
+        assert done == pairs(envs)
+        rows = await state(admin, ids)
+        assert sorted(rows) == ids[5:]
+        assert {
+            (rows[i]["status"], rows[i]["attempts"], rows[i]["waiting"]) for i in ids[5:10]
+        } == {("pending", 1, True)}
+        assert await fresh(admin, ids[10:])
+        # A batch of plain deliveries (its own statement), then the same outcomes again.
+        rest = await a.claim(D, 10)
+        assert [e.id for e in rest] == ids[10:]
+        assert await b.record(delivered(rest)) == set()
+        assert await a.record(delivered(rest)) == pairs(rest)
+        assert await a.record(delivered(rest)) == set()
+        assert sorted(await state(admin, ids)) == ids[5:10]
+    finally:
+        await pool.close()
+
+
+def test_batch_leases_are_for_unordered_destinations_but_endpoints() -> None:
+    destinations = {
+        "plain": {"kind": "kafka", "topic": "t"},
+        "keyed": {"kind": "kafka", "topic": "t", "ordering": "key"},
+        "hook": {"kind": "webhook", "url": "https://example.com/in", "secrets": [SECRET]},
+        "fan-out": {"kind": "endpoints"},
+    }
+
+    def settings(**relay: Any) -> Any:
+        return load_settings(
+            None, database_url="postgresql://x@127.0.0.1/y", relay=relay, destinations=destinations
+        )
+
+    assert batched(settings()) == frozenset()  # claims = "row" by default
+    assert batched(settings(claims="row")) == frozenset()
+    assert batched(settings(claims="batch")) == {"plain", "hook"}
+
+
+# --- 8. end to end: outbox-relay run with claims = "batch", and a relay killed mid-drain -----
+
+
+def hook_relay(db_url: str, url: str, name: str, **hook: Any) -> dict[str, Any]:
+    """A relay.toml: batch leases of 2 s for one webhook destination on the loopback
+    receiver."""
+    return {
+        "database_url": db_url,
+        "log_format": "json",
+        "http": {"host": "127.0.0.1", "port": 0},
+        "relay": {
+            "relay_id": name,
+            "claims": "batch",
+            "lease": 2,
+            "poll_interval": 0.1,
+            "shutdown_timeout": 5,
+            "batch_size": 50,
+            "max_in_flight": 100,
+        },
+        "destinations": {
+            "hooks": {
+                "kind": "webhook",
+                "url": url,
+                "secrets": [SECRET],
+                "allow_private_networks": True,  # the receiver is on loopback
+                "timeout": 5,
+                "max_concurrency": 4,
+                **hook,
+            }
+        },
+    }
+
+
+async def enqueue(db_url: str, n: int, per_transaction: int = 50) -> list[int]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    ids: list[int] = []
+    try:
+        for start in range(0, n, per_transaction):
+            events = [
+                {"destination": "hooks", "payload": {"n": i}}
+                for i in range(start, min(n, start + per_transaction))
+            ]
+            async with conn.transaction():
+                ids += await outbox.enqueue_many(conn, events)  # type: ignore[arg-type]
+    finally:
+        await conn.close()
+    return ids
+
+
+async def counts(admin: asyncpg.Connection) -> dict[str, int]:
+    rows = await admin.fetch("SELECT status, count(*) FROM outbox GROUP BY status")
+    return {r[0]: r[1] for r in rows}
+
+
+def ids_sent(requests: Sequence[Any], ok: bool = False) -> Counter[int]:
+    """How many requests each event's id had (``ok``: answered 2xx only)."""
+    return Counter(
+        int(r.headers["webhook-id"])
+        for r in requests
+        if not ok or (r.status is not None and 200 <= r.status < 300)
+    )
+
+
+async def test_the_relay_delivers_each_event_once_under_batch_leases(
+    db_url: str, admin: asyncpg.Connection, receiver: Receiver, tmp_path: Path
+) -> None:
+    ids = await enqueue(db_url, 200)
+    with fleet(tmp_path) as relays:
+        relay = relays.start(hook_relay(db_url, receiver.url + "/in", "relay-e2e"), "relay-e2e")
+        ids += await enqueue(db_url, 100)  # while it runs: woken by NOTIFY
+
+        async def all_delivered() -> bool:
+            assert relays.alive(), relay.output()[-3000:]
+            return (await counts(admin)).get("delivered", 0) == len(ids)
+
+        await wait_until(all_delivered, timeout=30, interval=0.1, what="all delivered")
+        relay.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(relay.wait, 15) == 0, relay.output()[-3000:]
+    assert await counts(admin) == {"delivered": len(ids)}
+    requests = list(receiver.requests)
+    assert ids_sent(requests) == Counter(ids)  # each exactly once
+    assert ids_sent(requests, ok=True) == Counter(ids)
+    for r in requests[:20]:
+        verify(SECRET, r.body, r.headers)
+    rows = await admin.fetch("SELECT DISTINCT attempts, claims FROM outbox")
+    assert [tuple(r) for r in rows] == [(1, 1)]
+    # Claimed under batch leases: one chain over every id, each batch after the one before.
+    chain = await batches(admin)
+    assert chain and {b["destination"] for b in chain} == {"hooks"}
+    assert chain[0]["first_id"] == 0 and chain[-1]["last_id"] == max(ids)
+    for before, after in itertools.pairwise(chain):
+        assert after["first_id"] == before["last_id"]
+    assert {b["relay"] for b in chain} <= {"relay-e2e", None}
+
+
+async def test_a_relay_killed_mid_drain_leaves_no_row_stranded(
+    db_url: str, admin: asyncpg.Connection, receiver: Receiver, tmp_path: Path
+) -> None:
+    """SIGKILL while batches are in flight. Their rows stay as they were written (fresh)
+    behind the chain's end, where no claim reads: the reaper puts them back once the lease
+    (2 s) has run out, and a second relay delivers them. Every event arrives, and only those
+    rows may arrive twice (sent by the killed relay, not recorded)."""
+    receiver.respond(200, delay=0.02)  # a slow endpoint: the drain takes seconds
+    ids = await enqueue(db_url, 600)
+    with fleet(tmp_path) as relays:
+        victim = relays.start(
+            hook_relay(db_url, receiver.url, "victim", max_concurrency=2), "victim"
+        )
+
+        async def mid_drain() -> bool:
+            assert relays.alive(), victim.output()[-3000:]
+            return bool(
+                (await counts(admin)).get("delivered", 0) >= 60
+                and await admin.fetchval(
+                    "SELECT count(*) > 0 FROM outbox_batches AS b JOIN outbox AS o "
+                    "ON o.destination = b.destination AND o.id > b.first_id "
+                    "AND o.id <= b.last_id WHERE b.relay = 'victim' AND o.status = 'pending' "
+                    "AND o.claims = 0"
+                )
+            )
+
+        await wait_until(mid_drain, timeout=30, interval=0.02, what="victim mid-drain")
+        victim.signal(signal.SIGKILL)
+        await asyncio.to_thread(victim.wait, 10)
+        # What it left: its batches' ranges, and their rows it had not recorded.
+        ranges = [
+            (b["first_id"], b["last_id"]) for b in await batches(admin) if b["relay"] == "victim"
+        ]
+        unrecorded = {
+            r[0]
+            for r in await admin.fetch(
+                "SELECT id FROM outbox WHERE status = 'pending' AND claims = 0"
+            )
+            if any(first < r[0] <= last for first, last in ranges)
+        }
+        assert unrecorded
+        end = max(last for _, last in ranges)
+        receiver.respond(200)
+        relays.start(hook_relay(db_url, receiver.url, "survivor", max_concurrency=8), "survivor")
+
+        async def all_delivered() -> bool:
+            assert len(relays.alive()) == 1, relays.logs()[-3000:]
+            return (await counts(admin)).get("delivered", 0) == len(ids)
+
+        await wait_until(all_delivered, timeout=40, interval=0.1, what="all delivered")
+    assert await counts(admin) == {"delivered": len(ids)}
+    # None was left behind: the rows below the victim's chain end went back by the reaper.
+    reaped = {
+        r[0]
+        for r in await admin.fetch(
+            "SELECT id FROM outbox WHERE last_error = $1", LEASE_EXPIRED.format("victim")
+        )
+    }
+    assert reaped == unrecorded and all(i <= end for i in reaped)
+    attempts = {r[0]: r[1] for r in await admin.fetch("SELECT id, attempts FROM outbox")}
+    assert {attempts[i] for i in reaped} == {2}  # the reaper's, then the survivor's
+    assert {a for i, a in attempts.items() if i not in reaped} == {1}
+    # At least once: every event answered 2xx; twice only where the victim had sent an
+    # event and not recorded it.
+    ok = ids_sent(receiver.requests, ok=True)
+    assert set(ok) == set(ids) and sum(ok.values()) >= len(ids)
+    sent = ids_sent(receiver.requests)
+    twice = {i for i, n in sent.items() if n > 1}
+    assert twice <= reaped
+    assert max(sent.values()) <= 2

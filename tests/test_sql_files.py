@@ -707,7 +707,7 @@ def batch_fence(relay: str) -> str:
         f"o.id = u.id AND {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
         f"WHERE b.id = -u.token AND b.relay = {relay} AND b.destination = o.destination "
         "AND o.id > b.first_id AND o.id <= b.last_id "
-        "AND b.epoch = pg_relation_filenode('{table}'))"
+        "AND b.epoch = pg_relation_filenode(o.tableoid))"
     )
 
 
@@ -731,7 +731,7 @@ def test_the_batch_fences_are_written_alike() -> None:
         assert flat(getattr(q, name)).count("claims = 1 FROM unnest(") >= 1, name
     assert "SET run_after = now(), claims = 1" in q.RELEASE_BATCH
     # A batch of an earlier file of the table puts nothing back.
-    assert "AND e.epoch = pg_relation_filenode('{table}')" in q.REAP_BATCHES
+    assert "AND e.epoch = pg_relation_filenode(o.tableoid)" in q.REAP_BATCHES
     # What reap_batches sets is what reap sets, but for the relay's name, read from the batch.
     assert (
         reaped("o").replace("coalesce(o.locked_by, '?')", "e.relay") + "\n    claims = 1,"

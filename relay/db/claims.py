@@ -75,6 +75,9 @@ class UnorderedClaims:
         # next claim, at once, may go on that reading (see claim).
         self._reading: tuple[float, asyncpg.Record] | None = None
         self._draining: set[str] = set()
+        # Per batched destination that drains, the last fresh id its last claim took (the
+        # chain's end as this relay left it): see _claim_batch.
+        self._chain_ends: dict[str, int] = {}
         # Per unordered destination, where its next claim of fresh rows starts and up to where
         # every fresh row has been seen (see CLAIM), and the table's epoch they hold for.
         self.cursors: dict[str, _Lane] = {}
@@ -142,10 +145,13 @@ class UnorderedClaims:
         since where the next claim begins is in the table."""
         reading = self._reading
         # As in claim: a claim that follows a full batch at once may go on an older reading
-        # (a lower fence is as safe; it may only take fewer rows).
+        # (a lower fence is as safe; it may only take fewer rows), while rows it showed are
+        # still ahead of the chain: once the chain has reached its fence, the claim would
+        # take no fresh row, whatever committed since.
         reuse = (
             reading is not None
             and destination in self._draining
+            and self._chain_ends.get(destination, 0) < reading[1][0]
             and time.monotonic() - reading[0] < FENCE_REUSE
         )
         self._draining.discard(destination)
@@ -175,6 +181,7 @@ class UnorderedClaims:
         )
         if len(rows) >= limit:
             self._draining.add(destination)
+            self._chain_ends[destination] = max((r[0] for r in rows if r[8] < 0), default=0)
         return envelopes(rows, until)
 
     async def _new_epoch(self, epoch: tuple[object, ...]) -> asyncpg.Record:
