@@ -18,6 +18,7 @@ import asyncpg
 
 from outbox.status import Status
 from relay.db import checks, queries
+from relay.db.batches import BatchStatements
 from relay.db.claims import UnorderedClaims
 from relay.db.envelopes import envelopes
 from relay.db.envelopes import read_headers as read_headers
@@ -92,22 +93,10 @@ class Store:
         self._record_delivered = sql(
             queries.RECORD_DELIVERED_DELETING if delete_delivered else queries.RECORD_DELIVERED
         )
-        # Rows of batch leases (negative tokens: queries.CLAIM_BATCH) have statements of their own.
-        self._record_batch = sql(
-            queries.RECORD_BATCH_DELETING if delete_delivered else queries.RECORD_BATCH
-        )
-        self._record_batch_delivered = sql(
-            queries.RECORD_BATCH_DELIVERED_DELETING
-            if delete_delivered
-            else queries.RECORD_BATCH_DELIVERED
-        )
-        self._heartbeat_batches = sql(queries.HEARTBEAT_BATCHES)
-        self._release_batch = sql(queries.RELEASE_BATCH)
+        self.batches = BatchStatements.of(schema, delete_delivered)  # negative tokens
         self._heartbeat = sql(queries.HEARTBEAT)
         self._settled = sql(queries.SETTLED)
         self._reap = sql(queries.REAP)
-        self._reap_batches = sql(queries.REAP_BATCHES)
-        self._forget_batches = sql(queries.FORGET_BATCHES)
         self._expired = sql(queries.EXPIRED)
         self._release = sql(queries.RELEASE)
         self._table = queries.qualified_table(schema)
@@ -208,7 +197,7 @@ class Store:
             # Rows of batch leases: their own statement, and the others' after it.
             batch = [r for r in records if r.token < 0]
             rows_ = [r for r in records if r.token >= 0]
-            done = await self._write(batch, self._record_batch, self._record_batch_delivered)
+            done = await self._write(batch, self.batches.record, self.batches.record_delivered)
             return done | (await self.record(rows_) if rows_ else set())
         return await self._write(records, self._record, self._record_delivered)
 
@@ -264,12 +253,9 @@ class Store:
         batched = [(i, t) for i, t in leases if t < 0]
         if batched:
             self.statements["heartbeat"] += 1
+            tokens = [t for _, t in batched]
             rows = await self._call(
-                "fetch",
-                self._heartbeat_batches,
-                [t for _, t in batched],
-                self.relay_id,
-                self.lease,
+                "fetch", self.batches.heartbeat, tokens, self.relay_id, self.lease
             )
             renewed = {r[0] for r in rows}
             held.update(i for i, t in batched if t in renewed)
@@ -326,21 +312,13 @@ class Store:
         back to pending (or failed), as reap puts back a row; ``within``: only those whose
         lease ended in the last so many seconds (None: whenever)."""
         self.statements["reap_batches"] += 1
-        return list(
-            await self._call(
-                "fetch",
-                self._reap_batches,
-                max_attempts,
-                limit,
-                list(per_destination),
-                list(per_destination.values()),
-                within,
-            )
-        )
+        limits = (list(per_destination), list(per_destination.values()))
+        rows = await self._call("fetch", self.batches.reap, max_attempts, limit, *limits, within)
+        return list(rows)
 
     async def forget_batches(self, keep: float) -> int:
         """Delete ended batch leases older than ``keep`` seconds (see queries.FORGET_BATCHES)."""
-        status = await self._call("execute", self._forget_batches, keep)
+        status = await self._call("execute", self.batches.forget, keep)
         return int(status.split()[-1])
 
     async def expired(self, limit: int, never: Sequence[int]) -> list[int]:
@@ -473,7 +451,7 @@ class Store:
     async def release(self, leases: Sequence[tuple[int, int]]) -> None:
         """Put (id, token) pairs back to pending, unattempted."""
         for sql, pairs in (
-            (self._release_batch, [(i, t) for i, t in leases if t < 0]),
+            (self.batches.release, [(i, t) for i, t in leases if t < 0]),
             (self._release, [(i, t) for i, t in leases if t >= 0]),
         ):
             if pairs:

@@ -83,6 +83,9 @@ def bench() -> None:
     """
 
 
+CLAIMS = shown("--claims", "row", type=click.Choice(["row", "batch"]), help="relay.claims.")
+
+
 def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:
     from relay.tools.bench.drain import drain, naive
     from relay.tools.bench.simple import simple
@@ -175,12 +178,7 @@ def _ratios(results: dict[str, Any]) -> None:
     "REPEATABLE READ transaction, as a pg_dump holds one): opened after the prefill and before "
     "the relay starts, so vacuum can remove none of the claims' and outcomes' dead versions.",
 )
-@shown(
-    "--claims",
-    "row",
-    type=click.Choice(["row", "batch"]),
-    help="relay.claims: fresh rows claimed row by row, or under batch leases.",
-)
+@CLAIMS
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
 @shown("--naive-events", 3000)
 @click.option(
@@ -237,12 +235,7 @@ def drain_cmd(**opts: Any) -> None:
     "REPEATABLE READ transaction, as a pg_dump or a long report holds one), opened before "
     "the load starts: vacuum can remove none of the run's dead row versions.",
 )
-@shown(
-    "--claims",
-    "row",
-    type=click.Choice(["row", "batch"]),
-    help="relay.claims: fresh rows claimed row by row, or under batch leases.",
-)
+@CLAIMS
 @shown(
     "--window",
     15.0,
