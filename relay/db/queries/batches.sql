@@ -6,8 +6,9 @@
 -- outbox/sql.py).
 --
 -- A row taken by a batch stays as it was written (pending, claims = 0) until its outcome is
--- recorded; its fencing token is the batch's id, negated (outcomes.sql, leases.sql): the
--- outcome applies while the row is still fresh and the batch is still this relay's. A
+-- recorded; its fencing token is the batch's id, negated (the statements below, not
+-- outcomes.sql's and leases.sql's): the outcome applies while the row is still fresh and the
+-- batch is still this relay's. A
 -- delivered event then leaves one dead row version (its outcome's), not two, and a held
 -- snapshot keeps half as many.
 --
@@ -122,7 +123,7 @@ WHERE o.id = ANY(ARRAY(SELECT t.id FROM taken AS t))
 -- leases that ended in the last :within seconds (NULL: whenever). Every batch ends this way,
 -- and under a held snapshot each leaves a dead entry in outbox_batches_lease_idx at the time
 -- its lease ended: a pass from the start of the index would read all of them, every second
--- (a 10-minute run at 3,000 events/s slowed down at its end that way).
+-- (40,000 ended batches under a held snapshot: 6 ms a pass instead of 0.07).
 
 WITH expired AS (
     SELECT id, relay FROM {batches}
