@@ -263,8 +263,8 @@ def held(row: str, pairs: str, relay: str) -> str:
     """The fence of every outcome, heartbeat and release: row ``row`` matched to its (id,
     token) pair in ``pairs``, still running under this relay (``relay``) and that very claim."""
     return (
-        f"{row}.id = {pairs}.id AND {row}.claims = {pairs}.token AND {row}.status = 'running' "
-        f"AND {row}.locked_by = {relay}"
+        f"{row}.id = {pairs}.id AND CASE WHEN {row}.claims = {pairs}.token "
+        f"AND {row}.status = 'running' AND {row}.locked_by = {relay} THEN true END"
     )
 
 
@@ -704,10 +704,10 @@ def batch_fence(relay: str) -> str:
     """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh), in the
     range of its own batch, of the table's current file, and that batch still this relay's."""
     return (
-        f"o.id = u.id AND {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
+        f"o.id = u.id AND CASE WHEN {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
         f"WHERE b.id = -u.token AND b.relay = {relay} AND b.destination = o.destination "
         "AND o.id > b.first_id AND o.id <= b.last_id "
-        "AND b.epoch = pg_relation_filenode(o.tableoid))"
+        "AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END"
     )
 
 

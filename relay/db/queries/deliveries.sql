@@ -52,7 +52,7 @@ recorded AS (
         locked_until = NULL
     FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
     LEFT JOIN counted AS c ON c.event_id = u.id
-    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+    WHERE o.id = u.id AND CASE WHEN o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
     RETURNING o.id, coalesce(c.n, 0) AS endpoints
 ),
 added AS (
@@ -235,7 +235,7 @@ done AS (
         locked_by = NULL,
         locked_until = NULL
     FROM u
-    WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay
+    WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
     RETURNING d.id, d.claims
 ),
 logged AS (
@@ -254,7 +254,7 @@ SELECT id, claims FROM done
 
 UPDATE {deliveries} AS d SET locked_until = now() + make_interval(secs => :lease)
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
-WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay
+WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
 RETURNING d.id
 
 -- name: delivery_release
@@ -264,7 +264,7 @@ RETURNING d.id
 UPDATE {deliveries} AS d
 SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
-WHERE d.id = u.id AND d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay
+WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
 
 -- name: delivery_reap
 -- params: default_max_attempts, batch, destinations, max_attempts

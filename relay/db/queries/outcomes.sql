@@ -35,7 +35,7 @@ SET status = u.status,
     locked_until = NULL
 FROM unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
      AS u(id, token, status, counted, delay, error)
-WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+WHERE o.id = u.id AND CASE WHEN o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
 RETURNING o.id, o.claims
 
 -- name: record_delivered
@@ -53,7 +53,7 @@ SET status = 'delivered',
     locked_by = NULL,
     locked_until = NULL
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
-WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+WHERE o.id = u.id AND CASE WHEN o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
 RETURNING o.id, o.claims
 
 -- name: record_deleting
@@ -75,7 +75,7 @@ RETURNING o.id, o.claims
 WITH gone AS (
     DELETE FROM {table} AS o
     USING unnest(:delivered_ids::bigint[], :delivered_tokens::int[]) AS g(id, token)
-    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay
+    WHERE o.id = g.id AND CASE WHEN o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
       AND NOT (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
@@ -100,7 +100,7 @@ kept AS (
            OR (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running'))))
-      AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+      AND CASE WHEN o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
     RETURNING o.id, o.claims
 )
 SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
@@ -112,7 +112,7 @@ SELECT id, claims FROM gone UNION ALL SELECT id, claims FROM kept
 WITH gone AS (
     DELETE FROM {table} AS o
     USING unnest(:ids::bigint[], :tokens::int[]) AS g(id, token)
-    WHERE o.id = g.id AND o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay
+    WHERE o.id = g.id AND CASE WHEN o.claims = g.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
       AND NOT (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
@@ -128,7 +128,7 @@ kept AS (
         locked_by = NULL,
         locked_until = NULL
     FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
-    WHERE o.id = u.id AND o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay
+    WHERE o.id = u.id AND CASE WHEN o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
       AND (SELECT EXISTS (
           SELECT 1 FROM {deliveries} AS d
           WHERE d.event_id = o.id AND d.status IN ('pending', 'running')))
