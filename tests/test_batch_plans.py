@@ -30,6 +30,17 @@ def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
         yield from _nodes(child)
 
 
+def _whole_table(node: dict[str, Any]) -> bool:
+    """A read of a whole table (a Seq Scan, or what it feeds: a Hash, a Result projecting it):
+    priced by the table's real
+    size, which the planner takes when the batch is a large part of a small table, and never
+    once per row of the batch (a loop's rows are checked apart)."""
+    if node["Node Type"] in ("Hash", "Result"):
+        children = node.get("Plans", [])
+        return len(children) == 1 and _whole_table(children[0])
+    return node["Node Type"] == "Seq Scan" and node.get("Actual Loops", 1) == 1
+
+
 def _assert_linear(raw: Any, n: int) -> None:
     plan = json.loads(raw) if isinstance(raw, str) else raw
     for node in _nodes(plan[0]["Plan"]):
@@ -39,7 +50,8 @@ def _assert_linear(raw: Any, n: int) -> None:
             node.get("Rows Removed by Join Filter", 0) + node.get("Rows Removed by Filter", 0)
         ) * node.get("Actual Loops", 1)
         where = f"{node['Node Type']} {node.get('Relation Name') or node.get('CTE Name') or ''}"
-        assert visited <= 3 * n, f"{where} produced {visited} rows for a batch of {n}"
+        if not _whole_table(node):
+            assert visited <= 3 * n, f"{where} produced {visited} rows for a batch of {n}"
         assert removed <= 3 * n, f"{where} read and dropped {removed} rows for a batch of {n}"
 
 
