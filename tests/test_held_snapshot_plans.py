@@ -238,3 +238,36 @@ async def test_the_next_claim_reads_pages_in_proportion_to_it(
         args = ["d", N, RELAY, 60.0, DEAD + N, DEAD + 2 * N, DEAD + N]
     raw, _ = await _explain(history, sql, args)
     assert _pages(raw) <= PAGES_PER_ROW * N, f"{_pages(raw)} pages for a batch of {N}"
+
+
+async def test_unserved_destinations_are_read_between_the_served_ones(
+    history: History, claims: str
+) -> None:
+    """The report of rows no relay serves reads the gaps of the pending rows' index between
+    the destinations served, never the dead entries of a served destination (here 40,000,
+    of "d"), and finds what fail_unknown_destinations would fail."""
+    conn = history.conn
+    await conn.execute(
+        "INSERT INTO outbox (destination, payload, created_at) "
+        "SELECT dest, '\\x00'::bytea, now() - interval '1 hour' "
+        "FROM unnest($1::text[]) AS dest, generate_series(1, 3)",
+        ["a", "c", "e", "q", "zz"],
+    )
+    await conn.execute(
+        "INSERT INTO outbox_relays (relay_id, destinations) VALUES ('other', $1)",
+        ["q"],
+    )
+    known = ["c", "d"]  # this relay's; "q" another relay's
+    sql = queries.render_ops(queries.UNKNOWN_DESTINATIONS, "public")
+    trial = conn.transaction()
+    await trial.start()
+    try:
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, known, 600.0)
+        found = await conn.fetch(sql, known, 600.0)
+        failing = queries.render_ops(queries.FAIL_UNKNOWN_DESTINATIONS, "public")
+        failed = await conn.fetch(failing, known, 600.0, 0.0)
+    finally:
+        await trial.rollback()
+    assert [(r["destination"], r["rows"]) for r in found] == [("a", 3), ("e", 3), ("zz", 3)]
+    assert sorted({r["destination"] for r in failed}) == ["a", "e", "zz"]
+    assert _pages(raw) <= 50, f"{_pages(raw)} pages"
