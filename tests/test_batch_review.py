@@ -195,10 +195,6 @@ async def test_a_dead_relays_batch_from_before_a_rewrite_is_put_back_once(
 # --- 3. No sweep for batched destinations --------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=GAP + "no sweep below the end of the chain yet",
-)
 async def test_ids_handed_out_again_below_the_chains_end_are_claimed(pool: asyncpg.Pool) -> None:
     """A sequence set back by hand (row mode: queries.FRESH_BELOW and the sweep find such rows
     and walk back to them). Batch claims never look below the chain's end, and the sweep only

@@ -70,6 +70,7 @@ class UnorderedClaims:
         # The destinations claimed under batch leases (see queries.CLAIM_BATCH).
         self.batched = frozenset(batched)
         self._fresh_below = queries.render_ops(queries.FRESH_BELOW, schema)
+        self._sweep_batches = queries.render_ops(queries.SWEEP_BATCHES, schema)
         # The last FENCE reading an unordered claim made (monotonic time, row), of the epoch
         # the cursors hold for, and the destinations whose last claim filled its batch: their
         # next claim, at once, may go on that reading (see claim).
@@ -229,10 +230,16 @@ class UnorderedClaims:
 
     async def sweep(self) -> int:
         """Look below each destination's cursor for fresh rows its claims will not reach
-        (ids handed out again: see queries.FRESH_BELOW) and walk from them again; returns how
-        many destinations had some. Under a held snapshot this reads every dead entry below
-        the cursors: the relay runs it every 30 minutes, off the claim's path."""
+        (ids handed out again: see queries.FRESH_BELOW) and walk from them again, and below
+        each batched destination's chain for such rows (see queries.SWEEP_BATCHES), moved to
+        the waiting lane; returns how many destinations had some. Under a held snapshot this
+        reads every dead entry below the cursors and the chains' ends: the relay runs it
+        every 30 minutes, off the claim's path."""
         found = 0
+        for destination in sorted(self.batched):
+            self.statements["sweep"] += 1
+            if await self._call("fetch", self._sweep_batches, destination):
+                found += 1
         for destination, lane in list(self.cursors.items()):
             self.statements["sweep"] += 1
             lowest = await self._call("fetchval", self._fresh_below, destination, lane.recheck)

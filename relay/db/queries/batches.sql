@@ -315,3 +315,55 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
               AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
+
+-- name: sweep_batches
+-- params: destination
+-- claim.sql's fresh_below for a destination claimed in batches: fresh rows at or below the end
+-- of its chain (of the ids' current epoch, as this statement's snapshot sees it) that no live
+-- batch (relay not NULL) of that epoch covers are never claimed: the claims only read above
+-- the chain's end. None but for ids handed out again without a new epoch (a sequence set back
+-- with setval, an insert with an explicit id) or a row made fresh again by hand. Each moves
+-- to the waiting lane as release_batch moves a row (claims = 1, due now, no attempt counted),
+-- and the claims take it row by row; returns their ids. A live batch covers only rows older
+-- than it: a row whose version was written by a transaction newer than the batch's own row
+-- version (age(o.xmin) < age(b.xmin)) cannot be one its claim took (a claim's transaction id
+-- is given at its first write, after its snapshot: every row it took was committed, so its
+-- transaction id given, before), but an id handed out again into the range of a batch whose
+-- relay has recorded everything and lets its lease lapse; a heartbeat makes the batch's
+-- version newer, which only leaves more rows to it (the reaper puts them back once it ends,
+-- an attempt counted). Races: a batch being added meanwhile
+-- covers only ids above the end this snapshot read (a claim that read an older end adds
+-- nothing: claim_batch), so none of them is moved; a batch ended by the reaper meanwhile had
+-- its rows put back in the same statement (not fresh any more); a row a relay records, or a
+-- claim or the reaper takes, meanwhile is no longer fresh when the UPDATE re-reads it, and is
+-- left as they wrote it (the CASE re-checks the current version). Under a held snapshot
+-- (a pg_dump, a replica's feedback) this reads every dead entry of outbox_fresh_idx below the
+-- chain's end: the relay runs it with the row claims' sweep, every 30 minutes, off the
+-- claim's path (relay/app.py).
+
+WITH chain AS MATERIALIZED (
+    SELECT coalesce(
+        (SELECT b.last_id FROM {batches} AS b
+         WHERE b.destination = :destination
+           AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+         ORDER BY b.first_id DESC
+         LIMIT 1),
+        0) AS position
+),
+stranded AS MATERIALIZED (
+    SELECT o.id FROM {table} AS o
+    WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+      AND o.id <= (SELECT position FROM chain)
+      AND NOT EXISTS (
+          SELECT 1 FROM {batches} AS b
+          WHERE b.destination = o.destination AND b.relay IS NOT NULL
+            AND o.id > b.first_id AND o.id <= b.last_id
+            AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+            AND age(o.xmin) >= age(b.xmin))
+)
+UPDATE {table} AS o
+SET run_after = now(), claims = 1
+FROM stranded AS s
+WHERE o.id = s.id
+  AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at THEN true END
+RETURNING o.id
