@@ -118,7 +118,12 @@ async def batches(conn: asyncpg.Connection) -> list[dict[str, Any]]:
 
 
 async def filenode(conn: asyncpg.Connection) -> int:
-    return int(await conn.fetchval("SELECT pg_relation_filenode('outbox')::bigint"))
+    """The batch chains' epoch: the file of the id column's sequence (FENCE's last column)."""
+    return int(
+        await conn.fetchval(
+            "SELECT pg_relation_filenode(pg_get_serial_sequence('outbox', 'id')::regclass)::bigint"
+        )
+    )
 
 
 async def expire(conn: asyncpg.Connection, relay: str) -> None:

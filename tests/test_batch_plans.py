@@ -405,7 +405,9 @@ async def _batch_claimed(
         table_rows,
     )
     await conn.execute("VACUUM ANALYZE")
-    epoch = await conn.fetchval("SELECT pg_relation_filenode('outbox')::bigint")
+    epoch = await conn.fetchval(
+        "SELECT pg_relation_filenode(pg_get_serial_sequence('outbox', 'id')::regclass)::bigint"
+    )
     rows = await conn.fetch(
         queries.render_ops(queries.CLAIM_BATCH, "public"), "d", n, RELAY, 60.0, 2**62, epoch
     )

@@ -115,7 +115,9 @@ async def history(
         )
         await holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
         await holder.fetchval("SELECT count(*) FROM outbox")  # the snapshot, held from here
-        epoch = await conn.fetchval("SELECT pg_relation_filenode('outbox')::bigint")
+        epoch = await conn.fetchval(
+            "SELECT pg_relation_filenode(pg_get_serial_sequence('outbox', 'id')::regclass)::bigint"
+        )
         batched = claims == "batch"
         await _deliver_all_but(conn, batched, epoch)
         if request.param != "no statistics":

@@ -700,14 +700,22 @@ def test_a_named_bind_is_one_sqlalchemys_text_reads_as_written(statement: str, p
     assert read == {p.strip() for p in params.split(",")}, read
 
 
+# The epoch of the ids (FENCE's last column, batches.sql): the file of the id column's
+# sequence, read once per statement, the table named by its row's type.
+IDS_EPOCH = (
+    "(SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')"
+    "::regclass)::bigint)"
+)
+
+
 def batch_fence(relay: str) -> str:
     """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh), in the
-    range of its own batch, of the table's current file, and that batch still this relay's."""
+    range of its own batch, of the ids' current epoch, and that batch still this relay's."""
     return (
         f"o.id = u.id AND CASE WHEN {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
         f"WHERE b.id = -u.token AND b.relay = {relay} AND b.destination = o.destination "
         "AND o.id > b.first_id AND o.id <= b.last_id "
-        "AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END"
+        f"AND b.epoch = {IDS_EPOCH}) THEN true END"
     )
 
 
@@ -730,8 +738,11 @@ def test_the_batch_fences_are_written_alike() -> None:
     for name in ("RECORD_BATCH", "RECORD_BATCH_DELIVERED", "RECORD_BATCH_DELETING"):
         assert flat(getattr(q, name)).count("claims = 1 FROM unnest(") >= 1, name
     assert "SET run_after = now(), claims = 1" in q.RELEASE_BATCH
-    # A batch of an earlier file of the table puts nothing back.
-    assert "AND e.epoch = pg_relation_filenode(o.tableoid)" in q.REAP_BATCHES
+    # A batch of an earlier epoch of the ids puts nothing back; a claim takes fresh rows only
+    # on a FENCE reading of the current one.
+    assert f"AND e.epoch = {IDS_EPOCH}" in q.REAP_BATCHES
+    assert f"AND {IDS_EPOCH} = :epoch::bigint" in q.CLAIM_BATCH.replace("$6", ":epoch")
+    assert q.FENCE.rstrip().endswith(IDS_EPOCH)
     # What reap_batches sets is what reap sets, but for the relay's name, read from the batch.
     assert (
         reaped("o").replace("coalesce(o.locked_by, '?')", "e.relay") + "\n    claims = 1,"

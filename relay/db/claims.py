@@ -70,6 +70,7 @@ class UnorderedClaims:
         # The destinations claimed under batch leases (see queries.CLAIM_BATCH).
         self.batched = frozenset(batched)
         self._fresh_below = queries.render_ops(queries.FRESH_BELOW, schema)
+        self._sweep_batches = queries.render_ops(queries.SWEEP_BATCHES, schema)
         # The last FENCE reading an unordered claim made (monotonic time, row), of the epoch
         # the cursors hold for, and the destinations whose last claim filled its batch: their
         # next claim, at once, may go on that reading (see claim).
@@ -84,6 +85,8 @@ class UnorderedClaims:
         self._rewinds: dict[str, int] = {}
         self._claiming: set[str] = set()
         self._epoch: tuple[object, ...] = ()
+        # The epoch of the ids the batch claims' chains last read (FENCE's last column).
+        self._ids_epoch: object = None
 
     async def claim(self, destination: str, limit: int) -> list[Envelope]:
         """Claim up to ``limit`` rows of an unordered ``destination`` (see queries.CLAIM), its
@@ -114,11 +117,11 @@ class UnorderedClaims:
         else:
             self.statements["fence"] += 1
             row = await self._call("fetchrow", self.fence, self.table, state.top)
-        _, *epoch, top, held = row
+        _, *epoch, top, held, _ = row
         if tuple(epoch) != self._epoch:
             state = _Lane()
             row = await self._new_epoch(tuple(epoch))
-            _, *epoch, top, held = row
+            _, *epoch, top, held, _ = row
         if not reuse:
             self._reading = (time.monotonic(), row)
         state = self.cursors.get(destination, state)
@@ -162,11 +165,16 @@ class UnorderedClaims:
             self.statements["fence"] += 1
             top = reading[1][3] if reading is not None else 0
             row = await self._call("fetchrow", self.fence, self.table, top)
-            if tuple(row[1:3]) != self._epoch:
-                # A new epoch: the highest id read before may not cap this one's ids.
+            restarted = self._ids_epoch is not None and row[5] != self._ids_epoch
+            if tuple(row[1:3]) != self._epoch or restarted:
+                # A new epoch of the table, or of its ids (the sequence restarted): the highest
+                # id read before may not cap this one's ids.
                 row = await self._new_epoch(tuple(row[1:3]))
+            self._ids_epoch = row[5]
             self._reading = (time.monotonic(), row)
-        fence, filenode = row[0], row[1]
+        # The chain's epoch is the ids' (FENCE's last column), not the table's file: a rewrite
+        # of the table hands out no id again, and the chains go on across it.
+        fence, ids_epoch = row[0], row[5]
         self.statements["claim"] += 1
         until = time.monotonic() + self.lease  # before the statement: never later than its now()
         rows = await self._call(
@@ -177,7 +185,7 @@ class UnorderedClaims:
             self.relay_id,
             self.lease,
             fence,
-            filenode,
+            ids_epoch,
         )
         if len(rows) >= limit:
             self._draining.add(destination)
@@ -185,8 +193,9 @@ class UnorderedClaims:
         return envelopes(rows, until)
 
     async def _new_epoch(self, epoch: tuple[object, ...]) -> asyncpg.Record:
-        """A new table file (TRUNCATE) or a new server (a restart, a failover): ids may be
-        handed out again below where the cursors stand, and the fence is read again from the
+        """A new table file (TRUNCATE), a new server (a restart, a failover) or, seen by the
+        batch claims, a restarted sequence: ids may be handed out again below where the
+        cursors stand, and the fence is read again from the
         start (the reading before capped its highest id with the old epoch's)."""
         self._reading = None
         self._epoch = epoch
@@ -221,10 +230,16 @@ class UnorderedClaims:
 
     async def sweep(self) -> int:
         """Look below each destination's cursor for fresh rows its claims will not reach
-        (ids handed out again: see queries.FRESH_BELOW) and walk from them again; returns how
-        many destinations had some. Under a held snapshot this reads every dead entry below
-        the cursors: the relay runs it every 30 minutes, off the claim's path."""
+        (ids handed out again: see queries.FRESH_BELOW) and walk from them again, and below
+        each batched destination's chain for such rows (see queries.SWEEP_BATCHES), moved to
+        the waiting lane; returns how many destinations had some. Under a held snapshot this
+        reads every dead entry below the cursors and the chains' ends: the relay runs it
+        every 30 minutes, off the claim's path."""
         found = 0
+        for destination in sorted(self.batched):
+            self.statements["sweep"] += 1
+            if await self._call("fetch", self._sweep_batches, destination):
+                found += 1
         for destination, lane in list(self.cursors.items()):
             self.statements["sweep"] += 1
             lowest = await self._call("fetchval", self._fresh_below, destination, lane.recheck)

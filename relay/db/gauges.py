@@ -37,11 +37,13 @@ class PendingGauges:
             if not await conn.fetchval(queries.TRY_JOB_LOCK, f"{self.schema}:stats"):
                 return None
             # Two statements, in this order: the count's snapshot must be younger than the fence.
-            safe_id, *epoch, self.top, _ = await conn.fetchrow(self._fence, self._table, self.top)
+            safe_id, *epoch, self.top, _, _ = await conn.fetchrow(
+                self._fence, self._table, self.top
+            )
             if tuple(epoch) != self.epoch:  # see UnorderedClaims.claim
                 self.epoch = tuple(epoch)
                 self.floors.clear()
-                safe_id, *_, self.top, _ = await conn.fetchrow(self._fence, self._table, 0)
+                safe_id, *_, self.top, _, _ = await conn.fetchrow(self._fence, self._table, 0)
             floors = self.floors
             rows = await conn.fetch(self._pending, list(floors), list(floors.values()), safe_id)
         self.floors = {r["destination"]: r["floor"] for r in rows}

@@ -107,13 +107,13 @@ class Owner:
         ``lane`` starts again if the table's epoch changed."""
         safe_id: int
         self.statements["fence"] += 1
-        safe_id, *epoch, top, _ = await conn.fetchrow(self._fence, self._table, lane.top)
+        safe_id, *epoch, top, _, _ = await conn.fetchrow(self._fence, self._table, lane.top)
         if tuple(epoch) != lane.epoch:
             # A TRUNCATE or a new server: ids may be handed out again, and ids in memory
             # may now be other rows.
             lane.reset(tuple(epoch))
             self.statements["fence"] += 1
-            safe_id, *_, top, _ = await conn.fetchrow(self._fence, self._table, 0)
+            safe_id, *_, top, _, _ = await conn.fetchrow(self._fence, self._table, 0)
         lane.top = max(lane.top, top)
         return safe_id
 

@@ -30,6 +30,7 @@ from relay.db.queries.batches import (
     RECORD_BATCH_DELIVERED_DELETING as RECORD_BATCH_DELIVERED_DELETING,
 )
 from relay.db.queries.batches import RELEASE_BATCH as RELEASE_BATCH
+from relay.db.queries.batches import SWEEP_BATCHES as SWEEP_BATCHES
 from relay.db.queries.checks import COLUMN_EXISTS as COLUMN_EXISTS
 from relay.db.queries.checks import INDEX_VALID as INDEX_VALID
 from relay.db.queries.checks import PING as PING

@@ -1,6 +1,7 @@
 """Batch leases (relay.claims = "batch"): the claim that takes an unordered destination's
 fresh rows under one lease row, the outcomes, heartbeat and release of such rows, the reaper's
-statement for such leases that ended, and the forgetting of old ones.
+statement for such leases that ended, the forgetting of old ones, and the sweep for fresh
+rows below a chain's end.
 
 Their text, and why each is written so, is in relay/db/queries/batches.sql."""
 
@@ -19,3 +20,4 @@ RECORD_BATCH_DELETING = _q["record_batch_deleting"]
 RECORD_BATCH_DELIVERED_DELETING = _q["record_batch_delivered_deleting"]
 HEARTBEAT_BATCHES = _q["heartbeat_batches"]
 RELEASE_BATCH = _q["release_batch"]
+SWEEP_BATCHES = _q["sweep_batches"]

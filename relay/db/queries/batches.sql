@@ -15,21 +15,29 @@
 -- The outcomes, heartbeat and release of a batch's rows: outcomes.sql's and leases.sql's for
 -- rows whose token is a batch's. The fence, written alike in each (tests/test_sql_files.py):
 -- the row still as the claim found it (fresh: no outcome recorded, not released or reaped, not
--- changed by an operator), inside the range of its own batch, of the table's current file,
--- and that batch still this relay's (not ended by the reaper):
+-- changed by an operator), inside the range of its own batch, of the ids' current epoch, and
+-- that batch still this relay's (not ended by the reaper):
 --     o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
 --       AND EXISTS (SELECT 1 FROM {batches} AS b WHERE b.id = -u.token AND b.relay = :relay
 --                   AND b.destination = o.destination AND o.id > b.first_id AND o.id <= b.last_id
---                   AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+--                   AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
 -- A CASE, as leases.sql's fence is: written plainly, the row's test names the rows of
 -- outbox_fresh_idx, which the planner then read whole (it looks nearly empty to statistics
 -- taken once most rows were delivered, or to none), and under a held snapshot that index keeps
 -- the dead entry of every row delivered since (bench steady --hold-snapshot --claims batch:
 -- 8,000 pages read to record a batch of 70 rows after 30 s, 26,000 after 60 s). As a CASE it
 -- is no index condition: each row is read by its id, and its batch by the batch's id.
--- After a TRUNCATE (ids may be handed out again) or a rewrite of the table (VACUUM FULL,
--- CLUSTER: a new file too) a batch of the earlier file records nothing and puts nothing back:
--- the claims start a new chain from the start, and deliver again what was in flight. A
+-- The epoch of the ids is the file of the id column's sequence (as claim.sql's fence reads
+-- it, last column): it changes when ids may be handed out again from the start (TRUNCATE ...
+-- RESTART IDENTITY, ALTER SEQUENCE ... RESTART; PostgreSQL gives a sequence a new file on
+-- any ALTER SEQUENCE), and then a batch of the earlier epoch records nothing and puts
+-- nothing back: the claims start a new chain from the start, and deliver again what was in
+-- flight. A rewrite of the table (VACUUM FULL, CLUSTER, pg_repack) or a TRUNCATE without
+-- RESTART IDENTITY hands out no id again: the chains go on, and the batches in flight
+-- (tests/test_batch_review.py). Read in an uncorrelated subquery (once per statement, not
+-- per row: finding a column's sequence reads pg_depend), the table named by its row's type
+-- (a schema's name in a string literal could break the statement). Ids handed out again
+-- below a chain's end without a new epoch (setval, an explicit id) are sweep_batches'. A
 -- recorded, released or reaped row's claims becomes 1: it is no longer fresh, whatever the
 -- clock says (a retry waits in the waiting lane, and is claimed row by row). Endpoints
 -- destinations are never claimed in batches, so no delivery ever reads these rows: the
@@ -40,7 +48,7 @@
 -- The claim of claim.sql, in one statement, with the fresh lane under a batch lease. Rows due
 -- again (the waiting lane) are claimed row by row as there, written running with their own
 -- token. Fresh rows are read in id order from the end of the destination's chain of batches
--- (the last_id of its batch with the highest first_id, of the table's current file :epoch)
+-- (the last_id of its batch with the highest first_id, of the ids' current epoch :epoch)
 -- up to :fence, a FENCE reading made before this statement (claim.sql): every id up to it
 -- belongs to a transaction that had ended, so no row that commits late can be passed over,
 -- and nothing but the chain's end needs to be kept between claims. The batch added to the
@@ -50,10 +58,11 @@
 -- it waits for that claim to end, and adds nothing if it committed). The :batch first rows
 -- of both lanes in run_after order are claimed, as in claim.sql; the fresh ones taken are as
 -- many of the lowest fresh ids, so that a batch holds every fresh row of its range.
--- Fresh rows are returned with the token -id of their batch. Only rows of the file :epoch
--- names are taken: a reading made before a TRUNCATE ... RESTART IDENTITY (a drain goes on an
--- older one) names the old file, whose chain and fence the new rows' ids, handed out again,
--- would pass; the new file's chain takes them (tests/test_batch_claims.py).
+-- Fresh rows are returned with the token -id of their batch. Fresh rows are taken only while
+-- :epoch, the epoch of the ids the FENCE reading read, is still the current one: a reading
+-- made before a TRUNCATE ... RESTART IDENTITY (a drain goes on an older one) names the old
+-- epoch, whose chain and fence the new rows' ids, handed out again, would pass; the new
+-- epoch's chain takes them (tests/test_batch_claims.py).
 
 WITH chain AS MATERIALIZED (
     SELECT coalesce(
@@ -74,7 +83,7 @@ waiting AS (
 fresh AS MATERIALIZED (
     SELECT id, run_after FROM {table}
     WHERE destination = :destination AND status = 'pending' AND claims = 0 AND run_after <= created_at AND id > (SELECT position FROM chain) AND id <= :fence::bigint
-      AND pg_relation_filenode(tableoid)::bigint = :epoch::bigint
+      AND (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint) = :epoch::bigint
     ORDER BY id
     LIMIT :batch
 ),
@@ -153,7 +162,7 @@ left_over AS MATERIALIZED (
         SELECT o.id FROM {table} AS o
         WHERE o.destination = e.destination AND o.id > e.first_id AND o.id <= e.last_id
           AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
-          AND e.epoch = pg_relation_filenode(o.tableoid)
+          AND e.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
         OFFSET 0
     ) AS f
 ),
@@ -209,7 +218,7 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
-              AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+              AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
 RETURNING o.id, u.token
 
 -- name: record_batch_delivered
@@ -227,7 +236,7 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
-              AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+              AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
 RETURNING o.id, u.token
 
 -- name: record_batch_deleting
@@ -243,7 +252,7 @@ WITH gone AS (
       AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
-              AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+              AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
     RETURNING o.id, u.token
 ),
 kept AS (
@@ -262,7 +271,7 @@ kept AS (
       AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
-              AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+              AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
       AND u.status <> 'delivered'
     RETURNING o.id, u.token
 )
@@ -278,7 +287,7 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
-              AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+              AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
 RETURNING o.id, u.token
 
 -- name: heartbeat_batches
@@ -305,4 +314,56 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
-              AND b.epoch = pg_relation_filenode(o.tableoid)) THEN true END
+              AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)) THEN true END
+
+-- name: sweep_batches
+-- params: destination
+-- claim.sql's fresh_below for a destination claimed in batches: fresh rows at or below the end
+-- of its chain (of the ids' current epoch, as this statement's snapshot sees it) that no live
+-- batch (relay not NULL) of that epoch covers are never claimed: the claims only read above
+-- the chain's end. None but for ids handed out again without a new epoch (a sequence set back
+-- with setval, an insert with an explicit id) or a row made fresh again by hand. Each moves
+-- to the waiting lane as release_batch moves a row (claims = 1, due now, no attempt counted),
+-- and the claims take it row by row; returns their ids. A live batch covers only rows older
+-- than it: a row whose version was written by a transaction newer than the batch's own row
+-- version (age(o.xmin) < age(b.xmin)) cannot be one its claim took (a claim's transaction id
+-- is given at its first write, after its snapshot: every row it took was committed, so its
+-- transaction id given, before), but an id handed out again into the range of a batch whose
+-- relay has recorded everything and lets its lease lapse; a heartbeat makes the batch's
+-- version newer, which only leaves more rows to it (the reaper puts them back once it ends,
+-- an attempt counted). Races: a batch being added meanwhile
+-- covers only ids above the end this snapshot read (a claim that read an older end adds
+-- nothing: claim_batch), so none of them is moved; a batch ended by the reaper meanwhile had
+-- its rows put back in the same statement (not fresh any more); a row a relay records, or a
+-- claim or the reaper takes, meanwhile is no longer fresh when the UPDATE re-reads it, and is
+-- left as they wrote it (the CASE re-checks the current version). Under a held snapshot
+-- (a pg_dump, a replica's feedback) this reads every dead entry of outbox_fresh_idx below the
+-- chain's end: the relay runs it with the row claims' sweep, every 30 minutes, off the
+-- claim's path (relay/app.py).
+
+WITH chain AS MATERIALIZED (
+    SELECT coalesce(
+        (SELECT b.last_id FROM {batches} AS b
+         WHERE b.destination = :destination
+           AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+         ORDER BY b.first_id DESC
+         LIMIT 1),
+        0) AS position
+),
+stranded AS MATERIALIZED (
+    SELECT o.id FROM {table} AS o
+    WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+      AND o.id <= (SELECT position FROM chain)
+      AND NOT EXISTS (
+          SELECT 1 FROM {batches} AS b
+          WHERE b.destination = o.destination AND b.relay IS NOT NULL
+            AND o.id > b.first_id AND o.id <= b.last_id
+            AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+            AND age(o.xmin) >= age(b.xmin))
+)
+UPDATE {table} AS o
+SET run_after = now(), claims = 1
+FROM stranded AS s
+WHERE o.id = s.id
+  AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at THEN true END
+RETURNING o.id

@@ -213,4 +213,11 @@ extract(epoch FROM pg_postmaster_start_time())::float8,
 -- key, and one of them ending is news while the other is still open). A transaction's ids
 -- are above its key.
 (SELECT id FROM top),
-ARRAY(SELECT DISTINCT vxid || '/' || v FROM mine)
+ARRAY(SELECT DISTINCT vxid || '/' || v FROM mine),
+-- For batch leases (batches.sql): the epoch of the ids, the file of the id column's sequence.
+-- It changes only when ids may be handed out again from the start (TRUNCATE ... RESTART
+-- IDENTITY, ALTER SEQUENCE), not when the table is rewritten (VACUUM FULL, CLUSTER) or
+-- truncated without RESTART IDENTITY, which hand out no id again; nor on a setval, which
+-- batches.sql's sweep_batches is for. Read with the row's type for the table's name, as
+-- batches.sql reads it (a schema's name in a string literal could break the statement).
+(SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
