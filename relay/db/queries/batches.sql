@@ -118,7 +118,7 @@ FROM {table} AS o, lease AS l
 WHERE o.id = ANY(ARRAY(SELECT t.id FROM taken AS t))
 
 -- name: reap_batches
--- params: default_max_attempts, batch, destinations, max_attempts, within
+-- params: default_max_attempts, batch, destinations, max_attempts, only, never, within
 -- Batches whose lease ended (their relay stopped heartbeating, or recorded everything and let
 -- it lapse): the rows of each still fresh, which its relay took and did not record, are put
 -- back as leases.sql's reap puts back a row (an attempt counted, since the request may have
@@ -129,12 +129,16 @@ WHERE o.id = ANY(ARRAY(SELECT t.id FROM taken AS t))
 -- leases that ended in the last :within seconds (NULL: whenever). Every batch ends this way,
 -- and under a held snapshot each leaves a dead entry in outbox_batches_lease_idx at the time
 -- its lease ended: a pass from the start of the index would read all of them, every second
--- (40,000 ended batches under a held snapshot: 6 ms a pass instead of 0.07).
+-- (40,000 ended batches under a held snapshot: 6 ms a pass instead of 0.07). :only: only
+-- these batches (NULL: any); :never: never these (batches whose rows the database refused to
+-- put back: the reaper's fallback, as for reap).
 
 WITH expired AS (
     SELECT id, relay FROM {batches}
     WHERE relay IS NOT NULL AND lease_until < now()
       AND (:within::float8 IS NULL OR lease_until >= now() - make_interval(secs => :within::float8))
+      AND (:only::bigint[] IS NULL OR id = ANY(:only::bigint[]))
+      AND NOT (id = ANY(:never::bigint[]))
     ORDER BY lease_until
     LIMIT :batch
     FOR UPDATE SKIP LOCKED
@@ -178,6 +182,18 @@ FROM left_over AS e
 WHERE o.id = e.id
   AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at THEN true END
 RETURNING o.id, o.status, o.destination
+
+-- name: expired_batches
+-- params: batch, never
+-- Batches whose lease expired, but :never, for reaping them one at a time when the database
+-- refuses to reap them together (leases.sql's expired: a trigger that refuses one row must not
+-- keep every dead relay's batches). Only after reap_batches failed: from the start of
+-- outbox_batches_lease_idx, a held snapshot's dead entries included.
+
+SELECT id FROM {batches}
+WHERE relay IS NOT NULL AND lease_until < now() AND NOT (id = ANY(:never::bigint[]))
+ORDER BY lease_until
+LIMIT :batch
 
 -- name: forget_batches
 -- params: keep
