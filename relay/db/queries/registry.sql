@@ -49,7 +49,10 @@ ORDER BY destination
 -- params: known, served_within, grace
 -- Failing the rows of unknown_destinations spares rows younger than a grace period (:grace
 -- seconds), so a relay that serves them has time to start (a new deployment, a relay added for a
--- new destination).
+-- new destination), and rows in flight in a live batch lease (relay.claims = "batch": such a
+-- row is pending and unattempted until its outcome, batches.sql) whatever the registry says: a
+-- relay holds them, and failing them would refuse its outcome (a retry would send them again);
+-- once the batch ends the reaper counts an attempt, and the row is spared as tried.
 
 UPDATE {table}
 SET status = 'failed',
@@ -65,6 +68,9 @@ WHERE status = 'pending' AND NOT (destination = ANY(:known::text[]))
 
   AND created_at < now() - make_interval(secs => :grace)
   AND attempts = 0  -- a row some relay already tried is served (maybe by one not registered)
+  AND NOT EXISTS (SELECT 1 FROM {batches} AS b
+                  WHERE b.relay IS NOT NULL AND b.destination = {table}.destination
+                    AND {table}.id > b.first_id AND {table}.id <= b.last_id)
 RETURNING destination
 
 -- name: paused
