@@ -1,17 +1,25 @@
 """Batch leases (relay.claims = "batch") and what the relays share: the rows of destinations
 no relay serves, and the registry. A row in flight in a batch is pending and unattempted in the
 table (claims = 0) until its outcome; what looks at pending rows must not take it for one that
-nobody serves."""
+nobody serves. Every relay serving a destination must claim it the same way: each registers
+how it claims, and one that finds a relay running that claims its destinations the other way
+refuses to start (or, running, says so)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.config import Settings
 from relay.db.store import Store
+from relay.runtime.claim_modes import MixedClaims
+from relay.runtime.startup import RelayStartupError, open_store
+from relay.settings import load_settings
 
 LEASE = 60.0
 
@@ -59,3 +67,114 @@ async def test_rows_in_flight_in_a_live_batch_are_not_failed_as_unknown(
     # An ended batch (reaped: relay NULL) spares nothing.
     await pool.execute("UPDATE outbox_batches SET relay = NULL")
     assert len(await b.fail_unknown_destinations(["e"], 600.0, 0.0)) == 4
+
+
+# --- every relay serving a destination claims it the same way ------------------------------
+
+DESTINATIONS = {
+    "d": {"kind": "kafka", "topic": "t"},
+    "keyed": {"kind": "kafka", "topic": "t", "ordering": "key"},
+    "fan-out": {"kind": "endpoints"},
+}
+
+
+def settings(db_url: str, claims: str, destinations: Any = None) -> Settings:
+    return load_settings(
+        None,
+        database_url=db_url,
+        relay={"relay_id": "relay-new", "claims": claims, "lease": LEASE},
+        destinations=destinations or DESTINATIONS,
+    )
+
+
+async def register(pool: asyncpg.Pool, relay: str, claims: str, destinations: list[str]) -> Store:
+    store = Store(pool, "public", relay, LEASE, batched={"d"} if claims == "batch" else ())
+    await store.register("host-x", 1, "1.0", destinations)
+    return store
+
+
+async def start(db_url: str, claims: str, destinations: Any = None) -> Store:
+    async def prepare(store: Store) -> None:
+        pass
+
+    return await open_store(settings(db_url, claims, destinations), "relay-new", prepare)
+
+
+async def test_a_relay_registers_how_it_claims(pool: asyncpg.Pool) -> None:
+    await register(pool, "relay-b", "batch", ["d"])
+    await register(pool, "relay-r", "row", ["d"])
+    rows = await pool.fetch("SELECT relay_id, features FROM outbox_relays ORDER BY relay_id")
+    assert [(r[0], r[1]) for r in rows] == [
+        ("relay-b", ["ordered-owner", "batch-claims"]),
+        ("relay-r", ["ordered-owner"]),
+    ]
+
+
+@pytest.mark.parametrize(("running", "starting"), [("batch", "row"), ("row", "batch")])
+async def test_a_relay_refuses_to_start_beside_one_claiming_its_destinations_the_other_way(
+    db_url: str, pool: asyncpg.Pool, running: str, starting: str
+) -> None:
+    """A relay claiming by row beside one claiming under batch leases takes the rows in flight
+    in its batches again: they are delivered twice. The relay that starts second refuses,
+    naming the other, the destination and what to do."""
+    await register(pool, "relay-old", running, ["d", "keyed"])
+    with pytest.raises(RelayStartupError) as refused:
+        await start(db_url, starting)
+    said = str(refused.value)
+    assert "relay 'relay-old' (host host-x) claims d " in said
+    assert f'relay.claims = "{running}"' in said and f'relay.claims = "{starting}"' in said
+    assert "deliver them twice" in said
+    assert "stop the relays of these destinations" in said
+    # The same way: it starts.
+    store = await start(db_url, running)
+    await store.pool.close()
+
+
+async def test_only_relays_running_that_share_a_batchable_destination_count(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """Stopped relays (a clean stop releases what they hold: the switch docs/deploying.md
+    describes), relays not seen for a lease, and those sharing only ordered or endpoints
+    destinations (never claimed under batch leases) do not keep a relay from starting."""
+    stopped = await register(pool, "relay-stopped", "batch", ["d"])
+    await stopped.unregister()
+    await register(pool, "relay-gone", "batch", ["d"])
+    await pool.execute(
+        "UPDATE outbox_relays SET seen_at = now() - interval '1 hour', "
+        "features_at = now() - interval '1 hour' WHERE relay_id = 'relay-gone'"
+    )
+    await register(pool, "relay-other", "batch", ["keyed", "fan-out", "e"])
+    store = await start(db_url, "row")
+    await store.pool.close()
+
+
+async def test_a_relay_of_an_earlier_release_claims_by_row(db_url: str, pool: asyncpg.Pool) -> None:
+    """A relay whose last registration did not write its features (a release before them, or
+    one rolled back under the same relay_id: seen_at moves on, features_at does not) claims
+    by row, whatever features an earlier registration wrote."""
+    await register(pool, "relay-rolled-back", "batch", ["d"])
+    await pool.execute(
+        "UPDATE outbox_relays SET seen_at = now() + interval '1 s' "
+        "WHERE relay_id = 'relay-rolled-back'"
+    )
+    with pytest.raises(RelayStartupError, match="relay-rolled-back"):
+        await start(db_url, "batch")
+    store = await start(db_url, "row")
+    await store.pool.close()
+
+
+async def test_a_running_relay_logs_relays_claiming_its_destinations_the_other_way(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """Two relays that start at once both pass the start-up check: at each registration a
+    relay names, once, the relays running that claim its destinations the other way."""
+    mine = await register(pool, "relay-new", "batch", ["d"])
+    mixed = MixedClaims(settings(db_url, "batch"))
+    with capture_logs() as logs:
+        await mixed(mine)
+        await register(pool, "relay-row", "row", ["d"])
+        await mixed(mine)
+        await mixed(mine)
+    told = [e for e in logs if e["event"] == "relay.claims.mixed"]
+    assert len(told) == 1 and "relay 'relay-row'" in told[0]["error"]
+    assert told[0]["log_level"] == "error"

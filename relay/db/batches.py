@@ -1,10 +1,11 @@
 """The statements of batch leases (relay.claims = "batch", see queries.CLAIM_BATCH) for one
-schema: what the store runs for rows whose token is a batch's, and the reaper's."""
+schema: what the store runs for rows whose token is a batch's, the reaper's, and the check that
+no relay claims a destination another way beside them."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -22,6 +23,7 @@ class BatchStatements:
     reap: str
     expired: str
     forget: str
+    mixed: str
 
     @classmethod
     def of(cls, schema: str, delete_delivered: bool) -> BatchStatements:
@@ -44,13 +46,14 @@ class BatchStatements:
             reap=sql(queries.REAP_BATCHES),
             expired=sql(queries.EXPIRED_BATCHES),
             forget=sql(queries.FORGET_BATCHES),
+            mixed=sql(queries.MIXED_CLAIMS),
         )
 
 
 @dataclass(frozen=True, slots=True)
 class BatchLeases:
-    """The reaper's statements for batch leases that ended, run through ``call`` (a store's),
-    counted by name in ``statements``."""
+    """The reaper's statements for batch leases that ended, and the registry's check of how
+    other relays claim, run through ``call`` (a store's), counted by name in ``statements``."""
 
     call: Call
     statements: Counter[str]
@@ -84,3 +87,12 @@ class BatchLeases:
         """Delete ended batch leases older than ``keep`` seconds (see queries.FORGET_BATCHES)."""
         status = await self.call("execute", self.sql.forget, keep)
         return int(status.split()[-1])
+
+    async def mixed_claims(
+        self, relay: str, destinations: Collection[str], batch: bool, seen_within: float
+    ) -> list[asyncpg.Record]:
+        """The other relays running (seen in the last ``seen_within`` seconds) that serve one
+        of ``destinations`` the other way (see queries.MIXED_CLAIMS): under batch leases if
+        ``batch`` is false, by row if it is true; each with those destinations."""
+        args = (relay, sorted(destinations), batch, seen_within)
+        return list(await self.call("fetch", self.sql.mixed, *args))

@@ -483,6 +483,7 @@ class Store:
             version,
             list(destinations),
             json.dumps(circuits or {}),
+            bool(self.unordered.batched),  # 'batch-claims' (see queries.MIXED_CLAIMS)
         )
 
     async def unregister(self) -> None:

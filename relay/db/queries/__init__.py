@@ -68,6 +68,7 @@ from relay.db.queries.outcomes import RECORD_DELIVERED as RECORD_DELIVERED
 from relay.db.queries.outcomes import RECORD_DELIVERED_DELETING as RECORD_DELIVERED_DELETING
 from relay.db.queries.registry import FAIL_UNKNOWN_DESTINATIONS as FAIL_UNKNOWN_DESTINATIONS
 from relay.db.queries.registry import FORGET_RELAYS as FORGET_RELAYS
+from relay.db.queries.registry import MIXED_CLAIMS as MIXED_CLAIMS
 from relay.db.queries.registry import PAUSED as PAUSED
 from relay.db.queries.registry import REGISTER as REGISTER
 from relay.db.queries.registry import TRY_JOB_LOCK as TRY_JOB_LOCK
