@@ -221,7 +221,7 @@ async def test_a_fresh_row_not_yet_due_is_not_passed_over(pool: asyncpg.Pool) ->
     assert got == [], "claimed twice"
 
 
-# --- 5. The reaper's batch pass has no fallback for a refused row --------------------------
+# --- 5. The reaper's batch pass had no fallback for a refused row -------------------------
 
 REFUSE = """
 CREATE FUNCTION refuse_reap() RETURNS trigger LANGUAGE plpgsql AS $$
