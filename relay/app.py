@@ -38,6 +38,7 @@ from relay.pipeline.listener import Listener
 from relay.pipeline.routes import attempt_limits, build_routes, build_sinks
 from relay.pipeline.sending import Sending
 from relay.runtime import loop, probes
+from relay.runtime.claim_modes import MixedClaims
 from relay.runtime.server import HttpServer, HttpStartupError, build_app
 from relay.runtime.shutdown import FINAL_BUDGET, shutdown
 from relay.runtime.startup import RelayStartupError, open_store
@@ -80,6 +81,7 @@ class Relay:
         self.pauses: Pauses | None = None
         self._listener: Listener | None = None
         self.console: Any = None  # the console's ASGI app, when [ui] enabled = true
+        self._mixed = MixedClaims(settings)  # relays claiming a destination another way
 
     # --- public -------------------------------------------------------------------------
 
@@ -315,6 +317,7 @@ class Relay:
             sorted(self.sinks),
             self._circuit_states(),
         )
+        await self._mixed(self.store)
 
     def _circuit_states(self) -> dict[str, str]:
         """Destinations whose circuit is not closed in this relay: a webhook destination's

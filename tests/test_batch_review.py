@@ -6,11 +6,11 @@ known gaps docs/deploying.md lists."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
+from structlog.testing import capture_logs
 
 from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
@@ -287,7 +287,7 @@ async def test_a_fresh_row_not_yet_due_is_not_passed_over(pool: asyncpg.Pool) ->
     assert got == [], "claimed twice"
 
 
-# --- 5. The reaper's batch pass has no fallback for a refused row --------------------------
+# --- 5. The reaper's batch pass had no fallback for a refused row -------------------------
 
 REFUSE = """
 CREATE FUNCTION refuse_reap() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -301,17 +301,14 @@ CREATE TRIGGER refuse_reap BEFORE UPDATE ON outbox FOR EACH ROW EXECUTE FUNCTION
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=GAP + "reap_batches has no one-by-one fallback yet",
-)
 async def test_a_row_the_database_refuses_to_reap_does_not_keep_every_batch(
     pool: asyncpg.Pool,
 ) -> None:
     """Row mode reaps one by one when the database refuses one row (reaper._one_by_one,
-    tests/test_no_stranded_rows.py). reap_batches is one statement for every expired batch:
-    one refused row fails it at every pass, and no batch of any dead relay is ever put
-    back (nor are old batches forgotten: forget_batches runs after it)."""
+    tests/test_no_stranded_rows.py). reap_batches was one statement for every expired batch:
+    one refused row failed it at every pass, and no batch of any dead relay was ever put
+    back (nor were old batches forgotten: forget_batches runs after it). Now the reaper
+    reaps batch by batch then, and leaves the refused batch alone, named in its log."""
     await insert(pool, 10)
     a = batch_store(pool, "relay-a")
     first = await a.claim("d", 5)
@@ -319,12 +316,18 @@ async def test_a_row_the_database_refuses_to_reap_does_not_keep_every_batch(
     assert len(first) == len(second) == 5
     await pool.execute(REFUSE.replace("{id}", str(first[0].id)))
     await expire_batches(pool)
+    refused_batch = -first[0].token
     reaper = reaper_module.Reaper(a, 5, {"d": 5}, Metrics(), lambda: None)
-    for _ in range(2):
-        with contextlib.suppress(Exception):  # today: the whole pass raises, every time
+    with capture_logs() as logs:
+        for _ in range(2):
             await reaper()
     left = await fresh_ids(pool)
     assert not set(left) & {e.id for e in second}, "the other batch's rows were never put back"
+    assert set(left) == {e.id for e in first}  # the refused batch's rows stay in flight
+    refused = [e for e in logs if e["event"] == "relay.reap.batches_refused"]
+    assert len(refused) == 1 and refused[0]["batches"] == [refused_batch]  # then left alone
+    ended = await pool.fetch("SELECT id FROM outbox_batches WHERE relay IS NULL ORDER BY id")
+    assert [r[0] for r in ended] == [-second[0].token]
 
 
 # --- 6. Two claims racing ------------------------------------------------------------------

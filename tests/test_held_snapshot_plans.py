@@ -218,7 +218,7 @@ async def test_reaping_a_batch_reads_its_rows_by_key(history: History, claims: s
             "WHERE id = ANY(ARRAY(SELECT DISTINCT -t FROM unnest($1::bigint[]) AS t))"
         )
         sql = queries.render_ops(queries.REAP_BATCHES, "public")
-        args: list[Any] = [5, 1000, ["d"], [5], 5.0]
+        args: list[Any] = [5, 1000, ["d"], [5], None, [], 5.0]
     else:
         expire = "UPDATE outbox SET locked_until = now() - interval '1 second' WHERE id = ANY($1)"
         sql = queries.render_ops(queries.REAP, "public")

@@ -19,6 +19,9 @@ from relay.model import Envelope
 # How long an unordered claim that follows a full batch may go on the FENCE reading made
 # before it (see UnorderedClaims.claim): a drain reads it once in a few claims, not at every one.
 FENCE_REUSE = 0.5
+# How many times more a batch claim that lost the race for its chain's end claims again at once
+# from the new end (see UnorderedClaims._take_batch).
+LOST_TRIES = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,23 +177,40 @@ class UnorderedClaims:
             self._reading = (time.monotonic(), row)
         # The chain's epoch is the ids' (FENCE's last column), not the table's file: a rewrite
         # of the table hands out no id again, and the chains go on across it.
-        fence, ids_epoch = row[0], row[5]
-        self.statements["claim"] += 1
-        until = time.monotonic() + self.lease  # before the statement: never later than its now()
-        rows = await self._call(
-            "fetch",
-            self.claim_batch,
-            destination,
-            limit,
-            self.relay_id,
-            self.lease,
-            fence,
-            ids_epoch,
-        )
+        until = time.monotonic() + self.lease  # before the statements: never later than now()
+        rows = await self._take_batch(destination, limit, row[0], row[5])
         if len(rows) >= limit:
             self._draining.add(destination)
             self._chain_ends[destination] = max((r[0] for r in rows if r[8] < 0), default=0)
         return envelopes(rows, until)
+
+    async def _take_batch(
+        self, destination: str, limit: int, fence: int, ids_epoch: int
+    ) -> list[asyncpg.Record]:
+        """Run queries.CLAIM_BATCH up to ``fence`` in the epoch ``ids_epoch``; while it lost the
+        race for the chain's end (another relay's claim added a batch from the end it read: its
+        last row, id -1, says so), at once again, from the new end, at most LOST_TRIES times
+        more, for what is left of ``limit``; the rows claimed by all of them."""
+        rows: list[asyncpg.Record] = []
+        for tries in range(1 + LOST_TRIES):
+            if tries:
+                self.statements["claim_lost"] += 1  # of the "claim" ones
+            self.statements["claim"] += 1
+            got = await self._call(
+                "fetch",
+                self.claim_batch,
+                destination,
+                limit - len(rows),
+                self.relay_id,
+                self.lease,
+                fence,
+                ids_epoch,
+            )
+            lost = any(r[0] == -1 for r in got)
+            rows += [r for r in got if r[0] != -1] if lost else got
+            if not lost or len(rows) >= limit:
+                break
+        return rows
 
     async def _new_epoch(self, epoch: tuple[object, ...]) -> asyncpg.Record:
         """A new table file (TRUNCATE), a new server (a restart, a failover) or, seen by the

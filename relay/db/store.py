@@ -18,7 +18,7 @@ import asyncpg
 
 from outbox.status import Status
 from relay.db import checks, queries
-from relay.db.batches import BatchStatements
+from relay.db.batches import BatchLeases, BatchStatements
 from relay.db.claims import UnorderedClaims
 from relay.db.envelopes import envelopes
 from relay.db.envelopes import read_headers as read_headers
@@ -300,26 +300,20 @@ class Store:
             )
         )
 
+    @property
+    def batch_leases(self) -> BatchLeases:
+        """The reaper's statements for batch leases (relay/db/batches.py)."""
+        return BatchLeases(self._call, self.statements, self.batches)
+
     async def reap_batches(
-        self,
-        max_attempts: int,
-        per_destination: dict[str, int],
-        limit: int = 5000,
-        *,
-        within: float | None = None,
+        self, max_attempts: int, per_destination: dict[str, int], limit: int = 5000
     ) -> list[asyncpg.Record]:
-        """End batch leases that expired (see queries.REAP_BATCHES): their rows not recorded go
-        back to pending (or failed), as reap puts back a row; ``within``: only those whose
-        lease ended in the last so many seconds (None: whenever)."""
-        self.statements["reap_batches"] += 1
-        limits = (list(per_destination), list(per_destination.values()))
-        rows = await self._call("fetch", self.batches.reap, max_attempts, limit, *limits, within)
-        return list(rows)
+        """End batch leases that expired (see BatchLeases.reap)."""
+        return await self.batch_leases.reap(max_attempts, per_destination, limit)
 
     async def forget_batches(self, keep: float) -> int:
-        """Delete ended batch leases older than ``keep`` seconds (see queries.FORGET_BATCHES)."""
-        status = await self._call("execute", self.batches.forget, keep)
-        return int(status.split()[-1])
+        """Delete ended batch leases older than ``keep`` seconds (see BatchLeases.forget)."""
+        return await self.batch_leases.forget(keep)
 
     async def expired(self, limit: int, never: Sequence[int]) -> list[int]:
         return [r[0] for r in await self._call("fetch", self._expired, limit, list(never))]
@@ -489,6 +483,7 @@ class Store:
             version,
             list(destinations),
             json.dumps(circuits or {}),
+            bool(self.unordered.batched),  # 'batch-claims' (see queries.MIXED_CLAIMS)
         )
 
     async def unregister(self) -> None:

@@ -52,6 +52,7 @@ class Reaper:
         self.metrics = metrics
         self.reaped = reaped  # rows are claimable again: claim them
         self._unreapable: dict[int, float] = {}  # row id -> until when it is left alone
+        self._unreapable_batches: dict[int, float] = {}  # the same for batch leases
         # When the last complete pass began (it took every lease expired then) and the last
         # full one (monotonic times; None: not yet).
         self._complete: float | None = None
@@ -77,8 +78,7 @@ class Reaper:
                 self._complete = now
                 if full:
                     self._full = now
-        # The same bound as reap's: a pass over every lease ever ended is a full one.
-        rows += await self.store.reap_batches(self.max_attempts, self.limits, within=within)
+        rows += await self._reap_batches(now, within)
         if self._forgot is None or now - self._forgot >= FORGET_EVERY:
             self._forgot = now
             await self.store.forget_batches(max(BATCHES_KEPT, 4 * self.store.lease))
@@ -119,5 +119,44 @@ class Reaper:
                 error=describe(error),
                 action="the database refuses to put these rows back to pending (a trigger or a "
                 "policy?); they stay running until it accepts",
+            )
+        return reaped
+
+    async def _reap_batches(self, now: float, within: float | None) -> list[asyncpg.Record]:
+        """End the batch leases that expired (the same bound as reap's: a pass over every lease
+        ever ended is a full one), and if the database refuses, batch by batch."""
+        left_alone = self._unreapable_batches
+        self._unreapable_batches = {i: t for i, t in left_alone.items() if t > now}
+        never = list(self._unreapable_batches)
+        leases = self.store.batch_leases
+        try:
+            return await leases.reap(self.max_attempts, self.limits, never=never, within=within)
+        except UNAVAILABLE:
+            raise
+        except DB_ERRORS as exc:
+            error: BaseException = exc
+        reaped: list[asyncpg.Record] = []
+        refused: list[int] = []
+        for batch_id in await leases.expired(500, never):
+            try:
+                reaped += await leases.reap(
+                    self.max_attempts, self.limits, 1, only=[batch_id], never=never
+                )
+            except UNAVAILABLE:
+                raise
+            except DB_ERRORS as exc:
+                refused.append(batch_id)
+                error = exc
+        if refused:
+            until = time.monotonic() + UNREAPABLE_FOR
+            self._unreapable_batches.update(dict.fromkeys(refused, until))
+            log.error(
+                "relay.reap.batches_refused",
+                count=len(refused),
+                batches=refused[:LOST_IDS_LOGGED],
+                error=describe(error),
+                action="the database refuses to put back the rows of these expired batch "
+                "leases (outbox_batches ids; a trigger or a policy?); their rows stay in flight "
+                "until it accepts, the other batches are reaped",
             )
         return reaped

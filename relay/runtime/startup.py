@@ -14,6 +14,7 @@ from outbox.errors import describe
 from outbox.migrate import not_utf8
 from relay.config import Settings
 from relay.db.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
+from relay.runtime.claim_modes import batchable, mixed_claims
 
 log = structlog.get_logger("relay")
 
@@ -96,6 +97,9 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
                 "again (it grants what each migration added; retention reads these tables "
                 "for every destination)"
             )
+        mixed = await mixed_claims(store, settings)
+        if mixed:
+            raise RelayStartupError(mixed[0])
         await prepare(store)
     except BaseException:
         await pool.close()
@@ -109,11 +113,7 @@ def batched(settings: Settings) -> frozenset[str]:
     (the endpoints sink's fan-out does)."""
     if settings.relay.claims != "batch":
         return frozenset()
-    return frozenset(
-        name
-        for name, d in settings.destinations.items()
-        if d.ordering == "none" and d.kind != "endpoints"
-    )
+    return batchable(settings)
 
 
 def refused_at_startup(exc: BaseException) -> str:

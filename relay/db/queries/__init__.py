@@ -20,6 +20,7 @@ from outbox.queries import SERVER_ENCODING as SERVER_ENCODING
 from outbox.queries import TABLE_EXISTS as TABLE_EXISTS
 from outbox.queries import qualified_table as qualified_table
 from relay.db.queries.batches import CLAIM_BATCH as CLAIM_BATCH
+from relay.db.queries.batches import EXPIRED_BATCHES as EXPIRED_BATCHES
 from relay.db.queries.batches import FORGET_BATCHES as FORGET_BATCHES
 from relay.db.queries.batches import HEARTBEAT_BATCHES as HEARTBEAT_BATCHES
 from relay.db.queries.batches import REAP_BATCHES as REAP_BATCHES
@@ -68,6 +69,7 @@ from relay.db.queries.outcomes import RECORD_DELIVERED as RECORD_DELIVERED
 from relay.db.queries.outcomes import RECORD_DELIVERED_DELETING as RECORD_DELIVERED_DELETING
 from relay.db.queries.registry import FAIL_UNKNOWN_DESTINATIONS as FAIL_UNKNOWN_DESTINATIONS
 from relay.db.queries.registry import FORGET_RELAYS as FORGET_RELAYS
+from relay.db.queries.registry import MIXED_CLAIMS as MIXED_CLAIMS
 from relay.db.queries.registry import PAUSED as PAUSED
 from relay.db.queries.registry import REGISTER as REGISTER
 from relay.db.queries.registry import TRY_JOB_LOCK as TRY_JOB_LOCK

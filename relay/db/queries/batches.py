@@ -13,6 +13,7 @@ _q = load("relay.db.queries", "batches.sql", binds="numbered")
 
 CLAIM_BATCH = _q["claim_batch"]
 REAP_BATCHES = _q["reap_batches"]
+EXPIRED_BATCHES = _q["expired_batches"]
 FORGET_BATCHES = _q["forget_batches"]
 RECORD_BATCH = _q["record_batch"]
 RECORD_BATCH_DELIVERED = _q["record_batch_delivered"]

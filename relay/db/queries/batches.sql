@@ -55,7 +55,10 @@
 -- chain begins where it ended and ends at the last row taken; a claim that read an end of
 -- the chain another claim has added to since (its snapshot is older than that commit) meets
 -- the unique (destination, epoch, first_id) and takes no fresh row (ON CONFLICT DO NOTHING:
--- it waits for that claim to end, and adds nothing if it committed). The :batch first rows
+-- it waits for that claim to end, and adds nothing if it committed); it says so in a last row,
+-- id -1 and nothing else, and the relay claims again at once, a new statement that reads the
+-- chain's new end (relay/db/claims.py: with 4 relays on one destination, 43 claims of 60 came
+-- back empty without it). The :batch first rows
 -- of both lanes in run_after order are claimed, as in claim.sql; the fresh ones taken are as
 -- many of the lowest fresh ids, so that a batch holds every fresh row of its range.
 -- Fresh rows are returned with the token -id of their batch. Fresh rows are taken only while
@@ -125,9 +128,12 @@ SELECT o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS
        -l.id AS claims, o.event_type
 FROM {table} AS o, lease AS l
 WHERE o.id = ANY(ARRAY(SELECT t.id FROM taken AS t))
+UNION ALL
+SELECT -1, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, NULL
+WHERE EXISTS (SELECT 1 FROM taken) AND NOT EXISTS (SELECT 1 FROM lease)
 
 -- name: reap_batches
--- params: default_max_attempts, batch, destinations, max_attempts, within
+-- params: default_max_attempts, batch, destinations, max_attempts, only, never, within
 -- Batches whose lease ended (their relay stopped heartbeating, or recorded everything and let
 -- it lapse): the rows of each still fresh, which its relay took and did not record, are put
 -- back as leases.sql's reap puts back a row (an attempt counted, since the request may have
@@ -138,12 +144,16 @@ WHERE o.id = ANY(ARRAY(SELECT t.id FROM taken AS t))
 -- leases that ended in the last :within seconds (NULL: whenever). Every batch ends this way,
 -- and under a held snapshot each leaves a dead entry in outbox_batches_lease_idx at the time
 -- its lease ended: a pass from the start of the index would read all of them, every second
--- (40,000 ended batches under a held snapshot: 6 ms a pass instead of 0.07).
+-- (40,000 ended batches under a held snapshot: 6 ms a pass instead of 0.07). :only: only
+-- these batches (NULL: any); :never: never these (batches whose rows the database refused to
+-- put back: the reaper's fallback, as for reap).
 
 WITH expired AS (
     SELECT id, relay FROM {batches}
     WHERE relay IS NOT NULL AND lease_until < now()
       AND (:within::float8 IS NULL OR lease_until >= now() - make_interval(secs => :within::float8))
+      AND (:only::bigint[] IS NULL OR id = ANY(:only::bigint[]))
+      AND NOT (id = ANY(:never::bigint[]))
     ORDER BY lease_until
     LIMIT :batch
     FOR UPDATE SKIP LOCKED
@@ -187,6 +197,18 @@ FROM left_over AS e
 WHERE o.id = e.id
   AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at THEN true END
 RETURNING o.id, o.status, o.destination
+
+-- name: expired_batches
+-- params: batch, never
+-- Batches whose lease expired, but :never, for reaping them one at a time when the database
+-- refuses to reap them together (leases.sql's expired: a trigger that refuses one row must not
+-- keep every dead relay's batches). Only after reap_batches failed: from the start of
+-- outbox_batches_lease_idx, a held snapshot's dead entries included.
+
+SELECT id FROM {batches}
+WHERE relay IS NOT NULL AND lease_until < now() AND NOT (id = ANY(:never::bigint[]))
+ORDER BY lease_until
+LIMIT :batch
 
 -- name: forget_batches
 -- params: keep

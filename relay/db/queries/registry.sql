@@ -4,12 +4,17 @@
 -- $2, … in their params' order: outbox/sql.py).
 
 -- name: register
--- params: relay, host, pid, version, destinations, circuits
--- A relay says it is alive, and what it serves, every few seconds (one row per relay).
+-- params: relay, host, pid, version, destinations, circuits, batch_claims
+-- A relay says it is alive, and what it serves, every few seconds (one row per relay). Its
+-- features (migration 0013) say how it claims: 'batch-claims' if it claims its unordered
+-- destinations' fresh rows under batch leases (relay.claims = "batch", :batch_claims), which
+-- relays claiming them by row must not serve beside it (mixed_claims).
 
 INSERT INTO {relays}
     (relay_id, host, pid, version, destinations, circuits, features, features_at)
-VALUES (:relay, :host, :pid, :version, :destinations::text[], :circuits::jsonb, ARRAY['ordered-owner'], now())
+VALUES (:relay, :host, :pid, :version, :destinations::text[], :circuits::jsonb,
+        ARRAY['ordered-owner'] || CASE WHEN :batch_claims::boolean THEN ARRAY['batch-claims'] ELSE '{}'::text[] END,
+        now())
 ON CONFLICT (relay_id) DO UPDATE
 SET host = EXCLUDED.host, pid = EXCLUDED.pid, version = EXCLUDED.version,
     destinations = EXCLUDED.destinations, circuits = EXCLUDED.circuits,
@@ -71,7 +76,10 @@ ORDER BY u.destination
 -- params: known, served_within, grace
 -- Failing the rows of unknown_destinations spares rows younger than a grace period (:grace
 -- seconds), so a relay that serves them has time to start (a new deployment, a relay added for a
--- new destination).
+-- new destination), and rows in flight in a live batch lease (relay.claims = "batch": such a
+-- row is pending and unattempted until its outcome, batches.sql) whatever the registry says: a
+-- relay holds them, and failing them would refuse its outcome (a retry would send them again);
+-- once the batch ends the reaper counts an attempt, and the row is spared as tried.
 
 UPDATE {table}
 SET status = 'failed',
@@ -87,7 +95,30 @@ WHERE status = 'pending' AND NOT (destination = ANY(:known::text[]))
 
   AND created_at < now() - make_interval(secs => :grace)
   AND attempts = 0  -- a row some relay already tried is served (maybe by one not registered)
+  AND NOT EXISTS (SELECT 1 FROM {batches} AS b
+                  WHERE b.relay IS NOT NULL AND b.destination = {table}.destination
+                    AND {table}.id > b.first_id AND {table}.id <= b.last_id)
 RETURNING destination
+
+-- name: mixed_claims
+-- params: relay, destinations, batch, seen_within
+-- The other relays running (not stopped, seen in the last :seen_within seconds) that serve one
+-- of :destinations (this relay's that batch leases could claim: unordered, not endpoints) the
+-- other way: under batch leases while this relay claims them by row (:batch false), or by
+-- row while it claims them under batch leases. A relay claiming by row takes the fresh rows
+-- of another's open batches again: they are delivered twice (docs/deploying.md). A relay
+-- whose features were not written at its last registration (an earlier release, or one
+-- rolled back under the same relay_id) claims by row. The destinations each serves of them.
+
+SELECT r.relay_id, r.host,
+       ARRAY(SELECT d FROM unnest(r.destinations) AS d
+             WHERE d = ANY(:destinations::text[]) ORDER BY d) AS destinations
+FROM {relays} AS r
+WHERE r.relay_id <> :relay AND r.stopped_at IS NULL
+  AND r.seen_at > now() - make_interval(secs => :seen_within)
+  AND r.destinations && :destinations::text[]
+  AND ('batch-claims' = ANY(r.features) AND r.features_at IS NOT DISTINCT FROM r.seen_at) <> :batch
+ORDER BY r.relay_id
 
 -- name: paused
 -- The destinations paused (`outbox-relay pause`): the relay claims none of their rows.

@@ -1,0 +1,64 @@
+"""Every relay serving a destination must claim it the same way (relay.claims,
+docs/deploying.md): a relay claiming by row takes the fresh rows in flight in another's batch
+leases again, and they are delivered twice. Each relay registers how it claims (the
+'batch-claims' feature of outbox_relays); one that finds a relay running that serves one of
+its destinations the other way refuses to start, and a running one says so in its log."""
+
+from __future__ import annotations
+
+import structlog
+
+from relay.config import Settings
+from relay.db.store import Store
+
+log = structlog.get_logger("relay")
+
+
+def batchable(settings: Settings) -> frozenset[str]:
+    """The destinations relay.claims = "batch" claims under batch leases: the unordered ones
+    whose sink does not record outcomes in its own statements (the endpoints sink's fan-out
+    does)."""
+    return frozenset(
+        name
+        for name, d in settings.destinations.items()
+        if d.ordering == "none" and d.kind != "endpoints"
+    )
+
+
+async def mixed_claims(store: Store, settings: Settings) -> list[str]:
+    """What to tell of each other relay running (seen within a lease, not stopped) that
+    claims one of this relay's batchable destinations the other way: the relay, its host, the
+    destinations, and what to do."""
+    mine = settings.relay.claims
+    theirs = "row" if mine == "batch" else "batch"
+    leases = store.batch_leases
+    found = await leases.mixed_claims(
+        store.relay_id, batchable(settings), mine == "batch", settings.relay.lease
+    )
+    return [
+        f"relay {r['relay_id']!r} (host {r['host']}) claims {', '.join(r['destinations'])} "
+        f'with relay.claims = "{theirs}", and this relay is set to claim '
+        f'{"them" if len(r["destinations"]) > 1 else "it"} with relay.claims = "{mine}": a '
+        "relay claiming by row would take the rows in flight in the other's batch leases "
+        "again, and deliver them twice. Every relay serving a destination must claim it the "
+        "same way: stop the relays of these destinations (a clean stop releases what they "
+        f'hold) and start them all with one setting, or set relay.claims = "{theirs}" here'
+        for r in found
+    ]
+
+
+class MixedClaims:
+    """At each registration, the relays running that claim this relay's destinations the
+    other way, in the log once each (relay.claims.mixed), as long as they do: two relays that
+    start at once both pass the start-up check, and a relay of an earlier release checks
+    nothing."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._told: frozenset[str] = frozenset()
+
+    async def __call__(self, store: Store) -> None:
+        found = frozenset(await mixed_claims(store, self.settings))
+        for problem in sorted(found - self._told):
+            log.error("relay.claims.mixed", error=problem)
+        self._told = found

@@ -1,0 +1,180 @@
+"""Batch leases (relay.claims = "batch") and what the relays share: the rows of destinations
+no relay serves, and the registry. A row in flight in a batch is pending and unattempted in the
+table (claims = 0) until its outcome; what looks at pending rows must not take it for one that
+nobody serves. Every relay serving a destination must claim it the same way: each registers
+how it claims, and one that finds a relay running that claims its destinations the other way
+refuses to start (or, running, says so)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+from structlog.testing import capture_logs
+
+from outbox.dburl import to_asyncpg_dsn
+from relay.config import Settings
+from relay.db.store import Store
+from relay.runtime.claim_modes import MixedClaims
+from relay.runtime.startup import RelayStartupError, open_store
+from relay.settings import load_settings
+
+LEASE = 60.0
+
+
+@pytest.fixture
+async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)
+    assert p is not None
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+async def insert(pool: asyncpg.Pool, n: int, destination: str = "d") -> list[int]:
+    rows = await pool.fetch(
+        "INSERT INTO outbox (destination, payload) "
+        "SELECT $1, '\\x00'::bytea FROM generate_series(1, $2) RETURNING id",
+        destination,
+        n,
+    )
+    return [r[0] for r in rows]
+
+
+async def test_rows_in_flight_in_a_live_batch_are_not_failed_as_unknown(
+    pool: asyncpg.Pool,
+) -> None:
+    """Relay A (not in the registry, or not seen for a while) holds a live batch of d. Relay B,
+    serving only e with unknown_destinations = "fail", failed A's rows in flight as of an
+    unknown destination: they look pending and unattempted. A's outcomes were then refused
+    (the rows no longer fresh) and `retry` would have sent them again. The rows of d in no
+    live batch are failed, as before."""
+    await insert(pool, 6)
+    a = Store(pool, "public", "relay-a", LEASE, batched={"d"})
+    taken = await a.claim("d", 4)
+    assert len(taken) == 4 and all(e.token < 0 for e in taken)
+    b = Store(pool, "public", "relay-b", LEASE)
+    failed = await b.fail_unknown_destinations(["e"], 600.0, 0.0)
+    rows = await pool.fetch("SELECT id, status FROM outbox ORDER BY id")
+    in_flight = {e.id for e in taken}
+    assert [r["id"] for r in rows if r["status"] == "failed"] == [
+        r["id"] for r in rows if r["id"] not in in_flight
+    ]
+    assert len(failed) == 2
+    # An ended batch (reaped: relay NULL) spares nothing.
+    await pool.execute("UPDATE outbox_batches SET relay = NULL")
+    assert len(await b.fail_unknown_destinations(["e"], 600.0, 0.0)) == 4
+
+
+# --- every relay serving a destination claims it the same way ------------------------------
+
+DESTINATIONS = {
+    "d": {"kind": "kafka", "topic": "t"},
+    "keyed": {"kind": "kafka", "topic": "t", "ordering": "key"},
+    "fan-out": {"kind": "endpoints"},
+}
+
+
+def settings(db_url: str, claims: str, destinations: Any = None) -> Settings:
+    return load_settings(
+        None,
+        database_url=db_url,
+        relay={"relay_id": "relay-new", "claims": claims, "lease": LEASE},
+        destinations=destinations or DESTINATIONS,
+    )
+
+
+async def register(pool: asyncpg.Pool, relay: str, claims: str, destinations: list[str]) -> Store:
+    store = Store(pool, "public", relay, LEASE, batched={"d"} if claims == "batch" else ())
+    await store.register("host-x", 1, "1.0", destinations)
+    return store
+
+
+async def start(db_url: str, claims: str, destinations: Any = None) -> Store:
+    async def prepare(store: Store) -> None:
+        pass
+
+    return await open_store(settings(db_url, claims, destinations), "relay-new", prepare)
+
+
+async def test_a_relay_registers_how_it_claims(pool: asyncpg.Pool) -> None:
+    await register(pool, "relay-b", "batch", ["d"])
+    await register(pool, "relay-r", "row", ["d"])
+    rows = await pool.fetch("SELECT relay_id, features FROM outbox_relays ORDER BY relay_id")
+    assert [(r[0], r[1]) for r in rows] == [
+        ("relay-b", ["ordered-owner", "batch-claims"]),
+        ("relay-r", ["ordered-owner"]),
+    ]
+
+
+@pytest.mark.parametrize(("running", "starting"), [("batch", "row"), ("row", "batch")])
+async def test_a_relay_refuses_to_start_beside_one_claiming_its_destinations_the_other_way(
+    db_url: str, pool: asyncpg.Pool, running: str, starting: str
+) -> None:
+    """A relay claiming by row beside one claiming under batch leases takes the rows in flight
+    in its batches again: they are delivered twice. The relay that starts second refuses,
+    naming the other, the destination and what to do."""
+    await register(pool, "relay-old", running, ["d", "keyed"])
+    with pytest.raises(RelayStartupError) as refused:
+        await start(db_url, starting)
+    said = str(refused.value)
+    assert "relay 'relay-old' (host host-x) claims d " in said
+    assert f'relay.claims = "{running}"' in said and f'relay.claims = "{starting}"' in said
+    assert "deliver them twice" in said
+    assert "stop the relays of these destinations" in said
+    # The same way: it starts.
+    store = await start(db_url, running)
+    await store.pool.close()
+
+
+async def test_only_relays_running_that_share_a_batchable_destination_count(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """Stopped relays (a clean stop releases what they hold: the switch docs/deploying.md
+    describes), relays not seen for a lease, and those sharing only ordered or endpoints
+    destinations (never claimed under batch leases) do not keep a relay from starting."""
+    stopped = await register(pool, "relay-stopped", "batch", ["d"])
+    await stopped.unregister()
+    await register(pool, "relay-gone", "batch", ["d"])
+    await pool.execute(
+        "UPDATE outbox_relays SET seen_at = now() - interval '1 hour', "
+        "features_at = now() - interval '1 hour' WHERE relay_id = 'relay-gone'"
+    )
+    await register(pool, "relay-other", "batch", ["keyed", "fan-out", "e"])
+    store = await start(db_url, "row")
+    await store.pool.close()
+
+
+async def test_a_relay_of_an_earlier_release_claims_by_row(db_url: str, pool: asyncpg.Pool) -> None:
+    """A relay whose last registration did not write its features (a release before them, or
+    one rolled back under the same relay_id: seen_at moves on, features_at does not) claims
+    by row, whatever features an earlier registration wrote."""
+    await register(pool, "relay-rolled-back", "batch", ["d"])
+    await pool.execute(
+        "UPDATE outbox_relays SET seen_at = now() + interval '1 s' "
+        "WHERE relay_id = 'relay-rolled-back'"
+    )
+    with pytest.raises(RelayStartupError, match="relay-rolled-back"):
+        await start(db_url, "batch")
+    store = await start(db_url, "row")
+    await store.pool.close()
+
+
+async def test_a_running_relay_logs_relays_claiming_its_destinations_the_other_way(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """Two relays that start at once both pass the start-up check: at each registration a
+    relay names, once, the relays running that claim its destinations the other way."""
+    mine = await register(pool, "relay-new", "batch", ["d"])
+    mixed = MixedClaims(settings(db_url, "batch"))
+    with capture_logs() as logs:
+        await mixed(mine)
+        await register(pool, "relay-row", "row", ["d"])
+        await mixed(mine)
+        await mixed(mine)
+    told = [e for e in logs if e["event"] == "relay.claims.mixed"]
+    assert len(told) == 1 and "relay 'relay-row'" in told[0]["error"]
+    assert told[0]["log_level"] == "error"
