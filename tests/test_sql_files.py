@@ -713,9 +713,9 @@ def batch_fence(relay: str) -> str:
     range of its own batch, of the ids' current epoch, and that batch still this relay's."""
     return (
         f"o.id = u.id AND CASE WHEN {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
-        f"WHERE b.id = -u.token AND b.relay = {relay} AND b.destination = o.destination "
-        "AND o.id > b.first_id AND o.id <= b.last_id "
-        f"AND b.epoch = {IDS_EPOCH}) THEN true END"
+        f"WHERE b.id = -u.token AND CASE WHEN b.relay = {relay} "
+        "AND b.destination = o.destination AND o.id > b.first_id AND o.id <= b.last_id "
+        f"AND b.epoch = {IDS_EPOCH} THEN true END) THEN true END"
     )
 
 
