@@ -162,3 +162,53 @@ async def test_a_row_written_while_the_sweep_waits_keeps_what_was_written(
     assert await sweep == 0
     row = await pool.fetchrow("SELECT status, claims, attempts FROM outbox WHERE id = 5")
     assert tuple(row) == ("delivered", 1, 1)
+
+
+# --- Found by a review of the sweep's rule for live batches (age of xmin) --------------------
+
+
+@pytest.mark.parametrize(
+    "rewrite",
+    [
+        # A rewrite that copies every row into a new version (as pg_repack's copy, or an
+        # ALTER TABLE that changes a column's type, does): each row's xmin is the rewrite's.
+        "ALTER TABLE outbox ALTER COLUMN attempts TYPE bigint",
+        # A backfill that keeps the rows fresh (an application's migration of its headers).
+        "UPDATE outbox SET headers = headers || '{\"x\": \"1\"}'::jsonb",
+    ],
+)
+async def test_the_sweep_leaves_a_live_batchs_rows_to_it_after_their_xmin_changed(
+    pool: asyncpg.Pool, rewrite: str
+) -> None:
+    """A live batch's rows whose versions were written after the batch (a table rewrite that
+    gives every row a new xmin, which docs/deploying.md says leaves batches in flight as they
+    are): the sweep took them for ids handed out again and moved them to the waiting lane,
+    where any claim took them by row while relay A delivered them (twice), and A's outcomes
+    were refused."""
+    ids = await insert(pool, 10)
+    a = batch_store(pool, "relay-a")
+    envs = await a.claim("d", 10)
+    assert len(envs) == 10
+    await pool.execute(rewrite)
+    assert await a.sweep() == 0
+    assert await fresh_ids(pool) == ids
+    assert await batch_store(pool, "relay-b").claim("d", 10) == []
+    assert len(await a.record(delivered(envs))) == 10
+
+
+async def test_an_id_given_by_hand_in_a_live_batchs_range_is_claimed_once(
+    pool: asyncpg.Pool,
+) -> None:
+    """What the rule is for: a row given by hand the id of one that a live batch took and whose
+    outcome was recorded (deleted since) is no row of that batch: the sweep moves it to the
+    waiting lane, and it is claimed once, by row."""
+    await insert(pool, 10)
+    a = batch_store(pool, "relay-a")
+    envs = await a.claim("d", 10)
+    assert len(await a.record(delivered(envs))) == 10  # the batch is still live (its lease)
+    await pool.execute("DELETE FROM outbox WHERE id = 5")
+    await insert_at(pool, 5)
+    assert await a.sweep() == 1
+    assert await fresh_ids(pool) == []
+    got = await batch_store(pool, "relay-b").claim("d", 10)
+    assert [(e.id, e.token > 0) for e in got] == [(5, True)]
