@@ -353,7 +353,18 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
 -- transaction id given, before), but an id handed out again into the range of a batch whose
 -- relay has recorded everything and lets its lease lapse; a heartbeat makes the batch's
 -- version newer, which only leaves more rows to it (the reaper puts them back once it ends,
--- an attempt counted). Races: a batch being added meanwhile
+-- an attempt counted). A row's xmin alone does not say when it was written: a rewrite that
+-- copies every row (pg_repack, an ALTER TABLE that changes a column's type) or a backfill
+-- that keeps it fresh gives a row the batch took a version newer than the batch's, and the
+-- sweep handed the rows in flight to the waiting lane (delivered twice, their relay's
+-- outcomes refused: tests/test_batch_sweep.py). A row written (created_at, its transaction's
+-- start) no later than the batch (its claim's) is the batch's too: a row is left to a batch
+-- if either says it is older, and only a clock stepped back during a rewrite fools both. An
+-- id handed out again gets both a newer xmin and a later created_at (but written by a
+-- transaction that began before the batch: then the reaper puts it back). The ages are
+-- compared modulo 2^32 (a frozen row keeps its raw xmin): a row pending for more than 2^31
+-- transactions looks newer than any batch, and only created_at says it is not. Races: a
+-- batch being added meanwhile
 -- covers only ids above the end this snapshot read (a claim that read an older end adds
 -- nothing: claim_batch), so none of them is moved; a batch ended by the reaper meanwhile had
 -- its rows put back in the same statement (not fresh any more); a row a relay records, or a
@@ -381,7 +392,7 @@ stranded AS MATERIALIZED (
           WHERE b.destination = o.destination AND b.relay IS NOT NULL
             AND o.id > b.first_id AND o.id <= b.last_id
             AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
-            AND age(o.xmin) >= age(b.xmin))
+            AND (age(o.xmin) >= age(b.xmin) OR o.created_at <= b.created_at))
 )
 UPDATE {table} AS o
 SET run_after = now(), claims = 1
