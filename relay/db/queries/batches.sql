@@ -369,7 +369,12 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
 -- nothing: claim_batch), so none of them is moved; a batch ended by the reaper meanwhile had
 -- its rows put back in the same statement (not fresh any more); a row a relay records, or a
 -- claim or the reaper takes, meanwhile is no longer fresh when the UPDATE re-reads it, and is
--- left as they wrote it (the CASE re-checks the current version). Under a held snapshot
+-- left as they wrote it (the CASE re-checks the current version). The batch that may hold a
+-- row is the one of the chain with the highest first_id below it (a chain's ranges follow
+-- each other, and forget_batches deletes only ended ones): read so, each row in flight costs
+-- one entry of the chain key; a test of every batch (relay, range) read, with no statistics
+-- of outbox_batches, every ended batch kept below each row (tests/test_batch_sweep.py: 1.8
+-- million batches for 600 rows in flight). Under a held snapshot
 -- (a pg_dump, a replica's feedback) this reads every dead entry of outbox_fresh_idx below the
 -- chain's end: the relay runs it with the row claims' sweep, every 30 minutes, off the
 -- claim's path (relay/app.py).
@@ -388,11 +393,16 @@ stranded AS MATERIALIZED (
     WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
       AND o.id <= (SELECT position FROM chain)
       AND NOT EXISTS (
-          SELECT 1 FROM {batches} AS b
-          WHERE b.destination = o.destination AND b.relay IS NOT NULL
-            AND o.id > b.first_id AND o.id <= b.last_id
-            AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
-            AND (age(o.xmin) >= age(b.xmin) OR o.created_at <= b.created_at))
+          SELECT 1 FROM (
+              -- The one batch that may hold the row: the highest first_id below it.
+              SELECT b.relay, b.last_id, b.xmin AS batch_xmin, b.created_at FROM {batches} AS b
+              WHERE b.destination = o.destination AND o.id > b.first_id
+                AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+              ORDER BY b.first_id DESC
+              LIMIT 1
+          ) AS b
+          WHERE b.relay IS NOT NULL AND o.id <= b.last_id
+            AND (age(o.xmin) >= age(b.batch_xmin) OR o.created_at <= b.created_at))
 )
 UPDATE {table} AS o
 SET run_after = now(), claims = 1
