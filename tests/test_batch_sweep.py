@@ -176,7 +176,7 @@ async def test_a_row_written_while_the_sweep_waits_keeps_what_was_written(
         # ALTER TABLE that changes a column's type, does): each row's xmin is the rewrite's.
         "ALTER TABLE outbox ALTER COLUMN attempts TYPE bigint",
         # A backfill that keeps the rows fresh (an application's migration of its headers).
-        "UPDATE outbox SET headers = headers || '{\"x\": \"1\"}'::jsonb",
+        'UPDATE outbox SET headers = headers || \'{"x": "1"}\'::jsonb',
     ],
 )
 async def test_the_sweep_leaves_a_live_batchs_rows_to_it_after_their_xmin_changed(
@@ -247,7 +247,7 @@ async def test_the_sweep_reads_one_batch_per_row_in_flight(
     )
     await insert(pool, in_flight)
     a = batch_store(pool, "relay-a")
-    held = []
+    held: list[Envelope] = []
     while len(held) < in_flight:
         held += await a.claim("d", 100)
     if statistics:
