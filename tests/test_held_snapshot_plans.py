@@ -282,9 +282,17 @@ async def test_unserved_destinations_are_read_between_the_served_ones(
         raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, known, 600.0)
         found = await conn.fetch(sql, known, 600.0)
         failing = queries.render_ops(queries.FAIL_UNKNOWN_DESTINATIONS, "public")
+        explained = conn.transaction()  # a savepoint: EXPLAIN ANALYZE fails the rows
+        await explained.start()
+        fail_raw = await conn.fetchval(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + failing, known, 600.0, 0.0
+        )
+        await explained.rollback()
         failed = await conn.fetch(failing, known, 600.0, 0.0)
     finally:
         await trial.rollback()
     assert [(r["destination"], r["rows"]) for r in found] == [("a", 3), ("e", 3), ("zz", 3)]
     assert sorted({r["destination"] for r in failed}) == ["a", "e", "zz"]
     assert _pages(raw) <= 50, f"{_pages(raw)} pages"
+    # unknown_destinations = "fail" runs fail_unknown_destinations at every report instead.
+    assert _pages(fail_raw) <= 50 + PAGES_PER_ROW * 9, f"{_pages(fail_raw)} pages to fail"

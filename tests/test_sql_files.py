@@ -232,7 +232,7 @@ RECORD_CLAIMS = (
     "    claims = u.token,"
 )
 UNSERVED = (
-    "\nWHERE status = 'pending' AND NOT (destination = ANY($1::text[]))\n"
+    "\nWHEN status = 'pending' AND NOT (destination = ANY($1::text[]))\n"
     "  AND NOT EXISTS (SELECT 1 FROM {relays} AS r\n"
     "                  WHERE r.seen_at > now() - make_interval(secs => $2)\n"
     "                    AND {table}.destination = ANY(r.destinations))\n"

@@ -13,6 +13,11 @@ from relay.db.store import Store
 
 log = structlog.get_logger("relay")
 
+# How recently another relay must have registered to count as running: relays register every
+# min(lease / 3, 10 s) of their own lease (relay/app.py), so this relay's lease, when shorter
+# than another's interval, would miss it (as relay/pipeline/ordered.py's PEERS_SEEN_WITHIN).
+SEEN_WITHIN = 30.0
+
 
 def batchable(settings: Settings) -> frozenset[str]:
     """The destinations relay.claims = "batch" claims under batch leases: the unordered ones
@@ -26,14 +31,17 @@ def batchable(settings: Settings) -> frozenset[str]:
 
 
 async def mixed_claims(store: Store, settings: Settings) -> list[str]:
-    """What to tell of each other relay running (seen within a lease, not stopped) that
-    claims one of this relay's batchable destinations the other way: the relay, its host, the
-    destinations, and what to do."""
+    """What to tell of each other relay running (seen within SEEN_WITHIN or a lease, not
+    stopped) that claims one of this relay's batchable destinations the other way: the relay,
+    its host, the destinations, and what to do."""
     mine = settings.relay.claims
     theirs = "row" if mine == "batch" else "batch"
     leases = store.batch_leases
     found = await leases.mixed_claims(
-        store.relay_id, batchable(settings), mine == "batch", settings.relay.lease
+        store.relay_id,
+        batchable(settings),
+        mine == "batch",
+        max(settings.relay.lease, SEEN_WITHIN),
     )
     return [
         f"relay {r['relay_id']!r} (host {r['host']}) claims {', '.join(r['destinations'])} "

@@ -358,12 +358,28 @@ WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_
 -- transaction id given, before), but an id handed out again into the range of a batch whose
 -- relay has recorded everything and lets its lease lapse; a heartbeat makes the batch's
 -- version newer, which only leaves more rows to it (the reaper puts them back once it ends,
--- an attempt counted). Races: a batch being added meanwhile
+-- an attempt counted). A row's xmin alone does not say when it was written: a rewrite that
+-- copies every row (pg_repack, an ALTER TABLE that changes a column's type) or a backfill
+-- that keeps it fresh gives a row the batch took a version newer than the batch's, and the
+-- sweep handed the rows in flight to the waiting lane (delivered twice, their relay's
+-- outcomes refused: tests/test_batch_sweep.py). A row written (created_at, its transaction's
+-- start) no later than the batch (its claim's) is the batch's too: a row is left to a batch
+-- if either says it is older, and only a clock stepped back during a rewrite fools both. An
+-- id handed out again gets both a newer xmin and a later created_at (but written by a
+-- transaction that began before the batch: then the reaper puts it back). The ages are
+-- compared modulo 2^32 (a frozen row keeps its raw xmin): a row pending for more than 2^31
+-- transactions looks newer than any batch, and only created_at says it is not. Races: a
+-- batch being added meanwhile
 -- covers only ids above the end this snapshot read (a claim that read an older end adds
 -- nothing: claim_batch), so none of them is moved; a batch ended by the reaper meanwhile had
 -- its rows put back in the same statement (not fresh any more); a row a relay records, or a
 -- claim or the reaper takes, meanwhile is no longer fresh when the UPDATE re-reads it, and is
--- left as they wrote it (the CASE re-checks the current version). Under a held snapshot
+-- left as they wrote it (the CASE re-checks the current version). The batch that may hold a
+-- row is the one of the chain with the highest first_id below it (a chain's ranges follow
+-- each other, and forget_batches deletes only ended ones): read so, each row in flight costs
+-- one entry of the chain key; a test of every batch (relay, range) read, with no statistics
+-- of outbox_batches, every ended batch kept below each row (tests/test_batch_sweep.py: 1.8
+-- million batches for 600 rows in flight). Under a held snapshot
 -- (a pg_dump, a replica's feedback) this reads every dead entry of outbox_fresh_idx below the
 -- chain's end: the relay runs it with the row claims' sweep, every 30 minutes, off the
 -- claim's path (relay/app.py).
@@ -382,11 +398,16 @@ stranded AS MATERIALIZED (
     WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
       AND o.id <= (SELECT position FROM chain)
       AND NOT EXISTS (
-          SELECT 1 FROM {batches} AS b
-          WHERE b.destination = o.destination AND b.relay IS NOT NULL
-            AND o.id > b.first_id AND o.id <= b.last_id
-            AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
-            AND age(o.xmin) >= age(b.xmin))
+          SELECT 1 FROM (
+              -- The one batch that may hold the row: the highest first_id below it.
+              SELECT b.relay, b.last_id, b.xmin AS batch_xmin, b.created_at FROM {batches} AS b
+              WHERE b.destination = o.destination AND o.id > b.first_id
+                AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+              ORDER BY b.first_id DESC
+              LIMIT 1
+          ) AS b
+          WHERE b.relay IS NOT NULL AND o.id <= b.last_id
+            AND (age(o.xmin) >= age(b.batch_xmin) OR o.created_at <= b.created_at))
 )
 UPDATE {table} AS o
 SET run_after = now(), claims = 1
