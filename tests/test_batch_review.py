@@ -336,6 +336,16 @@ async def test_a_batch_claimed_before_migration_0016_is_fenced_as_before(
     assert len(await a.record(outcomes(envs, "mixed"))) == 10
 
 
+async def test_a_relay_refuses_a_schema_without_migration_0016(pool: asyncpg.Pool) -> None:
+    """Its batch claims and outcomes read the column: without it a relay does not start."""
+    store = batch_store(pool, "relay-a")
+    assert await store.missing_tables() == []
+    await pool.execute("ALTER TABLE outbox_batches DROP COLUMN snapshot_xmax")
+    assert await store.missing_tables() == [
+        '"public"."outbox_batches".snapshot_xmax (migration 0016)'
+    ]
+
+
 # --- 4. "Fresh" as a state a row can return to -------------------------------------------
 
 
