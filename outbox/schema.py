@@ -29,6 +29,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.types import UserDefinedType
 
 from outbox.queries import check_schema, quote_ident
 from outbox.sql import load
@@ -350,6 +351,15 @@ def define_inbox_table(metadata: MetaData, schema: str | None = None) -> Table:
     )
 
 
+class Xid(UserDefinedType[int]):
+    """PostgreSQL's ``xid``, a 32-bit transaction id (``outbox_batches.snapshot_xmax``)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "xid"
+
+
 def define_batches_table(metadata: MetaData, schema: str | None = None) -> Table:
     """Add ``outbox_batches`` (the relays' batch leases, migration 0015) to ``metadata``."""
     return Table(
@@ -363,6 +373,8 @@ def define_batches_table(metadata: MetaData, schema: str | None = None) -> Table
         Column("relay", Text, nullable=True),
         Column("lease_until", DateTime(timezone=True), nullable=False),
         _timestamp("created_at", now=True),
+        # The xmax of the claim's snapshot (migration 0016; NULL before it).
+        Column("snapshot_xmax", Xid(), nullable=True),
         UniqueConstraint("destination", "epoch", "first_id", name="outbox_batches_chain_key"),
         CheckConstraint("last_id > first_id", name="outbox_batches_range_check"),
         _partial_index("outbox_batches_lease_idx", "lease_until", where="relay IS NOT NULL"),

@@ -107,6 +107,7 @@ TABLES = (
     "outbox_deliveries",
     "outbox_attempts",
     "outbox_inbox",
+    "outbox_batches",
 )
 
 CATALOG = {
@@ -157,7 +158,7 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
     assert len(by_table["outbox"]) == 18 and len(by_table["outbox_paused"]) == 4
     assert len(by_table["outbox_relays"]) == 11 and len(by_table["outbox_endpoints"]) == 18
     assert len(by_table["outbox_deliveries"]) == 15 and len(by_table["outbox_attempts"]) == 10
-    assert len(by_table["outbox_inbox"]) == 3
+    assert len(by_table["outbox_inbox"]) == 3 and len(by_table["outbox_batches"]) == 9
     assert {i[1] for i in migrated["indexes"]} >= {"outbox_inbox_pkey", "outbox_inbox_received_idx"}
     assert {i[1] for i in migrated["indexes"]} >= {"outbox_delivered_idx", "outbox_paused_pkey"}
     assert migrated == modelled

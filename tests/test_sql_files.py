@@ -708,14 +708,24 @@ IDS_EPOCH = (
 )
 
 
-def batch_fence(relay: str) -> str:
+# The outcomes' test more (batches.sql, migration 0016): the row written before the claim,
+# by its xmin or its created_at; a batch of before 0016 (NULL) fenced as before.
+WRITTEN_BEFORE = (
+    " AND (b.snapshot_xmax IS NULL OR age(o.xmin) > age(b.snapshot_xmax) "
+    "OR o.created_at <= b.created_at)"
+)
+
+
+def batch_fence(relay: str, written_before: bool = True) -> str:
     """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh), in the
-    range of its own batch, of the ids' current epoch, and that batch still this relay's."""
+    range of its own batch, of the ids' current epoch, and that batch still this relay's; for
+    an outcome, the row written before the claim too."""
     return (
         f"o.id = u.id AND CASE WHEN {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
         f"WHERE b.id = -u.token AND CASE WHEN b.relay = {relay} "
         "AND b.destination = o.destination AND o.id > b.first_id AND o.id <= b.last_id "
-        f"AND b.epoch = {IDS_EPOCH} THEN true END) THEN true END"
+        f"AND b.epoch = {IDS_EPOCH}{WRITTEN_BEFORE if written_before else ''} "
+        "THEN true END) THEN true END"
     )
 
 
@@ -733,7 +743,12 @@ def test_the_batch_fences_are_written_alike() -> None:
         "RELEASE_BATCH": (1, "$1"),
     }
     for name, (count, relay) in fenced.items():
-        assert flat(getattr(q, name)).count(batch_fence(relay)) == count, name
+        outcome = name != "RELEASE_BATCH"
+        assert flat(getattr(q, name)).count(batch_fence(relay, outcome)) == count, name
+    # The release puts a row back untouched whichever it is: no test of when it was written.
+    assert "snapshot_xmax" not in q.RELEASE_BATCH
+    # The claim keeps the xmax of the snapshot it read the rows with.
+    assert "pg_snapshot_xmax(pg_current_snapshot())::xid" in q.CLAIM_BATCH
     # A recorded row is no longer fresh, and was claimed once.
     for name in ("RECORD_BATCH", "RECORD_BATCH_DELIVERED", "RECORD_BATCH_DELETING"):
         assert flat(getattr(q, name)).count("claims = 1 FROM unnest(") >= 1, name

@@ -29,12 +29,15 @@ async def missing_tables(call: Call, schema: str) -> list[str]:
     """The outbox tables this relay needs that are not in its schema."""
     tables = _tables(schema)
     relays, endpoints, deliveries = tables[2:5]
+    batches = tables[-1]
     missing = [t for t in tables if not await call("fetchval", queries.TABLE_EXISTS, t)]
     added = (  # columns of later migrations, the first one missing said
         (deliveries, "replay", "0007"),
         (endpoints, "circuit_open_until", "0009"),
         (relays, "circuits", "0010"),
         (relays, "features_at", "0013"),
+        # The batch outcomes' fence reads it (relay/db/queries/batches.sql).
+        (batches, "snapshot_xmax", "0016"),
     )
     for table, column, migration in added:
         if missing:
