@@ -41,8 +41,11 @@ def _whole_table(node: dict[str, Any]) -> bool:
     return node["Node Type"] == "Seq Scan" and node.get("Actual Loops", 1) == 1
 
 
-def _assert_linear(raw: Any, n: int) -> None:
+def _assert_linear(raw: Any, n: int, table_rows: int = 0) -> None:
+    """Every node reads at most a few rows per row of the batch, but for a read of the whole
+    table where the batch is a tenth of it or more (``table_rows`` 0: any table)."""
     plan = json.loads(raw) if isinstance(raw, str) else raw
+    small = n * 10 >= table_rows
     for node in _nodes(plan[0]["Plan"]):
         visited = node.get("Actual Rows", 0) * node.get("Actual Loops", 1)
         # EXPLAIN gives rows and rows removed per loop.
@@ -50,8 +53,9 @@ def _assert_linear(raw: Any, n: int) -> None:
             node.get("Rows Removed by Join Filter", 0) + node.get("Rows Removed by Filter", 0)
         ) * node.get("Actual Loops", 1)
         where = f"{node['Node Type']} {node.get('Relation Name') or node.get('CTE Name') or ''}"
-        if not _whole_table(node):
-            assert visited <= 3 * n, f"{where} produced {visited} rows for a batch of {n}"
+        if small and _whole_table(node):
+            continue  # what it reads and drops, once, is the small table
+        assert visited <= 3 * n, f"{where} produced {visited} rows for a batch of {n}"
         assert removed <= 3 * n, f"{where} read and dropped {removed} rows for a batch of {n}"
 
 
@@ -96,7 +100,7 @@ async def _claimed_events(
 SHAPES = [(5_000, 500), (30_000, 5_000)]
 
 
-@pytest.mark.parametrize(("table_rows", "n"), SHAPES)
+@pytest.mark.parametrize(("table_rows", "n"), [*SHAPES, (100_000, 1_500)])
 @pytest.mark.parametrize(
     ("statement", "status"),
     [
@@ -127,7 +131,7 @@ async def test_recording_outcomes_is_linear(
             ]
             args += [[i for i, _ in delivered], [t for _, t in delivered]]
         raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args)
-        _assert_linear(raw, n)
+        _assert_linear(raw, n, table_rows)
         # And the statement did its job: every row left running.
         assert await conn.fetchval("SELECT count(*) FROM outbox WHERE status = 'running'") == 0
     finally:
@@ -394,17 +398,23 @@ async def test_retention_examines_each_kept_event_once_per_run(db_url: str) -> N
 
 
 async def _batch_claimed(
-    conn: asyncpg.Connection, table_rows: int, n: int
+    conn: asyncpg.Connection, table_rows: int, n: int, analyze: bool = True
 ) -> tuple[list[int], list[int]]:
     """``n`` fresh rows taken by a batch lease (queries.CLAIM_BATCH) of a table of
-    ``table_rows`` pending rows, statistics taken while every row was fresh."""
+    ``table_rows`` pending rows, statistics taken while every row was fresh (or none, as in a
+    database where autovacuum is off or has not come by yet)."""
     await conn.execute("ALTER TABLE outbox SET (autovacuum_enabled = false)")
     await conn.execute(
         "INSERT INTO outbox (destination, key, payload) "
-        "SELECT 'd', 'k' || (i % 50), '\\x00'::bytea FROM generate_series(1, $1) AS i",
+        # Payloads of 200 bytes, as bench drain's: the table's size in pages prices a read of
+        # it whole against a read of the batch's rows by id.
+        "SELECT 'd', 'k' || (i % 50), convert_to(repeat('x', 200), 'UTF8') "
+        "FROM generate_series(1, $1) AS i",
         table_rows,
     )
-    await conn.execute("VACUUM ANALYZE")
+    # No statistics: the table vacuumed, never analyzed (bench drain's prefill; autovacuum off
+    # or not yet by): the planner knows its size, not what its rows hold.
+    await conn.execute("VACUUM ANALYZE" if analyze else "VACUUM")
     epoch = await conn.fetchval(
         "SELECT pg_relation_filenode(pg_get_serial_sequence('outbox', 'id')::regclass)::bigint"
     )
@@ -415,7 +425,17 @@ async def _batch_claimed(
     return [r[0] for r in rows], [r[8] for r in rows]
 
 
-@pytest.mark.parametrize(("table_rows", "n"), SHAPES)
+# A batch a small part of a large table: a drain's (bench drain --claims batch, 100,000 rows,
+# no statistics). The fences' CASE hid the rows' ids from the planner, which then read the
+# whole table into a hash for each record of three batches of 500 (the completer records them
+# at once): 19k events/s instead of 53k.
+BATCH_SHAPES = [(*shape, True) for shape in SHAPES] + [
+    (100_000, 1_500, False),
+    (100_000, 1_500, True),
+]
+
+
+@pytest.mark.parametrize(("table_rows", "n", "analyze"), BATCH_SHAPES)
 @pytest.mark.parametrize(
     "statement",
     [
@@ -427,13 +447,13 @@ async def _batch_claimed(
     ],
 )
 async def test_batch_statements_are_linear(
-    db_url: str, statement: str, table_rows: int, n: int
+    db_url: str, statement: str, table_rows: int, n: int, analyze: bool
 ) -> None:
     """The statements on a batch's rows read each row by its key, never the fresh rows of the
     destination (every row of the table, here) that their fence names."""
     conn = await _connect(db_url)
     try:
-        ids, tokens = await _batch_claimed(conn, table_rows, n)
+        ids, tokens = await _batch_claimed(conn, table_rows, n, analyze)
         sql = queries.render_ops(getattr(queries, statement), "public")
         args: list[Any]
         if statement == "RELEASE_BATCH":
@@ -445,7 +465,7 @@ async def test_batch_statements_are_linear(
             if statement == "RECORD_BATCH_DELETING":
                 args += [ids, tokens]
         raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, *args)
-        _assert_linear(raw, n)
+        _assert_linear(raw, n, table_rows)
         # And the statement did its job: none of the batch's rows is fresh any more.
         fresh = await conn.fetchval(
             "SELECT count(*) FROM outbox WHERE id = ANY($1::bigint[]) "

@@ -264,7 +264,7 @@ SET status = u.status,
     claims = 1
 FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
      AS u(id, token, status, counted, delay, error)
-WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+WHERE o.id = u.id AND o.id = ANY(:ids::bigint[]) AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND CASE WHEN b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
@@ -283,7 +283,7 @@ SET status = 'delivered',
     finished_at = now(),
     claims = 1
 FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+WHERE o.id = u.id AND o.id = ANY(:ids::bigint[]) AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND CASE WHEN b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
@@ -300,7 +300,7 @@ RETURNING o.id, u.token
 WITH gone AS (
     DELETE FROM {table} AS o
     USING unnest(:delivered_ids::bigint[], :delivered_tokens::bigint[]) AS u(id, token)
-    WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+    WHERE o.id = u.id AND o.id = ANY(:delivered_ids::bigint[]) AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
       AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND CASE WHEN b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
@@ -320,7 +320,7 @@ kept AS (
         claims = 1
     FROM unnest(:ids::bigint[], :tokens::bigint[], :statuses::text[], :counted::int[], :delays::float8[], :errors::text[])
          AS u(id, token, status, counted, delay, error)
-    WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+    WHERE o.id = u.id AND o.id = ANY(:ids::bigint[]) AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
       AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND CASE WHEN b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
@@ -337,7 +337,7 @@ SELECT id, token FROM gone UNION ALL SELECT id, token FROM kept
 
 DELETE FROM {table} AS o
 USING unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+WHERE o.id = u.id AND o.id = ANY(:ids::bigint[]) AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND CASE WHEN b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
@@ -366,7 +366,7 @@ RETURNING -b.id
 UPDATE {table} AS o
 SET run_after = now(), claims = 1
 FROM unnest(:ids::bigint[], :tokens::bigint[]) AS u(id, token)
-WHERE o.id = u.id AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
+WHERE o.id = u.id AND o.id = ANY(:ids::bigint[]) AND CASE WHEN o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
   AND EXISTS (SELECT 1 FROM {batches} AS b
             WHERE b.id = -u.token AND CASE WHEN b.relay = :relay AND b.destination = o.destination
               AND o.id > b.first_id AND o.id <= b.last_id
