@@ -475,3 +475,26 @@ async def test_batch_statements_are_linear(
         assert fresh == 0
     finally:
         await conn.close()
+
+
+@pytest.mark.parametrize("analyze", [False, True])
+async def test_settled_reads_its_rows_by_id_among_many_delivered(db_url: str, analyze: bool) -> None:
+    """queries.SETTLED (the rows a heartbeat missed, 1,500 of them: a relay that stalled) on a
+    table of 100,000 delivered rows kept by retention, statistics taken before they were
+    delivered or none: its status test named outbox_delivered_idx, and the planner hashed every
+    delivered row of the table."""
+    conn = await _connect(db_url)
+    try:
+        ids, tokens = await _claimed_events(conn, 101_500, 1_500)
+        await conn.execute(
+            "UPDATE outbox SET status = 'delivered', delivered_at = now(), finished_at = now() "
+            "WHERE status = 'pending'"
+        )
+        await conn.execute("VACUUM ANALYZE outbox" if analyze else "VACUUM outbox")
+        sql = queries.render_ops(queries.SETTLED, "public")
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, ids, tokens)
+        _assert_linear(raw, 1_500, 101_500)
+        await conn.execute("UPDATE outbox SET status = 'delivered' WHERE id = $1", ids[0])
+        assert [r[0] for r in await conn.fetch(sql, ids, tokens)] == [ids[0]]
+    finally:
+        await conn.close()

@@ -716,14 +716,13 @@ WRITTEN_BEFORE = (
 )
 
 
-def batch_fence(relay: str, ids: str, written_before: bool = True) -> str:
+def batch_fence(relay: str, written_before: bool = True, ids: str = "$1") -> str:
     """The fence of a batch's rows (batches.sql): the row as its claim found it (fresh), in the
     range of its own batch, of the ids' current epoch, and that batch still this relay's; for
-    an outcome, the row written before the claim too. The rows' ids named beside the join on
-    unnest (``ids``, the same array), for the primary key to read them."""
+    an outcome, the row written before the claim too. Its rows named by id (``ids``, the
+    array unnest reads them from) beside the join, for the planner (6a0d3c4)."""
     return (
-        f"o.id = u.id AND o.id = ANY({ids}::bigint[]) AND CASE WHEN {FRESH_O} "
-        "AND EXISTS (SELECT 1 FROM {batches} AS b "
+        f"o.id = u.id AND o.id = ANY({ids}::bigint[]) AND CASE WHEN {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
         f"WHERE b.id = -u.token AND CASE WHEN b.relay = {relay} "
         "AND b.destination = o.destination AND o.id > b.first_id AND o.id <= b.last_id "
         f"AND b.epoch = {IDS_EPOCH}{WRITTEN_BEFORE if written_before else ''} "
@@ -737,20 +736,21 @@ def test_the_batch_fences_are_written_alike() -> None:
     def flat(sql: str) -> str:
         return " ".join(sql.split())
 
-    fenced = {  # each fence: the relay's parameter, and the ids' (those of its unnest)
-        "RECORD_BATCH": [("$7", "$1")],
-        "RECORD_BATCH_DELIVERED": [("$3", "$1")],
-        "RECORD_BATCH_DELETING": [("$7", "$8"), ("$7", "$1")],
-        "RECORD_BATCH_DELIVERED_DELETING": [("$3", "$1")],
-        "RELEASE_BATCH": [("$1", "$2")],
+    fenced = {  # each fence once per array of ids the statement unnests
+        "RECORD_BATCH": ("$7", ["$1"]),
+        "RECORD_BATCH_DELIVERED": ("$3", ["$1"]),
+        "RECORD_BATCH_DELETING": ("$7", ["$8", "$1"]),
+        "RECORD_BATCH_DELIVERED_DELETING": ("$3", ["$1"]),
+        "RELEASE_BATCH": ("$1", ["$2"]),
     }
-    for name, fences in fenced.items():
+    for name, (relay, arrays) in fenced.items():
         outcome = name != "RELEASE_BATCH"
         sql = flat(getattr(q, name))
-        for relay, ids in fences:
-            assert sql.count(batch_fence(relay, ids, outcome)) == 1, (name, ids)
-            assert f"unnest({ids}::bigint[]" in sql, (name, ids)
-        assert sql.count("o.id = u.id") == len(fences), name
+        for ids in arrays:
+            # The ANY list is the very array the pairs are unnested from.
+            assert sql.count(f"unnest({ids}::bigint[],") == 1, (name, ids)
+            assert sql.count(batch_fence(relay, outcome, ids)) == 1, (name, ids)
+        assert sql.count("o.id = ANY(") == len(arrays), name
     # The release puts a row back untouched whichever it is: no test of when it was written.
     assert "snapshot_xmax" not in q.RELEASE_BATCH
     # The claim keeps the xmax of the snapshot it read the rows with.

@@ -50,7 +50,9 @@
 -- rewrite while the clock stands behind the claim's), and an id handed out again still takes
 -- the outcome when both pass (its insert gave a created_at no later than the claim's, or ran
 -- while the clock stood behind, or in a transaction that already had an id when the claim
--- read its snapshot). NULL: a batch claimed before migration 0016, fenced as before. The
+-- read its snapshot, or that began before the claim's: created_at
+-- defaults to now(), its transaction's start, so an enqueue with no created_at given is one:
+-- tests/test_batch_fence_review.py). NULL: a batch claimed before migration 0016, fenced as before. The
 -- release keeps the fence without it: a row put back untouched into the waiting lane, whichever
 -- it is, is claimed again and sent.
 -- The epoch of the ids is the file of the id column's sequence (as claim.sql's fence reads
