@@ -40,25 +40,22 @@ async def test_rows_inserted_in_a_released_savepoint_are_the_batchs(
     second later than the claim's (an insert whose transaction began after the claim's
     and committed before the claim read its snapshot), so only the xmin says they are older."""
     created = "now() + interval '1 s'" if ahead else "now()"
-    async with pool.acquire() as conn:
-        async with conn.transaction():
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("INSERT INTO outbox (destination, payload) VALUES ('other', '\\x00')")
+        await conn.execute("SAVEPOINT a")
+        if nested:
             await conn.execute(
                 "INSERT INTO outbox (destination, payload) VALUES ('other', '\\x00')"
             )
-            await conn.execute("SAVEPOINT a")
-            if nested:
-                await conn.execute(
-                    "INSERT INTO outbox (destination, payload) VALUES ('other', '\\x00')"
-                )
-                await conn.execute("SAVEPOINT b")
-            rows = await conn.fetch(
-                "INSERT INTO outbox (destination, payload, created_at, run_after) "
-                f"SELECT 'd', '\\x00', {created}, {created} FROM generate_series(1, 5) "
-                "RETURNING id, xmin::text::bigint, txid_current()"
-            )
-            if nested:
-                await conn.execute("RELEASE SAVEPOINT b")
-            await conn.execute("RELEASE SAVEPOINT a")
+            await conn.execute("SAVEPOINT b")
+        rows = await conn.fetch(
+            "INSERT INTO outbox (destination, payload, created_at, run_after) "
+            f"SELECT 'd', '\\x00', {created}, {created} FROM generate_series(1, 5) "
+            "RETURNING id, xmin::text::bigint, txid_current()"
+        )
+        if nested:
+            await conn.execute("RELEASE SAVEPOINT b")
+        await conn.execute("RELEASE SAVEPOINT a")
     assert all(r[1] > r[2] % 2**32 for r in rows), "the rows' xmin is the subtransaction's"
     a = Store(pool, "public", "relay-a", LEASE, batched={"d"})
     envs = await a.claim("d", 10)

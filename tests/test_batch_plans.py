@@ -478,7 +478,9 @@ async def test_batch_statements_are_linear(
 
 
 @pytest.mark.parametrize("analyze", [False, True])
-async def test_settled_reads_its_rows_by_id_among_many_delivered(db_url: str, analyze: bool) -> None:
+async def test_settled_reads_its_rows_by_id_among_many_delivered(
+    db_url: str, analyze: bool
+) -> None:
     """queries.SETTLED (the rows a heartbeat missed, 1,500 of them: a relay that stalled) on a
     table of 100,000 delivered rows kept by retention, statistics taken before they were
     delivered or none: its status test named outbox_delivered_idx, and the planner hashed every

@@ -722,7 +722,8 @@ def batch_fence(relay: str, written_before: bool = True, ids: str = "$1") -> str
     an outcome, the row written before the claim too. Its rows named by id (``ids``, the
     array unnest reads them from) beside the join, for the planner (6a0d3c4)."""
     return (
-        f"o.id = u.id AND o.id = ANY({ids}::bigint[]) AND CASE WHEN {FRESH_O} AND EXISTS (SELECT 1 FROM {{batches}} AS b "
+        f"o.id = u.id AND o.id = ANY({ids}::bigint[]) AND CASE WHEN {FRESH_O} "
+        "AND EXISTS (SELECT 1 FROM {batches} AS b "
         f"WHERE b.id = -u.token AND CASE WHEN b.relay = {relay} "
         "AND b.destination = o.destination AND o.id > b.first_id AND o.id <= b.last_id "
         f"AND b.epoch = {IDS_EPOCH}{WRITTEN_BEFORE if written_before else ''} "
