@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 
+import asyncpg
 import pytest
 
+from outbox.dburl import to_asyncpg_dsn
 from relay.tools.localbroker import LocalBroker
 from tests.support import pg
 from tests.support.receiver import Receiver
@@ -40,6 +42,17 @@ def db_url(pg_admin_url: str, database_pool: pg.DatabasePool) -> Iterator[str]:
     name = database_pool.take()
     yield pg.with_database(pg_admin_url, name)
     pg.drop_database(pg_admin_url, name)
+
+
+@pytest.fixture
+async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
+    """An asyncpg pool on this test's database (a test module may define its own)."""
+    p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)
+    assert p is not None
+    try:
+        yield p
+    finally:
+        await p.close()
 
 
 @pytest.fixture

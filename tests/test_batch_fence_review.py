@@ -3,26 +3,13 @@ rows whose xmin is not their top-level transaction's (a savepoint), and what the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import asyncpg
 import pytest
 
-from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
 from relay.db.store import Record, Store
 
 LEASE = 60.0
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)
-    assert p is not None
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 def delivered(envs: list) -> list[Record]:

@@ -8,14 +8,12 @@ refuses to start (or, running, says so)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
 import pytest
 from structlog.testing import capture_logs
 
-from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
 from relay.config import Settings
 from relay.db.store import Record, Store
@@ -24,16 +22,6 @@ from relay.runtime.startup import RelayStartupError, open_store
 from relay.settings import load_settings
 
 LEASE = 60.0
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)
-    assert p is not None
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 async def insert(pool: asyncpg.Pool, n: int, destination: str = "d") -> list[int]:

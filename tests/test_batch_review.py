@@ -6,13 +6,11 @@ known gaps docs/deploying.md lists."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import asyncpg
 import pytest
 from structlog.testing import capture_logs
 
-from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
 from relay.db.store import Record, Store
 from relay.maintenance import reaper as reaper_module
@@ -22,16 +20,6 @@ from relay.obs.metrics import Metrics
 GAP = 'known gap of relay.claims = "batch" (docs/deploying.md): '
 
 LEASE = 60.0
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)
-    assert p is not None
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 def batch_store(pool: asyncpg.Pool, relay: str) -> Store:

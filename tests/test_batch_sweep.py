@@ -6,29 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
 import pytest
 
-from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
 from relay.db import queries
 from relay.db.store import Record, Store
 from relay.model import Envelope
 
 LEASE = 60.0
-
-
-@pytest.fixture
-async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
-    p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)
-    assert p is not None
-    try:
-        yield p
-    finally:
-        await p.close()
 
 
 def batch_store(pool: asyncpg.Pool, relay: str) -> Store:
