@@ -22,7 +22,7 @@ import pytest
 import outbox
 from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
-from relay.db import queries
+from relay.db import claims, queries
 from relay.db.store import Record, Store, create_pool
 from relay.model import Envelope
 from relay.runtime.startup import batched
@@ -349,12 +349,18 @@ async def test_the_reaper_fails_a_batchs_rows_whose_attempts_are_spent(
 # --- 3. concurrent claims and inserts: every committed row taken once -----------------------
 
 
-async def test_concurrent_claims_take_every_committed_row_exactly_once(db_url: str) -> None:
+@pytest.mark.parametrize("past_fence_after", [3600.0, 0.05])
+async def test_concurrent_claims_take_every_committed_row_exactly_once(
+    db_url: str, past_fence_after: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Four relays (two to a pool) claim in loops with batches of random sizes while three
     writers insert 20 rows per transaction, some transactions held open a while, some rolled
-    back. Every committed row is taken in a batch exactly once and ends delivered; a fifth of
-    them is retried once (recorded pending, then claimed by row, once); no rolled-back id is
-    ever claimed; the chain's batches follow each other with neither gap nor overlap."""
+    back. Every committed row is taken exactly once, in a batch or, where a transaction held
+    open stopped the fence for longer than ``past_fence_after``, by row past it
+    (queries.CLAIM_PAST_FENCE), and ends delivered; a fifth of the batches' rows is retried
+    once (recorded pending, then claimed by row, once); no rolled-back id is ever claimed; the
+    chain's batches follow each other with neither gap nor overlap."""
+    monkeypatch.setattr(claims, "PAST_FENCE_AFTER", past_fence_after)
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     dsn = to_asyncpg_dsn(db_url)
@@ -452,13 +458,16 @@ async def test_concurrent_claims_take_every_committed_row_exactly_once(db_url: s
 
     why = f"seed {seed}"
     assert held_open and rolled_back and retried, why  # each case happened
-    assert set(in_batch) == committed, why
+    past = set(by_row) - retried  # claimed by row past the fence
+    assert bool(past) == (past_fence_after < 1), why
+    assert not past & set(in_batch), why
+    assert set(in_batch) | past == committed, why
     assert set(in_batch.values()) == {1}, why
-    assert set(by_row) == retried and set(by_row.values()) == {1}, why
+    assert retried <= set(in_batch) and set(by_row.values()) == {1}, why
     assert not (set(in_batch) | set(by_row)) & rolled_back, why
-    # The chain: from 0 to the last committed row, each batch where the one before ended,
-    # each row taken in the batch whose range holds it.
-    assert chain[0]["first_id"] == 0 and chain[-1]["last_id"] == max(committed), why
+    # The chain: from 0 to the last row taken in a batch, each batch where the one before
+    # ended, each row taken in the batch whose range holds it.
+    assert chain[0]["first_id"] == 0 and chain[-1]["last_id"] == max(in_batch), why
     for before, after in itertools.pairwise(chain):
         assert after["first_id"] == before["last_id"], why
     ranges = {-b["id"]: (b["first_id"], b["last_id"]) for b in chain}
@@ -595,8 +604,10 @@ async def test_a_claim_from_an_end_of_the_chain_another_claim_extended_takes_no_
 
 @pytest.mark.parametrize("open_insert", ["commits", "rolls back"])
 async def test_rows_committed_after_an_open_insert_wait_for_it(
-    db_url: str, admin: asyncpg.Connection, open_insert: str
+    db_url: str, admin: asyncpg.Connection, open_insert: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # For a while: then they are claimed row by row (tests/test_batch_past_fence.py).
+    monkeypatch.setattr(claims, "PAST_FENCE_AFTER", 3600.0)
     before = await insert(admin, 3)
     writer = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:

@@ -22,6 +22,11 @@ FENCE_REUSE = 0.5
 # How many times more a batch claim that lost the race for its chain's end claims again at once
 # from the new end (see UnorderedClaims._take_batch).
 LOST_TRIES = 3
+# How long the fence of a destination claimed in batches may stand still, with rows visible
+# past it, before they are claimed row by row (see queries.CLAIM_PAST_FENCE): an inserting
+# transaction open that long is no request's but a bulk import's, or a session left idle in
+# transaction, and the rows committed after it are not held back for as long as it stays open.
+PAST_FENCE_AFTER = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +75,7 @@ class UnorderedClaims:
         self.claim_late = queries.render_ops(queries.CLAIM, schema)
         self.claim_fresh = queries.render_ops(queries.CLAIM_FRESH, schema)
         self.claim_batch = queries.render_ops(queries.CLAIM_BATCH, schema)
+        self.claim_past_fence = queries.render_ops(queries.CLAIM_PAST_FENCE, schema)
         # The destinations claimed under batch leases (see queries.CLAIM_BATCH).
         self.batched = frozenset(batched)
         self._fresh_below = queries.render_ops(queries.FRESH_BELOW, schema)
@@ -82,6 +88,9 @@ class UnorderedClaims:
         # Per batched destination that drains, the last fresh id its last claim took (the
         # chain's end as this relay left it): see _claim_batch.
         self._chain_ends: dict[str, int] = {}
+        # Per batched destination whose fence stands below rows visible past it: that fence,
+        # since when (monotonic time), and where its next claim past the fence starts.
+        self._stalls: dict[str, tuple[int, float, int]] = {}
         # Per unordered destination, where its next claim of fresh rows starts and up to where
         # every fresh row has been seen (see CLAIM), and the table's epoch they hold for.
         self.cursors: dict[str, _Lane] = {}
@@ -182,7 +191,40 @@ class UnorderedClaims:
         if len(rows) >= limit:
             self._draining.add(destination)
             self._chain_ends[destination] = max((r[0] for r in rows if r[8] < 0), default=0)
+        elif row[0] < row[3]:
+            rows += await self._past_fence(destination, limit - len(rows), row[0])
+        else:
+            self._stalls.pop(destination, None)
         return envelopes(rows, until)
+
+    async def _past_fence(self, destination: str, limit: int, fence: int) -> list[asyncpg.Record]:
+        """Rows of ``destination`` visible past ``fence``, claimed row by row once the fence
+        has stood there for PAST_FENCE_AFTER (see queries.CLAIM_PAST_FENCE); none before."""
+        now = time.monotonic()
+        stall = self._stalls.get(destination)
+        if stall is None or stall[0] != fence:
+            self._stalls[destination] = (fence, now, fence)
+            return []
+        if now - stall[1] < PAST_FENCE_AFTER:
+            return []
+        self.statements["claim_past_fence"] += 1
+        rows = await self._call(
+            "fetch",
+            self.claim_past_fence,
+            self.table,
+            destination,
+            limit,
+            self.relay_id,
+            self.lease,
+            fence,
+            max(fence, stall[2]),
+        )
+        marker = rows[-1]
+        if marker[4] == "t":
+            self._stalls[destination] = (fence, stall[1], int(marker[2]))
+        else:  # the transaction below the fence ended: the batch claims take them
+            self._stalls.pop(destination, None)
+        return [r for r in rows if r[0] != -1]
 
     async def _take_batch(
         self, destination: str, limit: int, fence: int, ids_epoch: int
@@ -220,6 +262,7 @@ class UnorderedClaims:
         self._reading = None
         self._epoch = epoch
         self.cursors.clear()
+        self._stalls.clear()
         self._on_new_epoch()
         self.statements["fence"] += 1
         return await self._call("fetchrow", self.fence, self.table, 0)

@@ -20,6 +20,7 @@ from outbox.queries import SERVER_ENCODING as SERVER_ENCODING
 from outbox.queries import TABLE_EXISTS as TABLE_EXISTS
 from outbox.queries import qualified_table as qualified_table
 from relay.db.queries.batches import CLAIM_BATCH as CLAIM_BATCH
+from relay.db.queries.batches import CLAIM_PAST_FENCE as CLAIM_PAST_FENCE
 from relay.db.queries.batches import EXPIRED_BATCHES as EXPIRED_BATCHES
 from relay.db.queries.batches import FORGET_BATCHES as FORGET_BATCHES
 from relay.db.queries.batches import HEARTBEAT_BATCHES as HEARTBEAT_BATCHES

@@ -12,6 +12,7 @@ from outbox.sql import load
 _q = load("relay.db.queries", "batches.sql", binds="numbered")
 
 CLAIM_BATCH = _q["claim_batch"]
+CLAIM_PAST_FENCE = _q["claim_past_fence"]
 REAP_BATCHES = _q["reap_batches"]
 EXPIRED_BATCHES = _q["expired_batches"]
 FORGET_BATCHES = _q["forget_batches"]

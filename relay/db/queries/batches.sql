@@ -162,6 +162,84 @@ UNION ALL
 SELECT -1, NULL, NULL, NULL, NULL, NULL, 0, 0, 0, NULL
 WHERE EXISTS (SELECT 1 FROM taken) AND NOT EXISTS (SELECT 1 FROM lease)
 
+-- name: claim_past_fence
+-- params: table, destination, batch, relay, lease, fence, cursor
+-- The fresh rows of a destination claimed in batches that lie past the fence (:fence, as FENCE
+-- read it) while an inserting transaction stays open below them: claim_batch takes no row past
+-- the fence, so one application transaction left open after an insert (a bulk import, a
+-- session idle in transaction) would hold back every row committed after it for as long as it
+-- stays open. The relay runs this once the fence has stood still for a while with rows visible
+-- past it (relay/db/claims.py): they are claimed row by row, as claim.sql claims (running
+-- under this relay's lease, their own token, two row versions each), from :cursor (at or above
+-- the fence: where the previous such claim ended), and left to the chain once the fence passes
+-- them (no longer fresh, a batch passes over them).
+--
+-- A batch claim reads its rows without locking them, so a row claimed here must lie past the
+-- fence of every batch claim whose snapshot cannot see this claim: otherwise both would take
+-- it. Hence the gate, before the rows are claimed: this statement holds a fence key of value
+-- :fence (shared, as the inserts' trigger takes its keys: migrations/0004) until it commits,
+-- and only then checks that another transaction still holds a key at or below :fence. A FENCE
+-- reading made after the key was taken sees it, and reads a fence no higher than :fence; one
+-- made before saw that other key held (taken before the reading: a key taken after it is at or
+-- above every id then visible, so above that reading's fence anyway), and read no higher
+-- either. Once that key is gone, no row is claimed here: the batch claims take them (the relay
+-- reads the fence again). The check reads pg_locks, which is no snapshot but the locks held at
+-- that moment; each step waits for the one before it (the EXISTS is correlated with the gate).
+-- The marker row (id -1) carries where the next such claim starts in `key`, and whether the
+-- gate let this one claim in `content_type` ('t' or 'f').
+
+WITH gate AS MATERIALIZED (
+    SELECT pg_try_advisory_xact_lock_shared(
+        4611686018427387904 + ((1 + mod(:table::regclass::oid::bigint, 16383)) << 48) + :fence::bigint) AS locked
+),
+open_below AS MATERIALIZED (
+    SELECT g.locked AND EXISTS (
+        SELECT 1 FROM pg_locks AS l
+        WHERE g.locked AND l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
+          AND l.pid IS DISTINCT FROM pg_backend_pid()
+          AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND l.classid::bigint >= 1073741824 AND l.classid::bigint < 2147483648
+          AND ((((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904) >> 48)
+              IN (0, 1 + mod(:table::regclass::oid::bigint, 16383))
+          AND ((((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904) & 281474976710655)
+              <= :fence::bigint
+    ) AS open
+    FROM gate AS g
+),
+fresh AS (
+    SELECT id, run_after FROM {table}
+    WHERE destination = :destination AND status = 'pending' AND claims = 0 AND run_after <= created_at AND id > :cursor::bigint AND run_after <= now()
+    ORDER BY id
+    LIMIT :batch
+    FOR UPDATE SKIP LOCKED
+),
+chosen AS (
+    SELECT f.id FROM fresh AS f WHERE (SELECT b.open FROM open_below AS b)
+),
+claimed AS (
+    UPDATE {table} AS o
+    SET status = 'running', locked_by = :relay, locked_until = now() + make_interval(secs => :lease),
+        claims = o.claims + 1
+    WHERE o.id = ANY(ARRAY(SELECT id FROM chosen))
+    RETURNING o.id, o.destination, o.key, o.payload, o.content_type, o.headers::text AS headers,
+              o.attempts, extract(epoch FROM o.created_at)::float8 AS created_at, o.claims,
+              o.event_type
+),
+next_cursor AS MATERIALIZED (
+    SELECT coalesce(
+        (SELECT min(o.id) - 1 FROM {table} AS o
+         WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at AND o.id > :cursor::bigint
+           AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
+        (SELECT max(c.id) FROM chosen AS c),
+        :cursor::bigint) AS cursor
+)
+SELECT * FROM claimed
+UNION ALL
+SELECT -1, NULL, n.cursor::text, NULL,
+       CASE WHEN (SELECT b.open FROM open_below AS b) THEN 't' ELSE 'f' END,
+       NULL, 0, NULL, 0, NULL
+FROM next_cursor AS n
+
 -- name: reap_batches
 -- params: default_max_attempts, batch, destinations, max_attempts, only, never, within
 -- Batches whose lease ended (their relay stopped heartbeating, or recorded everything and let
