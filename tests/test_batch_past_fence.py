@@ -181,6 +181,9 @@ async def test_a_claim_past_the_fence_holds_the_fence_there_until_it_commits(
             assert (got, gate) == (after, "t")
             await tx.commit()
             assert await fence(admin) == at  # still, while the claim is open
+            # But its key is no insert's: another relay's claim past that fence is refused
+            # (its gate would pass on a key that says nothing of the fence readings since).
+            assert await past_fence(admin, "relay-c", at) == ([], "f")
             async with opened(db_url, "relay-b") as other:
                 assert await other.claim(D, 100) == []
         # Committed: the next batch claim takes what the insert wrote, and nothing else.

@@ -182,8 +182,12 @@ WHERE EXISTS (SELECT 1 FROM taken) AND NOT EXISTS (SELECT 1 FROM lease)
 -- reading made after the key was taken sees it, and reads a fence no higher than :fence; one
 -- made before saw that other key held (taken before the reading: a key taken after it is at or
 -- above every id then visible, so above that reading's fence anyway), and read no higher
--- either. Once that key is gone, no row is claimed here: the batch claims take them (the relay
--- reads the fence again). The check reads pg_locks, which is no snapshot but the locks held at
+-- either. Only an insert's key counts: the pair the trigger takes (tagged with this table, and
+-- untagged, of one value: migrations/0004), never a key this statement takes in another
+-- relay (tagged only), whose value is an older fence's and proves nothing of the readings
+-- made since (tests/test_batch_claims.py: four relays claiming past the fence together took
+-- rows in flight in a batch). Once that key is gone, no row is claimed here: the batch claims
+-- take them (the relay reads the fence again). The check reads pg_locks, which is no snapshot but the locks held at
 -- that moment; each step waits for the one before it (the EXISTS is correlated with the gate).
 -- The marker row (id -1) carries where the next such claim starts in `key`, and whether the
 -- gate let this one claim in `content_type` ('t' or 'f').
@@ -195,12 +199,17 @@ WITH gate AS MATERIALIZED (
 open_below AS MATERIALIZED (
     SELECT g.locked AND EXISTS (
         SELECT 1 FROM pg_locks AS l
+        JOIN pg_locks AS u
+          ON u.virtualtransaction = l.virtualtransaction AND u.locktype = 'advisory'
+         AND u.objsubid = 1 AND u.granted AND u.database = l.database
+         AND ((u.classid::bigint << 32) | u.objid::bigint)
+             = ((l.classid::bigint << 32) | l.objid::bigint) - ((1 + mod(:table::regclass::oid::bigint, 16383)) << 48)
         WHERE g.locked AND l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted
           AND l.pid IS DISTINCT FROM pg_backend_pid()
           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
           AND l.classid::bigint >= 1073741824 AND l.classid::bigint < 2147483648
           AND ((((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904) >> 48)
-              IN (0, 1 + mod(:table::regclass::oid::bigint, 16383))
+              = 1 + mod(:table::regclass::oid::bigint, 16383)
           AND ((((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904) & 281474976710655)
               <= :fence::bigint
     ) AS open
