@@ -876,7 +876,11 @@ def test_batch_leases_are_for_unordered_destinations_but_endpoints() -> None:
             None, database_url="postgresql://x@127.0.0.1/y", relay=relay, destinations=destinations
         )
 
-    assert batched(settings()) == frozenset()  # claims = "row" by default
+    # claims = "auto" by default: batch leases, unless relays running claim by row (then
+    # open_store settles on row: tests/test_batch_registry.py).
+    assert settings().relay.claims == "auto"
+    assert batched(settings()) == {"plain", "hook"}
+    assert batched(settings(claims="auto")) == {"plain", "hook"}
     assert batched(settings(claims="row")) == frozenset()
     assert batched(settings(claims="batch")) == {"plain", "hook"}
 

@@ -153,6 +153,60 @@ async def test_a_relay_of_an_earlier_release_claims_by_row(db_url: str, pool: as
     await store.pool.close()
 
 
+async def test_auto_claims_under_batch_leases_unless_a_running_relay_claims_by_row(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """relay.claims = "auto" (the default): batch leases when no relay running claims its
+    destinations by row, as a fresh deployment or one whose relays all claim so; by row for
+    as long as it runs when one does (a relay of an earlier release, during a rolling
+    upgrade), said once with what to do. It registers the way it settled on, so that the
+    relays started after it settle the same way, and a relay set to the other way refuses."""
+    batch = await register(pool, "relay-batch", "batch", ["d"])
+    with capture_logs() as logs:
+        store = await start(db_url, "auto")
+    assert store.unordered.batched == {"d"}
+    await store.pool.close()
+    told = [e for e in logs if e["event"] == "relay.claims.auto"]
+    assert [(e["claims"], e["log_level"]) for e in told] == [("batch", "info")]
+
+    await batch.unregister()  # stopped: the rollout of a release before "auto" begins
+    await register(pool, "relay-old", "row", ["d", "keyed"])
+    with capture_logs() as logs:
+        store = await start(db_url, "auto")
+    try:
+        assert store.unordered.batched == frozenset()
+        (told,) = [e for e in logs if e["event"] == "relay.claims.auto"]
+        assert (told["claims"], told["log_level"]) == ("row", "warning")
+        assert told["relays"] == ["relay-old (host host-x): d"]
+        assert "stop every relay of these destinations once" in told["action"]
+        await store.register("host-y", 2, "2.0", ["d"])
+        features = await pool.fetchval(
+            "SELECT features FROM outbox_relays WHERE relay_id = 'relay-new'"
+        )
+        assert features == ["ordered-owner"]
+        # Registered by row: a relay set to batch refuses to start beside it.
+        with pytest.raises(RelayStartupError, match="relay 'relay-new'"):
+            await open_store(settings(db_url, "batch"), "relay-next", nothing)
+    finally:
+        await store.pool.close()
+
+
+async def nothing(store: Store) -> None:
+    pass
+
+
+async def test_auto_beside_batch_and_row_relays_is_refused_as_row_is(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """Relays already mixed (one by row, one under batch leases): an auto relay settles on row
+    and refuses to start beside the batch one, as a relay set to row does."""
+    await register(pool, "relay-batch", "batch", ["d"])
+    await register(pool, "relay-row", "row", ["d"])
+    with pytest.raises(RelayStartupError) as refused:
+        await start(db_url, "auto")
+    assert "relay 'relay-batch' (host host-x) claims d " in str(refused.value)
+
+
 async def test_a_running_relay_logs_relays_claiming_its_destinations_the_other_way(
     db_url: str, pool: asyncpg.Pool
 ) -> None:

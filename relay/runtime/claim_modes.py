@@ -6,6 +6,7 @@ its destinations the other way refuses to start, and a running one says so in it
 
 from __future__ import annotations
 
+import asyncpg
 import structlog
 
 from relay.config import Settings
@@ -30,22 +31,36 @@ def batchable(settings: Settings) -> frozenset[str]:
     )
 
 
-async def mixed_claims(store: Store, settings: Settings) -> list[str]:
-    """What to tell of each other relay running (seen within SEEN_WITHIN or a lease, not
-    stopped) that claims one of this relay's batchable destinations the other way: the relay,
-    its host, the destinations, and what to do."""
-    mine = settings.relay.claims
-    theirs = "row" if mine == "batch" else "batch"
-    leases = store.batch_leases
-    found = await leases.mixed_claims(
-        store.relay_id,
-        batchable(settings),
-        mine == "batch",
-        max(settings.relay.lease, SEEN_WITHIN),
+async def running_other_way(store: Store, settings: Settings, batch: bool) -> list[asyncpg.Record]:
+    """The other relays running (seen within SEEN_WITHIN or a lease, not stopped) that claim
+    one of this relay's batchable destinations by row (``batch``: as if this relay claimed
+    under batch leases) or under batch leases (not ``batch``)."""
+    return list(
+        await store.batch_leases.mixed_claims(
+            store.relay_id,
+            batchable(settings),
+            batch,
+            max(settings.relay.lease, SEEN_WITHIN),
+        )
     )
+
+
+async def row_relays(store: Store, settings: Settings) -> list[str]:
+    """The other relays running that claim one of this relay's batchable destinations by row:
+    "<relay> (host <host>): <destinations>"."""
+    found = await running_other_way(store, settings, True)
+    return [f"{r['relay_id']} (host {r['host']}): {', '.join(r['destinations'])}" for r in found]
+
+
+async def mixed_claims(store: Store, settings: Settings) -> list[str]:
+    """What to tell of each other relay running that claims one of this relay's batchable
+    destinations the other way: the relay, its host, the destinations, and what to do."""
+    mine = "batch" if store.unordered.batched else "row"
+    theirs = "row" if mine == "batch" else "batch"
+    found = await running_other_way(store, settings, mine == "batch")
     return [
         f"relay {r['relay_id']!r} (host {r['host']}) claims {', '.join(r['destinations'])} "
-        f'with relay.claims = "{theirs}", and this relay is set to claim '
+        f'with relay.claims = "{theirs}", and this relay claims '
         f'{"them" if len(r["destinations"]) > 1 else "it"} with relay.claims = "{mine}": a '
         "relay claiming by row would take the rows in flight in the other's batch leases "
         "again, and deliver them twice. Every relay serving a destination must claim it the "

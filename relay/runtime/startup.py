@@ -14,7 +14,7 @@ from outbox.errors import describe
 from outbox.migrate import not_utf8
 from relay.config import Settings
 from relay.db.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
-from relay.runtime.claim_modes import batchable, mixed_claims
+from relay.runtime.claim_modes import batchable, mixed_claims, row_relays
 
 log = structlog.get_logger("relay")
 
@@ -97,6 +97,8 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
                 "again (it grants what each migration added; retention reads these tables "
                 "for every destination)"
             )
+        if rs.claims == "auto":
+            await settle_claims(store, settings)
         mixed = await mixed_claims(store, settings)
         if mixed:
             raise RelayStartupError(mixed[0])
@@ -109,11 +111,33 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
 
 def batched(settings: Settings) -> frozenset[str]:
     """The destinations whose fresh rows are claimed under batch leases (relay.claims =
-    "batch"): the unordered ones whose sink does not record outcomes in its own statements
-    (the endpoints sink's fan-out does)."""
-    if settings.relay.claims != "batch":
+    "batch", or "auto" until settle_claims says otherwise): the unordered ones whose sink does
+    not record outcomes in its own statements (the endpoints sink's fan-out does)."""
+    if settings.relay.claims == "row":
         return frozenset()
     return batchable(settings)
+
+
+async def settle_claims(store: Store, settings: Settings) -> None:
+    """relay.claims = "auto": batch leases, unless relays running now claim some of this
+    relay's destinations by row (relays of an earlier release, or of this one that settled
+    on row when they started): then by row, as they do, for as long as this relay runs. Two
+    ways on one destination would deliver rows twice; a relay never changes its way while
+    it runs, since its batches in flight would be claimed again."""
+    by_row = await row_relays(store, settings)
+    if by_row:
+        store.unordered.batched = frozenset()
+        log.warning(
+            "relay.claims.auto",
+            claims="row",
+            relays=by_row,
+            action="claiming by row as the running relays listed do; to claim under batch "
+            "leases (half the dead row versions under a held snapshot), stop every relay of "
+            "these destinations once and start them again: with none running, they start "
+            "with batch leases",
+        )
+    else:
+        log.info("relay.claims.auto", claims="batch" if store.unordered.batched else "row")
 
 
 def refused_at_startup(exc: BaseException) -> str:

@@ -83,7 +83,9 @@ def bench() -> None:
     """
 
 
-CLAIMS = shown("--claims", "row", type=click.Choice(["row", "batch"]), help="relay.claims.")
+CLAIMS = shown(
+    "--claims", "auto", type=click.Choice(["auto", "row", "batch"]), help="relay.claims."
+)
 
 
 def _drain_scenarios(opts: dict[str, Any]) -> dict[str, Scenario]:

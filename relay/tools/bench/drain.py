@@ -45,7 +45,7 @@ def relay_settings(
     max_in_flight: int | None,
     ordering: str = "none",
     retention: float | None = None,
-    claims: str = "row",
+    claims: str = "auto",
 ) -> Any:
     return load_settings(
         None,
@@ -79,7 +79,7 @@ async def drain(
     ordering: str = "none",
     retention: float | None = None,
     hold_snapshot: bool = False,
-    claims: str = "row",
+    claims: str = "auto",
 ) -> dict[str, Any]:
     await prefill(db_url, events, payload, keys)
     held: HeldSnapshot | None = None

@@ -211,7 +211,7 @@ async def steady(
     hold_snapshot: bool = False,
     window: float = 15.0,
     warmup: float = 15.0,
-    claims: str = "row",
+    claims: str = "auto",
 ) -> dict[str, Any]:
     await _create_business_table(db_url)
     held: HeldSnapshot | None = None
