@@ -237,6 +237,13 @@ def drain_cmd(**opts: Any) -> None:
     "REPEATABLE READ transaction, as a pg_dump or a long report holds one), opened before "
     "the load starts: vacuum can remove none of the run's dead row versions.",
 )
+@shown(
+    "--hold-insert",
+    0.0,
+    type=click.FloatRange(0),
+    help="Seconds an application transaction that enqueued one event stays open, from "
+    "--warmup seconds into the load (a bulk import, a session idle in transaction); 0: none.",
+)
 @CLAIMS
 @shown(
     "--window",
@@ -277,6 +284,7 @@ def steady_cmd(**opts: Any) -> None:
                     keys=opts["keys"],
                     retention=opts["retention"],
                     hold_snapshot=opts["hold_snapshot"],
+                    hold_insert=opts["hold_insert"],
                     window=opts["window"],
                     warmup=opts["warmup"],
                     claims=opts["claims"],

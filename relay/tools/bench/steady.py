@@ -209,6 +209,7 @@ async def steady(
     keys: int = 1000,
     retention: float | None = None,
     hold_snapshot: bool = False,
+    hold_insert: float = 0.0,
     window: float = 15.0,
     warmup: float = 15.0,
     claims: str = "auto",
@@ -226,24 +227,46 @@ async def steady(
         start_at = time.time() + 2.0  # room for the processes to start and connect
         load = WriterLoad(rate / processes, seconds, writers, per_tx, keys, start_at)
         outs = [tmp / f"commits-{i}.json" for i in range(processes)]
+        holder = None
+        if hold_insert:
+            holder = asyncio.create_task(_hold_insert(db_url, start_at + warmup, hold_insert))
         try:
             commits = await write_load(db_url, load, outs, RuntimeError)
+            held_insert = await holder if holder is not None else 0
             deadline = time.monotonic() + 30
-            while sink.acked < len(commits) and time.monotonic() < deadline:
+            while sink.acked < len(commits) + held_insert and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             idle_cpu = await _idle_cpu(idle_seconds)
         finally:
+            if holder is not None and not holder.done():
+                holder.cancel()
             relay.stop()
             await task
         report = _report(
             sink, commits, rate, per_tx, processes, idle_cpu, window=window, warmup=warmup
         )
         report.update(ordering=ordering, keys=keys, hold_snapshot=hold_snapshot, claims=claims)
+        report.update(insert_held_seconds=hold_insert)
         # While the snapshot is still held: what it kept is in the table.
         report.update(await table_stats(db_url, report["acked"]))
     if held is not None:
         report.update(held.figures())
     return report
+
+
+async def _hold_insert(db_url: str, at: float, seconds: float) -> int:
+    """An application transaction that enqueues one event at ``at`` (wall-clock time) and
+    stays open for ``seconds`` before it commits; the events it committed (1). Its event is
+    not among the writers' commits, whose latencies are reported."""
+    await asyncio.sleep(max(0.0, at - time.time()))
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with conn.transaction():
+            await outbox.enqueue(conn, destination=DESTINATION, payload={"held": True})
+            await asyncio.sleep(seconds)
+    finally:
+        await conn.close()
+    return 1
 
 
 async def _create_business_table(db_url: str) -> None:
