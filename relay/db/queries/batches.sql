@@ -189,6 +189,15 @@ WHERE EXISTS (SELECT 1 FROM taken) AND NOT EXISTS (SELECT 1 FROM lease)
 -- rows in flight in a batch). Once that key is gone, no row is claimed here: the batch claims
 -- take them (the relay reads the fence again). The check reads pg_locks, which is no snapshot but the locks held at
 -- that moment; each step waits for the one before it (the EXISTS is correlated with the gate).
+-- The argument holds only while a key's value lies above every id visible when it was taken.
+-- Two keys do not: another schema's outbox whose tag collides with this one's (migrations/0004)
+-- takes its pair at its own sequence's value, and a sequence set back (setval) hands out keys
+-- below the ids already drawn. Either lowers the fence below rows in flight in a batch, which
+-- are still fresh, and the gate passed on it: both relays sent them
+-- (tests/test_batch_past_fence_review.py). So no row at or below the end of the destination's
+-- chain (as this statement's snapshot sees it, of the ids' current epoch) is taken here: a
+-- committed batch's rows are never claimed again. A batch claim still running when this
+-- statement read its snapshot is covered by the gate alone.
 -- The marker row (id -1) carries where the next such claim starts in `key`, and whether the
 -- gate let this one claim in `content_type` ('t' or 'f').
 
@@ -215,9 +224,18 @@ open_below AS MATERIALIZED (
     ) AS open
     FROM gate AS g
 ),
+chain AS MATERIALIZED (
+    SELECT greatest(:cursor::bigint, coalesce(
+        (SELECT b.last_id FROM {batches} AS b
+         WHERE b.destination = :destination
+           AND b.epoch = (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{table})::text, 'id')::regclass)::bigint)
+         ORDER BY b.first_id DESC
+         LIMIT 1),
+        0)) AS position
+),
 fresh AS (
     SELECT id, run_after FROM {table}
-    WHERE destination = :destination AND status = 'pending' AND claims = 0 AND run_after <= created_at AND id > :cursor::bigint AND run_after <= now()
+    WHERE destination = :destination AND status = 'pending' AND claims = 0 AND run_after <= created_at AND id > (SELECT position FROM chain) AND run_after <= now()
     ORDER BY id
     LIMIT :batch
     FOR UPDATE SKIP LOCKED
@@ -237,10 +255,10 @@ claimed AS (
 next_cursor AS MATERIALIZED (
     SELECT coalesce(
         (SELECT min(o.id) - 1 FROM {table} AS o
-         WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at AND o.id > :cursor::bigint
+         WHERE o.destination = :destination AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at AND o.id > (SELECT position FROM chain)
            AND o.id NOT IN (SELECT c.id FROM chosen AS c)),
         (SELECT max(c.id) FROM chosen AS c),
-        :cursor::bigint) AS cursor
+        (SELECT position FROM chain)) AS cursor
 )
 SELECT * FROM claimed
 UNION ALL
