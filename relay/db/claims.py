@@ -91,6 +91,9 @@ class UnorderedClaims:
         # Per batched destination whose fence stands below rows visible past it: that fence,
         # since when (monotonic time), and where its next claim past the fence starts.
         self._stalls: dict[str, tuple[int, float, int]] = {}
+        # Per batched destination, the error of a claim past the fence that followed a batch
+        # claim which took rows: raised by its next claim (see _claim_batch).
+        self._deferred: dict[str, Exception] = {}
         # Per unordered destination, where its next claim of fresh rows starts and up to where
         # every fresh row has been seen (see CLAIM), and the table's epoch they hold for.
         self.cursors: dict[str, _Lane] = {}
@@ -158,6 +161,9 @@ class UnorderedClaims:
         """Claim up to ``limit`` rows of ``destination``, its fresh ones under a batch lease
         (see queries.CLAIM_BATCH): nothing is kept between claims but the last FENCE reading,
         since where the next claim begins is in the table."""
+        deferred = self._deferred.pop(destination, None)
+        if deferred is not None:
+            raise deferred
         reading = self._reading
         # As in claim: a claim that follows a full batch at once may go on an older reading
         # (a lower fence is as safe; it may only take fewer rows), while rows it showed are
@@ -192,7 +198,18 @@ class UnorderedClaims:
             self._draining.add(destination)
             self._chain_ends[destination] = max((r[0] for r in rows if r[8] < 0), default=0)
         elif row[0] < row[3]:
-            rows += await self._past_fence(destination, limit - len(rows), row)
+            try:
+                rows += await self._past_fence(destination, limit - len(rows), row)
+            except Exception as exc:
+                if not rows:
+                    raise
+                # The batch claim has committed: raised now, its rows would stay in flight
+                # unknown to the relay until their lease ended, and the reaper counted an
+                # attempt of each (failed unsent once attempts are spent). They are returned,
+                # and the error raised by this destination's next claim, as the claimer
+                # reports and backs off from any other.
+                self._stalls.pop(destination, None)
+                self._deferred[destination] = exc
         else:
             self._stalls.pop(destination, None)
         return envelopes(rows, until)
@@ -243,16 +260,23 @@ class UnorderedClaims:
             if tries:
                 self.statements["claim_lost"] += 1  # of the "claim" ones
             self.statements["claim"] += 1
-            got = await self._call(
-                "fetch",
-                self.claim_batch,
-                destination,
-                limit - len(rows),
-                self.relay_id,
-                self.lease,
-                fence,
-                ids_epoch,
-            )
+            try:
+                got = await self._call(
+                    "fetch",
+                    self.claim_batch,
+                    destination,
+                    limit - len(rows),
+                    self.relay_id,
+                    self.lease,
+                    fence,
+                    ids_epoch,
+                )
+            except Exception as exc:
+                if not rows:
+                    raise
+                # What the tries before took has committed (see _claim_batch).
+                self._deferred[destination] = exc
+                break
             lost = any(r[0] == -1 for r in got)
             rows += [r for r in got if r[0] != -1] if lost else got
             if not lost or len(rows) >= limit:
