@@ -16,6 +16,7 @@ import pytest
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import claims
 from tests.test_batch_claims import D, delivered, insert, opened, pairs, state
+from tests.test_batch_past_fence import past_fence
 
 AFTER = 0.2  # PAST_FENCE_AFTER in these tests
 BASE = 4611686018427387904  # migrations/0004: the fence keys' base
@@ -206,3 +207,22 @@ async def test_a_claim_again_from_the_chains_new_end_that_fails_loses_no_row_tak
         with pytest.raises(asyncpg.QueryCanceledError):
             await a.claim(D, 100)
         assert await a.claim(D, 100) == []
+
+
+async def test_the_gate_counts_no_key_whose_transaction_holds_no_lock_on_the_table(
+    db_url: str, admin: asyncpg.Connection
+) -> None:
+    """A fence key pair of this table's tag held by a transaction that never touched the table
+    (an insert into another schema's outbox whose tag collides): its value is another
+    sequence's and says nothing of this table's fence readings, so the gate stays shut, even
+    with no chain of batches below to bound the claim."""
+    rows = await insert(admin, 3)
+    holder = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        async with holder.transaction():
+            await fence_pair(holder, 1)
+            got, gate = await past_fence(admin, "relay-a", 1)
+            assert (got, gate) == ([], "f")
+            assert {r["claims"] for r in (await state(admin, rows)).values()} == {0}
+    finally:
+        await holder.close()

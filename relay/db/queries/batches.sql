@@ -197,7 +197,9 @@ WHERE EXISTS (SELECT 1 FROM taken) AND NOT EXISTS (SELECT 1 FROM lease)
 -- (tests/test_batch_past_fence_review.py). So no row at or below the end of the destination's
 -- chain (as this statement's snapshot sees it, of the ids' current epoch) is taken here: a
 -- committed batch's rows are never claimed again. A batch claim still running when this
--- statement read its snapshot is covered by the gate alone.
+-- statement read its snapshot is covered by the gate alone, and the gate counts a key only
+-- when its transaction also holds a lock on this table (an insert keeps one until it ends):
+-- an insert into another schema's outbox whose tag collides takes none.
 -- The marker row (id -1) carries where the next such claim starts in `key`, and whether the
 -- gate let this one claim in `content_type` ('t' or 'f').
 
@@ -221,6 +223,9 @@ open_below AS MATERIALIZED (
               = 1 + mod(:table::regclass::oid::bigint, 16383)
           AND ((((l.classid::bigint << 32) | l.objid::bigint) - 4611686018427387904) & 281474976710655)
               <= :fence::bigint
+          AND EXISTS (SELECT 1 FROM pg_locks AS t
+                      WHERE t.virtualtransaction = l.virtualtransaction AND t.locktype = 'relation'
+                        AND t.database = l.database AND t.relation = :table::regclass)
     ) AS open
     FROM gate AS g
 ),
