@@ -6,6 +6,9 @@ its destinations the other way refuses to start, and a running one says so in it
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 import asyncpg
 import structlog
 
@@ -18,6 +21,33 @@ log = structlog.get_logger("relay")
 # min(lease / 3, 10 s) of their own lease (relay/app.py), so this relay's lease, when shorter
 # than another's interval, would miss it (as relay/pipeline/ordered.py's PEERS_SEEN_WITHIN).
 SEEN_WITHIN = 30.0
+
+
+# One relay at a time settles how it claims, checks the relays running, and registers (see
+# one_at_a_time): a session advisory lock of this name and the schema's.
+SETTLING_LOCK = "SELECT pg_advisory_lock(hashtextextended('outbox-relay:claims:' || $1, 0))"
+
+
+@contextlib.asynccontextmanager
+async def one_at_a_time(settings: Settings, relay_id: str) -> AsyncIterator[None]:
+    """Held while a relay starting reads how the relays running claim (settle_claims,
+    mixed_claims) and registers how it will: otherwise two relays starting at once each read
+    the registry before the other has registered, and may settle on different ways (a
+    rolling update stops the last relay claiming by row as it starts new ones: one "auto"
+    relay settled on row, the other on batch leases) or both pass the check of ways set in
+    their configuration; their rows are then delivered twice. A connection of its own, so
+    that a relay whose pool has one connection can register meanwhile; closing it ends the
+    lock, as a relay that dies does."""
+    conn = await asyncpg.connect(
+        settings.dsn,
+        timeout=settings.relay.startup_timeout,
+        server_settings={"application_name": f"outbox-relay:{relay_id}"[:63]},
+    )
+    try:
+        await conn.execute(SETTLING_LOCK, settings.relay.db_schema)
+        yield
+    finally:
+        await conn.close()
 
 
 def batchable(settings: Settings) -> frozenset[str]:
@@ -58,6 +88,14 @@ async def mixed_claims(store: Store, settings: Settings) -> list[str]:
     mine = "batch" if store.unordered.batched else "row"
     theirs = "row" if mine == "batch" else "batch"
     found = await running_other_way(store, settings, mine == "batch")
+    if settings.relay.claims == "auto":
+        what = (
+            'and start them all again: with relay.claims = "auto" (this relay\'s) they settle '
+            f'on one way. This relay settled on "{mine}" because a relay running claims some '
+            "of its destinations so"
+        )
+    else:
+        what = f'and start them all with one setting, or set relay.claims = "{theirs}" here'
     return [
         f"relay {r['relay_id']!r} (host {r['host']}) claims {', '.join(r['destinations'])} "
         f'with relay.claims = "{theirs}", and this relay claims '
@@ -65,7 +103,7 @@ async def mixed_claims(store: Store, settings: Settings) -> list[str]:
         "relay claiming by row would take the rows in flight in the other's batch leases "
         "again, and deliver them twice. Every relay serving a destination must claim it the "
         "same way: stop the relays of these destinations (a clean stop releases what they "
-        f'hold) and start them all with one setting, or set relay.claims = "{theirs}" here'
+        f"hold) {what}"
         for r in found
     ]
 

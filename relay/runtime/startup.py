@@ -14,7 +14,7 @@ from outbox.errors import describe
 from outbox.migrate import not_utf8
 from relay.config import Settings
 from relay.db.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
-from relay.runtime.claim_modes import batchable, mixed_claims, row_relays
+from relay.runtime.claim_modes import batchable, mixed_claims, one_at_a_time, row_relays
 
 log = structlog.get_logger("relay")
 
@@ -97,12 +97,13 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
                 "again (it grants what each migration added; retention reads these tables "
                 "for every destination)"
             )
-        if rs.claims == "auto":
-            await settle_claims(store, settings)
-        mixed = await mixed_claims(store, settings)
-        if mixed:
-            raise RelayStartupError(mixed[0])
-        await prepare(store)
+        async with one_at_a_time(settings, relay_id):
+            if rs.claims == "auto":
+                await settle_claims(store, settings)
+            mixed = await mixed_claims(store, settings)
+            if mixed:
+                raise RelayStartupError(mixed[0])
+            await prepare(store)
     except BaseException:
         await pool.close()
         raise
