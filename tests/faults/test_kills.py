@@ -17,6 +17,8 @@ import pytest
 
 from outbox.dburl import to_asyncpg_dsn
 from tests.support.faults import (
+    HELD_IDS,
+    HOLDS,
     Sampler,
     Writer,
     all_delivered,
@@ -35,7 +37,6 @@ from tests.test_snapshots import held_snapshot
 
 pytestmark = pytest.mark.slow
 
-HOLDS = "SELECT EXISTS (SELECT FROM outbox WHERE status = 'running' AND locked_by = $1)"
 SESSIONS = """
 SELECT EXISTS (
     SELECT FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1
@@ -64,10 +65,14 @@ async def snapshot(
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "snapshot",
-    [False, pytest.param(True, marks=pytest.mark.soak)],
-    ids=["no-snapshot", "held-snapshot"],
-    indirect=True,
+    ("snapshot", "claims"),
+    [
+        (False, "auto"),
+        pytest.param(True, "auto", marks=pytest.mark.soak),
+        pytest.param(True, "row", marks=pytest.mark.soak),
+    ],
+    ids=["no-snapshot", "held-snapshot", "held-snapshot-by-row"],
+    indirect=["snapshot"],
 )
 async def test_sigkill_a_relay_repeatedly_loses_nothing(
     db_url: str,
@@ -77,7 +82,11 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
     soak_seconds: float,
     fault_report: dict[str, object],
     snapshot: asyncpg.Connection | None,
+    claims: str,
 ) -> None:
+    """Relays killed with SIGKILL while they hold rows (running under their lease, or in
+    flight in a batch lease: relay.claims "auto" claims under batch leases here), beside two
+    that stay up."""
     total, kills = (50_000, 5) if long_run else (15_000, 3)
     span, every, chunk = 4.0 * kills, 0.0, max(1000, total // (kills * 3))
     if long_run and snapshot is not None:  # the soak: kills spread over its whole span
@@ -88,7 +97,13 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
 
     def cfg(relay_id: str) -> dict[str, object]:
         return relay_config(
-            db_url, kafka_bootstrap, topic, relay_id=relay_id, lease=LEASE, poll_interval=POLL
+            db_url,
+            kafka_bootstrap,
+            topic,
+            relay_id=relay_id,
+            lease=LEASE,
+            poll_interval=POLL,
+            claims=claims,
         )
 
     # The application commits throughout the kills (about 4 s per kill and restart), in
@@ -149,28 +164,15 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
                 return not await watch.fetchval(SESSIONS, f"outbox-relay:{rid}")
 
             await wait_until(ended, timeout=10, interval=0.01, what=f"{victim_id}'s sessions end")
-            held = [
-                r["id"]
-                for r in await fetch(
-                    db_url,
-                    "SELECT id FROM outbox WHERE status = 'running' AND locked_by = $1",
-                    victim_id,
-                )
-            ]
+            held = [r["id"] for r in await fetch(db_url, HELD_IDS, victim_id)]
             held_at_kills.update(held)
 
             # Claimable again once the dead relay no longer holds them. (Whether they are
             # running again, under another relay, is not its business: the next victim may
             # claim some of them and be killed in turn.)
             async def returned(ids: list[int] = held, dead: str = victim_id) -> bool:
-                n = await fetchval(
-                    db_url,
-                    "SELECT count(*) FROM outbox WHERE status = 'running' AND id = ANY($1) "
-                    "AND locked_by = $2",
-                    ids,
-                    dead,
-                )
-                return n == 0
+                still = {r["id"] for r in await fetch(db_url, HELD_IDS, dead)}
+                return not still.intersection(ids)
 
             victim_id = f"victim-{sigkills}"
             victim = relays.start(cfg(victim_id), victim_id)

@@ -194,6 +194,14 @@ def drain_cmd(**opts: Any) -> None:
     execute(opts, _drain_scenarios(opts), derive=_ratios)
 
 
+# The options of bench steady that steady() takes as they are.
+STEADY_OPTIONS = (
+    *("rate", "seconds", "batch_size", "writers", "idle_seconds", "processes", "per_tx"),
+    *("ordering", "keys", "retention", "hold_snapshot", "hold_insert", "window", "warmup"),
+    "claims",
+)
+
+
 @bench.command("steady", short_help="Commit-to-ack latency at a fixed rate.")
 @common
 @shown("--rate", 1000.0, help="Events offered per second.")
@@ -270,24 +278,7 @@ def steady_cmd(**opts: Any) -> None:
             opts,
             {
                 f"steady {opts['rate']:g}/s": lambda db, t: steady(
-                    db,
-                    t,
-                    rate=opts["rate"],
-                    seconds=opts["seconds"],
-                    batch_size=opts["batch_size"],
-                    writers=opts["writers"],
-                    idle_seconds=opts["idle_seconds"],
-                    tmp=Path(tmp),
-                    processes=opts["processes"],
-                    per_tx=opts["per_tx"],
-                    ordering=opts["ordering"],
-                    keys=opts["keys"],
-                    retention=opts["retention"],
-                    hold_snapshot=opts["hold_snapshot"],
-                    hold_insert=opts["hold_insert"],
-                    window=opts["window"],
-                    warmup=opts["warmup"],
-                    claims=opts["claims"],
+                    db, t, tmp=Path(tmp), **{k: opts[k] for k in STEADY_OPTIONS}
                 )
             },
         )
