@@ -702,6 +702,8 @@ async def test_an_open_circuit_shows_on_the_overview_and_in_status(
         async with httpx.AsyncClient(base_url=console_url) as client:
             page = await client.get("/", headers=bearer())
         assert 'data-circuit="open"' in page.text
+        # The relay (relay.claims "auto", none other running) claims under batch leases.
+        assert "claims by batch" in page.text
 
 
 async def test_a_snapshot_held_past_the_threshold_is_named_on_the_pages(db_url: str) -> None:

@@ -30,11 +30,17 @@ RETURNING paused_at, (xmax = 0) AS inserted
 DELETE FROM {paused} WHERE destination = :destination RETURNING paused_at
 
 -- name: relays
--- circuits through to_jsonb: a schema before migration 0010 has no such column.
+-- circuits and features through to_jsonb: a schema before migration 0010 (0013) has no such
+-- column. How each claims its unordered destinations, as relay/db/queries/registry.sql's
+-- mixed_claims reads it: under batch leases if its last registration said so (features
+-- written then), else by row (a relay of an earlier release says nothing).
 
 SELECT relay_id, host, pid, version, destinations, started_at, seen_at, stopped_at,
        extract(epoch FROM now() - seen_at)::float8 AS seen_age,
-       coalesce(to_jsonb(r) -> 'circuits', '{}'::jsonb)::text AS circuits
+       coalesce(to_jsonb(r) -> 'circuits', '{}'::jsonb)::text AS circuits,
+       CASE WHEN coalesce(to_jsonb(r) -> 'features', '[]'::jsonb) ? 'batch-claims'
+                 AND to_jsonb(r) -> 'features_at' = to_jsonb(r) -> 'seen_at'
+            THEN 'batch' ELSE 'row' END AS claims
 FROM {relays} AS r
 ORDER BY relay_id
 

@@ -114,6 +114,7 @@ class RelayStatus(Result):
     seen_age_s: float
     stopped_at: str | None
     circuits: dict[str, str]
+    claims: str  # how it claims its unordered destinations: batch (leases) or row
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ def _print_relays(relays: list[RelayStatus]) -> None:
         where = f"{r.host} pid {r.pid}" if r.host else "?"
         serves = ", ".join(r.destinations) or "-"
         state = Tint(r.state, RELAY_COLOURS.get(r.state))
-        echo(f"  {r.relay_id}: ", state, f" on {where}, {when}; serves {serves}")
+        how = f" (claims by {r.claims})" if r.destinations else ""
+        echo(f"  {r.relay_id}: ", state, f" on {where}, {when}; serves {serves}{how}")
 
 
 RELAY_COLOURS = {"running": GOOD, "silent": BAD}
