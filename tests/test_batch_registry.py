@@ -8,12 +8,14 @@ refuses to start (or, running, says so)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import asyncpg
 import pytest
 from structlog.testing import capture_logs
 
+from outbox.dburl import to_asyncpg_dsn
 from outbox.status import Status
 from relay.config import Settings
 from relay.db.store import Record, Store
@@ -332,3 +334,40 @@ async def test_two_auto_relays_starting_while_a_row_relay_stops_claim_the_same_w
         await a.pool.close()
         if second is not None:
             await second.pool.close()
+
+
+async def test_a_relay_waiting_for_its_turn_to_start_gives_up_after_startup_timeout(
+    db_url: str, pool: asyncpg.Pool
+) -> None:
+    """The turn to settle and register (claim_modes.one_at_a_time) held by a relay that hangs
+    while starting, or by a session that never lets it go (a client gone without a word, a
+    server connection behind PgBouncer in transaction mode, which keeps a session's lock):
+    every relay starting waited for it without end, past relay.startup_timeout and saying
+    nothing. It gives up after startup_timeout, saying who holds the turn."""
+    holder = await asyncpg.connect(
+        to_asyncpg_dsn(db_url), server_settings={"application_name": "outbox-relay:stuck"}
+    )
+    try:
+        await holder.execute(
+            "SELECT pg_advisory_lock(hashtextextended('outbox-relay:claims:' || $1, 0))", "public"
+        )
+        quick = load_settings(
+            None,
+            database_url=db_url,
+            relay={"relay_id": "relay-new", "claims": "auto", "lease": LEASE, "startup_timeout": 1},
+            destinations=DESTINATIONS,
+        )
+        began = time.monotonic()
+        with pytest.raises(RelayStartupError) as refused:
+            store = await asyncio.wait_for(open_store(quick, "relay-new", nothing), 20)
+            await store.pool.close()
+        assert time.monotonic() - began < 15
+        assert "outbox-relay:stuck" in str(refused.value)
+        # Nothing left behind: the relay's connections are all closed.
+        left = await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE application_name = 'outbox-relay:relay-new'"
+        )
+        assert left == 0
+    finally:
+        await holder.close()

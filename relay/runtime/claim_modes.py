@@ -13,6 +13,7 @@ import asyncpg
 import structlog
 
 from relay.config import Settings
+from relay.db.pool import dedicated
 from relay.db.store import Store
 
 log = structlog.get_logger("relay")
@@ -24,12 +25,29 @@ SEEN_WITHIN = 30.0
 
 
 # One relay at a time settles how it claims, checks the relays running, and registers (see
-# one_at_a_time): a session advisory lock of this name and the schema's.
-SETTLING_LOCK = "SELECT pg_advisory_lock(hashtextextended('outbox-relay:claims:' || $1, 0))"
+# one_at_a_time): an advisory lock of this name and the schema's, held by a transaction left
+# open meanwhile. Transaction-scoped, not a session's: behind PgBouncer in transaction mode a
+# session lock stays on the server connection once the client has gone, and every relay
+# starting after would wait for it.
+SETTLING_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('outbox-relay:claims:' || $1, 0))"
+SETTLING_HOLDER = """
+SELECT coalesce(nullif(a.application_name, ''), 'no application_name') || ', pid ' || l.pid
+       || coalesce(', from ' || host(a.client_addr), '') || ', ' || coalesce(a.state, '?')
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((l.classid::bigint << 32) | l.objid::bigint)
+      = hashtextextended('outbox-relay:claims:' || $1, 0)
+LIMIT 1
+"""
+
+
+class NoTurn(Exception):
+    """Another session held the turn to start for longer than this relay would wait."""
 
 
 @contextlib.asynccontextmanager
-async def one_at_a_time(settings: Settings, relay_id: str) -> AsyncIterator[None]:
+async def one_at_a_time(pool: asyncpg.Pool, schema: str, wait: float) -> AsyncIterator[None]:
     """Held while a relay starting reads how the relays running claim (settle_claims,
     mixed_claims) and registers how it will: otherwise two relays starting at once each read
     the registry before the other has registered, and may settle on different ways (a
@@ -37,14 +55,18 @@ async def one_at_a_time(settings: Settings, relay_id: str) -> AsyncIterator[None
     relay settled on row, the other on batch leases) or both pass the check of ways set in
     their configuration; their rows are then delivered twice. A connection of its own, so
     that a relay whose pool has one connection can register meanwhile; closing it ends the
-    lock, as a relay that dies does."""
-    conn = await asyncpg.connect(
-        settings.dsn,
-        timeout=settings.relay.startup_timeout,
-        server_settings={"application_name": f"outbox-relay:{relay_id}"[:63]},
-    )
+    lock, as a relay that dies does. Made as the pool's are, with keepalives (pool.dedicated):
+    a holder whose host froze would otherwise keep the turn for the kernel's two hours.
+    Waits ``wait`` seconds at most, then raises :class:`NoTurn` naming the holder: a relay
+    that hangs while starting must not keep every other from starting, without a word."""
+    conn = await dedicated(pool)
     try:
-        await conn.execute(SETTLING_LOCK, settings.relay.db_schema)
+        await conn.execute("BEGIN")
+        try:
+            await conn.execute(SETTLING_LOCK, schema, timeout=wait)
+        except TimeoutError:
+            holder = await pool.fetchval(SETTLING_HOLDER, schema)
+            raise NoTurn(holder or "since ended") from None
         yield
     finally:
         await conn.close()

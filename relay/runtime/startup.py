@@ -14,7 +14,7 @@ from outbox.errors import describe
 from outbox.migrate import not_utf8
 from relay.config import Settings
 from relay.db.store import DB_ERRORS, Store, create_pool, is_plain_sql_error
-from relay.runtime.claim_modes import batchable, mixed_claims, one_at_a_time, row_relays
+from relay.runtime.claim_modes import NoTurn, batchable, mixed_claims, one_at_a_time, row_relays
 
 log = structlog.get_logger("relay")
 
@@ -47,7 +47,7 @@ async def open_store(settings: Settings, relay_id: str, prepare: Prepare) -> Sto
     delay = 0.5
     while True:
         try:
-            return await _open(settings, relay_id, prepare)
+            return await _open(settings, relay_id, prepare, deadline)
         except DB_ERRORS as exc:
             if isinstance(exc, REFUSED_AT_STARTUP):
                 # The server answered, and said no: waiting will not change it.
@@ -67,7 +67,13 @@ async def open_store(settings: Settings, relay_id: str, prepare: Prepare) -> Sto
             delay = min(delay * 2, 10.0)
 
 
-async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
+# The least a relay waits for its turn to start (see one_at_a_time), whatever is left of
+# relay.startup_timeout: each turn is a few statements, so relays started together wait a
+# moment for each other even when told not to wait out an unreachable database.
+TURN_WAIT_AT_LEAST = 5.0
+
+
+async def _open(settings: Settings, relay_id: str, prepare: Prepare, deadline: float) -> Store:
     rs = settings.relay
     pool = await create_pool(
         settings.dsn, relay_id, rs.pool_size, command_timeout=max(2 * rs.lease, 60.0)
@@ -97,13 +103,22 @@ async def _open(settings: Settings, relay_id: str, prepare: Prepare) -> Store:
                 "again (it grants what each migration added; retention reads these tables "
                 "for every destination)"
             )
-        async with one_at_a_time(settings, relay_id):
-            if rs.claims == "auto":
-                await settle_claims(store, settings)
-            mixed = await mixed_claims(store, settings)
-            if mixed:
-                raise RelayStartupError(mixed[0])
-            await prepare(store)
+        wait = max(deadline - time.monotonic(), TURN_WAIT_AT_LEAST)
+        try:
+            async with one_at_a_time(pool, rs.db_schema, wait):
+                if rs.claims == "auto":
+                    await settle_claims(store, settings)
+                mixed = await mixed_claims(store, settings)
+                if mixed:
+                    raise RelayStartupError(mixed[0])
+                await prepare(store)
+        except NoTurn as exc:
+            raise RelayStartupError(
+                f"another session has held the turn to start in schema {rs.db_schema!r} for "
+                f"{wait:.0f}s ({exc}): relays starting take turns to settle how they claim and "
+                "to register, a few statements each. A relay that hangs while starting holds "
+                "it (see its log); stop it, or end the session with pg_terminate_backend(pid)"
+            ) from None
     except BaseException:
         await pool.close()
         raise
