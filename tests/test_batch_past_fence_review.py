@@ -228,15 +228,6 @@ async def test_the_gate_counts_no_key_whose_transaction_holds_no_lock_on_the_tab
         await holder.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FENCE (claim.sql) counts a key of this table's tag whatever its transaction holds, "
-    "while the gate counts it only with a lock on this table: a transaction open in another "
-    "schema's outbox whose tag collides holds the fence, and shuts the gate. The fence could "
-    "ignore a tagged key whose transaction holds no lock on the table (the trigger runs once "
-    "the insert holds one; a key taken after the reading's snapshot is above its highest id), "
-    "in one pg_locks scan on the claim's path",
-)
 async def test_rows_are_not_held_back_by_an_open_insert_into_another_schemas_outbox(
     db_url: str, admin: asyncpg.Connection
 ) -> None:

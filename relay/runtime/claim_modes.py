@@ -13,6 +13,7 @@ import asyncpg
 import structlog
 
 from relay.config import Settings
+from relay.db import queries
 from relay.db.pool import dedicated
 from relay.db.store import Store
 
@@ -22,24 +23,6 @@ log = structlog.get_logger("relay")
 # min(lease / 3, 10 s) of their own lease (relay/app.py), so this relay's lease, when shorter
 # than another's interval, would miss it (as relay/pipeline/ordered.py's PEERS_SEEN_WITHIN).
 SEEN_WITHIN = 30.0
-
-
-# One relay at a time settles how it claims, checks the relays running, and registers (see
-# one_at_a_time): an advisory lock of this name and the schema's, held by a transaction left
-# open meanwhile. Transaction-scoped, not a session's: behind PgBouncer in transaction mode a
-# session lock stays on the server connection once the client has gone, and every relay
-# starting after would wait for it.
-SETTLING_LOCK = "SELECT pg_advisory_xact_lock(hashtextextended('outbox-relay:claims:' || $1, 0))"
-SETTLING_HOLDER = """
-SELECT coalesce(nullif(a.application_name, ''), 'no application_name') || ', pid ' || l.pid
-       || coalesce(', from ' || host(a.client_addr), '') || ', ' || coalesce(a.state, '?')
-FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
-WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND ((l.classid::bigint << 32) | l.objid::bigint)
-      = hashtextextended('outbox-relay:claims:' || $1, 0)
-LIMIT 1
-"""
 
 
 class NoTurn(Exception):
@@ -63,9 +46,9 @@ async def one_at_a_time(pool: asyncpg.Pool, schema: str, wait: float) -> AsyncIt
     try:
         await conn.execute("BEGIN")
         try:
-            await conn.execute(SETTLING_LOCK, schema, timeout=wait)
+            await conn.execute(queries.SETTLING_LOCK, schema, timeout=wait)
         except TimeoutError:
-            holder = await pool.fetchval(SETTLING_HOLDER, schema)
+            holder = await pool.fetchval(queries.SETTLING_HOLDER, schema)
             raise NoTurn(holder or "since ended") from None
         yield
     finally:

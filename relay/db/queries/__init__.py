@@ -73,6 +73,8 @@ from relay.db.queries.registry import FORGET_RELAYS as FORGET_RELAYS
 from relay.db.queries.registry import MIXED_CLAIMS as MIXED_CLAIMS
 from relay.db.queries.registry import PAUSED as PAUSED
 from relay.db.queries.registry import REGISTER as REGISTER
+from relay.db.queries.registry import SETTLING_HOLDER as SETTLING_HOLDER
+from relay.db.queries.registry import SETTLING_LOCK as SETTLING_LOCK
 from relay.db.queries.registry import TRY_JOB_LOCK as TRY_JOB_LOCK
 from relay.db.queries.registry import UNKNOWN_DESTINATIONS as UNKNOWN_DESTINATIONS
 from relay.db.queries.registry import UNREGISTER as UNREGISTER

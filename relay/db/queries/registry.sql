@@ -163,3 +163,24 @@ SELECT destination FROM {paused}
 -- Jobs that one relay at a time should run take this lock in their own short transaction. It
 -- is released at commit or when the connection dies, so a crashed relay never holds it.
 SELECT pg_try_advisory_xact_lock(hashtextextended('outbox-relay:' || :job, 0))
+
+-- name: settling_lock
+-- params: schema
+-- One relay at a time settles how it claims, checks the relays running, and registers
+-- (relay/runtime/claim_modes.py one_at_a_time): this lock, of the schema's name, held by a
+-- transaction left open meanwhile. Transaction-scoped, not a session's: behind PgBouncer in
+-- transaction mode a session lock stays on the server connection once the client has gone,
+-- and every relay starting after would wait for it.
+SELECT pg_advisory_xact_lock(hashtextextended('outbox-relay:claims:' || :schema, 0))
+
+-- name: settling_holder
+-- params: schema
+-- Who holds settling_lock: named by a relay that gave up waiting for it.
+SELECT coalesce(nullif(a.application_name, ''), 'no application_name') || ', pid ' || l.pid
+       || coalesce(', from ' || host(a.client_addr), '') || ', ' || coalesce(a.state, '?')
+FROM pg_locks AS l LEFT JOIN pg_stat_activity AS a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND ((l.classid::bigint << 32) | l.objid::bigint)
+      = hashtextextended('outbox-relay:claims:' || :schema, 0)
+LIMIT 1
