@@ -45,6 +45,16 @@ def db_url(pg_admin_url: str, database_pool: pg.DatabasePool) -> Iterator[str]:
 
 
 @pytest.fixture
+async def admin(db_url: str) -> AsyncIterator[asyncpg.Connection]:
+    """A connection to this test's database of its own, outside any relay's pool."""
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
 async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
     """An asyncpg pool on this test's database (a test module may define its own)."""
     p = await asyncpg.create_pool(to_asyncpg_dsn(db_url), min_size=1, max_size=4)

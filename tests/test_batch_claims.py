@@ -55,15 +55,6 @@ async def opened(db_url: str, relay: str, size: int = 2) -> AsyncIterator[Store]
         await pool.close()
 
 
-@pytest.fixture
-async def admin(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
 async def insert(conn: asyncpg.Connection, n: int, destination: str = D) -> list[int]:
     return sorted(r[0] for r in await conn.fetch(INSERT, destination, n))
 

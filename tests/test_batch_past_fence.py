@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import asyncpg
@@ -35,15 +34,6 @@ from tests.test_batch_claims import (
 )
 
 AFTER = 0.2  # PAST_FENCE_AFTER in these tests
-
-
-@pytest.fixture
-async def admin(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -20,15 +19,6 @@ from tests.test_batch_past_fence import past_fence
 
 AFTER = 0.2  # PAST_FENCE_AFTER in these tests
 BASE = 4611686018427387904  # migrations/0004: the fence keys' base
-
-
-@pytest.fixture
-async def admin(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield conn
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(autouse=True)
