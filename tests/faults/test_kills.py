@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -47,6 +48,9 @@ POLL = 0.25
 # The soak (--long, with a held snapshot): a sustained rate, a relay killed about this often.
 SOAK_RATE = 250.0
 SOAK_KILL_EVERY = 30.0
+# The soak's victims linger before sending: its trickle is claimed and sent in milliseconds, so
+# without this a kill almost never finds a batch in flight.
+SOAK_LINGER_MS = 200
 BACKEND_XMIN = "SELECT backend_xmin::text FROM pg_stat_activity WHERE pid = $1"
 
 
@@ -95,8 +99,8 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
         every = span / (kills + 1)
     topic = f"kills-{uuid.uuid4().hex[:8]}"
 
-    def cfg(relay_id: str) -> dict[str, object]:
-        return relay_config(
+    def cfg(relay_id: str) -> dict[str, Any]:
+        c = relay_config(
             db_url,
             kafka_bootstrap,
             topic,
@@ -105,6 +109,9 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
             poll_interval=POLL,
             claims=claims,
         )
+        if every and relay_id.startswith("victim"):
+            c["kafka"]["linger_ms"] = SOAK_LINGER_MS
+        return c
 
     # The application commits throughout the kills (about 4 s per kill and restart), in
     # large transactions: each one is a backlog that keeps the relays holding rows for a while

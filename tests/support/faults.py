@@ -200,13 +200,16 @@ class Sampler:
 # The rows a relay holds ($1; NULL: any relay), whichever way it claims (relay.claims):
 # running under its lease, or in flight in one of its live batch leases (pending and fresh in
 # the table until their outcome: relay/db/queries/batches.sql).
+# Two index-friendly halves rather than one OR over the table: under a held snapshot a whole-
+# table scan (every dead row version kept) outlasted batches that live for milliseconds.
 HELD_IDS = """
 SELECT o.id FROM outbox AS o
-WHERE (o.status = 'running' AND ($1::text IS NULL OR o.locked_by = $1))
-   OR (o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at AND EXISTS (
-        SELECT FROM outbox_batches AS b
-        WHERE b.relay IS NOT NULL AND ($1::text IS NULL OR b.relay = $1)
-          AND b.destination = o.destination AND o.id > b.first_id AND o.id <= b.last_id))
+WHERE o.status = 'running' AND ($1::text IS NULL OR o.locked_by = $1)
+UNION
+SELECT o.id FROM outbox_batches AS b
+JOIN outbox AS o ON o.destination = b.destination AND o.id > b.first_id AND o.id <= b.last_id
+WHERE b.relay IS NOT NULL AND ($1::text IS NULL OR b.relay = $1)
+  AND o.status = 'pending' AND o.claims = 0 AND o.run_after <= o.created_at
 """
 HOLDS = f"SELECT EXISTS ({HELD_IDS})"
 
