@@ -254,6 +254,15 @@ def test_fanout_accounts_for_every_delivery(pg_admin_url: str) -> None:
         assert s["healthy_delivered"] == s["healthy_received"] == s["healthy_expected"] == 200
         assert s["attempts_logged"] >= s["deliveries_delivered"] >= 200
         assert 0 < s["p50_ms"] <= s["p99_ms"] <= s["max_ms"]
+        # Every statement by name: the fan-out's, the deliveries' claims and records, and the
+        # ones around them (the reaper runs at every poll), as sql_statements_per_delivery sums.
+        counted = s["statements"]
+        assert counted["fan_out"] >= 1 and counted["delivery_claim"] >= 1, counted
+        assert counted["delivery_record"] == s["delivery_record_statements"] >= 1, counted
+        assert counted["delivery_reap"] >= 1, counted
+        assert s["delivery_record_us_per_delivery"] > 0
+        per = sum(counted.values()) / s["healthy_delivered"]
+        assert abs(per - s["sql_statements_per_delivery"]) < 0.01, (per, s)
     assert out["steady slow+dead"]["deliveries_pending"] >= 50  # the dead one's backlog
     assert out["ratios"]["p99_ms slow_dead_vs_without"] > 0
     out = bench(

@@ -164,6 +164,7 @@ class DeliveryStore:
         return {r[0] for r in rows}
 
     async def heartbeat(self, held: Sequence[Claimed]) -> set[int]:
+        self.store.statements["delivery_heartbeat"] += 1
         rows = await self.store.call(
             "fetch",
             queries.DELIVERY_HEARTBEAT,
@@ -175,6 +176,7 @@ class DeliveryStore:
         return {r[0] for r in rows}
 
     async def release(self, held: Sequence[Claimed]) -> None:
+        self.store.statements["delivery_release"] += 1
         await self.store.call(
             "execute",
             queries.DELIVERY_RELEASE,
@@ -184,6 +186,7 @@ class DeliveryStore:
         )
 
     async def reap(self, default_max: int, limits: Mapping[str, int], limit: int = 5000) -> int:
+        self.store.statements["delivery_reap"] += 1
         rows = await self.store.call(
             "fetch",
             queries.DELIVERY_REAP,
@@ -196,6 +199,7 @@ class DeliveryStore:
 
     async def health(self, changes: Mapping[int, bool]) -> dict[int, float | None]:
         """Write endpoints' health; seconds each has been failing (None: it is not)."""
+        self.store.statements["endpoint_health"] += 1
         rows = await self.store.call(
             "fetch", queries.ENDPOINT_HEALTH, list(changes), list(changes.values())
         )
@@ -203,6 +207,7 @@ class DeliveryStore:
 
     async def circuits(self, changes: Mapping[int, float | None]) -> None:
         """Write circuits that opened (seconds until their probe) or closed (None)."""
+        self.store.statements["endpoint_circuit"] += 1
         await self.store.call(
             "execute",
             queries.ENDPOINT_CIRCUIT,
@@ -212,6 +217,7 @@ class DeliveryStore:
         )
 
     async def disable(self, endpoint_id: int, reason: str, failing_for: float | None) -> bool:
+        self.store.statements["endpoint_disable"] += 1
         row = await self.store.call(
             "fetchval", queries.ENDPOINT_DISABLE, endpoint_id, reason, failing_for
         )

@@ -43,8 +43,9 @@ KEPT_UP = 1.0  # seconds after the last commit by which a relay keeping up has d
 
 
 class StatementTimer:
-    """Times the endpoints sink's FAN_OUT and DELIVERY_CLAIM calls in the running relay (wall
-    time: round trip, database, this event loop) and counts the deliveries of each."""
+    """Times the endpoints sink's FAN_OUT, DELIVERY_CLAIM and DELIVERY_RECORD calls in the
+    running relay (wall time: round trip, database, this event loop) and counts the deliveries
+    of each."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -58,6 +59,7 @@ class StatementTimer:
             raise click.ClickException("the endpoints sink has no delivery store to time")
         self._wrap(store, "fan_out", lambda r: sum(r.values()))
         self._wrap(store, "claim", lambda r: len(r[0]))
+        self._wrap(store, "record", len)
 
     def _wrap(self, store: Any, name: str, rows: Callable[[Any], int]) -> None:
         inner = getattr(store, name)
@@ -76,7 +78,11 @@ class StatementTimer:
 
     def figures(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for name, label in (("fan_out", "fan_out"), ("claim", "delivery_claim")):
+        for name, label in (
+            ("fan_out", "fan_out"),
+            ("claim", "delivery_claim"),
+            ("record", "delivery_record"),
+        ):
             rows = max(self.rows[name], 1)
             out[f"{label}_statements"] = self.calls[name]
             out[f"{label}_us_per_delivery"] = round(self.seconds[name] / rows * 1e6, 1)
@@ -316,7 +322,9 @@ class Load:
             out["pg_cpu_us_per_delivery"] = round(self.pg_cpu / per * 1e6, 1)
         out.update(self.timer.figures())
         out["delivery_record_statements"] = self.statements["delivery_record"]
-        # Every statement of the relay's hot paths, the outbox's own claim and record too.
+        # Every statement the relay counts (hot paths, heartbeats, reaps, health), the outbox's
+        # own claim and record too, and each by name: where a delivery's statements go.
         out["sql_statements_per_delivery"] = round(sum(self.statements.values()) / per, 3)
+        out["statements"] = {k: v for k, v in sorted(self.statements.items()) if v > 0}
         out["max_rss_mb"] = round(rss_mb(), 1)
         return out
