@@ -31,12 +31,12 @@ from relay.cli.options import register_url
 @click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")
 def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic: str) -> None:
     """Relay real events end to end on this machine (scratch database, local broker)."""
-    from relay.runtime import loop
     from relay.tools.demo import run_demo
     from relay.tools.localbroker import LocalBrokerError
+    from relay.tools.stopping import run_tool
 
     try:
         # The relay's own default loop (uvloop where installed), as `run` uses.
-        sys.exit(loop.run(run_demo(database_url, bootstrap, count, keep, topic), "auto"))
+        sys.exit(run_tool(run_demo(database_url, bootstrap, count, keep, topic), "auto", "demo"))
     except (OSError, LocalBrokerError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from exc

@@ -66,9 +66,10 @@ def execute(
     derive: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     from relay.obs.logs import configure
+    from relay.tools.stopping import run_tool
 
     configure("warning", "console")
-    results = loop.run(run_scenarios(opts, scenarios), opts.get("loop", "auto"))
+    results = run_tool(run_scenarios(opts, scenarios), opts.get("loop", "auto"), "bench")
     if derive is not None:
         derive(results)
     emit(results, opts["as_json"])

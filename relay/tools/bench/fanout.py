@@ -72,9 +72,9 @@ PROBE_EVENTS = 2000  # events the scale scenario's statement replay fans out and
 
 def run(opts: dict[str, Any]) -> dict[str, Any]:
     """Run the scenario(s) ``opts`` name; the results, as emit() prints them."""
-    from relay.runtime import loop
+    from relay.tools.stopping import run_tool
 
-    return loop.run(_run(opts), opts.get("loop", "auto"))
+    return run_tool(_run(opts), opts.get("loop", "auto"), "bench fanout")
 
 
 async def _run(opts: dict[str, Any]) -> dict[str, Any]:
