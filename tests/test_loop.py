@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import sys
 
 import pytest
@@ -30,3 +33,21 @@ def test_without_uvloop_auto_falls_back_and_uvloop_refuses(
     assert loop.run(_kind(), "auto") == "asyncio"
     with pytest.raises(loop.LoopUnavailable, match="uvloop is not installed"):
         loop.run(_kind(), "uvloop")
+
+
+@pytest.mark.parametrize("choice", ["auto", "asyncio"])
+def test_sigterm_cancels_a_tools_run_and_its_clean_up_runs(choice: loop.Choice) -> None:
+    cleaned: list[str] = []
+
+    async def tool() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await asyncio.sleep(30)
+        finally:
+            cleaned.append("scratch dropped")
+
+    with pytest.raises(loop.Terminated):
+        loop.run(tool(), choice, sigterm_cancels=True)
+    assert cleaned == ["scratch dropped"]
+    # The handler is gone with the run: SIGTERM is the process's own again.
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
