@@ -331,7 +331,7 @@ def test_http_binary_sends_only_valid_row_extensions_percent_encoded() -> None:
         ep = sink.endpoints["hook"]
         assert ep.cloudevents is not None
         env = row(id=6, headers=ce_row_headers("ce-"))
-        headers = sink._headers(ep, env)
+        headers = sink.requests.headers(ep, env)
         assert isinstance(headers, dict), headers
         body = ep.cloudevents.http(env, headers)
         if mode == "structured":

@@ -825,12 +825,13 @@ async def test_an_open_circuit_keeps_its_endpoint_out_of_the_claim(
 
 
 def test_a_stale_outcome_does_not_release_a_newer_claim() -> None:
-    from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+    from relay.sinks.endpoints.dispatcher import Dispatcher
     from relay.sinks.endpoints.store import DeliveryRecord
     from relay.sinks.webhook.config import WebhookClientSettings
+    from relay.sinks.webhook.requests import RequestPath
 
     dest = endpoints_settings("postgresql://x/y").destinations[DEST]
-    d = Dispatcher(Sender(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
+    d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
     newer = claimed_row(token=2)
     d.held[7] = newer
     stale = DeliveryRecord(7, 1, "delivered", 1, 0.0, None, 200, 1, 1, 1.0, "", False)
@@ -841,11 +842,12 @@ def test_a_stale_outcome_does_not_release_a_newer_claim() -> None:
 
 
 def test_a_delivery_that_keeps_crashing_fails_at_its_attempt_limit() -> None:
-    from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+    from relay.sinks.endpoints.dispatcher import Dispatcher
     from relay.sinks.webhook.config import WebhookClientSettings
+    from relay.sinks.webhook.requests import RequestPath
 
     dest = endpoints_settings("postgresql://x/y").destinations[DEST]  # max_attempts 4
-    d = Dispatcher(Sender(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
+    d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
     c = claimed_row(token=2, attempts=3)
     assert d._crashed(c, RuntimeError("bug")).status == "failed"
     c.attempts = 1

@@ -12,9 +12,10 @@ from outbox.endpoint_secrets import SecretBox
 from relay.breaker import State
 from relay.model import Lease
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+from relay.sinks.endpoints.dispatcher import Dispatcher
 from relay.sinks.endpoints.store import Claimed
 from relay.sinks.webhook.config import WebhookClientSettings
+from relay.sinks.webhook.requests import RequestPath
 
 SECRET = "whsec_c2VjcmV0TWFya2VyOTk5OTk5OTk5OTk5OTk5OTk5OTk="
 DEST = "d"
@@ -30,8 +31,7 @@ def make(**kw: Any) -> tuple[Dispatcher, EndpointsDestination]:
             **kw,
         }
     )
-    sender = Sender(WebhookClientSettings())
-    d = Dispatcher(sender, {DEST: cfg}, secret_box=SecretBox(None))
+    d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: cfg}, secret_box=SecretBox(None))
     return d, cfg
 
 
@@ -95,7 +95,7 @@ async def test_a_delivery_waiting_for_a_probe_is_checked_again_before_it_is_sent
     await asyncio.sleep(0.2)  # B waits for the probe
     d._state(claimed(r.url, "globex", "globex"))
     ra, rb = await asyncio.gather(ta, tb)
-    await d.sender.close()
+    await d.requests.close()
     assert ra.status == "delivered"
     assert rb.status == "cancelled" and "no longer takes" in (rb.error or "")
     assert [int(x.headers["webhook-id"]) for x in r.requests] == [a.event_id]
@@ -112,7 +112,7 @@ async def test_a_410_stops_the_deliveries_waiting_for_their_pace(make_receiver: 
     for c in cs[1:]:
         d._state(c)
     recs = await asyncio.gather(*(d._attempt(c, state) for c in cs))
-    await d.sender.close()
+    await d.requests.close()
     assert len(r.requests) == 1
     assert [(x.status, x.counted) for x in recs[1:]] == [("pending", 0), ("pending", 0)]
 
@@ -132,7 +132,7 @@ async def test_an_endpoint_unusable_while_a_delivery_waits_is_not_sent_to(
     d._state(claimed(r.url, None, None, rate=2, secret="enc:garbage"))
     assert state.endpoint is None
     ra, rb = await asyncio.gather(ta, tb)
-    await d.sender.close()
+    await d.requests.close()
     assert ra.status == "delivered"
     assert (rb.status, rb.counted) == ("pending", 2) and len(r.requests) == 1
 
@@ -150,6 +150,6 @@ async def test_deliveries_that_will_not_be_sent_take_no_turn_of_a_rate_limit(
     started = time.monotonic()
     recs = await asyncio.gather(*(d._attempt(c, state) for c in [*stale, ok]))
     took = time.monotonic() - started
-    await d.sender.close()
+    await d.requests.close()
     assert [x.status for x in recs] == ["cancelled"] * 4 + ["delivered"]
     assert took < 1.0, took  # paced behind them: 2 s

@@ -25,7 +25,7 @@ from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.state import NOT_TAKEN_LOG_EVERY, EndpointState
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, takes
-from relay.sinks.webhook.sink import Target
+from relay.sinks.webhook.requests import Answer, Target
 
 log = structlog.get_logger("relay.sink.endpoints")
 
@@ -60,7 +60,7 @@ class Attempts(DispatcherBase):
                 keys = [decode_secret(self.secret_box.open(c.secret))]
                 if c.previous_secret:
                     keys.append(decode_secret(self.secret_box.open(c.previous_secret)))
-                state.endpoint = self.sender.endpoint(
+                state.endpoint = self.requests.target(
                     f"{c.destination}#{c.endpoint_id}",
                     config,
                     c.url,
@@ -119,13 +119,13 @@ class Attempts(DispatcherBase):
         sent = await self._send(c, state, env)
         if isinstance(sent, DeliveryRecord):
             return sent
-        outcome, took = sent
-        return self._answered(c, state, config, env, outcome, took)
+        answer, took = sent
+        return self._answered(c, state, config, env, answer, took)
 
     async def _send(
         self, c: Claimed, state: EndpointState, env: Envelope
-    ) -> tuple[Outcome, float] | DeliveryRecord:
-        """Send ``env`` with one of its endpoint's request slots, at its pace: the outcome and
+    ) -> tuple[Answer, float] | DeliveryRecord:
+        """Send ``env`` with one of its endpoint's request slots, at its pace: the answer and
         the milliseconds the request took, or the record of a delivery not sent after all."""
         async with state.semaphore:
             # Checked before the pace (a delivery that will not be sent takes no turn of a
@@ -154,7 +154,7 @@ class Attempts(DispatcherBase):
             started = time.monotonic()
             state.started.append(started)  # slow while in flight past the budget
             try:
-                outcome = await self.sender.attempt(endpoint, env, check)
+                answer = await self.requests.send(endpoint, env, check)
             finally:
                 state.started.remove(started)
             if stopped:  # nothing was sent
@@ -164,7 +164,7 @@ class Attempts(DispatcherBase):
             state.latency = latency_average(state.latency, seconds)
             took = seconds * 1000
             self._note_circuit(c.endpoint_id, breaker, was)
-        return outcome, took
+        return answer, took
 
     def _note_circuit(self, endpoint_id: int, breaker: Breaker, was: State) -> None:
         """Keep for `status` when the request opened or closed its endpoint's circuit."""
@@ -180,17 +180,17 @@ class Attempts(DispatcherBase):
         state: EndpointState,
         config: EndpointsDestination,
         env: Envelope,
-        outcome: Outcome,
+        answer: Answer,
         took: float,
     ) -> DeliveryRecord:
         """The record of a request sent: its outcome, with the answer for the message log."""
-        answer = self.sender.answers.pop(env, None)
+        outcome = answer.outcome
         if outcome.result is Result.DEFER:
             return self._record(
                 c, "pending", 0, outcomes.clamp_delay(outcome.retry_in, 1.0), outcome.error
             )
         rec = outcomes.to_record(env, outcome, config.max_attempts, config.backoff)
-        status, body = answer if answer is not None else (None, b"")
+        status, body = answer.status, answer.body
         ok = outcome.result is Result.DELIVERED
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False) or ok
         if status == 410:

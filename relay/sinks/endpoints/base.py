@@ -13,28 +13,15 @@ from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 
 from outbox.endpoint_secrets import SecretBox
-from relay.model import Envelope
 from relay.obs.metrics import Metrics
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
-from relay.sinks.webhook.config import WebhookClientSettings
-from relay.sinks.webhook.sink import WebhookSink
+from relay.sinks.webhook.requests import RequestPath
 
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
 WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for together
-
-
-class Sender(WebhookSink):
-    """The webhook sink's request path; each answer kept for the message log (on_answer)."""
-
-    def __init__(self, http: WebhookClientSettings) -> None:  # no destination configured
-        self.answers: dict[Envelope, tuple[int, bytes]] = {}
-        super().__init__(http, {}, on_answer=self._keep)
-
-    def _keep(self, env: Envelope, status: int, body: bytes, latency_ms: float) -> None:
-        self.answers[env] = (status, body)
 
 
 class DispatcherBase:
@@ -42,14 +29,14 @@ class DispatcherBase:
 
     def __init__(
         self,
-        sender: Sender,
+        requests: RequestPath,
         destinations: Mapping[str, EndpointsDestination],
         *,
         max_in_flight: int = 1000,
         poll_interval: float = 1.0,
         secret_box: SecretBox | None = None,
     ) -> None:
-        self.sender = sender
+        self.requests = requests  # each request sent as the webhook sink sends its own
         self.destinations = dict(destinations)
         self.max_in_flight = max_in_flight
         self.poll_interval = poll_interval

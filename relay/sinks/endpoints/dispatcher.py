@@ -24,7 +24,6 @@ import structlog
 from outbox.errors import describe
 from relay.db.store import DB_ERRORS, UNAVAILABLE
 from relay.sinks.endpoints.attempts import CRASH_RETRY, Attempts
-from relay.sinks.endpoints.base import Sender
 from relay.sinks.endpoints.fairness import Plan
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.health import Health
@@ -289,4 +288,4 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
             await event.wait()
 
 
-__all__ = ["Dispatcher", "EndpointState", "Sender", "class_of"]
+__all__ = ["Dispatcher", "EndpointState", "class_of"]

@@ -22,9 +22,10 @@ from relay.model import Envelope, Outcome, Result
 from relay.sinks import Host, SinkBase, misrouted
 from relay.sinks.endpoints import at_rest
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.dispatcher import Dispatcher, Sender
+from relay.sinks.endpoints.dispatcher import Dispatcher
 from relay.sinks.endpoints.store import DeliveryStore
 from relay.sinks.webhook.config import WebhookClientSettings
+from relay.sinks.webhook.requests import RequestPath
 
 log = structlog.get_logger("relay.sink.endpoints")
 
@@ -38,11 +39,11 @@ class EndpointsSink(SinkBase):
         self, http: WebhookClientSettings, destinations: Mapping[str, EndpointsDestination]
     ) -> None:
         self.destinations = dict(destinations)
-        self.sender = Sender(http)
+        self.requests = RequestPath(http)  # its requests go as the webhook sink's do
         # A key that is not one, or encryption required without a key: refused here, before
         # the relay connects (OutboxError, saying what to set).
         self.dispatcher = Dispatcher(
-            self.sender, self.destinations, secret_box=at_rest.secret_box()
+            self.requests, self.destinations, secret_box=at_rest.secret_box()
         )
         self._store: DeliveryStore | None = None
         self._task: asyncio.Task[None] | None = None
@@ -56,9 +57,9 @@ class EndpointsSink(SinkBase):
         # deliveries held (max_in_flight): a pool smaller than that would make healthy
         # endpoints wait for connections slow ones hold, and time out against their own
         # budget. Opened by start(), after this.
-        http = self.sender.http
+        http = self.requests.http
         if http.max_connections < max_in_flight:
-            self.sender.http = http.model_copy(update={"max_connections": max_in_flight})
+            self.requests.http = http.model_copy(update={"max_connections": max_in_flight})
         self.dispatcher.max_in_flight = max_in_flight
         self.dispatcher.poll_interval = host.poll_interval
         self.dispatcher.metrics = host.metrics
@@ -69,7 +70,7 @@ class EndpointsSink(SinkBase):
         return self._store
 
     async def start(self) -> None:
-        await self.sender.start()
+        await self.requests.start()
         if self._store is not None and self._task is None:
             try:
                 await at_rest.warn_unencrypted(self._store.store, self.dispatcher.secret_box)
@@ -146,7 +147,7 @@ class EndpointsSink(SinkBase):
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        await self.sender.close()
+        await self.requests.close()
 
 
 NO_MATCH = "no endpoint matched (none enabled for its destination, tenant and event type)"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from relay.breaker import State
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import Holding, is_slow
-from relay.sinks.webhook.sink import Target
+from relay.sinks.webhook.requests import Target
 
 NOT_TAKEN_LOG_EVERY = 60.0  # seconds between relay.endpoints.not_taken lines per endpoint
 
