@@ -113,3 +113,17 @@ async def test_a_target_sends_again_once_the_sessions_are_reopened(
     again = await path.send(t, envelope())
     assert again.outcome.result is Result.DELIVERED, again.outcome.error
     assert len(receiver.requests) == 2
+
+
+async def test_a_send_after_close_is_put_back_and_opens_no_session(
+    receiver: Receiver, path: RequestPath
+) -> None:
+    """A request still going out as the sink stops (a batch cut short) is put back, not
+    attempted: it must not open sessions that nothing would close."""
+    t = target(path, receiver.url)
+    await path.close()
+    answer = await path.send(t, envelope())
+    assert answer.outcome.result is Result.DEFER, answer.outcome
+    assert "request path is closed" in (answer.outcome.error or "")
+    assert answer.status is None and receiver.requests == []
+    assert path._sessions is None  # nothing opened

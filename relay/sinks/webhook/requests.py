@@ -100,6 +100,9 @@ class RequestPath:
         # raises max_connections before that.
         self.http = http
         self._sessions: Sessions | None = None
+        # Closed (the sink stopped): a request still going out is put back unattempted, and
+        # opens no sessions that nothing would close.
+        self._closed = False
 
     def target(
         self,
@@ -138,6 +141,7 @@ class RequestPath:
         )
 
     async def start(self) -> None:
+        self._closed = False
         self._ensure_sessions()
         if "max_keepalive_connections" in self.http.model_fields_set:
             log.warning(
@@ -147,6 +151,7 @@ class RequestPath:
             )
 
     async def close(self) -> None:
+        self._closed = True
         sessions, self._sessions = self._sessions, None
         if sessions is not None:
             await sessions.close()
@@ -166,6 +171,9 @@ class RequestPath:
         raises. ``check``, called once every wait (a circuit's probe) is over, just before
         the request, may say why the row must not be sent after all: it is then deferred,
         unattempted, with that reason."""
+        if self._closed:
+            why = "not sent: the relay's request path is closed"
+            return Answer(Outcome.defer(env.id, why, 0.0))
         client = t.session
         if client is None or t.sessions is not self._sessions:
             client = self._session(t)  # the first request, or the sessions were reopened
