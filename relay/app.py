@@ -14,7 +14,6 @@ import asyncio
 import os
 import socket
 from collections import Counter
-from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -23,22 +22,24 @@ from outbox.errors import describe
 from relay.breaker import Breaker, State
 from relay.config import Settings
 from relay.config.base import package_version
-from relay.db.store import Record, Store
+from relay.db.store import Store
 from relay.maintenance import every
 from relay.maintenance.horizon import Horizon
 from relay.maintenance.pauses import Pauses
 from relay.maintenance.reaper import Reaper
 from relay.maintenance.reporter import Reporter
 from relay.maintenance.retention import Retention
+from relay.model import Envelope
 from relay.obs.metrics import Metrics
 from relay.pipeline.claimer import Claimer
-from relay.pipeline.completer import Completer, Key
+from relay.pipeline.completer import Completer
 from relay.pipeline.leases import Leases
 from relay.pipeline.listener import Listener
 from relay.pipeline.routes import attempt_limits, build_routes, build_sinks
 from relay.pipeline.sending import Sending
 from relay.runtime import loop, probes
 from relay.runtime.claim_modes import MixedClaims
+from relay.runtime.pipes import EVENTS, Pipe
 from relay.runtime.server import HttpServer, HttpStartupError, build_app
 from relay.runtime.shutdown import FINAL_BUDGET, shutdown
 from relay.runtime.startup import RelayStartupError, open_store
@@ -68,8 +69,8 @@ class Relay:
         self.started = asyncio.Event()  # for tests and probes: set once claiming has begun
         self.stopping = asyncio.Event()
         self.metrics = Metrics()
-        self.leases = Leases(self.metrics, self.stats)
-        self.metrics.in_flight.set_function(lambda: len(self.leases))
+        # The events' leases (their pipe is built with the store: see _prepare).
+        self.leases: Leases[Envelope] = Leases(self.metrics, self.stats)
         self.metrics.watch_circuits(self._circuits)
         self.http: HttpServer | None = None
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -77,7 +78,9 @@ class Relay:
         self._store: Store | None = None
         self.claimer: Claimer | None = None
         self.sending: Sending | None = None
-        self.completer: Completer | None = None
+        self.completer: Completer | None = None  # the events'
+        # A pipe per source of claimable rows: the events' first (see relay/runtime/pipes.py).
+        self.pipes: list[Pipe[Any]] = []
         self.pauses: Pauses | None = None
         self._listener: Listener | None = None
         self.console: Any = None  # the console's ASGI app, when [ui] enabled = true
@@ -198,7 +201,11 @@ class Relay:
         the first claim, so a relay that starts while a destination is paused never claims
         it, and other relays know what this one serves."""
         self._store = store
-        self.completer = Completer(store, self._recorded)
+        events = Pipe(
+            EVENTS, store, self.leases, heads=self._key_finished, gauge=self.metrics.in_flight
+        )
+        self.pipes = [events]
+        self.completer = events.completer
         self.sending = Sending(self.routes, self.leases, store, self.completer, self.metrics)
         self.pauses = Pauses(store, self.sinks, self.metrics, self.wake)
         self.claimer = Claimer(
@@ -211,6 +218,7 @@ class Relay:
             self.metrics,
             self.stats,
             self.stopping,
+            sources=[],  # the pipes after the events', with what dispatches their rows
         )
         rs = self.settings.relay
         # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
@@ -221,19 +229,25 @@ class Relay:
         await self._register()
 
     def _background(self) -> set[asyncio.Task[Any]]:
-        """The supervised side tasks: completer, listener and the maintenance jobs."""
-        assert self.completer is not None and self._listener is not None
+        """The supervised side tasks: each pipe's completer and heartbeat, the listener and the
+        maintenance jobs."""
+        assert self.pipes and self._listener is not None
         assert self.pauses is not None
         rs = self.settings.relay
         store = self.store
         reaper = Reaper(
-            store, rs.max_attempts, attempt_limits(self.settings), self.metrics, self.wake
+            store,
+            rs.max_attempts,
+            attempt_limits(self.settings),
+            self.metrics,
+            self.wake,
+            extra=[],  # the sources of the pipes after the events'
         )
         reporter = Reporter(rs, list(self.settings.destinations), self.routes, store, self.metrics)
         retention = Retention(rs, store, self.metrics, self.stopping)
         lease = rs.lease
         jobs: list[tuple[str, Any, float, float]] = [
-            ("heartbeat", lambda: self.leases.heartbeat(store, lease), lease / 3, 0.0),
+            *(job for pipe in self.pipes for job in pipe.jobs(lease)),
             ("registry", self._register, min(lease / 3, 10.0), min(lease / 3, 10.0)),
             # Every poll interval (at most lease / 2): a dead relay's rows are claimable again
             # within one lease and one poll interval. The query reads only the small partial
@@ -253,7 +267,7 @@ class Relay:
             ("sweep", self._sweep, SWEEP_INTERVAL, SWEEP_INTERVAL),
         ]
         tasks = {
-            asyncio.create_task(self.completer.run(), name="completer"),
+            *(task for pipe in self.pipes for task in pipe.tasks()),
             asyncio.create_task(self._listener.run(), name="listener"),
         }
         for name, job, interval, first in jobs:
@@ -304,8 +318,9 @@ class Relay:
 
     # --- what the parts tell each other -------------------------------------------------
 
-    def _recorded(self, records: Sequence[Record], written: set[Key], abandoned: set[Key]) -> None:
-        if self.leases.recorded(records, written, abandoned) and self.claimer is not None:
+    def _key_finished(self) -> None:
+        """An outcome let the next row of an ordered key go: claim it now."""
+        if self.claimer is not None:
             self.claimer.key_finished()
 
     async def _register(self) -> None:

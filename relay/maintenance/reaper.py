@@ -1,12 +1,14 @@
 """The reaper: rows whose lease expired (their relay died or stalled) go back to pending,
 an attempt counted, or to failed once their destination's attempts are spent; so do the rows
 of batch leases that expired unrecorded (relay.claims = "batch"), and old ended batches are
-forgotten."""
+forgotten. Other sources of leased rows (a sink's table) are reaped after the events, each by
+its own statement, and woken when rows of theirs are claimable again."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import asyncpg
 import structlog
@@ -18,6 +20,19 @@ from relay.obs.metrics import Metrics
 from relay.pipeline.leases import LOST_IDS_LOGGED
 
 log = structlog.get_logger("relay")
+
+
+class Reapable(Protocol):
+    """A source of leased rows beside the events, as the reaper sees it (a
+    relay.sinks.source.Source is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int: ...
+
+    def wake(self) -> None: ...
+
 
 # Rows the database refused to reap, even alone, are left out of reaping this long.
 UNREAPABLE_FOR = 600.0
@@ -45,12 +60,14 @@ class Reaper:
         limits: dict[str, int],
         metrics: Metrics,
         reaped: Callable[[], None],
+        extra: Sequence[Reapable] = (),
     ) -> None:
         self.store = store
         self.max_attempts = max_attempts  # of destinations no relay here knows
         self.limits = limits
         self.metrics = metrics
         self.reaped = reaped  # rows are claimable again: claim them
+        self.extra = list(extra)  # reaped after the events, in this order
         self._unreapable: dict[int, float] = {}  # row id -> until when it is left alone
         self._unreapable_batches: dict[int, float] = {}  # the same for batch leases
         # When the last complete pass began (it took every lease expired then) and the last
@@ -94,6 +111,19 @@ class Reaper:
                 destinations=sorted({r["destination"] for r in rows}),
             )
             self.reaped()
+        for source in self.extra:
+            await self._reap_source(source)
+
+    async def _reap_source(self, source: Reapable) -> None:
+        """One other source's pass: its failure is its own, the next source's pass runs."""
+        try:
+            count = await source.reap(self.max_attempts, self.limits)
+        except DB_ERRORS as exc:
+            log.warning("relay.reap.source_failed", source=source.name, error=describe(exc))
+            return
+        if count:
+            log.warning("relay.lease.expired", source=source.name, count=count)
+            source.wake()
 
     async def _one_by_one(self, never: list[int], error: BaseException) -> list[asyncpg.Record]:
         """The database refused to reap the expired rows together: reap them one by one, and

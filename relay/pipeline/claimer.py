@@ -4,6 +4,9 @@ A claim is one statement per destination (``SELECT … FOR UPDATE SKIP LOCKED`` 
 that marks the rows running, committed before any delivery). The loop holds at most
 ``max_in_flight`` rows, skips destinations that are paused or whose circuit is open, and
 wakes on a NOTIFY, a poll interval, or freed capacity.
+
+Other sources of rows (:class:`Feed`: a sink's table, as endpoint deliveries) are claimed
+after the destinations, each into leases of its own and within a room of its own.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import asyncpg
 import structlog
 
 from outbox.errors import describe
 from relay.config import RelaySettings
+from relay.db.leasing import Held
 from relay.db.store import DB_ERRORS, Store
 from relay.model import Envelope
 from relay.obs.metrics import Metrics
@@ -32,8 +38,32 @@ from relay.pipeline.ordered import (
     Ownership,
 )
 from relay.pipeline.routes import Route
+from relay.sinks.source import Source
 
 log = structlog.get_logger("relay")
+
+H = TypeVar("H", bound=Held)
+
+
+@dataclass(eq=False, slots=True)
+class Feed(Generic[H]):
+    """A source of rows the claimer claims beside the destinations' events: into its own
+    ``leases`` (its ids may equal events' ids), at most ``max_in_flight`` of them held at
+    once, handed to its own ``dispatch``.
+
+    It is claimed after the destinations' claim (once their rows are dispatched), when it
+    says it is due or a poll interval after its last claim, and at once again after a full
+    claim. The claimer's waits are still the events' own alone: a source that comes due
+    wakes the claim through :meth:`Claimer.wake`, room freed in its leases is seen at the
+    next wake-up or poll, and while the events hold ``max_in_flight`` rows (or no
+    destination can be claimed) no source is claimed either.
+    """
+
+    source: Source[H]
+    leases: Leases[H]
+    dispatch: Callable[[Sequence[H]], None]
+    max_in_flight: int
+    claimed_at: float = float("-inf")  # monotonic time of its last claim
 
 
 async def wait_for(
@@ -54,12 +84,13 @@ class Claimer:
         settings: RelaySettings,
         routes: Mapping[str, Route],
         store: Store,
-        leases: Leases,
+        leases: Leases[Envelope],
         dispatch: Callable[[list[Envelope]], None],
         paused: Callable[[], frozenset[str]],
         metrics: Metrics,
         stats: Counter[str],
         stopping: asyncio.Event,
+        sources: Sequence[Feed[Any]] = (),
     ) -> None:
         self.settings = settings
         self.routes = routes
@@ -70,6 +101,7 @@ class Claimer:
         self.metrics = metrics
         self.stats = stats
         self.stopping = stopping
+        self.sources = list(sources)
         self.wakeup = asyncio.Event()
         # Why the last claim failed, while claims fail (readiness reports it).
         self.error: str | None = None
@@ -137,6 +169,9 @@ class Claimer:
                 # Let the deliveries start, so a sink that is now full says so (available())
                 # before the next claim: claims follow the sinks' free capacity.
                 await asyncio.sleep(0)
+            if self.sources and error is None:
+                # After the events are on their way: their sends do not wait for these claims.
+                error = await self._claim_sources()
             if error is not None:
                 self._failed(error, retry)
                 await wait_for(self.stopping, [], retry)
@@ -175,6 +210,32 @@ class Claimer:
             except Exception as exc:
                 return batch, exc
         return batch, None
+
+    async def _claim_sources(self) -> BaseException | None:
+        """Claim each source that is due, or was last claimed a poll interval ago, within its
+        own room. What one claims is held and dispatched at once, before the next source's
+        claim; the error that stopped the claims, if one did."""
+        rs = self.settings
+        now = time.monotonic()
+        for feed in self.sources:
+            # Nothing waits for a source's rows let go unrecorded (no ordered keys): drop them.
+            feed.leases.take_dropped()
+            room = feed.max_in_flight - len(feed.leases)
+            if room <= 0 or not (feed.source.due or now - feed.claimed_at >= rs.poll_interval):
+                continue
+            feed.claimed_at = now
+            limit = min(rs.batch_size, room)
+            try:
+                items = await feed.source.claim(limit, feed.leases)
+            except Exception as exc:
+                return exc
+            if len(items) >= limit:
+                self._scan_progressed = True  # more may wait: claim again at once
+            if items:
+                feed.leases.claimed(items)
+                log.debug("relay.source.claimed", source=feed.source.name, count=len(items))
+                feed.dispatch(items)
+        return None
 
     async def _claim_one(self, route: Route, limit: int) -> list[Envelope]:
         if not route.ordered:

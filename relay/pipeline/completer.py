@@ -12,6 +12,9 @@ one row): the batch is split until that record stands alone, it is written again
 error text made plain ASCII, and failing that its row is failed with the reason, so the rest
 keep flowing. Outcomes are told apart by (row id, fencing token): the same row may have an
 outcome of an older claim and one of the current claim in one batch.
+
+A completer writes through one source's statements (relay/db/leasing.py; the events' are the
+Store's): each source of rows has its own, beside its own Leases.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import structlog
 
 from outbox.errors import describe
 from outbox.status import Status
-from relay.db.store import UNAVAILABLE, Record, Store
+from relay.db.leasing import LeaseStatements
+from relay.db.store import UNAVAILABLE, Record
 from relay.model import truncate_error
 
 log = structlog.get_logger("relay.completer")
@@ -48,8 +52,10 @@ class Completer:
     about that row could be written at all.
     """
 
-    def __init__(self, store: Store, on_recorded: OnRecorded, *, max_batch: int = 5000) -> None:
-        self.store = store
+    def __init__(
+        self, source: LeaseStatements, on_recorded: OnRecorded, *, max_batch: int = 5000
+    ) -> None:
+        self.source = source
         self.on_recorded = on_recorded
         self.max_batch = max_batch
         self._buffer: list[Record] = []
@@ -123,7 +129,7 @@ class Completer:
     async def _write(self, batch: list[Record], done: _Written) -> None:
         """Write ``batch``, splitting it around records PostgreSQL refuses."""
         try:
-            ids = await self.store.record(batch)
+            ids = await self.source.record(batch)
         except UNAVAILABLE:
             raise
         except Exception as exc:
@@ -144,7 +150,7 @@ class Completer:
             # Text the database's encoding cannot hold (a LATIN1 database, an endpoint's
             # reply in another script): the same outcome, its text escaped.
             try:
-                ids = await self.store.record([replace(bad, error=plain)])
+                ids = await self.source.record([replace(bad, error=plain)])
             except UNAVAILABLE:
                 raise
             except Exception:  # noqa: S110 - the row is failed below, with the first error
@@ -161,9 +167,12 @@ class Completer:
             )
         )
         log.error("relay.record.rejected", id=bad.id, outcome=bad.status, error=describe(exc))
-        failed = Record(bad.id, bad.token, Status.FAILED, 1, 0.0, reason, bad.destination, bad.key)
+        # A copy, so that what a source's records carry beyond Record's fields goes with it.
+        failed = replace(
+            bad, status=Status.FAILED, counted=1, delay=0.0, error=reason, written=False
+        )
         try:
-            ids = await self.store.record([failed])
+            ids = await self.source.record([failed])
         except UNAVAILABLE:
             raise
         except Exception as again:

@@ -4,6 +4,9 @@ Every claimed row is in :class:`Leases` until its outcome is written (or the rel
 no longer holds the row). The heartbeat renews what is held; a row whose renewal the
 database refuses was taken back (reaped after a stall) and is never sent from then on. Its
 ``capacity`` event wakes the claimer whenever rows leave.
+
+One Leases serves one source of rows (the events, through the Store; see relay/db/leasing.py):
+rows are known by id, and ids of two sources may be equal, so each source has its own.
 """
 
 from __future__ import annotations
@@ -12,42 +15,45 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Generic, TypeVar
 
 import structlog
 
 from outbox.status import Status
-from relay.db.store import Record, Store
-from relay.model import Envelope
+from relay.db.leasing import Held, LeaseStatements
+from relay.db.store import Record
 from relay.obs.metrics import Metrics
 
 log = structlog.get_logger("relay")
 
 LOST_IDS_LOGGED = 20
 
+H = TypeVar("H", bound=Held)
 
-class Leases:
+
+class Leases(Generic[H]):
     def __init__(self, metrics: Metrics, stats: Counter[str]) -> None:
         self.metrics = metrics
         self.stats = stats
         self.capacity = asyncio.Event()  # set whenever rows leave
-        self._held: dict[int, Envelope] = {}
+        self._held: dict[int, H] = {}
         # Rows whose outcome is with the completer: id -> (token, when handed over).
         self._handed: dict[int, tuple[int, float]] = {}
         # Rows let go without an outcome written (given up, lost, forgotten): they may still
         # be running in the table. The claimer takes them (see take_dropped).
-        self._dropped: list[Envelope] = []
+        self._dropped: list[H] = []
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def __iter__(self) -> Iterator[Envelope]:
+    def __iter__(self) -> Iterator[H]:
         return iter(list(self._held.values()))
 
     def tokens(self) -> list[tuple[int, int]]:
         """(id, token) of every row held."""
         return [(i, e.token) for i, e in self._held.items()]
 
-    def claimed(self, batch: Sequence[Envelope]) -> None:
+    def claimed(self, batch: Sequence[H]) -> None:
         for env in batch:
             earlier = self._held.get(env.id)
             if earlier is not None:
@@ -56,7 +62,7 @@ class Leases:
                 self.lose([earlier], "claimed again after the lease expired")
             self._held[env.id] = env
 
-    def handed(self, envs: Iterable[Envelope]) -> None:
+    def handed(self, envs: Iterable[H]) -> None:
         """Their outcomes are with the completer from now on."""
         now = time.monotonic()
         for env in envs:
@@ -85,7 +91,8 @@ class Leases:
             if (r.id, r.token) in written:
                 kind = r.status if r.counted else "deferred"
                 counts[kind] = counts.get(kind, 0) + 1
-                next_heads |= r.status is not Status.PENDING and r.key is not None
+                # By value: a source's statuses may be plain strings.
+                next_heads |= r.status != Status.PENDING and r.key is not None
             else:
                 if mine:
                     self._dropped.append(env)  # type: ignore[arg-type]
@@ -97,7 +104,7 @@ class Leases:
         self.capacity.set()
         return next_heads
 
-    def lose(self, envs: Iterable[Envelope], why: str) -> None:
+    def lose(self, envs: Iterable[H], why: str) -> None:
         """Rows this relay found it no longer holds: never sent from now on, never renewed."""
         lost = []
         for env in envs:
@@ -111,7 +118,7 @@ class Leases:
             self._log_lost(lost, why)
             self.capacity.set()
 
-    def forget(self, envs: Iterable[Envelope]) -> None:
+    def forget(self, envs: Iterable[H]) -> None:
         """Stop renewing leases this relay cannot settle: the reaper takes the rows back."""
         for env in envs:
             if self._held.get(env.id) is env:
@@ -120,14 +127,15 @@ class Leases:
                 self._dropped.append(env)
         self.capacity.set()
 
-    def take_dropped(self) -> list[Envelope]:
+    def take_dropped(self) -> list[H]:
         """The rows let go without an outcome written since the last call: the owner of an
         ordered destination holds their keys until they are no longer running."""
         dropped, self._dropped = self._dropped, []
         return dropped
 
-    async def heartbeat(self, store: Store, lease: float) -> None:
-        """Renew the leases of the rows held; drop those the database says are gone."""
+    async def heartbeat(self, source: LeaseStatements, lease: float) -> None:
+        """Renew the leases of the rows held (``source``'s rows: this Leases's); drop those
+        the database says are gone."""
         started = time.monotonic()
         # A row whose outcome has waited to be written for this long is let go: the reaper
         # takes it back after its lease, instead of this relay renewing it for ever.
@@ -139,7 +147,7 @@ class Leases:
         ]
         if not held:
             return
-        alive = await store.heartbeat(held)
+        alive = await source.heartbeat(held)
         until = started + lease
         missed = []
         for i, token in held:
@@ -154,7 +162,7 @@ class Leases:
             return
         # Its outcome is not being written: the row was reaped, maybe claimed again; unless
         # its sink recorded it in its own statement, before the hand-over (FAN_OUT).
-        settled = await store.settled([(e.id, e.token) for e in missed])
+        settled = await source.settled([(e.id, e.token) for e in missed])
         lost = [e for e in missed if e.id not in settled and self._held.get(e.id) is e]
         if lost:
             self.lose(lost, "lease not renewed: the row was taken back after the lease expired")
@@ -172,6 +180,6 @@ class Leases:
         )
 
 
-def ids(envs: Sequence[Envelope]) -> list[int]:
+def ids(envs: Sequence[Held]) -> list[int]:
     """Row ids for a log line: all of a small batch, the first few of a large one."""
     return [e.id for e in envs[:LOST_IDS_LOGGED]]

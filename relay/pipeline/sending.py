@@ -40,7 +40,7 @@ class Sending:
     def __init__(
         self,
         routes: Mapping[str, Route],
-        leases: Leases,
+        leases: Leases[Envelope],
         store: Store,
         completer: Completer,
         metrics: Metrics,

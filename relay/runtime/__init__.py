@@ -1,3 +1,3 @@
 """What runs the relay as a process: start-up checks (startup), the HTTP listener for probes
-and metrics (server, probes), the event loop (loop), and the shutdown within its budget
-(shutdown)."""
+and metrics (server, probes), the event loop (loop), what is kept per source of claimable rows
+(pipes), and the shutdown within its budget (shutdown)."""

@@ -1,23 +1,25 @@
 """A graceful stop: the claim in progress completes, deliveries get ``shutdown_timeout`` to
 finish, outcomes are written, rows still held are put back to pending, and the relay
 unregisters; all after the drain within FINAL_BUDGET, so that a database that hangs cannot
-keep the process from exiting (the reaper takes back whatever was not released)."""
+keep the process from exiting (the reaper takes back whatever was not released). Outcomes are
+written and rows released per pipe (relay/runtime/pipes.py), each through its own source."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import structlog
 
 from outbox.errors import describe
 from relay.config import Settings
+from relay.db.leasing import LeaseStatements
 from relay.db.store import DB_ERRORS, UNAVAILABLE, Store
 from relay.obs.metrics import Metrics
-from relay.pipeline.completer import Completer
-from relay.pipeline.leases import LOST_IDS_LOGGED, Leases
+from relay.pipeline.leases import LOST_IDS_LOGGED
 from relay.pipeline.sending import Sending
+from relay.runtime.pipes import Pipe
 from relay.runtime.server import HttpServer
 from relay.sinks import Sink
 
@@ -34,10 +36,11 @@ class Stopping(Protocol):
 
     settings: Settings
     metrics: Metrics
-    leases: Leases
-    completer: Completer | None
     sending: Sending | None
     http: HttpServer | None
+
+    @property
+    def pipes(self) -> Sequence[Pipe[Any]]: ...
 
     @property
     def sinks(self) -> Mapping[str, Sink]: ...
@@ -59,25 +62,31 @@ async def shutdown(
         return max(0.5, min(at_most, last - loop.time()))
 
     # The write in progress finishes (cut short, its rows would be released and sent again),
-    # then whatever is left is written, within the remaining time.
-    completer = relay.completer
-    if completer is not None and not await completer.close(
-        timeout=max(deadline - loop.time(), left(FINAL_BUDGET / 2))
-    ):
-        log.error(
-            "relay.shutdown.unrecorded",
-            outcomes=completer.pending,
-            action="their rows are released below, or reaped after their lease, and delivered "
-            "again",
-        )
+    # then whatever is left is written, within the remaining time: every pipe's at once.
+    pipes = relay.pipes
+    budget = max(deadline - loop.time(), left(FINAL_BUDGET / 2))
+    closed = await asyncio.gather(*(p.completer.close(timeout=budget) for p in pipes))
+    for pipe, ok in zip(pipes, closed, strict=True):
+        if not ok:
+            log.error(
+                "relay.shutdown.unrecorded",
+                outcomes=pipe.completer.pending,
+                **pipe.fields,
+                action="their rows are released below, or reaped after their lease, and "
+                "delivered again",
+            )
     # Stopped before anything is released: a write that ran out of time must not race the
     # release of its rows.
+    completers = {p.job("completer") for p in pipes}
     for t in background:
-        if t.get_name() == "completer":
+        if t.get_name() in completers:
             t.cancel()
             await asyncio.wait({t}, timeout=left(1.0))
+    for pipe in pipes:
+        await release_leftover(
+            pipe.source, pipe.leases.tokens(), left(LAST_WRITE_TIMEOUT), **pipe.fields
+        )
     store = relay.store
-    await release_leftover(store, relay.leases.tokens(), left(LAST_WRITE_TIMEOUT))
     try:
         async with asyncio.timeout(left(LAST_WRITE_TIMEOUT)):
             await store.unregister()
@@ -150,15 +159,18 @@ async def _close(
         await asyncio.wait(stuck, timeout=left(2.0))
 
 
-async def release_leftover(store: Store, leftover: list[tuple[int, int]], timeout: float) -> None:
+async def release_leftover(
+    store: LeaseStatements, leftover: list[tuple[int, int]], timeout: float, /, **fields: str
+) -> None:
     """Put the rows still held back to pending, unattempted: in one statement, or row by row
-    if the database refuses the statement for one of them."""
+    if the database refuses the statement for one of them. ``fields``: what the log lines
+    add (whose rows they are, when not the events')."""
     if not leftover:
         return
     try:
         async with asyncio.timeout(timeout):
             await store.release(leftover)
-        log.info("relay.released", count=len(leftover))
+        log.info("relay.released", count=len(leftover), **fields)
         return
     except UNAVAILABLE as exc:
         failed: list[tuple[int, int]] = leftover
@@ -173,12 +185,13 @@ async def release_leftover(store: Store, leftover: list[tuple[int, int]], timeou
                 failed.append(one)
                 error = describe(exc)
         if len(failed) < len(leftover):
-            log.info("relay.released", count=len(leftover) - len(failed))
+            log.info("relay.released", count=len(leftover) - len(failed), **fields)
     if failed:
         log.error(
             "relay.release.failed",
             count=len(failed),
             ids=[i for i, _ in failed[:LOST_IDS_LOGGED]],
             error=error,
+            **fields,
             action="the reaper returns them to pending when their lease expires",
         )

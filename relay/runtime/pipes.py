@@ -1,0 +1,76 @@
+"""A pipe: one source of claimable rows and what the relay keeps for that source alone.
+
+The events are one source (their statements are the Store's); a sink with a table of its own
+may bring another (relay/sinks/source.py). Each source's rows are known by ids of its own, which
+may equal another source's, so each gets its own Leases (the rows held), Completer (outcomes
+written with the source's statements), gauge of rows in flight and heartbeat job; the shutdown
+writes and releases pipe by pipe (relay/runtime/shutdown.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from prometheus_client import Gauge
+
+from relay.db.leasing import Held, LeaseStatements
+from relay.db.store import Record
+from relay.pipeline.completer import Completer, Key
+from relay.pipeline.leases import Leases
+
+# The events' pipe: its jobs and log lines keep the names they had before there were others.
+EVENTS = "events"
+
+H = TypeVar("H", bound=Held)
+
+# A periodic job: name, what to run, interval and first delay (relay.maintenance.every).
+Job = tuple[str, Callable[[], Awaitable[Any]], float, float]
+
+
+class Pipe(Generic[H]):
+    """``source``'s rows held in ``leases``, their outcomes written by a completer of their
+    own; ``heads`` is called when an outcome let the next row of an ordered key go (the
+    claimer claims it at once); ``gauge`` reads how many rows are held."""
+
+    __slots__ = ("_heads", "completer", "leases", "name", "source")
+
+    def __init__(
+        self,
+        name: str,
+        source: LeaseStatements,
+        leases: Leases[H],
+        *,
+        heads: Callable[[], None] | None = None,
+        gauge: Gauge | None = None,
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.leases = leases
+        self._heads = heads
+        self.completer = Completer(source, self._recorded)
+        if gauge is not None:
+            gauge.set_function(lambda: len(leases))
+
+    def _recorded(self, records: Sequence[Record], written: set[Key], abandoned: set[Key]) -> None:
+        if self.leases.recorded(records, written, abandoned) and self._heads is not None:
+            self._heads()
+
+    def job(self, name: str) -> str:
+        """The name of one of its tasks: another source's say whose they are."""
+        return name if self.name == EVENTS else f"{name}:{self.name}"
+
+    @property
+    def fields(self) -> dict[str, str]:
+        """What its log lines add to say whose rows they are about."""
+        return {} if self.name == EVENTS else {"source": self.name}
+
+    def jobs(self, lease: float) -> list[Job]:
+        """Its periodic jobs: the heartbeat, every third of a lease."""
+        leases, source = self.leases, self.source
+        return [(self.job("heartbeat"), lambda: leases.heartbeat(source, lease), lease / 3, 0.0)]
+
+    def tasks(self) -> set[asyncio.Task[None]]:
+        """Its supervised loops: the completer."""
+        return {asyncio.create_task(self.completer.run(), name=self.job("completer"))}

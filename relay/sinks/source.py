@@ -1,0 +1,40 @@
+"""A source of claimable rows beside the events: what a sink with a table of its own (endpoint
+deliveries) offers the relay's pipeline, so that its rows are claimed, held, renewed, recorded,
+reaped and released by the relay's own parts rather than by loops of its own.
+
+The pipeline serves each source apart (relay/runtime/pipes.py): its own Leases and Completer,
+since its ids are its own. The events are served through the Store, which has the statements
+(relay/db/leasing.py) but claims per destination; a Source claims for itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol, TypeVar
+
+from relay.db.leasing import Held, LeaseStatements
+
+H = TypeVar("H", bound=Held)
+
+
+class Source(LeaseStatements, Protocol[H]):
+    """Rows of one table, claimed under leases with fencing tokens as the events are.
+
+    ``claim(limit, held)`` claims at most ``limit`` rows; ``held`` are the rows of this
+    source the relay holds now (a claim may share its room among them). ``due`` says a claim
+    may find rows now (it was woken, or rows it knows of came due); the claimer claims it
+    when due and at its poll interval otherwise. ``reap`` puts back the rows whose lease
+    expired (a dead relay's) and returns how many; ``wake`` marks the source due.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def due(self) -> bool: ...
+
+    async def claim(self, limit: int, held: Iterable[H]) -> Sequence[H]: ...
+
+    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int: ...
+
+    def wake(self) -> None: ...
