@@ -1,0 +1,351 @@
+"""Two sources of claimable rows on one pipeline: the events and another table whose ids are
+the same numbers (as endpoint deliveries' ids may be). Each source has its own pipe (Leases,
+Completer, heartbeat, release), and nothing one does reaches the other's rows. Pure: the two
+sources are tables in memory that answer the lease statements as the database does."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import asyncpg
+from structlog.testing import capture_logs
+
+from outbox.status import Status
+from relay.config import RelaySettings
+from relay.db.store import Record
+from relay.maintenance.reaper import Reaper
+from relay.model import Envelope, Lease
+from relay.obs.metrics import Metrics
+from relay.pipeline.claimer import Claimer, Feed
+from relay.pipeline.completer import Completer
+from relay.pipeline.leases import Leases
+from relay.runtime.pipes import EVENTS, Pipe
+from relay.runtime.shutdown import release_leftover
+from tests.webhook_helpers import envelope
+
+IDS = (1, 2, 3)
+
+
+@dataclass(slots=True, eq=False)
+class Item:
+    """A row of the other source, as its Leases holds it (a Held that is no Envelope)."""
+
+    id: int
+    token: int
+    lease: Lease
+    destination: str = "hooks"
+    key: str | None = None
+
+
+@dataclass(slots=True, unsafe_hash=True)
+class LoggedRecord(Record):
+    """A source's record with fields of its own (as a delivery's, with its attempt's log)."""
+
+    http_status: int | None = None
+    response: str | None = None
+
+
+class Table:
+    """A source's rows in memory: id -> [token, status]. Its statements apply to a row only
+    under the token of its current claim, as the SQL ones do; every call is noted."""
+
+    def __init__(self, name: str, rows: Iterable[tuple[int, int]]) -> None:
+        self.name = name
+        self.rows = {i: [token, "running"] for i, token in rows}
+        self.calls: list[tuple[str, list[tuple[int, int]]]] = []
+        self.refuse: set[int] = set()  # ids whose outcome this "database" refuses
+
+    def _mine(self, i: int, token: int) -> bool:
+        return i in self.rows and self.rows[i][0] == token and self.rows[i][1] == "running"
+
+    async def record(self, records: Sequence[Record]) -> set[tuple[int, int]]:
+        self.calls.append(("record", [(r.id, r.token) for r in records]))
+        if any(r.id in self.refuse and r.status != Status.FAILED for r in records):
+            raise asyncpg.DataError("value out of range")
+        written = set()
+        for r in records:
+            if self._mine(r.id, r.token):
+                self.rows[r.id][1] = str(r.status)
+                written.add((r.id, r.token))
+        return written
+
+    async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
+        self.calls.append(("heartbeat", list(leases)))
+        return {i for i, t in leases if self._mine(i, t)}
+
+    async def settled(self, leases: Sequence[tuple[int, int]]) -> set[int]:
+        self.calls.append(("settled", list(leases)))
+        return {i for i, t in leases if self.rows.get(i, [None, None]) == [t, "delivered"]}
+
+    async def release(self, leases: Sequence[tuple[int, int]]) -> None:
+        self.calls.append(("release", list(leases)))
+        for i, t in leases:
+            if self._mine(i, t):
+                self.rows[i][1] = "pending"
+
+    def taken_back(self, i: int) -> None:
+        """Reaped after a stall, and claimed again by another relay."""
+        self.rows[i] = [self.rows[i][0] + 1, "running"]
+
+
+def events_pipe(table: Table) -> Pipe[Envelope]:
+    envs = [dataclasses.replace(envelope(id=i), token=10) for i in IDS]
+    pipe: Pipe[Envelope] = Pipe(EVENTS, table, Leases(Metrics(), Counter()))
+    pipe.leases.claimed(envs)
+    return pipe
+
+
+def items_pipe(table: Table) -> Pipe[Item]:
+    lease = Lease(time.monotonic() + 3600)
+    pipe: Pipe[Item] = Pipe("deliveries", table, Leases(Metrics(), Counter()))
+    pipe.leases.claimed([Item(i, 20, lease) for i in IDS])
+    return pipe
+
+
+def two_pipes() -> tuple[Table, Pipe[Envelope], Table, Pipe[Item]]:
+    events = Table("events", [(i, 10) for i in IDS])
+    others = Table("deliveries", [(i, 20) for i in IDS])
+    return events, events_pipe(events), others, items_pipe(others)
+
+
+async def test_a_heartbeat_renews_and_loses_only_its_own_sources_rows() -> None:
+    events, e_pipe, others, o_pipe = two_pipes()
+    others.taken_back(2)  # the other source's row 2 was reaped: its events' twin was not
+    [(name, job, interval, _)] = o_pipe.jobs(30.0)
+    assert (name, interval) == ("heartbeat:deliveries", 10.0)
+    await job()
+    assert events.calls == []
+    assert others.calls == [
+        ("heartbeat", [(1, 20), (2, 20), (3, 20)]),
+        ("settled", [(2, 20)]),
+    ]
+    assert o_pipe.leases.tokens() == [(1, 20), (3, 20)]
+    assert [i.id for i in o_pipe.leases.take_dropped()] == [2]
+    # The events' row 2 is still held, sendable and renewed by its own heartbeat.
+    assert e_pipe.leases.tokens() == [(1, 10), (2, 10), (3, 10)]
+    assert all(e.held() for e in e_pipe.leases)
+    [(name, job, _, _)] = e_pipe.jobs(30.0)
+    assert name == "heartbeat"  # the events' jobs keep their names
+    others.calls.clear()
+    await job()
+    assert events.calls == [("heartbeat", [(1, 10), (2, 10), (3, 10)])]
+    assert others.calls == []
+    assert e_pipe.leases.tokens() == [(1, 10), (2, 10), (3, 10)]
+
+
+async def test_outcomes_are_written_to_their_own_source_and_let_go_of_there_only() -> None:
+    events, e_pipe, others, o_pipe = two_pipes()
+    o_pipe.leases.handed(list(o_pipe.leases))
+    o_pipe.completer.add(
+        [
+            Record(1, 20, Status.DELIVERED, 1, 0.0, None),
+            Record(2, 20, Status.PENDING, 1, 5.0, "503"),
+        ]
+    )
+    assert await o_pipe.completer.flush_once()
+    assert events.calls == [] and events.rows[1] == [10, "running"]
+    assert others.rows[1] == [20, "delivered"] and others.rows[2] == [20, "pending"]
+    assert o_pipe.leases.tokens() == [(3, 20)]
+    assert o_pipe.leases.stats == Counter({Status.DELIVERED: 1, Status.PENDING: 1})
+    # The events' rows of the same ids are still held, and nothing of theirs was counted.
+    assert e_pipe.leases.tokens() == [(1, 10), (2, 10), (3, 10)]
+    assert e_pipe.leases.stats == Counter()
+    # The events' own outcome of row 3 leaves the other source's row 3 held.
+    e_pipe.completer.add([Record(3, 10, Status.DELIVERED, 1, 0.0, None)])
+    assert await e_pipe.completer.flush_once()
+    assert others.rows[3] == [20, "running"] and o_pipe.leases.tokens() == [(3, 20)]
+    assert e_pipe.leases.tokens() == [(1, 10), (2, 10)]
+
+
+async def test_an_outcome_of_a_stale_claim_is_lost_in_its_own_source_only() -> None:
+    """An outcome under an older token: the other source's row was claimed again meanwhile."""
+    events, e_pipe, others, o_pipe = two_pipes()
+    others.taken_back(1)
+    with capture_logs() as logs:
+        o_pipe.completer.add([Record(1, 20, Status.DELIVERED, 1, 0.0, None)])
+        assert await o_pipe.completer.flush_once()
+    assert [e["ids"] for e in logs if e["event"] == "relay.lease.lost"] == [[1]]
+    assert o_pipe.leases.stats["lease_lost"] == 1 and e_pipe.leases.stats["lease_lost"] == 0
+    assert others.rows[1] == [21, "running"]  # the newer claim's, untouched
+    assert events.calls == [] and e_pipe.leases.tokens() == [(1, 10), (2, 10), (3, 10)]
+
+
+async def test_a_lost_row_of_one_source_is_still_sendable_in_the_other() -> None:
+    _, e_pipe, _, o_pipe = two_pipes()
+    o_pipe.leases.lose([i for i in o_pipe.leases if i.id == 1], "lease not renewed")
+    assert 1 in next(iter(o_pipe.leases.take_dropped())).lease.lost
+    assert [e.id for e in e_pipe.leases if e.held()] == list(IDS)
+
+
+async def test_a_shutdown_releases_each_sources_rows_through_that_source() -> None:
+    events, e_pipe, others, o_pipe = two_pipes()
+    with capture_logs() as logs:
+        for pipe in (e_pipe, o_pipe):
+            await release_leftover(pipe.source, pipe.leases.tokens(), 1.0, **pipe.fields)
+    assert events.calls == [("release", [(1, 10), (2, 10), (3, 10)])]
+    assert others.calls == [("release", [(1, 20), (2, 20), (3, 20)])]
+    released = [e for e in logs if e["event"] == "relay.released"]
+    assert [(e["count"], e.get("source")) for e in released] == [(3, None), (3, "deliveries")]
+
+
+async def test_a_refused_outcome_fails_its_row_with_the_fields_of_its_records_kept() -> None:
+    """A record the database refuses is replaced by its row's failure: a copy, so that a
+    source's own fields (the attempt's log) go with it."""
+    others = Table("deliveries", [(7, 20)])
+    written: list[Sequence[Record]] = []
+    completer = Completer(others, lambda records, w, a: written.append(records))
+    others.refuse.add(7)
+    bad = LoggedRecord(7, 20, Status.PENDING, 1, 5.0, "boom", "hooks", None, False, 503, "busy")
+    completer.add([bad])
+    assert await completer.flush_once()
+    [[failed]] = written
+    assert isinstance(failed, LoggedRecord)
+    assert (failed.status, failed.counted, failed.http_status, failed.response) == (
+        Status.FAILED,
+        1,
+        503,
+        "busy",
+    )
+    assert failed.error is not None and "could not record" in failed.error
+    assert others.rows[7] == [20, "failed"]
+
+
+def test_statuses_of_another_source_are_compared_by_value() -> None:
+    """A source whose records carry plain strings: "pending" is pending, "cancelled" ends
+    its row (the next row of its key may go)."""
+    leases: Leases[Item] = Leases(Metrics(), Counter())
+    lease = Lease(time.monotonic() + 3600)
+    leases.claimed([Item(1, 20, lease, key="k"), Item(2, 20, lease, key="k")])
+    pending = Record(1, 20, "pending", 1, 5.0, "503", "hooks", "k")  # type: ignore[arg-type]
+    assert not leases.recorded([pending], {(1, 20)}, set())
+    cancelled = Record(2, 20, "cancelled", 0, 0.0, None, "hooks", "k")  # type: ignore[arg-type]
+    assert leases.recorded([cancelled], {(2, 20)}, set())
+
+
+# --- the claimer and the reaper serve another source beside the events ----------------------
+
+
+class EventsStore:
+    """Claims the events 1..3 of destination d once."""
+
+    def __init__(self) -> None:
+        self.claims = 0
+
+    async def claim(self, destination: str, limit: int) -> list[Envelope]:
+        self.claims += 1
+        if self.claims > 1:
+            return []
+        return [dataclasses.replace(envelope("d", id=i), token=10) for i in IDS]
+
+
+class ItemSource(Table):
+    """The other source, claiming its rows 1..3 once, when woken."""
+
+    def __init__(self) -> None:
+        super().__init__("deliveries", [(i, 20) for i in IDS])
+        self.due = True
+        self.limits: list[int] = []
+        self.held: list[list[int]] = []
+        self.reaped = 0
+        self.woken = 0
+
+    async def claim(self, limit: int, held: Iterable[Item]) -> Sequence[Item]:
+        self.limits.append(limit)
+        self.held.append(sorted(i.id for i in held))
+        self.due = False
+        lease = Lease(time.monotonic() + 3600)
+        return [Item(i, 20, lease) for i in IDS] if len(self.limits) == 1 else []
+
+    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int:
+        return self.reaped
+
+    def wake(self) -> None:
+        self.woken += 1
+        self.due = True
+
+
+async def test_the_claimer_holds_and_dispatches_each_sources_rows_apart() -> None:
+    metrics = Metrics()
+    stats: Counter[str] = Counter()
+    leases: Leases[Envelope] = Leases(metrics, stats)
+    source = ItemSource()
+    other: Leases[Item] = Leases(metrics, Counter())
+    events_sent: list[list[int]] = []
+    items_sent: list[list[int]] = []
+    sink = SimpleNamespace(available=lambda destination: True)
+    routes = {"d": SimpleNamespace(sink=sink, name="d", ordered=False)}
+    claimer = Claimer(
+        RelaySettings(poll_interval=5.0, batch_size=100, max_in_flight=1000),
+        routes,  # type: ignore[arg-type]
+        EventsStore(),  # type: ignore[arg-type]
+        leases,
+        lambda batch: events_sent.append([e.id for e in batch]),
+        frozenset,
+        metrics,
+        stats,
+        asyncio.Event(),
+        sources=[Feed(source, other, lambda b: items_sent.append([i.id for i in b]), 5)],
+    )
+    task = asyncio.create_task(claimer.run())
+    await asyncio.sleep(0.2)
+    assert events_sent == [[1, 2, 3]] and items_sent == [[1, 2, 3]]
+    assert source.limits == [5]  # its own room, not the events'
+    assert leases.tokens() == [(1, 10), (2, 10), (3, 10)]
+    assert other.tokens() == [(1, 20), (2, 20), (3, 20)]
+    assert stats["claimed"] == 3  # the events' count only
+    # Not due, claimed less than a poll ago: a wake-up claims the events, not the source.
+    claimer.wake()
+    await asyncio.sleep(0.1)
+    assert len(source.limits) == 1
+    source.wake()
+    claimer.wake()
+    await asyncio.sleep(0.1)
+    assert source.limits == [5, 2] and source.held == [[], [1, 2, 3]]  # the room left
+    claimer.stopping.set()
+    await task
+
+
+async def test_the_reaper_reaps_each_other_source_after_the_events() -> None:
+    class Batches:
+        async def reap(self, *args: Any, **kwargs: Any) -> list[Any]:
+            return []
+
+    class Store:
+        lease = 30.0
+        batch_leases = Batches()
+
+        async def reap(self, *args: Any, **kwargs: Any) -> list[Any]:
+            return []
+
+        async def forget_batches(self, keep: float) -> int:
+            return 0
+
+    class Refusing(ItemSource):
+        async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int:
+            raise asyncpg.PostgresError("refused")
+
+    refusing, reaping, idle = Refusing(), ItemSource(), ItemSource()
+    reaping.reaped = 2
+    woken: list[str] = []
+    reaper = Reaper(
+        Store(),  # type: ignore[arg-type]
+        5,
+        {},
+        Metrics(),
+        lambda: woken.append("events"),
+        extra=[refusing, reaping, idle],
+    )
+    with capture_logs() as logs:
+        await reaper()
+    assert woken == [] and (refusing.woken, reaping.woken, idle.woken) == (0, 1, 0)
+    assert [(e["event"], e.get("source")) for e in logs] == [
+        ("relay.reap.source_failed", "deliveries"),
+        ("relay.lease.expired", "deliveries"),
+    ]
