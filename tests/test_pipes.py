@@ -349,3 +349,52 @@ async def test_the_reaper_reaps_each_other_source_after_the_events() -> None:
         ("relay.reap.source_failed", "deliveries"),
         ("relay.lease.expired", "deliveries"),
     ]
+
+
+class Backlog(ItemSource):
+    """A source with more rows than a claim takes: each claim returns ``limit`` fresh rows.
+    Due once (woken); what it claims says nothing of its due-ness afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next_id = 1
+
+    async def claim(self, limit: int, held: Iterable[Item]) -> Sequence[Item]:
+        self.limits.append(limit)
+        self.due = False
+        lease = Lease(time.monotonic() + 3600)
+        items = [Item(i, 20, lease) for i in range(self.next_id, self.next_id + limit)]
+        self.next_id += limit
+        return items
+
+
+async def test_a_source_whose_claim_came_back_full_is_claimed_again_at_once() -> None:
+    """Feed's contract: claimed "at once again after a full claim", until its room is used;
+    not one batch a poll interval while a backlog waits."""
+    metrics = Metrics()
+    stats: Counter[str] = Counter()
+    source = Backlog()
+    other: Leases[Item] = Leases(metrics, Counter())
+    sink = SimpleNamespace(available=lambda destination: True)
+    routes = {"d": SimpleNamespace(sink=sink, name="d", ordered=False)}
+    claimer = Claimer(
+        RelaySettings(poll_interval=5.0, batch_size=3, max_in_flight=1000),
+        routes,  # type: ignore[arg-type]
+        EventsStore(),  # type: ignore[arg-type]
+        Leases(metrics, stats),
+        lambda batch: None,
+        frozenset,
+        metrics,
+        stats,
+        asyncio.Event(),
+        sources=[Feed(source, other, lambda b: None, 9)],
+    )
+    task = asyncio.create_task(claimer.run())
+    try:
+        await asyncio.sleep(0.3)  # far less than the poll interval
+        assert source.limits == [3, 3, 3]  # its room of 9, in full claims of 3
+        assert len(other) == 9
+    finally:
+        claimer.stopping.set()
+        claimer.wake()
+        await task
