@@ -64,6 +64,7 @@ class Feed(Generic[H]):
     dispatch: Callable[[Sequence[H]], None]
     max_in_flight: int
     claimed_at: float = float("-inf")  # monotonic time of its last claim
+    more: bool = False  # its last claim came back full: more rows may wait
 
 
 async def wait_for(
@@ -221,7 +222,8 @@ class Claimer:
             # Nothing waits for a source's rows let go unrecorded (no ordered keys): drop them.
             feed.leases.take_dropped()
             room = feed.max_in_flight - len(feed.leases)
-            if room <= 0 or not (feed.source.due or now - feed.claimed_at >= rs.poll_interval):
+            due = feed.more or feed.source.due or now - feed.claimed_at >= rs.poll_interval
+            if room <= 0 or not due:
                 continue
             feed.claimed_at = now
             limit = min(rs.batch_size, room)
@@ -229,8 +231,10 @@ class Claimer:
                 items = await feed.source.claim(limit, feed.leases)
             except Exception as exc:
                 return exc
-            if len(items) >= limit:
-                self._scan_progressed = True  # more may wait: claim again at once
+            # More may wait: claim it again at once (it is due until a claim comes back short).
+            feed.more = len(items) >= limit
+            if feed.more:
+                self._scan_progressed = True
             if items:
                 feed.leases.claimed(items)
                 log.debug("relay.source.claimed", source=feed.source.name, count=len(items))
