@@ -398,3 +398,22 @@ async def test_a_source_whose_claim_came_back_full_is_claimed_again_at_once() ->
         claimer.stopping.set()
         claimer.wake()
         await task
+
+
+async def test_log_lines_about_another_sources_rows_say_whose_rows_they_are() -> None:
+    """Ids of two sources collide: a lost lease or a refused outcome logged by id alone
+    would name the events' row of that id as well. The shutdown's lines say the source;
+    the leases' and the completer's must too."""
+    _, e_pipe, others, o_pipe = two_pipes()
+    others.taken_back(1)
+    others.refuse.add(2)
+    with capture_logs() as logs:
+        o_pipe.completer.add([Record(1, 20, Status.DELIVERED, 1, 0.0, None)])
+        assert await o_pipe.completer.flush_once()
+        o_pipe.completer.add([Record(2, 20, Status.PENDING, 1, 5.0, "503")])
+        assert await o_pipe.completer.flush_once()
+        e_pipe.leases.lose([e for e in e_pipe.leases if e.id == 1], "lease not renewed")
+    lost = [(e["ids"], e.get("source")) for e in logs if e["event"] == "relay.lease.lost"]
+    assert lost == [([1], "deliveries"), ([1], None)]
+    rejected = [(e["id"], e.get("source")) for e in logs if e["event"] == "relay.record.rejected"]
+    assert rejected == [(2, "deliveries")]
