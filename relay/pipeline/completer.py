@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 
 import structlog
@@ -53,9 +53,16 @@ class Completer:
     """
 
     def __init__(
-        self, source: LeaseStatements, on_recorded: OnRecorded, *, max_batch: int = 5000
+        self,
+        source: LeaseStatements,
+        on_recorded: OnRecorded,
+        *,
+        max_batch: int = 5000,
+        fields: Mapping[str, str] | None = None,
     ) -> None:
         self.source = source
+        # ``fields``: what its log lines add to say whose rows they are (see Pipe.fields).
+        self._log = log.bind(**fields) if fields else log
         self.on_recorded = on_recorded
         self.max_batch = max_batch
         self._buffer: list[Record] = []
@@ -111,7 +118,7 @@ class Completer:
         if self.failing_since is not None:
             self.failing_since = None
             self.last_error = None
-            log.info("relay.record.recovered", rows=len(batch))
+            self._log.info("relay.record.recovered", rows=len(batch))
         self.on_recorded(done.records, done.ids, done.abandoned)
         return True
 
@@ -119,7 +126,7 @@ class Completer:
         self.last_error = describe(exc)
         if self.failing_since is None:
             self.failing_since = time.monotonic()
-            log.error(
+            self._log.error(
                 "relay.record.failed",
                 rows=rows,
                 error=self.last_error,
@@ -166,7 +173,7 @@ class Completer:
                 f"then outbox-relay retry --id {bad.id}"
             )
         )
-        log.error("relay.record.rejected", id=bad.id, outcome=bad.status, error=describe(exc))
+        self._log.error("relay.record.rejected", id=bad.id, outcome=bad.status, error=describe(exc))
         # A copy, so that what a source's records carry beyond Record's fields goes with it.
         failed = replace(
             bad, status=Status.FAILED, counted=1, delay=0.0, error=reason, written=False
@@ -178,7 +185,7 @@ class Completer:
         except Exception as again:
             # Nothing this relay can write about the row: let it go. It stays leased until
             # the relay stops renewing it (on_recorded drops it), then the reaper takes it.
-            log.error("relay.record.abandoned", id=bad.id, error=describe(again))
+            self._log.error("relay.record.abandoned", id=bad.id, error=describe(again))
             done.add([failed], set())
             done.abandoned.add(key(failed))
             done.error = describe(again)

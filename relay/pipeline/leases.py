@@ -42,6 +42,9 @@ class Leases(Generic[H]):
         # Rows let go without an outcome written (given up, lost, forgotten): they may still
         # be running in the table. The claimer takes them (see take_dropped).
         self._dropped: list[H] = []
+        # What its log lines add to say whose rows they are (a source's ids may equal the
+        # events'): set by its pipe (relay/runtime/pipes.py); none for the events.
+        self.fields: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -175,6 +178,7 @@ class Leases(Generic[H]):
             count=len(ids),
             ids=sorted(ids)[:LOST_IDS_LOGGED],
             reason=why,
+            **self.fields,
             action="another claim of these rows delivers and records them; if this repeats, "
             "the relay stalls for longer than relay.lease (raise it, or look for pauses)",
         )

@@ -49,7 +49,8 @@ class Pipe(Generic[H]):
         self.source = source
         self.leases = leases
         self._heads = heads
-        self.completer = Completer(source, self._recorded)
+        leases.fields = self.fields
+        self.completer = Completer(source, self._recorded, fields=self.fields)
         if gauge is not None:
             gauge.set_function(lambda: len(leases))
 
