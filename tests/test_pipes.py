@@ -417,3 +417,67 @@ async def test_log_lines_about_another_sources_rows_say_whose_rows_they_are() ->
     assert lost == [([1], "deliveries"), ([1], None)]
     rejected = [(e["id"], e.get("source")) for e in logs if e["event"] == "relay.record.rejected"]
     assert rejected == [(2, "deliveries")]
+
+
+class Hanging(Table):
+    """A source whose outcome writes never return (a hung connection)."""
+
+    async def record(self, records: Sequence[Record]) -> set[tuple[int, int]]:
+        self.calls.append(("record", [(r.id, r.token) for r in records]))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.calls.append(("record cut short", []))
+        raise AssertionError("unreachable")
+
+
+async def test_a_shutdown_writes_then_releases_each_pipe_and_a_hung_one_holds_back_no_other(
+    monkeypatch: Any,
+) -> None:
+    """shutdown() itself, over two pipes: the events' outcome is written and the rest of its
+    rows released; the other source's write hangs, so its completer is given up (said, with
+    the source) and cancelled, and all its rows are released, after that and only once."""
+    import relay.runtime.shutdown as stopping
+
+    monkeypatch.setattr(stopping, "FINAL_BUDGET", 2.0)
+    events = Table("events", [(i, 10) for i in IDS])
+    others = Hanging("deliveries", [(i, 20) for i in IDS])
+    e_pipe, o_pipe = events_pipe(events), items_pipe(others)
+    background = {*e_pipe.tasks(), *o_pipe.tasks()}
+    e_pipe.completer.add([Record(1, 10, Status.DELIVERED, 1, 0.0, None)])
+    o_pipe.completer.add([Record(1, 20, Status.DELIVERED, 1, 0.0, None)])
+
+    class Store:
+        pool = SimpleNamespace(close=lambda: asyncio.sleep(0), terminate=lambda: None)
+
+        async def disown(self) -> None:
+            return None
+
+        async def unregister(self) -> None:
+            return None
+
+    relay = SimpleNamespace(
+        settings=SimpleNamespace(relay=SimpleNamespace(shutdown_timeout=0.1)),
+        metrics=Metrics(),
+        sending=None,
+        http=None,
+        pipes=[e_pipe, o_pipe],
+        sinks={},
+        store=Store(),
+    )
+    claimer = asyncio.create_task(asyncio.sleep(0))
+    with capture_logs() as logs:
+        await asyncio.wait_for(stopping.shutdown(relay, claimer, background), 10)
+    assert all(t.done() for t in background)
+    assert events.calls == [("record", [(1, 10)]), ("release", [(2, 10), (3, 10)])]
+    # The hung write is stopped before its rows are released, not after.
+    assert others.calls == [
+        ("record", [(1, 20)]),
+        ("record cut short", []),
+        ("release", [(1, 20), (2, 20), (3, 20)]),
+    ]
+    assert events.rows[1] == [10, "delivered"] and others.rows[1] == [20, "pending"]
+    unrecorded = [
+        (e["outcomes"], e.get("source")) for e in logs if e["event"] == "relay.shutdown.unrecorded"
+    ]
+    assert unrecorded == [(1, "deliveries")]
