@@ -834,10 +834,10 @@ def test_a_stale_outcome_does_not_release_a_newer_claim() -> None:
     d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
     newer = claimed_row(token=2)
     d.held[7] = newer
-    stale = DeliveryRecord(7, 1, "delivered", 1, 0.0, None, 200, 1, 1, 1.0, "", False)
+    stale = DeliveryRecord(7, 1, "delivered", 1, 0.0, None, http_status=200, event_id=1)
     d._release_hold(stale)
     assert d.held[7] is newer
-    d._release_hold(DeliveryRecord(7, 2, "delivered", 1, 0.0, None, 200, 1, 1, 1.0, "", False))
+    d._release_hold(DeliveryRecord(7, 2, "delivered", 1, 0.0, None, http_status=200, event_id=1))
     assert 7 not in d.held
 
 

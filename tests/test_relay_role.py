@@ -176,7 +176,8 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
     assert sorted(i for i, _ in held) == sorted(events)
     assert await deliveries.fan_out(held, "no endpoint matched") == dict.fromkeys(events, 1)
     first, second = (await deliveries.claim(["customers"], [10], [10], 10, [], 100, None, {}))[0]
-    assert await deliveries.heartbeat([first, second]) == {first.id, second.id}
+    pairs = [(first.id, first.token), (second.id, second.token)]
+    assert await deliveries.heartbeat(pairs) == {first.id, second.id}
     rec = DeliveryRecord(
         first.id,
         first.token,
@@ -184,18 +185,17 @@ async def _endpoint_statements(db_url: str, store: Store) -> None:
         1,
         0.0,
         None,
-        200,
-        first.event_id,
-        endpoint,
-        1.0,
-        "ok",
-        False,
+        http_status=200,
+        event_id=first.event_id,
+        endpoint_id=endpoint,
+        duration_ms=1.0,
+        response="ok",
     )
-    assert await deliveries.record([rec]) == {first.id}
+    assert await deliveries.record([rec]) == {(first.id, first.token)}
     assert await deliveries.health({endpoint: False}) == {endpoint: 0.0}
     await deliveries.circuits({endpoint: 30.0})
     assert await deliveries.disable(endpoint, "gone", None)
-    await deliveries.release([second])
+    await deliveries.release(pairs[1:])
     assert await deliveries.reap(5, {"customers": 5}) == 0
     assert await clear_expired_previous_secrets(store) == 1
     assert await store.delete_finished(0, 100) is not None

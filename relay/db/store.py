@@ -41,7 +41,9 @@ class Record:
 
     id: int
     token: int  # the fencing token of the claim this outcome belongs to
-    status: Status  # delivered, pending or failed
+    # delivered, pending or failed (a Status); another source's rows may have states of their
+    # own (a delivery may be cancelled), compared by value
+    status: str
     counted: int  # 1 if this was an attempt, 0 if deferred
     delay: float  # seconds until run_after, for pending
     error: str | None

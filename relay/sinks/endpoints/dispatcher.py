@@ -161,7 +161,7 @@ class Dispatcher(Attempts, Health):
             delay = 0.2
             for r in batch:
                 self._release_hold(r)
-                if r.id not in written:
+                if (r.id, r.token) not in written:
                     self.stats["lost"] += 1
             self.stats["recorded"] += len(written)
             self._capacity.set()
@@ -184,7 +184,7 @@ class Dispatcher(Attempts, Health):
         if not held:
             return
         before = time.monotonic()
-        kept = await self.store.heartbeat(held)
+        kept = await self.store.heartbeat([(c.id, c.token) for c in held])
         for c in held:
             if c.id in kept:
                 c.lease.until = before + self.store.store.lease
@@ -270,7 +270,7 @@ class Dispatcher(Attempts, Health):
         leftover = list(self.held.values())
         if leftover:
             try:
-                await self.store.release(leftover)
+                await self.store.release([(c.id, c.token) for c in leftover])
                 log.info("relay.endpoints.released", count=len(leftover))
             except DB_ERRORS as exc:
                 log.error(

@@ -10,13 +10,26 @@ from dataclasses import dataclass
 import asyncpg
 
 from relay.db import queries
-from relay.db.store import Store, read_headers
+from relay.db.store import Record, Store, read_headers
 from relay.model import Lease
+
+
+class RowLease(Lease):
+    """The hold of one delivery's claim: each delivery has a Lease of its own, so any loss
+    noted in it is this row's. The pipeline notes a loss under the delivery's id
+    (Leases.lose) while the request checks the event's (Envelope.held: a delivery is sent
+    as its event): either way, a lost delivery is not sent."""
+
+    __slots__ = ()
+
+    def held(self, row_id: int) -> bool:
+        return not self.lost and time.monotonic() < self.until
 
 
 @dataclass(slots=True, eq=False)
 class Claimed:
-    """One delivery (an event for one endpoint) this relay claimed, with what sending needs."""
+    """One delivery (an event for one endpoint) this relay claimed, with what sending needs.
+    It is a :class:`relay.db.leasing.Held` (deliveries have no ordered keys)."""
 
     id: int
     event_id: int
@@ -41,26 +54,22 @@ class Claimed:
     tenant: str | None = None  # the endpoint's (None: it takes every tenant)
     event_types: tuple[str, ...] = ()  # the endpoint's (none: every type)
     event_tenant: str | None = None  # the event's
+    key: str | None = None  # no ordered keys among deliveries
 
 
-@dataclass(frozen=True, slots=True)
-class DeliveryRecord:
-    """One delivery's outcome as DELIVERY_RECORD takes it, with its attempt for the log."""
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see relay/model.py
+class DeliveryRecord(Record):
+    """One delivery's outcome as DELIVERY_RECORD takes it, with its attempt for the log: a
+    Record (the pipeline's Completer and Leases write and settle it as one), whose status may
+    also be ``cancelled``, and whose ``counted`` may be 2 (NOT_SENT: tried, nothing sent,
+    logged but not counted among its attempts)."""
 
-    id: int
-    token: int
-    status: str  # delivered, pending, failed, cancelled
-    counted: (
-        int  # 1: an attempt was made (logged); 0: not attempted; 2: tried, nothing sent (logged)
-    )
-    delay: float
-    error: str | None
-    http_status: int | None
-    event_id: int
-    endpoint_id: int
-    duration_ms: float | None
-    response: str | None
-    replay: bool
+    http_status: int | None = None
+    event_id: int = 0
+    endpoint_id: int = 0
+    duration_ms: float | None = None
+    response: str | None = None
+    replay: bool = False
 
 
 def takes(
@@ -140,9 +149,9 @@ class DeliveryStore:
         claimed = [_claimed(r, until, started) for r in rows[:-1]]
         return claimed, rows[-1][2], rows[-1][1]
 
-    async def record(self, records: Sequence[DeliveryRecord]) -> set[int]:
-        """Write outcomes and log attempts; the ids recorded (the others were no longer this
-        relay's under their claim)."""
+    async def record(self, records: Sequence[DeliveryRecord]) -> set[tuple[int, int]]:
+        """Write outcomes and log attempts; the (id, token) pairs recorded (the others were no
+        longer this relay's under their claim)."""
         self.store.statements["delivery_record"] += 1
         rows = await self.store.call(
             "fetch",
@@ -161,28 +170,30 @@ class DeliveryStore:
             [r.replay for r in records],
             self.relay_id,
         )
-        return {r[0] for r in rows}
+        return {(r[0], r[1]) for r in rows}
 
-    async def heartbeat(self, held: Sequence[Claimed]) -> set[int]:
+    async def heartbeat(self, held: Sequence[tuple[int, int]]) -> set[int]:
+        """Extend the leases of (id, token) pairs; the ids still held."""
         self.store.statements["delivery_heartbeat"] += 1
         rows = await self.store.call(
             "fetch",
             queries.DELIVERY_HEARTBEAT,
-            [c.id for c in held],
-            [c.token for c in held],
+            [i for i, _ in held],
+            [t for _, t in held],
             self.relay_id,
             self.store.lease,
         )
         return {r[0] for r in rows}
 
-    async def release(self, held: Sequence[Claimed]) -> None:
+    async def release(self, held: Sequence[tuple[int, int]]) -> None:
+        """Put (id, token) pairs back to pending, unattempted."""
         self.store.statements["delivery_release"] += 1
         await self.store.call(
             "execute",
             queries.DELIVERY_RELEASE,
             self.relay_id,
-            [c.id for c in held],
-            [c.token for c in held],
+            [i for i, _ in held],
+            [t for _, t in held],
         )
 
     async def reap(self, default_max: int, limits: Mapping[str, int], limit: int = 5000) -> int:
@@ -244,7 +255,7 @@ def _claimed(r: asyncpg.Record, until: float, started: float) -> Claimed:
         secret=r[13],
         previous_secret=r[14],
         rate_limit=r[15],
-        lease=Lease(until),
+        lease=RowLease(until),
         lease_started=started,
         event_type=r[16],
         tenant=r[17],
@@ -253,4 +264,4 @@ def _claimed(r: asyncpg.Record, until: float, started: float) -> Claimed:
     )
 
 
-__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore", "takes"]
+__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore", "RowLease", "takes"]

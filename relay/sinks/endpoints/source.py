@@ -1,0 +1,263 @@
+"""The endpoints' deliveries as a source of claimable rows (relay/sinks/source.py), for the
+relay's own pipeline to claim, hold, renew, record, reap and release them, as it does the
+events.
+
+What the dispatcher's loops do by themselves (dispatcher.py), this offers one step at a time:
+``claim`` is one bite of its claim loop (the fair share plan, open circuits and endpoints that
+answered 410 left out, the cursor, orphans logged); ``deliver`` sends one endpoint's group of
+deliveries with at most its ``max_concurrency`` workers and hands each outcome on as it ends;
+``record``, ``heartbeat``, ``settled`` and ``release`` are the lease statements the pipeline's
+Leases and Completer use; ``reap`` puts back the deliveries of relays that died. The health
+its attempts saw is written after each record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import structlog
+
+from outbox.endpoint_secrets import SecretBox
+from outbox.errors import describe
+from relay.db.store import Record
+from relay.sinks.endpoints.attempts import CRASH_RETRY, Attempts
+from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.endpoints.fairness import Plan
+from relay.sinks.endpoints.fairness import plan as fairness_plan
+from relay.sinks.endpoints.health import Health
+from relay.sinks.endpoints.state import EndpointState
+from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
+from relay.sinks.source import Source
+from relay.sinks.webhook.requests import RequestPath
+
+log = structlog.get_logger("relay.sink.endpoints")
+
+Emit = Callable[[DeliveryRecord, Claimed], None]  # an outcome, and the delivery it is of
+Key = tuple[int, int]  # (delivery id, fencing token)
+
+
+class DeliverySource(Attempts, Health):
+    """The deliveries of ``store``'s table, served one step at a time by the pipeline."""
+
+    name: ClassVar[str] = "deliveries"
+
+    def __init__(
+        self,
+        store: DeliveryStore,
+        requests: RequestPath,
+        destinations: Mapping[str, EndpointsDestination],
+        *,
+        max_in_flight: int = 1000,
+        poll_interval: float = 1.0,
+        secret_box: SecretBox | None = None,
+    ) -> None:
+        super().__init__(
+            requests,
+            destinations,
+            max_in_flight=max_in_flight,
+            poll_interval=poll_interval,
+            secret_box=secret_box,
+        )
+        self.store: DeliveryStore = store
+        self._due = True
+        # Called when the source comes due, so the claimer claims it now (Claimer.wake).
+        self.on_due: Callable[[], None] = _nothing
+        # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
+        # what raised when it was read (a bug: recorded as a crash).
+        self._waiting: dict[Key, EndpointState] = {}
+        self._broken: dict[Key, BaseException] = {}
+
+    # --- claiming -----------------------------------------------------------------------
+
+    @property
+    def due(self) -> bool:
+        """Woken (a fan-out, a finished delivery, a reap), or a scan left off mid-way."""
+        return self._due or self._cursor is not None
+
+    def wake(self) -> None:
+        self._due = True
+        self._wake.set()
+        self.on_due()
+
+    def _woken_soon(self) -> None:
+        self._wake_pending = None
+        self.wake()
+
+    async def claim(self, limit: int, held: Iterable[Claimed]) -> list[Claimed]:
+        """One bite: at most ``limit`` due deliveries, within the fair share of the room
+        ``held`` (the deliveries this relay holds) leaves, none for paused destinations, open
+        circuits or endpoints that answered 410."""
+        self._due = False
+        paused = self.paused()
+        serving = [d for d in self.destinations if d not in paused]
+        if not serving or limit <= 0:
+            return []
+        share = self._plan(sum(1 for _ in held))
+        skip = [s.id for s in self.states.values() if s.circuit_open or s.gone]
+        skip.extend(share.skip_endpoints)
+        try:
+            claimed, self._cursor, orphans = await self.store.claim(
+                serving,
+                [self.destinations[d].max_concurrency for d in serving],
+                [self.destinations[d].slow_concurrency for d in serving],
+                min(limit, share.limit),
+                skip,
+                self.scan,
+                self._cursor,
+                share.caps,
+                sorted(share.skip_tenants),
+            )
+        except BaseException:
+            self._cursor = None
+            self._due = True  # claimed again once the claimer's retry comes
+            raise
+        if orphans:
+            log.warning(
+                "relay.endpoints.orphans_cancelled",
+                deliveries=orphans,
+                reason="their endpoint was deleted or moved to another destination",
+            )
+        for c in claimed:
+            self._take(c)
+        self.stats["claimed"] += len(claimed)
+        return claimed
+
+    def _plan(self, held: int) -> Plan:
+        """The fair share plan (fairness.py) with ``held`` deliveries held: from the
+        endpoints this relay holds deliveries of, and those it knows to be slow."""
+        now = time.monotonic()
+        holdings = []
+        for state in self.states.values():
+            h = state.holding(now)
+            if h.in_hand or h.known:
+                holdings.append(h)
+        return fairness_plan(self.max_in_flight, held, holdings)
+
+    def _take(self, c: Claimed) -> None:
+        """Count a claimed delivery in its endpoint's hand (the next plan sees it); a row
+        whose endpoint this code cannot even read (a bug) is kept to be recorded as a crash."""
+        key = (c.id, c.token)
+        try:
+            state = self._state(c)
+        except Exception as exc:
+            log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
+            self._broken[key] = exc
+            return
+        state.in_hand += 1
+        state.last_claimed = time.monotonic()
+        self._waiting[key] = state
+
+    def group(self, c: Claimed) -> int:
+        """Deliveries are sent in groups of one endpoint's."""
+        return c.endpoint_id
+
+    # --- sending ------------------------------------------------------------------------
+
+    async def deliver(self, items: Sequence[Claimed], emit: Emit) -> None:
+        """Send one endpoint's deliveries (``items``, claimed by :meth:`claim`), at most its
+        destination's ``max_concurrency`` at a time; each outcome goes to ``emit`` as soon as
+        it is known, not when the whole group is done."""
+        queue: deque[tuple[Claimed, EndpointState]] = deque()
+        for c in items:
+            key = (c.id, c.token)
+            exc = self._broken.pop(key, None)
+            state = self._waiting.pop(key, None)
+            if state is None:
+                emit(self._crashed(c, exc or LookupError("not claimed by this source")), c)
+            else:
+                queue.append((c, state))
+        if not queue:
+            return
+        workers = min(len(queue), self.destinations[queue[0][0].destination].max_concurrency)
+        await asyncio.gather(*(self._worker(queue, emit) for _ in range(workers)))
+
+    async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
+        while queue:
+            c, state = queue.popleft()
+            try:
+                record = await self._attempt(c, state)
+            except Exception as exc:
+                log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
+                record = self._crashed(c, exc)
+            finally:
+                state.in_hand -= 1
+            emit(record, c)
+            self._wake_soon()  # its endpoint has room again: claimed for together
+
+    def crashed(self, c: Claimed, exc: BaseException) -> DeliveryRecord:
+        """The record of a delivery whose handling raised: retried, failed at its limit."""
+        return self._crashed(c, exc)
+
+    def cut_short(self, c: Claimed) -> DeliveryRecord | None:
+        """The record of a delivery a stop cut short: its request may have reached the
+        endpoint, so it counts as an attempt; None if no request had started (released)."""
+        if not c.sending:
+            return None
+        return self._record(
+            c,
+            "pending",
+            1,
+            CRASH_RETRY,
+            "the relay stopped during the request; the endpoint may have received it",
+        )
+
+    # --- the lease statements -----------------------------------------------------------
+
+    async def record(self, records: Sequence[Record]) -> set[Key]:
+        """Write outcomes and log their attempts; then the health they showed."""
+        written = await self.store.record([_delivery(r) for r in records])
+        self.stats["recorded"] += len(written)
+        # The claim counts an endpoint's deliveries in flight from the table, across relays:
+        # these no longer are.
+        self._wake_soon()
+        try:
+            await self._write_health()
+        except Exception as exc:  # the outcomes are written: a bug here must not undo them
+            log.exception("relay.endpoints.health_failed", error=describe(exc))
+        return written
+
+    async def heartbeat(self, leases: Sequence[Key]) -> set[int]:
+        return await self.store.heartbeat(leases)
+
+    async def settled(self, leases: Sequence[Key]) -> set[int]:
+        """None: a delivery's outcome is written only through :meth:`record`."""
+        return set()
+
+    async def release(self, leases: Sequence[Key]) -> None:
+        for key in leases:  # never delivered: no longer in their endpoint's hand
+            state = self._waiting.pop(key, None)
+            if state is not None:
+                state.in_hand -= 1
+            self._broken.pop(key, None)
+        if leases:
+            await self.store.release(leases)
+
+    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int:
+        """Put back the deliveries whose lease expired (a dead relay's), an attempt counted;
+        failed at their destination's ``limits`` (``max_attempts`` for a destination this
+        relay does not know). The reaper logs them and wakes this source."""
+        return await self.store.reap(max_attempts, limits)
+
+
+def _delivery(r: Record) -> DeliveryRecord:
+    """The pipeline hands back the records this source made (or copies of them)."""
+    if not isinstance(r, DeliveryRecord):
+        raise TypeError(f"not a delivery's record: {r!r}")
+    return r
+
+
+def _nothing() -> None:
+    pass
+
+
+if TYPE_CHECKING:
+
+    def _is_a_source(s: DeliverySource) -> Source[Claimed]:
+        return s  # checked by mypy: the pipeline takes it as one
+
+
+__all__ = ["DeliverySource", "Emit"]
