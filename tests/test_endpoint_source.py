@@ -25,6 +25,7 @@ from relay.sinks.source import Source
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.requests import RequestPath
 from tests.support.receiver import Receiver
+from tests.support.relays import wait_until
 from tests.test_endpoint_ops import DEST, delivery, endpoint, event, sql
 
 LEASE = 30.0
@@ -281,3 +282,30 @@ async def test_a_wake_makes_the_source_due_until_it_is_claimed(db_url: str) -> N
         assert not s.source.due
         s.source.wake()
         assert s.source.due and woken == [True]
+
+
+async def test_a_stop_that_cuts_requests_short_counts_them_as_attempts(
+    db_url: str, receiver: Receiver
+) -> None:
+    """A group's requests are in flight when the stop cancels it: nothing is emitted, the
+    endpoint's hand is empty again, and each cut short is recorded as an attempt (it may have
+    reached the endpoint), retried later; a delivery whose request never started has none."""
+    ep = endpoint(db_url, url=receiver.url)
+    ids = pending(db_url, ep, 2)
+    receiver.respond(200, delay=3.0)
+    async with served(db_url, max_concurrency=2, slow_concurrency=2) as s:
+        items = await s.claim()
+        assert all(s.source.cut_short(c) is None for c in items)
+        task = asyncio.create_task(s.source.deliver(items, s.emit))
+        await wait_until(lambda: all(c.sending for c in items), what="requests in flight")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert s.emitted == [] and s.source.states[ep].in_hand == 0
+        cut = [s.source.cut_short(c) for c in items]
+        s.pipe.completer.add([r for r in cut if r is not None])
+        assert await s.pipe.completer.flush_once()
+        assert len(s.leases) == 0
+    assert {i: r[:2] for i, r in rows(db_url).items()} == dict.fromkeys(ids, ("pending", 1))
+    logged = sql(db_url, "SELECT delivery_id, error FROM outbox_attempts ORDER BY delivery_id")
+    assert [i for i, _ in logged] == ids
+    assert all("stopped during the request" in e for _, e in logged)

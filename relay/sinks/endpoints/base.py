@@ -9,6 +9,7 @@ attempts said of their endpoints) are classes over this one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 
@@ -21,6 +22,7 @@ from relay.sinks.webhook.requests import RequestPath
 
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
+STATE_IDLE = 600.0  # an endpoint not claimed from for this long is forgotten
 WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for together
 
 
@@ -70,6 +72,14 @@ class DispatcherBase:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def _prune(self) -> None:
+        """Forget endpoints not claimed from for a while (deleted, disabled, idle): their
+        circuits and keys are not kept for ever."""
+        now = time.monotonic()
+        for eid, state in list(self.states.items()):
+            if not state.in_hand and now - state.last_claimed > STATE_IDLE:
+                del self.states[eid]
 
     def _wake_soon(self) -> None:
         """Wake the claim loop shortly: requests finishing one by one are claimed for in one

@@ -33,8 +33,6 @@ from relay.sinks.webhook.answers import class_of
 
 log = structlog.get_logger("relay.sink.endpoints")
 
-STATE_IDLE = 600.0  # an endpoint not claimed from for this long is forgotten
-
 
 class Dispatcher(Attempts, Health):
     """Claims the endpoints' deliveries, starts their attempts, records their outcomes, keeps
@@ -190,14 +188,6 @@ class Dispatcher(Attempts, Health):
                 c.lease.until = before + self.store.store.lease
             else:
                 c.lease.lost.add(c.event_id)
-
-    def _prune(self) -> None:
-        """Forget endpoints not claimed from for a while (deleted, disabled, idle): their
-        circuits and keys are not kept for ever."""
-        now = time.monotonic()
-        for eid, state in list(self.states.items()):
-            if not state.in_hand and now - state.last_claimed > STATE_IDLE:
-                del self.states[eid]
 
     async def _reap(self) -> None:
         assert self.store is not None

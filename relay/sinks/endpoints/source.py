@@ -38,6 +38,7 @@ log = structlog.get_logger("relay.sink.endpoints")
 
 Emit = Callable[[DeliveryRecord, Claimed], None]  # an outcome, and the delivery it is of
 Key = tuple[int, int]  # (delivery id, fencing token)
+PRUNE_EVERY = 10.0  # seconds between looks for endpoints idle long enough to be forgotten
 
 
 class DeliverySource(Attempts, Health):
@@ -70,6 +71,7 @@ class DeliverySource(Attempts, Health):
         # what raised when it was read (a bug: recorded as a crash).
         self._waiting: dict[Key, EndpointState] = {}
         self._broken: dict[Key, BaseException] = {}
+        self._pruned = time.monotonic()
 
     # --- claiming -----------------------------------------------------------------------
 
@@ -92,6 +94,9 @@ class DeliverySource(Attempts, Health):
         ``held`` (the deliveries this relay holds) leaves, none for paused destinations, open
         circuits or endpoints that answered 410."""
         self._due = False
+        if time.monotonic() - self._pruned > PRUNE_EVERY:
+            self._prune()
+            self._pruned = time.monotonic()
         paused = self.paused()
         serving = [d for d in self.destinations if d not in paused]
         if not serving or limit <= 0:
@@ -173,7 +178,13 @@ class DeliverySource(Attempts, Health):
         if not queue:
             return
         workers = min(len(queue), self.destinations[queue[0][0].destination].max_concurrency)
-        await asyncio.gather(*(self._worker(queue, emit) for _ in range(workers)))
+        try:
+            await asyncio.gather(*(self._worker(queue, emit) for _ in range(workers)))
+        finally:
+            # Cut short (a stop): those not started leave their endpoint's hand; the stop
+            # releases them, unattempted.
+            for _, state in queue:
+                state.in_hand -= 1
 
     async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
         while queue:
