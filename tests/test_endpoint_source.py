@@ -309,3 +309,29 @@ async def test_a_stop_that_cuts_requests_short_counts_them_as_attempts(
     logged = sql(db_url, "SELECT delivery_id, error FROM outbox_attempts ORDER BY delivery_id")
     assert [i for i, _ in logged] == ids
     assert all("stopped during the request" in e for _, e in logged)
+
+
+async def test_an_endpoint_that_answered_410_is_left_out_of_the_claim_at_once(
+    db_url: str, make_receiver: Any
+) -> None:
+    """A answers 410 Gone: before its outcome (and the disabling) is written, the next claim
+    already leaves A out and takes B's; once written, A is disabled and still left out, its
+    delivery kept pending."""
+    a, b = make_receiver(), make_receiver()
+    a.respond(410)
+    ep_a, ep_b = endpoint(db_url, url=a.url), endpoint(db_url, url=b.url)
+    [gone] = pending(db_url, ep_a)
+    async with served(db_url) as s:
+        [c] = await s.claim()
+        await s.source.deliver([c], s.emit)
+        assert s.source.states[ep_a].gone
+        more = pending(db_url, ep_a, 1) + pending(db_url, ep_b, 1)
+        items = await s.claim()
+        assert [x.id for x in items] == more[1:]
+        await s.deliver(items)
+        [(enabled,)] = sql(db_url, "SELECT enabled FROM outbox_endpoints WHERE id = %s", ep_a)
+        assert enabled is False
+        sql(db_url, "UPDATE outbox_deliveries SET run_after = now()")
+        assert await s.claim() == []
+    assert rows(db_url)[gone] == ("pending", 1, 1)
+    assert len(a.requests) == 1 and len(b.requests) == 1
