@@ -257,6 +257,54 @@ async def test_the_fault_suites_witness_counts_outcomes_over_another_claim(
         await intruder.close()
 
 
+async def test_the_fault_suites_witness_sees_deliveries_too(db_url: str, store: Store) -> None:
+    """The same witness on outbox_deliveries, whose outcomes leave `claims` alone: the
+    holder's own outcome (DELIVERY_RECORD) is legitimate, another relay's over a live claim is
+    counted; a reap of an expired lease (DELIVERY_REAP) is legitimate, and kept as an expiry."""
+    from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
+    from tests.support.faults import fetchval, install_audit
+
+    await install_audit(db_url)
+    deliveries = DeliveryStore(store)
+    # Three deliveries as DELIVERY_CLAIM leaves them, held by this relay ("same").
+    rows = await execute(
+        db_url,
+        "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination, status, locked_by, "
+        "locked_until, claims) SELECT g, 1, 'hook', 'running', 'same', "
+        "now() + interval '1 minute', 1 FROM generate_series(1, 3) AS g RETURNING id",
+    )
+    a, b, c = sorted(r["id"] for r in rows)
+
+    async def count(table: str) -> int:
+        return int(await fetchval(db_url, f"SELECT count(*) FROM {table}"))
+
+    done = DeliveryRecord(a, 1, "delivered", 1, 0.0, None, 200, 1, 1, 5.0, None, False)
+    assert await deliveries.record([done]) == {a}
+    assert await count("outbox_overwrites") == 0
+    intruder = await asyncpg.connect(
+        to_asyncpg_dsn(db_url), server_settings={"application_name": "outbox-relay:intruder"}
+    )
+    try:
+        await intruder.execute(
+            "UPDATE outbox_deliveries SET status = 'delivered', locked_by = NULL WHERE id = $1",
+            b,
+        )
+        (over,) = await execute(db_url, "SELECT tbl, id, written_by FROM outbox_overwrites")
+        assert dict(over) == {
+            "tbl": "outbox_deliveries",
+            "id": b,
+            "written_by": "outbox-relay:intruder",
+        }
+    finally:
+        await intruder.close()
+    assert await count("outbox_expiries") == 0
+    await execute(db_url, "UPDATE outbox_deliveries SET locked_until = now() - interval '1 s'")
+    assert await deliveries.reap(25, {}) == 1
+    assert await count("outbox_overwrites") == 1
+    (expiry,) = await execute(db_url, "SELECT tbl, id, new_status FROM outbox_expiries")
+    assert dict(expiry) == {"tbl": "outbox_deliveries", "id": c, "new_status": "pending"}
+
+
 async def test_the_kafka_sink_does_not_send_a_row_whose_lease_ran_out(
     kafka_bootstrap: str,
 ) -> None:

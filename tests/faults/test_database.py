@@ -1,11 +1,13 @@
 """Database restarts, as the relays see them: their connections die mid-statement, again and
-again (``pg_terminate_backend``; the shared server itself is never restarted)."""
+again (``pg_terminate_backend``; the shared server itself is never restarted). For a Kafka
+destination, and for an endpoints destination fanned out to real receivers."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import asyncpg
@@ -13,18 +15,29 @@ import pytest
 
 from outbox.dburl import to_asyncpg_dsn
 from tests.support.faults import (
+    DELIVERIES,
+    ENDPOINTS,
+    EXPIRED_PAIRS,
+    UNLOGGED,
+    Fleet,
     Sampler,
     Writer,
     all_delivered,
+    deliveries_done,
     end_of_run,
+    endpoints_config,
     events,
     fetch,
+    fetchval,
     fleet,
     install_audit,
     max_lag,
     read_copies,
+    read_pairs,
+    register_endpoints,
     relay_config,
 )
+from tests.support.receiver import Receiver
 from tests.support.relays import wait_until
 
 pytestmark = pytest.mark.slow
@@ -38,6 +51,9 @@ LISTENING = """
 SELECT count(*) FROM pg_stat_activity
 WHERE datname = current_database() AND application_name = ANY($1::text[])
 """
+
+
+RELAY_IDS = ["db-a", "db-b", "db-c"]
 
 
 def names(relay_ids: list[str]) -> list[str]:
@@ -56,39 +72,20 @@ async def test_connections_killed_repeatedly_lose_nothing(
 ) -> None:
     total, span = (40_000, 40.0) if long_run else (10_000, 12.0)
     topic = f"db-{uuid.uuid4().hex[:8]}"
-    relay_ids = ["db-a", "db-b", "db-c"]
     writer = Writer(db_url, total, keys=200, chunk=500, rate=total / span)
     await install_audit(db_url)
     admin = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    killed = rounds = 0
     try:
         with fleet(tmp_path) as relays, Sampler(db_url) as sampler:
-            for rid in relay_ids:
+            for rid in RELAY_IDS:
                 relays.start(relay_config(db_url, kafka_bootstrap, topic, relay_id=rid), rid)
             await wait_until(
-                lambda: _count(admin, LISTENING, [f"outbox-relay-listen:{r}" for r in relay_ids]),
+                lambda: _count(admin, LISTENING, [f"outbox-relay-listen:{r}" for r in RELAY_IDS]),
                 timeout=30,
                 what="relays connected",
             )
             writing = asyncio.create_task(writer.run())
-            outage_done = False
-            while not writing.done():
-                assert len(relays.alive()) == 3, relays.logs()[-3000:]
-                if not outage_done and rounds >= 5:
-                    # A database that stays away for a while: every connection any relay
-                    # opens is killed at once, for 3 s.
-                    loop = asyncio.get_running_loop()
-                    until = loop.time() + 3.0
-                    while loop.time() < until:
-                        killed += await admin.fetchval(TERMINATE, names(relay_ids))
-                        await asyncio.sleep(0.02)
-                    outage_done = True
-                else:
-                    # One relay's connections, or all of them, at a random moment.
-                    victims = random.choice([[r] for r in relay_ids] + [relay_ids])
-                    killed += await admin.fetchval(TERMINATE, names(victims))
-                rounds += 1
-                await asyncio.sleep(random.uniform(0.1, 0.8))
+            killed, rounds, outage_done = await kill_connections(admin, relays, writing)
             ids = await writing
 
             async def delivered() -> bool:
@@ -100,7 +97,7 @@ async def test_connections_killed_repeatedly_lose_nothing(
             # Each relay's listener came back on its own.
             await wait_until(
                 lambda: _count(
-                    admin, LISTENING, [f"outbox-relay-listen:{r}" for r in relay_ids], 3
+                    admin, LISTENING, [f"outbox-relay-listen:{r}" for r in RELAY_IDS], 3
                 ),
                 timeout=30,
                 what="every listener reconnected",
@@ -110,10 +107,7 @@ async def test_connections_killed_repeatedly_lose_nothing(
         await admin.close()
 
     assert outage_done and killed > rounds
-    unavailable = events(logs, "relay.database.unavailable")
-    assert unavailable and events(logs, "relay.database.recovered")
-    assert events(logs, "relay.listener.lost") and events(logs, "relay.listener.recovered")
-    assert not events(logs, "relay.task.crashed")
+    check_logs(logs)
 
     copies = await read_copies(kafka_bootstrap, topic, ids, timeout=120)
     rows = {
@@ -139,6 +133,121 @@ async def test_connections_killed_repeatedly_lose_nothing(
         max_lag_s=await max_lag(db_url),
         **clean,
     )
+
+
+@pytest.mark.timeout(300)
+async def test_connections_killed_repeatedly_lose_no_pair(
+    db_url: str,
+    make_receiver: Callable[..., Receiver],
+    tmp_path: Path,
+    long_run: bool,
+    fault_report: dict[str, object],
+) -> None:
+    """The same connection kills, for an endpoints destination fanned out to 3 receivers:
+    every (event, endpoint) pair arrives, signed, under its event's webhook-id; every copy came
+    from a counted attempt and a second copy only follows an expired lease."""
+    span = 40.0 if long_run else 12.0
+    total = int(150 * span)
+    receivers = [make_receiver() for _ in range(3)]
+    for r in receivers:
+        r.respond(delay=0.01)
+    endpoints = await register_endpoints(db_url, [r.url for r in receivers])
+    pairs_total = total * len(endpoints)
+    writer = Writer(db_url, total, chunk=50, rate=total / span, destination=ENDPOINTS)
+    await install_audit(db_url)
+    admin = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        with fleet(tmp_path) as relays, Sampler(db_url, table="outbox_deliveries") as sampler:
+            for rid in RELAY_IDS:
+                relays.start(endpoints_config(db_url, relay_id=rid), rid)
+            await wait_until(
+                lambda: _count(admin, LISTENING, [f"outbox-relay-listen:{r}" for r in RELAY_IDS]),
+                timeout=30,
+                what="relays connected",
+            )
+            writing = asyncio.create_task(writer.run())
+            killed, rounds, outage_done = await kill_connections(admin, relays, writing)
+            ids = await writing
+
+            async def delivered() -> bool:
+                assert len(relays.alive()) == 3, relays.logs()[-3000:]
+                return await all_delivered(db_url, total) and await deliveries_done(
+                    db_url, pairs_total
+                )
+
+            await wait_until(delivered, timeout=120, interval=0.2, what="all delivered")
+            clean = await end_of_run(db_url)
+            await wait_until(
+                lambda: _count(
+                    admin, LISTENING, [f"outbox-relay-listen:{r}" for r in RELAY_IDS], 3
+                ),
+                timeout=30,
+                what="every listener reconnected",
+            )
+            logs = relays.logs()
+    finally:
+        await admin.close()
+
+    assert outage_done and killed > rounds
+    check_logs(logs)
+
+    pairs = read_pairs(receivers, endpoints, ids)
+    rows = {(r["event_id"], r["endpoint_id"]): r for r in await fetch(db_url, DELIVERIES)}
+    assert len(rows) == pairs_total
+    assert {r["status"] for r in rows.values()} == {"delivered"}
+    # No delivery was claimed by two relays at once: every copy came from a counted attempt,
+    # and a second copy only follows a lease that expired (its relay could not renew or
+    # record while its connections were being killed) and was taken back.
+    for pair, copies in pairs.per_pair.items():
+        assert len(copies) <= rows[pair]["attempts"], (pair, len(copies), rows[pair]["attempts"])
+    expired = {(r["event_id"], r["endpoint_id"]) for r in await fetch(db_url, EXPIRED_PAIRS)}
+    assert pairs.duplicated <= expired, sorted(pairs.duplicated - expired)[:5]
+    assert await fetchval(db_url, UNLOGGED) == 0
+    fault_report.update(
+        events=total,
+        endpoints=len(endpoints),
+        relays=3,
+        kill_rounds=rounds,
+        backends_killed=killed,
+        duplicates=pairs.duplicates,
+        requests_cut=pairs.cut,
+        deliveries_expired=len(expired),
+        max_lease_overrun_s=round(sampler.max_overrun, 2),
+        **clean,
+    )
+
+
+async def kill_connections(
+    admin: asyncpg.Connection, relays: Fleet, writing: asyncio.Task[list[int]]
+) -> tuple[int, int, bool]:
+    """Kill RELAY_IDS' connections until ``writing`` is done, every 0.1 to 0.8 s: one relay's or
+    all of them, at random; once, after 5 rounds, a database that stays away for a while
+    (every connection any relay opens is killed at once, for 3 s). Returns the backends
+    killed, the rounds, and whether the outage happened."""
+    killed = rounds = 0
+    outage_done = False
+    while not writing.done():
+        assert len(relays.alive()) == 3, relays.logs()[-3000:]
+        if not outage_done and rounds >= 5:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + 3.0
+            while loop.time() < until:
+                killed += await admin.fetchval(TERMINATE, names(RELAY_IDS))
+                await asyncio.sleep(0.02)
+            outage_done = True
+        else:
+            victims = random.choice([[r] for r in RELAY_IDS] + [RELAY_IDS])
+            killed += await admin.fetchval(TERMINATE, names(victims))
+        rounds += 1
+        await asyncio.sleep(random.uniform(0.1, 0.8))
+    return killed, rounds, outage_done
+
+
+def check_logs(logs: str) -> None:
+    """The relays saw the database go and come back, and no task of theirs crashed."""
+    assert events(logs, "relay.database.unavailable") and events(logs, "relay.database.recovered")
+    assert events(logs, "relay.listener.lost") and events(logs, "relay.listener.recovered")
+    assert not events(logs, "relay.task.crashed")
 
 
 async def _count(conn: asyncpg.Connection, sql: str, apps: list[str], want: int = 1) -> bool:

@@ -1,7 +1,9 @@
 """Relay kills: SIGKILL one of three relay processes at random moments, mid-batch, while the
 application keeps committing; nothing is lost and duplicates come only from rows the killed
 relay held. Again with a snapshot held for the whole run (issue #27: VACUUM removes no dead
-row version, the claim and the reaper walk past them all); under --long that run is a soak."""
+row version, the claim and the reaper walk past them all); under --long that run is a soak.
+And for an endpoints destination: relays killed while they hold deliveries, requests in
+flight to real receivers; no (event, endpoint) pair is lost."""
 
 from __future__ import annotations
 
@@ -18,12 +20,20 @@ import pytest
 
 from outbox.dburl import to_asyncpg_dsn
 from tests.support.faults import (
+    DELIVERIES,
+    ENDPOINTS,
+    EXPIRED_PAIRS,
+    HELD_DELIVERIES,
     HELD_IDS,
     HOLDS,
+    HOLDS_DELIVERIES,
+    UNLOGGED,
     Sampler,
     Writer,
     all_delivered,
+    deliveries_done,
     end_of_run,
+    endpoints_config,
     fetch,
     fetchval,
     fleet,
@@ -31,8 +41,12 @@ from tests.support.faults import (
     kill,
     max_lag,
     read_copies,
+    read_pairs,
+    register_endpoints,
     relay_config,
+    requested,
 )
+from tests.support.receiver import Receiver
 from tests.support.relays import wait_until
 from tests.test_snapshots import held_snapshot
 
@@ -230,5 +244,171 @@ async def test_sigkill_a_relay_repeatedly_loses_nothing(
         max_recovery_s=round(max(recoveries), 2),
         max_lease_overrun_s=round(sampler.max_overrun, 2),
         max_lag_s=await max_lag(db_url),
+        **clean,
+    )
+
+
+# An endpoints destination: each receiver answers after this long, so that a relay killed
+# soon after it claims deliveries has their requests in flight.
+ANSWER_DELAY = 0.1
+RATE = 100.0  # events/s written, 3 deliveries each
+HOLDING = 4  # a victim is killed once it holds this many deliveries (past its first claims)
+
+
+@pytest.mark.timeout(300)
+async def test_sigkill_a_relay_holding_deliveries_loses_no_pair(
+    db_url: str,
+    make_receiver: Callable[..., Receiver],
+    tmp_path: Path,
+    long_run: bool,
+    fault_report: dict[str, object],
+) -> None:
+    """The kills above, for an endpoints destination fanned out to 3 receivers: a relay is
+    SIGKILLed the moment it holds deliveries (running under its lease, requests in flight),
+    beside two that stay up. Every (event, endpoint) pair arrives, signed, under its event's
+    webhook-id; a pair arrives twice only if a killed relay held its delivery (or its event)
+    when it died, and every delivery it held was reaped and sent again."""
+    kills = 5 if long_run else 3
+    span = 8.0 * kills
+    total = int(RATE * span)
+    receivers = [make_receiver() for _ in range(3)]
+    for r in receivers:
+        r.respond(delay=ANSWER_DELAY)
+    endpoints = await register_endpoints(db_url, [r.url for r in receivers])
+    pairs_total = total * len(endpoints)
+
+    def cfg(relay_id: str) -> dict[str, object]:
+        return endpoints_config(db_url, relay_id=relay_id, lease=LEASE, poll_interval=POLL)
+
+    killed_all = asyncio.Event()
+    chunk = 10
+    writer = Writer(
+        db_url,
+        total,
+        chunk=chunk,
+        rate=RATE,
+        destination=ENDPOINTS,
+        last_after=killed_all,
+    )
+    held_pairs: set[tuple[int, int]] = set()
+    held_events: set[int] = set()
+    # Deliveries a victim held whose request had reached its endpoint when it was killed.
+    in_flight = 0
+    sigkills = 0
+    await install_audit(db_url)
+    with fleet(tmp_path) as relays, Sampler(db_url, table="outbox_deliveries") as sampler:
+        relays.start(cfg("steady-a"), "steady-a")
+        relays.start(cfg("steady-b"), "steady-b")
+        victim_id = "victim-0"
+        victim = relays.start(cfg(victim_id), victim_id)
+        writing = asyncio.create_task(writer.run())
+
+        watch = await asyncpg.connect(to_asyncpg_dsn(db_url))
+        watchers: list[asyncio.Task[float]] = []
+
+        async def recovery(returned: Callable[[], Awaitable[bool]], killed_at: float) -> float:
+            await wait_until(returned, timeout=LEASE * 4, interval=0.05, what="deliveries reaped")
+            return time.monotonic() - killed_at
+
+        def over() -> bool:
+            # All but the writer's last transaction written (it waits for killed_all): the
+            # relays soon hold nothing, a victim would never be busy again.
+            return len(writer.ids) >= total - chunk
+
+        while len(watchers) < kills and not over():
+            assert sigkills < 3 * kills, "kills keep missing the relay's deliveries"
+
+            async def victim_busy(rid: str = victim_id) -> bool:
+                return over() or bool(await watch.fetchval(HOLDS_DELIVERIES, rid, HOLDING))
+
+            await asyncio.sleep(random.uniform(0.1, 0.5))
+            await wait_until(victim_busy, timeout=60, interval=0.0, what=f"{victim_id} busy")
+            if over():
+                break
+            # Its requests are on their way: the receivers answer after ANSWER_DELAY.
+            await asyncio.sleep(random.uniform(0.02, ANSWER_DELAY))
+            kill(victim)
+            sigkills += 1
+            killed_at = time.monotonic()
+
+            # What it holds is known once its sessions have ended (see the test above).
+            async def ended(rid: str = victim_id) -> bool:
+                return not await watch.fetchval(SESSIONS, f"outbox-relay:{rid}")
+
+            await wait_until(ended, timeout=10, interval=0.01, what=f"{victim_id}'s sessions end")
+            held = {
+                (r["event_id"], r["endpoint_id"])
+                for r in await fetch(db_url, HELD_DELIVERIES, victim_id)
+            }
+            held_pairs |= held
+            in_flight += len(held & requested(receivers, endpoints))
+            # Its events in flight (claimed, not yet fanned out): fanned out by another relay.
+            held_events.update(r["id"] for r in await fetch(db_url, HELD_IDS, victim_id))
+
+            async def returned(pairs: set[tuple[int, int]] = held, dead: str = victim_id) -> bool:
+                still = {
+                    (r["event_id"], r["endpoint_id"])
+                    for r in await fetch(db_url, HELD_DELIVERIES, dead)
+                }
+                return not still & pairs
+
+            victim_id = f"victim-{sigkills}"
+            victim = relays.start(cfg(victim_id), victim_id)
+            if held:  # else its deliveries were recorded just before the kill
+                watchers.append(asyncio.create_task(recovery(returned, killed_at)))
+
+        await watch.close()
+        assert watchers, "no kill found the victim holding deliveries"
+        assert in_flight, "no kill found the victim's requests in flight"
+        killed_all.set()
+        recoveries = list(await asyncio.gather(*watchers))
+        ids = await writing
+        await wait_until(
+            lambda: all_delivered(db_url, total),
+            timeout=120,
+            interval=0.2,
+            what="events fanned out",
+        )
+        await wait_until(
+            lambda: deliveries_done(db_url, pairs_total),
+            timeout=120,
+            interval=0.2,
+            what="all deliveries delivered",
+        )
+        assert len(relays.alive()) == 3, "a relay that was not killed exited"
+
+    pairs = read_pairs(receivers, endpoints, ids)
+    # Only pairs a killed relay held when it died can arrive twice.
+    redone = {(e, ep.id) for e in held_events for ep in endpoints}
+    assert pairs.duplicated <= held_pairs | redone, sorted(pairs.duplicated - held_pairs)[:5]
+    rows = {(r["event_id"], r["endpoint_id"]): r for r in await fetch(db_url, DELIVERIES)}
+    assert len(rows) == pairs_total
+    assert {r["status"] for r in rows.values()} == {"delivered"}
+    # Every request came from a counted attempt (the reap counts the dead relay's), and every
+    # delivery a dead relay held was taken back by a reap, an attempt counted, then sent.
+    for pair, copies in pairs.per_pair.items():
+        assert len(copies) <= rows[pair]["attempts"], (pair, len(copies), rows[pair]["attempts"])
+    expired = {(r["event_id"], r["endpoint_id"]) for r in await fetch(db_url, EXPIRED_PAIRS)}
+    assert held_pairs <= expired, sorted(held_pairs - expired)[:5]
+    assert all(rows[p]["attempts"] >= 2 for p in held_pairs)
+    # Every delivered delivery's attempt is in the message log.
+    assert await fetchval(db_url, UNLOGGED) == 0
+    clean = await end_of_run(db_url)
+    # A dead relay's delivery is claimable again within one lease (and a poll) of the kill.
+    assert max(recoveries) <= LEASE + POLL + 1.0, recoveries
+    assert sampler.max_overrun <= POLL + 1.0, sampler.max_overrun
+    fault_report.update(
+        events=total,
+        endpoints=len(endpoints),
+        relays=3,
+        kills=sigkills,
+        kills_holding_deliveries=len(watchers),
+        deliveries_held_at_kills=len(held_pairs),
+        requests_in_flight_at_kills=in_flight,
+        events_held_at_kills=len(held_events),
+        duplicates=pairs.duplicates,
+        requests_cut=pairs.cut,
+        max_recovery_s=round(max(recoveries), 2),
+        max_lease_overrun_s=round(sampler.max_overrun, 2),
         **clean,
     )

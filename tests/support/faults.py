@@ -17,11 +17,14 @@ from typing import Any
 
 import asyncpg
 import tomli_w
+from sqlalchemy.ext.asyncio import create_async_engine
 
 import outbox
-from outbox.dburl import to_asyncpg_dsn
+from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
 from tests.support.kafka import consume, outbox_id
+from tests.support.receiver import Receiver, Recorded
 from tests.support.relays import RelayProcess
+from tests.webhook_helpers import verify
 
 
 def relay_config(
@@ -57,6 +60,136 @@ def relay_config(
         },
         "destinations": {"orders": {"kind": "kafka", "topic": topic}},
     }
+
+
+# --- endpoints destinations: one (event, endpoint) pair per delivery ------------------------
+
+ENDPOINTS = "customer-events"
+
+
+def endpoints_config(db_url: str, *, relay_id: str, **relay: Any) -> dict[str, Any]:
+    """A relay.toml for fault tests whose one destination, ENDPOINTS, fans its events out to
+    the endpoints registered for it (receivers on loopback). Attempts enough that no kill fails
+    a delivery (each reap of a dead relay's delivery counts one)."""
+    cfg = relay_config(db_url, "127.0.0.1:9", "unused", relay_id=relay_id, **relay)
+    del cfg["kafka"]
+    cfg["destinations"] = {
+        ENDPOINTS: {
+            "kind": "endpoints",
+            "allow_private_networks": True,
+            "max_concurrency": 32,
+            "max_attempts": 100,
+            "backoff": {"schedule": [0.2], "jitter": 0},
+        }
+    }
+    return cfg
+
+
+async def register_endpoints(db_url: str, urls: list[str]) -> list[outbox.endpoints.Endpoint]:
+    """An endpoint of ENDPOINTS for each URL, taking every event (no tenant, no type)."""
+    engine = create_async_engine(to_sqlalchemy_async_url(db_url))
+    try:
+        async with engine.begin() as conn:
+            return [
+                await outbox.endpoints.create(
+                    conn, destination=ENDPOINTS, url=url, allow_private_networks=True
+                )
+                for url in urls
+            ]
+    finally:
+        await engine.dispose()
+
+
+# The deliveries a relay holds ($1), running under its lease; and whether it holds at least $2.
+HELD_DELIVERIES = """
+SELECT event_id, endpoint_id FROM outbox_deliveries WHERE status = 'running' AND locked_by = $1
+"""
+HOLDS_DELIVERIES = """
+SELECT count(*) >= $2 FROM outbox_deliveries WHERE status = 'running' AND locked_by = $1
+"""
+
+
+@dataclass
+class Pairs:
+    """What the endpoints received: the requests of each (event id, endpoint id) pair, every
+    request that reached its receiver (answered or not: a relay killed mid-request never reads
+    the answer)."""
+
+    per_pair: dict[tuple[int, int], list[Recorded]]
+    # Requests whose body never arrived whole (their relay was killed while sending them):
+    # no endpoint would take one, so they count as received by none.
+    cut: int = 0
+
+    @property
+    def duplicates(self) -> int:
+        return sum(len(r) - 1 for r in self.per_pair.values())
+
+    @property
+    def duplicated(self) -> set[tuple[int, int]]:
+        return {p for p, r in self.per_pair.items() if len(r) > 1}
+
+
+def read_pairs(
+    receivers: list[Receiver], endpoints: list[outbox.endpoints.Endpoint], ids: list[int]
+) -> Pairs:
+    """Every request each endpoint received, by pair, checked as a receiver relies on them:
+    the event is known from the body (the writer's ``n``, not from the headers), every request
+    is signed with the endpoint's secret (the reference library checks it) and carries the
+    event's id as ``webhook-id``, so a redelivery is the same message under the same id; and
+    every (event, endpoint) pair arrived."""
+    per_pair: defaultdict[tuple[int, int], list[Recorded]] = defaultdict(list)
+    cut = 0
+    for receiver, ep in zip(receivers, endpoints, strict=True):
+        for r in list(receiver.requests):
+            if len(r.body) < int(r.headers.get("content-length", len(r.body))):
+                cut += 1
+                continue
+            event = ids[json.loads(r.body)["n"]]
+            verify(ep.secret, r.body, r.headers)
+            assert r.headers["webhook-id"] == str(event), (r.headers["webhook-id"], event)
+            per_pair[(event, ep.id)].append(r)
+    for pair, copies in per_pair.items():
+        assert len({c.body for c in copies}) == 1, f"{pair} arrived with other content"
+    want = {(i, ep.id) for i in ids for ep in endpoints}
+    missing = want - set(per_pair)
+    assert not missing, f"{len(missing)} pairs never reached their endpoint: {sorted(missing)[:5]}"
+    return Pairs(dict(per_pair), cut)
+
+
+def requested(
+    receivers: list[Receiver], endpoints: list[outbox.endpoints.Endpoint]
+) -> set[tuple[int, int]]:
+    """The (event, endpoint) pairs whose request has reached its receiver so far."""
+    return {
+        (int(r.headers["webhook-id"]), ep.id)
+        for receiver, ep in zip(receivers, endpoints, strict=True)
+        for r in list(receiver.requests)
+    }
+
+
+# Delivered deliveries with no row in the message log: each was recorded by an outcome, which
+# logs its attempt in the same statement.
+UNLOGGED = """
+SELECT count(*) FROM outbox_deliveries AS d
+WHERE d.status = 'delivered'
+  AND NOT EXISTS (SELECT FROM outbox_attempts AS a WHERE a.delivery_id = d.id)
+"""
+DELIVERIES = "SELECT event_id, endpoint_id, status, attempts, claims FROM outbox_deliveries"
+# The pairs whose delivery was taken out of `running` after its lease expired (AUDIT).
+EXPIRED_PAIRS = """
+SELECT DISTINCT d.event_id, d.endpoint_id
+FROM outbox_expiries AS x JOIN outbox_deliveries AS d ON d.id = x.id
+WHERE x.tbl = 'outbox_deliveries'
+"""
+
+
+async def deliveries_done(db_url: str, n: int) -> bool:
+    """All ``n`` deliveries delivered."""
+    return bool(
+        await fetchval(
+            db_url, "SELECT count(*) = $1 FROM outbox_deliveries WHERE status = 'delivered'", n
+        )
+    )
 
 
 class Fleet:
@@ -161,9 +294,10 @@ class Sampler:
     past its lease (a dead relay's row waiting for the reaper), and how many rows were
     ``running`` at once."""
 
-    def __init__(self, db_url: str, interval: float = 0.1) -> None:
+    def __init__(self, db_url: str, interval: float = 0.1, table: str = "outbox") -> None:
         self.db_url = db_url
         self.interval = interval
+        self.table = table  # or outbox_deliveries: the same columns
         self.max_overrun = 0.0
         self.max_running = 0
         self.samples = 0
@@ -176,7 +310,7 @@ class Sampler:
                 row = await conn.fetchrow(
                     "SELECT coalesce(extract(epoch FROM max(clock_timestamp() - locked_until)"
                     "), 0)::float8 AS overrun, count(*) AS running "
-                    "FROM outbox WHERE status = 'running'"
+                    f"FROM {self.table} WHERE status = 'running'"
                 )
                 assert row is not None
                 self.max_overrun = max(self.max_overrun, row["overrun"])
@@ -289,23 +423,38 @@ async def read_copies(bootstrap: str, topic: str, ids: list[int], timeout: float
 
 
 # A witness of the fencing promise, independent of the relay: every change that takes a row
-# out of `running` must come from the claim that holds it. An outcome carries its claim's
-# token into `claims` (RECORD writes it back, unchanged when all is well), and comes from the
-# session of the relay holding the row; a reap (another relay taking back an expired lease)
-# is the one legitimate exception.
+# (an event of outbox, or a delivery of outbox_deliveries) out of `running` must come from the
+# claim that holds it. An event's outcome carries its claim's token into `claims` (RECORD writes
+# it back, unchanged when all is well); a delivery's outcome is fenced on its token and leaves
+# `claims` alone (DELIVERY_RECORD), so there only the session is checked. And the outcome comes
+# from the session of the relay holding the row; a reap (another relay taking back an expired
+# lease) is the one legitimate exception. Every row taken out of `running` after its lease
+# expired (a reap, or its holder's late outcome) is kept in outbox_expiries: a row sent twice
+# must be one of them. `tbl` says which table (TG_TABLE_NAME).
 AUDIT = """
 CREATE TABLE IF NOT EXISTS outbox_overwrites (
-    id bigint, old_claims int, new_claims int, held_by text, written_by text, new_status text,
+    tbl text, id bigint, old_claims int, new_claims int, held_by text, written_by text,
+    new_status text, at timestamptz DEFAULT clock_timestamp()
+);
+CREATE TABLE IF NOT EXISTS outbox_expiries (
+    tbl text, id bigint, held_by text, written_by text, new_status text,
     at timestamptz DEFAULT clock_timestamp()
 );
 CREATE OR REPLACE FUNCTION outbox_audit() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP = 'UPDATE' AND OLD.status = 'running' AND NEW.status <> 'running'
+       AND OLD.locked_until < now() THEN
+        INSERT INTO outbox_expiries (tbl, id, held_by, written_by, new_status)
+        VALUES (TG_TABLE_NAME, OLD.id, OLD.locked_by, current_setting('application_name'),
+                NEW.status);
+    END IF;
+    IF TG_OP = 'UPDATE' AND OLD.status = 'running' AND NEW.status <> 'running'
        AND (NEW.claims <> OLD.claims
             OR (current_setting('application_name') <> 'outbox-relay:' || OLD.locked_by
                 AND OLD.locked_until >= now())) THEN
-        INSERT INTO outbox_overwrites (id, old_claims, new_claims, held_by, written_by, new_status)
-        VALUES (OLD.id, OLD.claims, NEW.claims, OLD.locked_by,
+        INSERT INTO outbox_overwrites (tbl, id, old_claims, new_claims, held_by, written_by,
+                                       new_status)
+        VALUES (TG_TABLE_NAME, OLD.id, OLD.claims, NEW.claims, OLD.locked_by,
                 current_setting('application_name'), NEW.status);
     END IF;
     IF TG_OP = 'DELETE' THEN
@@ -313,9 +462,9 @@ BEGIN
         -- carries no token, so only the session is checked: the holder's, or none at all.
         IF OLD.status = 'running'
            AND current_setting('application_name') <> 'outbox-relay:' || OLD.locked_by THEN
-            INSERT INTO outbox_overwrites (id, old_claims, new_claims, held_by, written_by,
-                                           new_status)
-            VALUES (OLD.id, OLD.claims, NULL, OLD.locked_by,
+            INSERT INTO outbox_overwrites (tbl, id, old_claims, new_claims, held_by,
+                                           written_by, new_status)
+            VALUES (TG_TABLE_NAME, OLD.id, OLD.claims, NULL, OLD.locked_by,
                     current_setting('application_name'), 'deleted');
         END IF;
         RETURN OLD;
@@ -325,11 +474,15 @@ END $$;
 DROP TRIGGER IF EXISTS outbox_audit ON outbox;
 CREATE TRIGGER outbox_audit BEFORE UPDATE OR DELETE ON outbox
     FOR EACH ROW EXECUTE FUNCTION outbox_audit();
+DROP TRIGGER IF EXISTS outbox_audit ON outbox_deliveries;
+CREATE TRIGGER outbox_audit BEFORE UPDATE OR DELETE ON outbox_deliveries
+    FOR EACH ROW EXECUTE FUNCTION outbox_audit();
 """
 
 
 async def install_audit(db_url: str) -> None:
-    """Start counting outcomes recorded over a newer claim (see AUDIT)."""
+    """Start counting outcomes recorded over a newer claim, of events and of deliveries (see
+    AUDIT)."""
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
         await conn.execute(AUDIT)
@@ -338,18 +491,26 @@ async def install_audit(db_url: str) -> None:
 
 
 async def end_of_run(db_url: str) -> dict[str, int]:
-    """The figures every fault test ends with, both asserted to be 0: rows left `running`
-    (held by nobody alive, or by a relay that lost track of them) and outcomes recorded over
-    a newer claim of their row."""
+    """The figures every fault test ends with, all asserted to be 0: events and deliveries
+    left `running` (held by nobody alive, or by a relay that lost track of them) and outcomes
+    recorded over a newer claim of their row (either table)."""
     figures = {
         "rows_left_running": int(
             await fetchval(db_url, "SELECT count(*) FROM outbox WHERE status = 'running'")
+        ),
+        "deliveries_left_running": int(
+            await fetchval(
+                db_url, "SELECT count(*) FROM outbox_deliveries WHERE status = 'running'"
+            )
         ),
         "outcomes_over_newer_claim": int(
             await fetchval(db_url, "SELECT count(*) FROM outbox_overwrites")
         ),
     }
-    assert figures == {"rows_left_running": 0, "outcomes_over_newer_claim": 0}, figures
+    if figures["outcomes_over_newer_claim"]:
+        overwrites = await fetch(db_url, "SELECT * FROM outbox_overwrites ORDER BY at LIMIT 5")
+        raise AssertionError((figures, [dict(r) for r in overwrites]))
+    assert figures == dict.fromkeys(figures, 0), figures
     return figures
 
 
