@@ -100,13 +100,11 @@ async def register_endpoints(db_url: str, urls: list[str]) -> list[outbox.endpoi
         await engine.dispose()
 
 
-# The deliveries a relay holds ($1), running under its lease; and whether it holds at least $2.
+# The deliveries a relay holds ($1), running under its lease; and whether it holds any.
 HELD_DELIVERIES = """
 SELECT event_id, endpoint_id FROM outbox_deliveries WHERE status = 'running' AND locked_by = $1
 """
-HOLDS_DELIVERIES = """
-SELECT count(*) >= $2 FROM outbox_deliveries WHERE status = 'running' AND locked_by = $1
-"""
+HOLDS_DELIVERIES = f"SELECT EXISTS ({HELD_DELIVERIES})"
 
 
 @dataclass
