@@ -138,6 +138,7 @@ def read_pairs(
     per_pair: defaultdict[tuple[int, int], list[Recorded]] = defaultdict(list)
     cut = 0
     for receiver, ep in zip(receivers, endpoints, strict=True):
+        assert ep.secret is not None, "an endpoint created here shows its secret"
         for r in list(receiver.requests):
             if len(r.body) < int(r.headers.get("content-length", len(r.body))):
                 cut += 1
@@ -256,6 +257,8 @@ class Writer:
     last_after: asyncio.Event | None = None
     ids: list[int] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    # Since when (monotonic) its last transaction has waited for last_after; None: it is not.
+    waiting_for: float | None = None
 
     async def run(self) -> list[int]:
         conn = await asyncpg.connect(to_asyncpg_dsn(self.db_url))
@@ -265,7 +268,9 @@ class Writer:
             while n < self.total:
                 size = min(self.chunk, self.total - n)
                 if n + size == self.total and self.last_after is not None:
+                    self.waiting_for = time.monotonic()
                     await self.last_after.wait()
+                    self.waiting_for = None
                 batch = [
                     {
                         "destination": self.destination,
