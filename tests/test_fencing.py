@@ -278,8 +278,19 @@ async def test_the_fault_suites_witness_sees_deliveries_too(db_url: str, store: 
     async def count(table: str) -> int:
         return int(await fetchval(db_url, f"SELECT count(*) FROM {table}"))
 
-    done = DeliveryRecord(a, 1, "delivered", 1, 0.0, None, 200, 1, 1, 5.0, None, False)
-    assert await deliveries.record([done]) == {a}
+    done = DeliveryRecord(
+        id=a,
+        token=1,
+        status="delivered",
+        counted=1,
+        delay=0.0,
+        error=None,
+        http_status=200,
+        event_id=1,
+        endpoint_id=1,
+        duration_ms=5.0,
+    )
+    assert await deliveries.record([done]) == {(a, 1)}
     assert await count("outbox_overwrites") == 0
     intruder = await asyncpg.connect(
         to_asyncpg_dsn(db_url), server_settings={"application_name": "outbox-relay:intruder"}

@@ -249,7 +249,8 @@ class RequestPath:
         headers["webhook-id"] = prefix + str(env.id) if prefix else str(env.id)
         return headers
 
-    async def _send(self, client: aiohttp.ClientSession, t: Target, env: Envelope) -> Answer:
+    def _request(self, t: Target, env: Envelope) -> tuple[dict[str, str], bytes] | Answer:
+        """The signed request's headers and body, or the Answer of a row that cannot be sent."""
         if t.refused is not None:
             return Answer(self._refused(t, env, t.refused))
         headers = self.headers(t, env)
@@ -265,7 +266,13 @@ class RequestPath:
         headers["webhook-timestamp"] = str(timestamp)
         # Signed over exactly the bytes sent: the CloudEvent document in structured mode.
         headers["webhook-signature"] = t.signer.sign(headers["webhook-id"], timestamp, body)
+        return headers, body
 
+    async def _send(self, client: aiohttp.ClientSession, t: Target, env: Envelope) -> Answer:
+        request = self._request(t, env)
+        if isinstance(request, Answer):
+            return request
+        headers, body = request
         started = time.monotonic()
         try:
             # One timer bounds the whole attempt: the wait for a pooled connection, the DNS
