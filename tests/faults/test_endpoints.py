@@ -1,10 +1,14 @@
 """Endpoints destinations under faults: an endpoint disabled with a short retention keeps its
-queue, and a relay killed in the middle of a fan-out sends no (event, endpoint) pair twice.
-Real relay processes, real receivers on loopback, signatures checked with standardwebhooks."""
+queue, a relay killed in the middle of a fan-out sends no (event, endpoint) pair twice, and an
+endpoint whose server goes away and comes back gets every event while the others are not held
+back. Real relay processes, real receivers on loopback, signatures checked with
+standardwebhooks."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +21,25 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 import outbox
 from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
-from tests.support.faults import end_of_run, fetch, fetchval, fleet, install_audit, kill
+from relay.ops import admin
+from tests.support.faults import (
+    ENDPOINTS,
+    UNLOGGED,
+    Fleet,
+    Writer,
+    all_delivered,
+    deliveries_done,
+    end_of_run,
+    endpoints_config,
+    events,
+    fetch,
+    fetchval,
+    fleet,
+    install_audit,
+    kill,
+    read_pairs,
+    register_endpoints,
+)
 from tests.support.faults import relay_config as base_config
 from tests.support.receiver import Receiver
 from tests.support.relays import wait_until
@@ -201,3 +223,251 @@ async def test_a_relay_killed_between_fan_out_and_record_sends_no_pair_twice(
         recovered_s=round(recovered_s, 2),
         **figures,
     )
+
+
+# --- an endpoint's server that goes away and comes back ----------------------------------------
+
+OUTAGE_RATE = 50.0  # events/s, 3 deliveries each
+# Opened by 3 failures in a row, probed 0.5 s later, then at most every second while it fails:
+# the outage sees it open, probed and reopened, and it recovers within a second of the return.
+CIRCUIT = {"threshold": 3, "cooldown": 0.5, "max_cooldown": 1.0}
+OPENED, PROBE_FAILED, CLOSED = (
+    "relay.webhook.circuit_opened",
+    "relay.webhook.probe_failed",
+    "relay.webhook.circuit_closed",
+)
+# Events committed after the circuit opened that the other endpoints receive while it is down.
+WHILE_DOWN = 25
+# Per delivery: its attempts, the rows of the message log, and those refused a connection.
+LOGGED = """
+SELECT d.event_id, d.endpoint_id, d.status, d.attempts,
+       (SELECT count(*) FROM outbox_attempts AS a WHERE a.delivery_id = d.id) AS logged,
+       (SELECT count(*) FROM outbox_attempts AS a
+        WHERE a.delivery_id = d.id AND a.http_status IS NULL AND a.error ILIKE '%refused%'
+       ) AS refused
+FROM outbox_deliveries AS d
+"""
+# The other endpoints' worst commit-to-answer time for events committed from $1 on.
+LAG_FROM = """
+SELECT extract(epoch FROM max(d.finished_at - o.created_at))::float8
+FROM outbox_deliveries AS d JOIN outbox AS o ON o.id = d.event_id
+WHERE d.event_id = ANY($1) AND d.endpoint_id <> $2
+"""
+ENDPOINT = """
+SELECT enabled, disabled_at, failing_since, circuit_open_until FROM outbox_endpoints WHERE id = $1
+"""
+
+
+def circuit_log(output: str, breaker: str) -> list[str]:
+    """What one relay's log says of ``breaker`` (an endpoint's, "destination#id"), in order:
+    opened, a probe that failed, closed."""
+    said = []
+    for line in output.splitlines():
+        if f'"{breaker}"' not in line:
+            continue
+        with contextlib.suppress(ValueError):
+            ev = json.loads(line)
+            if ev.get("destination") == breaker and ev.get("event") in (
+                OPENED,
+                PROBE_FAILED,
+                CLOSED,
+            ):
+                said.append(ev["event"])
+    return said
+
+
+def answered(receiver: Receiver) -> set[int]:
+    """The events a receiver answered 200 to."""
+    return {int(r.headers["webhook-id"]) for r in list(receiver.requests) if r.status == 200}
+
+
+@pytest.mark.timeout(180)
+async def test_an_endpoint_that_goes_away_and_comes_back_gets_every_event(
+    db_url: str,
+    make_receiver: Callable[..., Receiver],
+    tmp_path: Path,
+    long_run: bool,
+    fault_report: dict[str, object],
+) -> None:
+    """One of three endpoints goes away mid-run, its server stopped with requests waiting in
+    it (then connections refused), and comes back on the same port, while two relays run and
+    the application keeps committing. Its circuit opens (`status` shows it), a probe fails and
+    reopens it; the other endpoints keep receiving meanwhile, each event once; once it is back
+    its circuit closes in every relay that opened it, and every (event, endpoint) pair arrives,
+    signed, a request cut by the outage sent again under the same webhook-id. Every attempt is
+    in the message log, nothing is left running, and the endpoint is not disabled."""
+    probes = 3 if long_run else 1  # failed probes the outage lasts for
+    receivers = [make_receiver() for _ in range(3)]
+    *others, away = receivers
+    endpoints = await register_endpoints(db_url, [r.url for r in receivers])
+    away_ep = endpoints[-1]
+    breaker = f"{ENDPOINTS}#{away_ep.id}"  # its breaker, as the relays log it
+
+    def cfg(relay_id: str) -> dict[str, Any]:
+        c = endpoints_config(db_url, relay_id=relay_id, batch_size=50, max_in_flight=64)
+        # disable_after's least: the outage, a few seconds, must not disable it.
+        c["destinations"][ENDPOINTS].update(circuit=CIRCUIT, disable_after=60)
+        return c
+
+    recovered = asyncio.Event()
+    # Paced for as long as the test may take; it stops once the endpoint has recovered.
+    writer = Writer(
+        db_url,
+        int(OUTAGE_RATE * 150),
+        chunk=5,
+        rate=OUTAGE_RATE,
+        destination=ENDPOINTS,
+        stop=recovered,
+    )
+    await install_audit(db_url)
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+
+    async def shown() -> dict[int, dict[str, Any]]:
+        """The endpoints as `outbox-relay status --json` shows them."""
+        return {e["id"]: e for e in (await admin.status(conn, "public"))["endpoints"]}
+
+    def said(relays: Fleet) -> list[list[str]]:
+        return [circuit_log(p.output(), breaker) for p in relays.procs]
+
+    try:
+        with fleet(tmp_path) as relays:
+            for rid in ("endpoints-a", "endpoints-b"):
+                relays.start(cfg(rid), rid)
+            writing = asyncio.create_task(writer.run())
+            try:
+                await wait_until(
+                    lambda: all(len(answered(r)) >= 20 for r in receivers),
+                    timeout=30,
+                    what="every endpoint receiving",
+                )
+                # Its server stops answering, then goes away with those requests in it.
+                hang_from = len(away.requests)
+                away.respond(delay=120)  # never answered: the server goes away first
+
+                def waiting() -> bool:
+                    now = time.monotonic()
+                    reqs = away.requests[hang_from:]
+                    return sum(r.status is None and now - r.at > 0.05 for r in reqs) >= 2
+
+                await wait_until(waiting, timeout=20, interval=0.01, what="requests waiting")
+                await asyncio.to_thread(away.go_away)
+                down_at = time.monotonic()
+
+                async def open_in_status() -> dict[int, dict[str, Any]] | None:
+                    seen = await shown()
+                    return seen if seen[away_ep.id]["circuit"] == "open" else None
+
+                seen = await wait_until(open_in_status, timeout=20, what="its circuit open")
+                opened_s = time.monotonic() - down_at
+                assert seen[away_ep.id]["failing_since"] is not None
+                assert seen[away_ep.id]["enabled"]
+                for ep in endpoints[:-1]:
+                    assert seen[ep.id]["circuit"] == "closed", seen[ep.id]
+                    assert seen[ep.id]["failing_since"] is None, seen[ep.id]
+                # A probe finds it still down: its circuit opens again rather than closing.
+                await wait_until(
+                    lambda: sum(s.count(PROBE_FAILED) for s in said(relays)) >= probes,
+                    timeout=30,
+                    interval=0.1,
+                    what="a probe that failed",
+                )
+                # The others are not held back: they receive what is committed while it is
+                # down, its circuit open.
+                mark = len(writer.ids)
+
+                def others_received() -> bool:
+                    want = set(writer.ids[: mark + WHILE_DOWN])
+                    return len(want) >= mark + WHILE_DOWN and all(
+                        want <= answered(r) for r in others
+                    )
+
+                await wait_until(others_received, timeout=30, what="the others receiving")
+                while_down = writer.ids[mark : mark + WHILE_DOWN]
+                assert not set(while_down) & answered(away)
+                away.respond()  # answers at once again
+                await asyncio.to_thread(away.come_back)
+                down_s = time.monotonic() - down_at
+
+                # Every relay whose breaker opened closes it, and status shows it healthy.
+                async def closed_everywhere() -> bool:
+                    e = (await shown())[away_ep.id]
+                    if e["circuit"] != "closed" or e["failing_since"] is not None:
+                        return False
+                    return all(not s or s[-1] == CLOSED for s in said(relays))
+
+                await wait_until(closed_everywhere, timeout=30, interval=0.1, what="recovered")
+                recovered_s = time.monotonic() - down_at - down_s
+            finally:
+                recovered.set()
+                ids = await writing
+            n = len(ids)
+            await wait_until(
+                lambda: all_delivered(db_url, n), timeout=60, interval=0.2, what="fanned out"
+            )
+            await wait_until(
+                lambda: deliveries_done(db_url, n * len(endpoints)),
+                timeout=60,
+                interval=0.2,
+                what="every delivery delivered",
+            )
+            assert len(relays.alive()) == 2, relays.logs()[-3000:]
+            # The last circuit written for it is a close (each relay's last word: see above).
+            state = await wait_until(
+                lambda: _closed_row(db_url, away_ep.id), timeout=10, what="its circuit cleared"
+            )
+            logs = relays.logs()
+            breakers = said(relays)
+    finally:
+        await conn.close()
+
+    assert state["enabled"] and state["disabled_at"] is None and state["failing_since"] is None
+    assert not events(logs, "relay.endpoints.disabled")
+    assert any(OPENED in s for s in breakers), breakers
+    pairs = read_pairs(receivers, endpoints, ids)
+    # The others received each event once.
+    assert all(len(c) == 1 for (_, e), c in pairs.per_pair.items() if e != away_ep.id)
+    # A request the outage cut (never answered) was sent again, the same message under the
+    # same webhook-id (read_pairs checks every copy), and answered once it was back.
+    cut = {(int(r.headers["webhook-id"]), away_ep.id) for r in away.requests if r.status is None}
+    assert cut, "no request was waiting in the endpoint when it went away"
+    for pair in cut:
+        copies = pairs.per_pair[pair]
+        assert len(copies) >= 2 and any(c.status == 200 for c in copies), (pair, copies)
+    rows = {(r["event_id"], r["endpoint_id"]): r for r in await fetch(db_url, LOGGED)}
+    assert len(rows) == n * len(endpoints)
+    assert {r["status"] for r in rows.values()} == {"delivered"}
+    # Every attempt is in the message log (and no row of it without an attempt counted).
+    assert await fetchval(db_url, UNLOGGED) == 0
+    unlogged = [
+        (p, r["attempts"], r["logged"]) for p, r in rows.items() if r["attempts"] != r["logged"]
+    ]
+    assert not unlogged, unlogged[:5]
+    for pair, copies in pairs.per_pair.items():
+        assert len(copies) <= rows[pair]["attempts"], (pair, len(copies), rows[pair]["attempts"])
+    # The others' deliveries were never retried; the dead endpoint's were refused a connection.
+    assert all(r["attempts"] == 1 for (_, e), r in rows.items() if e != away_ep.id)
+    refused = sum(r["refused"] for (_, e), r in rows.items() if e == away_ep.id)
+    assert refused >= probes, refused  # each failed probe was refused a connection
+    assert all(rows[p]["attempts"] >= 2 for p in cut)
+    clean = await end_of_run(db_url)
+    fault_report.update(
+        events=n,
+        endpoints=len(endpoints),
+        relays=2,
+        down_s=round(down_s, 2),
+        circuit_open_after_s=round(opened_s, 2),
+        probes_failed=sum(s.count(PROBE_FAILED) for s in breakers),
+        recovered_after_s=round(recovered_s, 2),
+        requests_cut=len(cut),
+        attempts_refused=refused,
+        duplicates=pairs.duplicates,
+        others_max_lag_while_down_s=round(
+            float(await fetchval(db_url, LAG_FROM, while_down, away_ep.id) or 0.0), 2
+        ),
+        **clean,
+    )
+
+
+async def _closed_row(db_url: str, endpoint: int) -> asyncpg.Record | None:
+    [row] = await fetch(db_url, ENDPOINT, endpoint)
+    return row if row["circuit_open_until"] is None else None

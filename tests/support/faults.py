@@ -259,13 +259,16 @@ class Writer:
     errors: list[str] = field(default_factory=list)
     # Since when (monotonic) its last transaction has waited for last_after; None: it is not.
     waiting_for: float | None = None
+    # Set: it writes no more transactions (``total`` is then the most it writes), for a test
+    # that keeps the application committing until the system has recovered, however long.
+    stop: asyncio.Event | None = None
 
     async def run(self) -> list[int]:
         conn = await asyncpg.connect(to_asyncpg_dsn(self.db_url))
         started = time.monotonic()
         try:
             n = 0
-            while n < self.total:
+            while n < self.total and not (self.stop is not None and self.stop.is_set()):
                 size = min(self.chunk, self.total - n)
                 if n + size == self.total and self.last_after is not None:
                     self.waiting_for = time.monotonic()

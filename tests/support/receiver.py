@@ -4,10 +4,13 @@ Tests script its answers: ``receiver.respond(status=500, times=2)`` makes the ne
 requests fail, ``respond(delay=1.0)`` slows them, ``respond(headers={"Retry-After": "3"})``,
 ``respond(reset=True)`` drops the connection without an answer (a TCP reset).
 ``max_in_flight`` is the most requests it ever handled at the same time.
+``go_away()`` takes the server down (its port refuses connections, and the connections it had
+open are closed, their requests unanswered) and ``come_back()`` listens on the same port again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -16,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 
 @dataclass
@@ -49,6 +53,8 @@ class Receiver:
         self.max_in_flight = 0
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
+        # The connections the server has accepted and not yet closed (go_away closes them).
+        self._connections: set[socket.socket] = set()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -108,9 +114,25 @@ class Receiver:
             # once, which looks like a slow endpoint; real servers listen with far more.
             request_queue_size = 128
 
-        self.server = Server(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
+            def process_request(self, request: Any, client_address: Any) -> None:
+                # Noted in the accepting thread, before its handler's: once shutdown()
+                # returns, every connection accepted is in the set.
+                with receiver._lock:
+                    receiver._connections.add(request)
+                super().process_request(request, client_address)
+
+            def shutdown_request(self, request: Any) -> None:
+                with receiver._lock:
+                    receiver._connections.discard(request)
+                super().shutdown_request(request)
+
+        self._server_class, self._handler = Server, Handler
+        self._listen(port)
         self.port = self.server.server_address[1]
+
+    def _listen(self, port: int) -> None:
+        self.server = self._server_class(("127.0.0.1", port), self._handler)
+        self.server.daemon_threads = True
         # A short poll interval: stop() waits for one, once per test.
         self._thread = threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
@@ -186,3 +208,21 @@ class Receiver:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+    def go_away(self) -> None:
+        """The endpoint's server goes down: its port refuses connections, and the connections
+        it had open are shut down, so that a request still waiting for its answer (a scripted
+        delay) never gets one: the client reads the end of the connection, and the handler's
+        answer fails (recorded without a status)."""
+        self.stop()
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def come_back(self) -> None:
+        """Listen again on the same port (the URL the endpoint was registered with), answering
+        as scripted; what it received before is kept."""
+        self._listen(self.port)
+        self.start()
