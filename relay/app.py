@@ -31,12 +31,13 @@ from relay.maintenance.reporter import Reporter
 from relay.maintenance.retention import Retention
 from relay.model import Envelope
 from relay.obs.metrics import Metrics
-from relay.pipeline.claimer import Claimer
+from relay.pipeline.claimer import Claimer, Feed
 from relay.pipeline.completer import Completer
 from relay.pipeline.leases import Leases
 from relay.pipeline.listener import Listener
 from relay.pipeline.routes import attempt_limits, build_routes, build_sinks
 from relay.pipeline.sending import Sending
+from relay.pipeline.source_sending import SourceSending
 from relay.runtime import loop, probes
 from relay.runtime.claim_modes import MixedClaims
 from relay.runtime.pipes import EVENTS, Pipe
@@ -139,8 +140,7 @@ class Relay:
         # The HTTP server is supervised like the rest, but stopped last (probes answer "not
         # ready" while the relay drains), by shutdown().
         http_task = {self.http.task} if self.http is not None and self.http.task else set()
-        # Sinks with loops of their own (the endpoints sink's deliveries) are supervised too;
-        # they stop when the sink is closed.
+        # Sinks with loops of their own are supervised too; they stop when the sink is closed.
         sink_tasks = {t for s in _distinct(self.sinks) for t in s.tasks()}
         claimer = asyncio.create_task(self.claimer.run(), name="claimer")
         stop_wait = asyncio.create_task(self.stopping.wait())
@@ -204,12 +204,28 @@ class Relay:
         events = Pipe(
             EVENTS, store, self.leases, heads=self._key_finished, gauge=self.metrics.in_flight
         )
-        self.pipes = [events]
         self.completer = events.completer
         self.sending = Sending(self.routes, self.leases, store, self.completer, self.metrics)
+        events.sending = self.sending
+        self.pipes = [events]
         self.pauses = Pauses(store, self.sinks, self.metrics, self.wake)
+        rs = self.settings.relay
+        # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
+        host = Host(store, rs.max_in_flight, rs.poll_interval, self.metrics, lambda: self.paused)
+        for sink in _distinct(self.sinks):
+            sink.attach(host)
+        # Their rows are claimed, held, renewed, recorded, reaped and released by this
+        # pipeline too: a pipe each (their ids are their own), sent by their sink.
+        feeds: list[Feed[Any]] = []
+        sources = [src for sink in _distinct(self.sinks) for src in sink.sources()]
+        for source in sources:
+            pipe: Pipe[Any] = Pipe(source.name, source, Leases(self.metrics, Counter()))
+            sending = SourceSending(source, pipe.leases, pipe.completer, self.metrics)
+            pipe.sending = sending
+            self.pipes.append(pipe)
+            feeds.append(Feed(source, pipe.leases, sending.dispatch, rs.max_in_flight))
         self.claimer = Claimer(
-            self.settings.relay,
+            rs,
             self.routes,
             store,
             self.leases,
@@ -218,13 +234,10 @@ class Relay:
             self.metrics,
             self.stats,
             self.stopping,
-            sources=[],  # the pipes after the events', with what dispatches their rows
+            sources=feeds,
         )
-        rs = self.settings.relay
-        # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
-        host = Host(store, rs.max_in_flight, rs.poll_interval, self.metrics, lambda: self.paused)
-        for sink in _distinct(self.sinks):
-            sink.attach(host)
+        for source in sources:
+            source.on_due = self.claimer.wake_sources
         await self.pauses()
         await self._register()
 
@@ -232,7 +245,7 @@ class Relay:
         """The supervised side tasks: each pipe's completer and heartbeat, the listener and the
         maintenance jobs."""
         assert self.pipes and self._listener is not None
-        assert self.pauses is not None
+        assert self.pauses is not None and self.claimer is not None
         rs = self.settings.relay
         store = self.store
         reaper = Reaper(
@@ -241,7 +254,7 @@ class Relay:
             attempt_limits(self.settings),
             self.metrics,
             self.wake,
-            extra=[],  # the sources of the pipes after the events'
+            extra=[feed.source for feed in self.claimer.sources],  # each reaped apart
         )
         reporter = Reporter(rs, list(self.settings.destinations), self.routes, store, self.metrics)
         retention = Retention(rs, store, self.metrics, self.stopping)

@@ -85,6 +85,27 @@ async def deliveries_done(db_url: str, count: int) -> bool:
     )
 
 
+async def test_deliveries_run_on_the_relays_own_claimer_leases_and_completer(
+    db_url: str, aengine: AsyncEngine, receiver: Receiver
+) -> None:
+    """One pipeline (#29): no loop of the sink's own; the deliveries have a pipe of their own
+    (leases, completer, heartbeat) beside the events', claimed by the one claimer."""
+    await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url)) as relay:
+        names = sorted(t.get_name() for t in relay.tasks)
+        assert names.count("claimer") == 1
+        assert {"heartbeat", "completer", "heartbeat:deliveries", "completer:deliveries"} <= set(
+            names
+        )
+        assert "endpoint-deliveries" not in names
+        [pipe] = [p for p in relay.pipes if p.name == "deliveries"]
+        ids = await enqueue(db_url, [{"payload": {"n": i}} for i in range(3)])
+        await wait_until(lambda: sorted(delivered_to(receiver)) == ids, what="delivered")
+        await wait_until(lambda: pipe.leases.stats["delivered"] == 3, what="recorded")
+        assert relay.stats["delivered"] == 3  # the events, fanned out: counted apart
+        assert len(pipe.leases) == 0
+
+
 async def test_events_fan_out_to_matching_endpoints_signed_with_each_secret(
     db_url: str, aengine: AsyncEngine, make_receiver: Callable[..., Receiver]
 ) -> None:
@@ -446,31 +467,6 @@ async def test_an_event_stays_until_its_deliveries_end_even_with_retention_zero(
         await wait_until(lambda: _gone(db_url, a), timeout=10, what="event deleted once delivered")
 
 
-def claimed_row(token: int, attempts: int = 0) -> Any:
-    from relay.model import Lease
-    from relay.sinks.endpoints.store import Claimed
-
-    return Claimed(
-        7,
-        1,
-        1,
-        DEST,
-        attempts,
-        token,
-        False,
-        True,
-        b"",
-        "x",
-        {},
-        0.0,
-        "u",
-        "s",
-        None,
-        None,
-        Lease(0),
-    )
-
-
 def load_destination(d: dict[str, Any]) -> Any:
     from relay.sinks.webhook.config import WebhookDestination
 
@@ -581,7 +577,7 @@ async def test_an_endpoint_that_keeps_failing_is_disabled_once_past_disable_afte
     receiver.respond(503)
     ep = await add_endpoint(aengine, receiver.url)
     async with running(endpoints_settings(db_url, disable_after="1h")) as relay:
-        relay.sinks[DEST].dispatcher.health_refresh = 0.0  # type: ignore[attr-defined]
+        relay.sinks[DEST].source.health_refresh = 0.0  # type: ignore[attr-defined]
         await enqueue(db_url, [{"payload": {}}])
         await wait_until(lambda: len(receiver.requests) >= 1, what="first failure")
         await wait_until(
@@ -800,7 +796,7 @@ async def test_the_claim_walks_past_its_scan_limit_to_every_endpoint(
     for r in receivers:
         await add_endpoint(aengine, r.url)
     async with running(endpoints_settings(db_url)) as relay:
-        relay.sinks[DEST].dispatcher.scan = 2  # type: ignore[attr-defined]
+        relay.sinks[DEST].source.scan = 2  # type: ignore[attr-defined]
         [a] = await enqueue(db_url, [{"payload": {}}])
         await wait_until(lambda: all(delivered_to(r) == [a] for r in receivers), what="all")
 
@@ -822,36 +818,6 @@ async def test_an_open_circuit_keeps_its_endpoint_out_of_the_claim(
     # deferred over and over.
     assert len(log) <= 2 + 4, len(log)  # the requests of the claim that opened it, at most
     assert claims > 0
-
-
-def test_a_stale_outcome_does_not_release_a_newer_claim() -> None:
-    from relay.sinks.endpoints.dispatcher import Dispatcher
-    from relay.sinks.endpoints.store import DeliveryRecord
-    from relay.sinks.webhook.config import WebhookClientSettings
-    from relay.sinks.webhook.requests import RequestPath
-
-    dest = endpoints_settings("postgresql://x/y").destinations[DEST]
-    d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
-    newer = claimed_row(token=2)
-    d.held[7] = newer
-    stale = DeliveryRecord(7, 1, "delivered", 1, 0.0, None, http_status=200, event_id=1)
-    d._release_hold(stale)
-    assert d.held[7] is newer
-    d._release_hold(DeliveryRecord(7, 2, "delivered", 1, 0.0, None, http_status=200, event_id=1))
-    assert 7 not in d.held
-
-
-def test_a_delivery_that_keeps_crashing_fails_at_its_attempt_limit() -> None:
-    from relay.sinks.endpoints.dispatcher import Dispatcher
-    from relay.sinks.webhook.config import WebhookClientSettings
-    from relay.sinks.webhook.requests import RequestPath
-
-    dest = endpoints_settings("postgresql://x/y").destinations[DEST]  # max_attempts 4
-    d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: dest})  # type: ignore[dict-item]
-    c = claimed_row(token=2, attempts=3)
-    assert d._crashed(c, RuntimeError("bug")).status == "failed"
-    c.attempts = 1
-    assert d._crashed(c, RuntimeError("bug")).status == "pending"
 
 
 async def test_an_event_with_an_unrepresentable_time_is_still_delivered(

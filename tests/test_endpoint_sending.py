@@ -1,4 +1,4 @@
-"""Sending one claimed delivery (Dispatcher._attempt) against the real request path and a
+"""Sending one claimed delivery (Attempts._attempt) against the real request path and a
 loopback receiver: what is checked after every wait, just before the request. Deliveries
 are built as the claim returns them; the database is not needed."""
 
@@ -11,8 +11,8 @@ from typing import Any
 from outbox.endpoint_secrets import SecretBox
 from relay.breaker import State
 from relay.model import Lease
+from relay.sinks.endpoints.attempts import Attempts
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.dispatcher import Dispatcher
 from relay.sinks.endpoints.store import Claimed
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.requests import RequestPath
@@ -21,7 +21,7 @@ SECRET = "whsec_c2VjcmV0TWFya2VyOTk5OTk5OTk5OTk5OTk5OTk5OTk="
 DEST = "d"
 
 
-def make(**kw: Any) -> tuple[Dispatcher, EndpointsDestination]:
+def make(**kw: Any) -> tuple[Attempts, EndpointsDestination]:
     cfg = EndpointsDestination.model_validate(
         {
             "kind": "endpoints",
@@ -31,7 +31,7 @@ def make(**kw: Any) -> tuple[Dispatcher, EndpointsDestination]:
             **kw,
         }
     )
-    d = Dispatcher(RequestPath(WebhookClientSettings()), {DEST: cfg}, secret_box=SecretBox(None))
+    d = Attempts(RequestPath(WebhookClientSettings()), {DEST: cfg}, secret_box=SecretBox(None))
     return d, cfg
 
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import pytest
+
 from outbox.dburl import to_asyncpg_dsn
 from outbox.endpoint_secrets import SecretBox
 from relay.db.store import Store, create_pool
@@ -335,3 +337,34 @@ async def test_an_endpoint_that_answered_410_is_left_out_of_the_claim_at_once(
         assert await s.claim() == []
     assert rows(db_url)[gone] == ("pending", 1, 1)
     assert len(a.requests) == 1 and len(b.requests) == 1
+
+
+async def test_a_worker_that_raises_stops_its_groups_other_sends(
+    db_url: str, receiver: Receiver
+) -> None:
+    """A bug outside an attempt (here: handing an outcome on raises) ends the group: the
+    pipeline then records the rows left as crashed, so none of them may still go out after
+    that (it would be sent under a record that says it was not)."""
+    ep = endpoint(db_url, url=receiver.url)
+    pending(db_url, ep, 6)
+    receiver.respond(200, delay=0.2)
+    async with served(db_url, max_concurrency=6, slow_concurrency=6) as s:
+        items = await s.claim()
+        assert len(items) == 6
+        # Sent by two workers (its destination's max_concurrency once claimed).
+        cfg = s.source.destinations[DEST]
+        s.source.destinations[DEST] = cfg.model_copy(update={"max_concurrency": 2})
+
+        calls: list[int] = []
+
+        def emit(record: DeliveryRecord, c: Claimed) -> None:
+            calls.append(c.id)
+            if len(calls) == 1:  # once: the other worker would go on sending
+                raise RuntimeError("a bug handing an outcome on")
+
+        with pytest.raises(RuntimeError, match="a bug handing"):
+            await s.source.deliver(items, emit)
+        seen = len(receiver.requests)
+        await asyncio.sleep(0.6)
+        assert len(receiver.requests) == seen <= 2  # the two workers' first requests only
+        assert s.source.states[ep].in_hand == 0

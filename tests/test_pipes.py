@@ -305,7 +305,7 @@ async def test_the_claimer_holds_and_dispatches_each_sources_rows_apart() -> Non
     await asyncio.sleep(0.1)
     assert len(source.limits) == 1
     source.wake()
-    claimer.wake()
+    claimer.wake_sources()  # what the source's on_due is set to
     await asyncio.sleep(0.1)
     assert source.limits == [5, 2] and source.held == [[], [1, 2, 3]]  # the room left
     claimer.stopping.set()
@@ -347,7 +347,7 @@ async def test_the_reaper_reaps_each_other_source_after_the_events() -> None:
     assert woken == [] and (refusing.woken, reaping.woken, idle.woken) == (0, 1, 0)
     assert [(e["event"], e.get("source")) for e in logs] == [
         ("relay.reap.source_failed", "deliveries"),
-        ("relay.lease.expired", "deliveries"),
+        ("relay.source.reaped", "deliveries"),
     ]
 
 

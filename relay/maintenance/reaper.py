@@ -122,7 +122,9 @@ class Reaper:
             log.warning("relay.reap.source_failed", source=source.name, error=describe(exc))
             return
         if count:
-            log.warning("relay.lease.expired", source=source.name, count=count)
+            # An event of its own: relay.lease.expired names the events' rows (first_id,
+            # last_id, destinations), and a source's ids are another table's.
+            log.warning("relay.source.reaped", source=source.name, count=count)
             source.wake()
 
     async def _one_by_one(self, never: list[int], error: BaseException) -> list[asyncpg.Record]:

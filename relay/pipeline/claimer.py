@@ -6,7 +6,8 @@ that marks the rows running, committed before any delivery). The loop holds at m
 wakes on a NOTIFY, a poll interval, or freed capacity.
 
 Other sources of rows (:class:`Feed`: a sink's table, as endpoint deliveries) are claimed
-after the destinations, each into leases of its own and within a room of its own.
+in a loop of their own beside the destinations', each into leases of its own and within a
+room of its own.
 """
 
 from __future__ import annotations
@@ -51,12 +52,11 @@ class Feed(Generic[H]):
     ``leases`` (its ids may equal events' ids), at most ``max_in_flight`` of them held at
     once, handed to its own ``dispatch``.
 
-    It is claimed after the destinations' claim (once their rows are dispatched), when it
-    says it is due or a poll interval after its last claim, and at once again after a full
-    claim. The claimer's waits are still the events' own alone: a source that comes due
-    wakes the claim through :meth:`Claimer.wake`, room freed in its leases is seen at the
-    next wake-up or poll, and while the events hold ``max_in_flight`` rows (or no
-    destination can be claimed) no source is claimed either.
+    It is claimed in a loop of its own beside the destinations' (Claimer.run), when it says
+    it is due (it wakes that loop through :meth:`Claimer.wake_sources`), a poll interval
+    after its last claim, and at once again while it may have more; within its own room,
+    whatever the events hold; rows leaving it wake the loop once its room is taken. A failing
+    claim backs off this source alone.
     """
 
     source: Source[H]
@@ -65,6 +65,8 @@ class Feed(Generic[H]):
     max_in_flight: int
     claimed_at: float = float("-inf")  # monotonic time of its last claim
     more: bool = False  # its last claim came back full: more rows may wait
+    retry_at: float = 0.0  # while its claims fail: not claimed before this (monotonic)
+    retry: float = 0.1  # the next backoff, doubling to 5 s while its claims fail
 
 
 async def wait_for(
@@ -104,6 +106,7 @@ class Claimer:
         self.stopping = stopping
         self.sources = list(sources)
         self.wakeup = asyncio.Event()
+        self.sources_wakeup = asyncio.Event()
         # Why the last claim failed, while claims fail (readiness reports it).
         self.error: str | None = None
         self._db_down = False
@@ -123,6 +126,11 @@ class Claimer:
     def wake(self) -> None:
         self.wakeup.set()
 
+    def wake_sources(self) -> None:
+        """A source came due (its rows are claimable: a fan-out, an outcome that freed an
+        endpoint's room, a reap): claim the sources, not the events."""
+        self.sources_wakeup.set()
+
     def key_finished(self) -> None:
         """A head of an ordered key was recorded: its key's next row is the head now, and is
         claimed at once, not at the next poll (nothing NOTIFYs for an update)."""
@@ -138,6 +146,25 @@ class Claimer:
         return ready
 
     async def run(self) -> None:
+        """Claim until stopped: the destinations in one loop, the sources (if any) in
+        another beside it, so that neither waits for the other's statements, errors or
+        backoff. Returns once both have seen the stop (neither is cancelled mid-claim: rows
+        a claim took must be held); raises what crashed one of them, the other cancelled
+        (the relay stops on it)."""
+        loops = {asyncio.create_task(self._claim_events(), name="claimer:events")}
+        if self.sources:
+            loops.add(asyncio.create_task(self._serve_sources(), name="claimer:sources"))
+        try:
+            done, _ = await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in loops:
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+        for t in done:
+            t.result()
+
+    async def _claim_events(self) -> None:
         rs = self.settings
         retry = 0.1
         capacity = self.leases.capacity
@@ -170,9 +197,6 @@ class Claimer:
                 # Let the deliveries start, so a sink that is now full says so (available())
                 # before the next claim: claims follow the sinks' free capacity.
                 await asyncio.sleep(0)
-            if self.sources and error is None:
-                # After the events are on their way: their sends do not wait for these claims.
-                error = await self._claim_sources()
             if error is not None:
                 self._failed(error, retry)
                 await wait_for(self.stopping, [], retry)
@@ -184,6 +208,20 @@ class Claimer:
                 events = [self.wakeup, capacity] if self._waiting_for_room else [self.wakeup]
                 await wait_for(self.stopping, events, rs.poll_interval * random.uniform(0.8, 1.2))
                 self._new_rounds()
+
+    async def _serve_sources(self) -> None:
+        """The sources' claims: each in its own room, when it comes due (``wake_sources``),
+        at its poll, and at once again while it may have more; rows leaving a full one wake
+        it. A source's failure is its own: logged, and that source alone backs off."""
+        rs = self.settings
+        while not self.stopping.is_set():
+            self.sources_wakeup.clear()
+            full, more, retry_in = await self._claim_sources()
+            if more:
+                await asyncio.sleep(0)  # claimed again at once, the events' loop let in
+                continue
+            timeout = min(rs.poll_interval, retry_in)
+            await wait_for(self.stopping, [self.sources_wakeup, *full], timeout)
 
     async def _claim(
         self, destinations: list[str], limit: int
@@ -212,34 +250,78 @@ class Claimer:
                 return batch, exc
         return batch, None
 
-    async def _claim_sources(self) -> BaseException | None:
+    async def _claim_sources(self) -> tuple[list[asyncio.Event], bool, float]:
         """Claim each source that is due, or was last claimed a poll interval ago, within its
-        own room. What one claims is held and dispatched at once, before the next source's
-        claim; the error that stopped the claims, if one did."""
+        own room; one that failed not before its backoff. What one claims is held and
+        dispatched at once, before the next source's claim. Returns the capacity events of the
+        sources whose room is taken (rows leaving them make room), whether one may have more
+        to claim at once, and how soon a source backing off may be claimed again."""
         rs = self.settings
         now = time.monotonic()
+        full: list[asyncio.Event] = []
+        more = False
+        retry_in = float("inf")
         for feed in self.sources:
+            if self.stopping.is_set():
+                break  # a claim now would hand rows to a stopping relay
             # Nothing waits for a source's rows let go unrecorded (no ordered keys): drop them.
             feed.leases.take_dropped()
+            feed.leases.capacity.clear()
             room = feed.max_in_flight - len(feed.leases)
+            if room <= 0:
+                full.append(feed.leases.capacity)
+                continue
+            if feed.retry_at > now:
+                retry_in = min(retry_in, feed.retry_at - now)
+                continue
             due = feed.more or feed.source.due or now - feed.claimed_at >= rs.poll_interval
-            if room <= 0 or not due:
+            if not due:
                 continue
             feed.claimed_at = now
             limit = min(rs.batch_size, room)
             try:
                 items = await feed.source.claim(limit, feed.leases)
             except Exception as exc:
-                return exc
-            # More may wait: claim it again at once (it is due until a claim comes back short).
-            feed.more = len(items) >= limit
-            if feed.more:
-                self._scan_progressed = True
+                feed.more = False
+                retry_in = min(retry_in, self._source_failed(feed, exc))
+                continue
+            if feed.retry_at:
+                feed.retry_at, feed.retry = 0.0, 0.1
+                log.info("relay.source.claim_recovered", source=feed.source.name)
+            # More may wait: claim it again at once, after a full claim or while it says it is
+            # still due (a walk it left off mid-way).
+            feed.more = len(items) >= limit or feed.source.due
+            more |= feed.more
             if items:
                 feed.leases.claimed(items)
                 log.debug("relay.source.claimed", source=feed.source.name, count=len(items))
                 feed.dispatch(items)
-        return None
+        return full, more, retry_in
+
+    def _source_failed(self, feed: Feed[Any], error: BaseException) -> float:
+        """A source's claim failed: logged (once while it keeps failing) and that source
+        backs off; the destinations' claims and readiness are not its. Returns the delay."""
+        delay = feed.retry
+        if not feed.retry_at:
+            if isinstance(error, DB_ERRORS):
+                log.error(
+                    "relay.source.claim_failed",
+                    source=feed.source.name,
+                    error=describe(error),
+                    retry_in=round(delay, 1),
+                    action="retrying with backoff; its rows held stay leased",
+                )
+            else:
+                log.error(
+                    "relay.source.claim_crashed",
+                    source=feed.source.name,
+                    error=describe(error),
+                    exc_info=error,
+                )
+                self.metrics.delivery_errors.inc()
+        feed.retry_at = time.monotonic() + delay
+        feed.retry = min(delay * 2, 5.0)
+        return delay
 
     async def _claim_one(self, route: Route, limit: int) -> list[Envelope]:
         if not route.ordered:

@@ -59,8 +59,12 @@ class Completer:
         *,
         max_batch: int = 5000,
         fields: Mapping[str, str] | None = None,
+        hint: Callable[[Record], str] | None = None,
     ) -> None:
         self.source = source
+        # What an operator runs once the cause of a refused outcome is fixed (the events'
+        # command by default; a source's rows have their own).
+        self.hint = hint or _retry_event
         # ``fields``: what its log lines add to say whose rows they are (see Pipe.fields).
         self._log = log.bind(**fields) if fields else log
         self.on_recorded = on_recorded
@@ -170,7 +174,7 @@ class Completer:
             truncate_error(
                 f"the relay could not record this row's outcome ({bad.status}): "
                 f"{describe(exc)}. It is failed rather than retried for ever; fix the cause, "
-                f"then outbox-relay retry --id {bad.id}"
+                f"then {self.hint(bad)}"
             )
         )
         self._log.error("relay.record.rejected", id=bad.id, outcome=bad.status, error=describe(exc))
@@ -223,6 +227,10 @@ class Completer:
                     return False
                 await asyncio.sleep(0.2)
         return True
+
+
+def _retry_event(r: Record) -> str:
+    return f"outbox-relay retry --id {r.id}"
 
 
 def _ascii(text: str | None) -> str | None:

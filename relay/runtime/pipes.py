@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import Gauge
 
@@ -29,12 +29,19 @@ H = TypeVar("H", bound=Held)
 Job = tuple[str, Callable[[], Awaitable[Any]], float, float]
 
 
+class Sends(Protocol):
+    """What sends a pipe's rows (relay/pipeline/sending.py, source_sending.py), as the
+    shutdown sees it: the tasks sending now, waited for before anything is released."""
+
+    tasks: set[asyncio.Task[None]]
+
+
 class Pipe(Generic[H]):
     """``source``'s rows held in ``leases``, their outcomes written by a completer of their
     own; ``heads`` is called when an outcome let the next row of an ordered key go (the
     claimer claims it at once); ``gauge`` reads how many rows are held."""
 
-    __slots__ = ("_heads", "completer", "leases", "name", "source")
+    __slots__ = ("_heads", "completer", "leases", "name", "sending", "source")
 
     def __init__(
         self,
@@ -50,7 +57,10 @@ class Pipe(Generic[H]):
         self.leases = leases
         self._heads = heads
         leases.fields = self.fields
-        self.completer = Completer(source, self._recorded, fields=self.fields)
+        # A source's own command for a row whose outcome was refused, if it has one.
+        hint = getattr(source, "retry_hint", None)
+        self.completer = Completer(source, self._recorded, fields=self.fields, hint=hint)
+        self.sending: Sends | None = None  # set once built (it needs the completer)
         if gauge is not None:
             gauge.set_function(lambda: len(leases))
 

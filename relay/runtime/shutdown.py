@@ -65,9 +65,14 @@ async def shutdown(
     # then whatever is left is written, within the remaining time: every pipe's at once.
     pipes = relay.pipes
     budget = max(deadline - loop.time(), left(FINAL_BUDGET / 2))
-    closed = await asyncio.gather(*(p.completer.close(timeout=budget) for p in pipes))
+    # One pipe's bug must not keep the others' rows from being released below.
+    closed = await asyncio.gather(
+        *(p.completer.close(timeout=budget) for p in pipes), return_exceptions=True
+    )
     for pipe, ok in zip(pipes, closed, strict=True):
-        if not ok:
+        if isinstance(ok, BaseException):
+            log.error("relay.shutdown.write_failed", error=describe(ok), **pipe.fields)
+        if ok is not True:
             log.error(
                 "relay.shutdown.unrecorded",
                 outcomes=pipe.completer.pending,
@@ -113,7 +118,11 @@ async def _drain(
     # No more claims: the ordered destinations it owned go to another relay now, not after the
     # rest of the shutdown (their rows still in flight here are waited for by that relay).
     await relay.store.disown()
-    tasks = relay.sending.tasks if relay.sending is not None else set()
+    # Every pipe's sends (a source's rows released while their requests are out would be
+    # sent twice).
+    tasks = {t for p in relay.pipes if p.sending is not None for t in p.sending.tasks}
+    if relay.sending is not None:
+        tasks |= relay.sending.tasks
     if tasks:
         _, late = await asyncio.wait(set(tasks), timeout=max(0.0, deadline - loop.time()))
         for t in late:

@@ -18,6 +18,7 @@ from relay.model import Envelope, Outcome
 if TYPE_CHECKING:
     from relay.db.store import Store
     from relay.obs.metrics import Metrics
+    from relay.sinks.source import SendingSource
 
 
 @dataclass(frozen=True)
@@ -85,10 +86,16 @@ class Sink(Protocol):
         it holds of its own within ``timeout`` seconds."""
         ...
 
+    def sources(self) -> Sequence[SendingSource[Any]]:
+        """Tables of rows of its own (endpoint deliveries), once attached: the relay claims,
+        holds, renews, records, reaps and releases their rows with its own pipeline, and the
+        sink sends them (relay/sinks/source.py)."""
+        ...
+
     async def close(self) -> None: ...
 
 
-HOOKS = ("breakers_of", "attach", "tasks", "wake", "drain")
+HOOKS = ("breakers_of", "attach", "tasks", "wake", "drain", "sources")
 
 
 class SinkBase:
@@ -113,6 +120,9 @@ class SinkBase:
 
     async def drain(self, timeout: float) -> None:
         return None
+
+    def sources(self) -> Sequence[SendingSource[Any]]:
+        return ()
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,10 @@ class Hooked(SinkBase):
         own = getattr(self.inner, "drain", None)
         if own is not None:
             await own(timeout)
+
+    def sources(self) -> Sequence[SendingSource[Any]]:
+        own = getattr(self.inner, "sources", None)
+        return own() if own is not None else ()
 
 
 def with_hooks(sink: Any) -> Sink:

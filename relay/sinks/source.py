@@ -9,10 +9,11 @@ since its ids are its own. The events are served through the Store, which has th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from relay.db.leasing import Held, LeaseStatements
+from relay.db.store import Record
 
 H = TypeVar("H", bound=Held)
 
@@ -38,3 +39,32 @@ class Source(LeaseStatements, Protocol[H]):
     async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int: ...
 
     def wake(self) -> None: ...
+
+
+class SendingSource(Source[H], Protocol[H]):
+    """A source that also sends its rows (a sink's: Sink.sources), as the relay's pipeline
+    hands them to it (relay/pipeline/source_sending.py).
+
+    The claimed rows go out in groups (``group``: rows of one group are handed over
+    together, an endpoint's deliveries); ``deliver(items, emit)`` sends one group and calls
+    ``emit(record, item)`` for each row as soon as its outcome is known, never raising for a
+    delivery's problem. What it leaves without an outcome the pipeline settles: a row whose
+    handling raised gets ``crashed(item, exc)``, one a stop cut short ``cut_short(item)`` (its
+    request may have gone out: an attempt) or, if that is None, is put back unattempted.
+    ``on_due`` is called when the source comes due (it is set to the claimer's wake-up).
+    """
+
+    on_due: Callable[[], None]
+
+    def group(self, item: H) -> Hashable: ...
+
+    async def deliver(self, items: Sequence[H], emit: Callable[[Record, H], None]) -> None: ...
+
+    def crashed(self, item: H, exc: BaseException) -> Record: ...
+
+    def cut_short(self, item: H) -> Record | None: ...
+
+    def retry_hint(self, record: Record) -> str:
+        """The command that sends a row again whose outcome the database refused (the row
+        is failed with the reason and this)."""
+        ...

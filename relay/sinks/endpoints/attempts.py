@@ -1,5 +1,5 @@
 """One claimed delivery: its endpoint's state (URL, keys, circuit, slots), its request at
-the endpoint's pace, and the record of what came of it, for the dispatcher to write.
+the endpoint's pace, and the record of what came of it, for the source to write.
 
 A delivery that must not be sent (its endpoint disabled, changed, unusable, or no longer
 taking the event) is recorded without a request; one whose handling raised is retried.
@@ -20,7 +20,7 @@ from relay import outcomes
 from relay.breaker import Breaker, State
 from relay.db.store import Record
 from relay.model import Envelope, Outcome, Result, epoch, header_problem, truncate_error
-from relay.sinks.endpoints.base import DispatcherBase
+from relay.sinks.endpoints.base import DeliveriesBase
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import average as latency_average
 from relay.sinks.endpoints.state import NOT_TAKEN_LOG_EVERY, EndpointState
@@ -37,8 +37,8 @@ NOT_SENT = 2  # DeliveryRecord.counted of a try that sent nothing: logged, not a
 CRASH_RETRY = 5.0
 
 
-class Attempts(DispatcherBase):
-    """The dispatcher's attempts: one delivery each, from its claim to its record."""
+class Attempts(DeliveriesBase):
+    """The source's attempts: one delivery each, from its claim to its record."""
 
     def _state(self, c: Claimed) -> EndpointState:
         config = self.destinations[c.destination]
@@ -74,18 +74,6 @@ class Attempts(DispatcherBase):
                 state.problem = f"endpoint {c.endpoint_id} cannot be used: {describe(exc)}"
                 log.error("relay.endpoints.unusable", endpoint=c.endpoint_id, error=state.problem)
         return state
-
-    async def _deliver(self, c: Claimed, state: EndpointState) -> None:
-        try:
-            record = await self._attempt(c, state)
-        except Exception as exc:
-            log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
-            record = self._crashed(c, exc)
-        finally:
-            state.in_hand -= 1
-        self._outcomes.append(record)
-        self._written.set()
-        self._wake_soon()  # its endpoint has room again
 
     def _crashed(self, c: Claimed, exc: BaseException) -> DeliveryRecord:
         """A delivery whose handling raised: retried, an attempt counted, and failed once

@@ -1,9 +1,9 @@
-"""What the endpoints dispatcher's parts share: its settings, the endpoints' states, the
-deliveries it holds, the outcomes waiting to be written, and the wake-ups between its loops.
+"""What the deliveries source's parts share: its settings, the endpoints' states, and the
+wake-up that claims the deliveries.
 
-The dispatcher (dispatcher.py) is this state with the loops that claim, record, heartbeat and
-reap; its attempts (attempts.py: one delivery each) and its health (health.py: what the
-attempts said of their endpoints) are classes over this one.
+The source (source.py) is this state with its claim and its lease statements; its attempts
+(attempts.py: one delivery each) and its health (health.py: what the attempts said of their
+endpoints) are classes over this one.
 """
 
 from __future__ import annotations
@@ -12,13 +12,16 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
 from outbox.endpoint_secrets import SecretBox
 from relay.obs.metrics import Metrics
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.state import EndpointState
-from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
 from relay.sinks.webhook.requests import RequestPath
+
+if TYPE_CHECKING:
+    from relay.sinks.endpoints.store import DeliveryStore
 
 HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while all is well
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
@@ -26,8 +29,8 @@ STATE_IDLE = 600.0  # an endpoint not claimed from for this long is forgotten
 WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for together
 
 
-class DispatcherBase:
-    """The dispatcher's state (Dispatcher, in dispatcher.py, is the class to use)."""
+class DeliveriesBase:
+    """The deliveries source's state (DeliverySource, in source.py, is the class to use)."""
 
     def __init__(
         self,
@@ -44,17 +47,9 @@ class DispatcherBase:
         self.poll_interval = poll_interval
         self.secret_box = secret_box or SecretBox.from_environment()
         self.states: dict[int, EndpointState] = {}
-        self.held: dict[int, Claimed] = {}
-        self.tasks: set[asyncio.Task[None]] = set()
         self.stats: Counter[str] = Counter()
         self.store: DeliveryStore | None = None
-        self._wake = asyncio.Event()
-        self._capacity = asyncio.Event()
-        self._written = asyncio.Event()
-        self._outcomes: list[DeliveryRecord] = []
-        self._record_lock = asyncio.Lock()
         self._wake_pending: asyncio.TimerHandle | None = None
-        self._claim_lock = asyncio.Lock()
         self.metrics: Metrics | None = None
         # Destinations an operator paused (outbox-relay pause): their deliveries wait too.
         self.paused: Callable[[], Collection[str]] = frozenset
@@ -66,12 +61,12 @@ class DispatcherBase:
         self._circuits: dict[int, float | None] = {}
         self._cursor: int | None = None
         self.scan = SCAN
-        self._draining = False
         self._limits = {name: d.max_attempts for name, d in self.destinations.items()}
         self._default_max = max(self._limits.values())
 
     def wake(self) -> None:
-        self._wake.set()
+        """Claim the deliveries now (the source's: DeliverySource.wake)."""
+        return None
 
     def _prune(self) -> None:
         """Forget endpoints not claimed from for a while (deleted, disabled, idle): their
@@ -82,7 +77,7 @@ class DispatcherBase:
                 del self.states[eid]
 
     def _wake_soon(self) -> None:
-        """Wake the claim loop shortly: requests finishing one by one are claimed for in one
+        """Wake the claim shortly: requests finishing one by one are claimed for in one
         statement, not one claim each (a claim costs 1-3 ms of the server's time)."""
         if self._wake_pending is None:
             self._wake_pending = asyncio.get_running_loop().call_later(
@@ -91,4 +86,4 @@ class DispatcherBase:
 
     def _woken_soon(self) -> None:
         self._wake_pending = None
-        self._wake.set()
+        self.wake()

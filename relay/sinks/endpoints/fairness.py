@@ -21,7 +21,7 @@ hold it, and as the holders' requests end, each is held to its share. An endpoin
 when its requests' moving average, or one of its requests still in flight, is past the
 destination's ``latency_budget``.
 
-Pure: the dispatcher passes what it holds and applies the plan to its claim statement.
+Pure: the deliveries source passes what it holds and applies the plan to its claim statement.
 """
 
 from __future__ import annotations

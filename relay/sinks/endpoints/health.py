@@ -11,13 +11,13 @@ import structlog
 
 from outbox.errors import describe
 from relay.db.store import DB_ERRORS
-from relay.sinks.endpoints.base import DispatcherBase
+from relay.sinks.endpoints.base import DeliveriesBase
 
 log = structlog.get_logger("relay.sink.endpoints")
 
 
-class Health(DispatcherBase):
-    """The dispatcher's writing of its endpoints' health."""
+class Health(DeliveriesBase):
+    """The source's writing of its endpoints' health."""
 
     async def _write_health(self) -> None:
         """Write what the attempts said about their endpoints, when it changed (or now and

@@ -1,17 +1,18 @@
-"""The endpoints sink: fan-out as the sink's delivery, the dispatcher for the rest.
+"""The endpoints sink: fan-out as the sink's delivery, and the deliveries as a source.
 
 For the relay, an endpoints destination is a sink like any other: its events are claimed,
 "delivered" and recorded. Delivering one here means writing its deliveries, one per
 matching endpoint, and recording the event as delivered, in one statement per batch (FAN_OUT:
 a crash never leaves a batch fanned out but not recorded, to be fanned out again); its
 payload stays until its deliveries end (the retention guard in relay/db/queries/). The
-dispatcher (dispatcher.py) sends the deliveries.
+deliveries are a source of claimable rows (source.py) that the relay's own pipeline claims,
+holds, renews, records, reaps and releases, and this sink sends.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import structlog
 
@@ -22,8 +23,9 @@ from relay.model import Envelope, Outcome, Result
 from relay.sinks import Host, SinkBase, misrouted
 from relay.sinks.endpoints import at_rest
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.dispatcher import Dispatcher
+from relay.sinks.endpoints.source import DeliverySource
 from relay.sinks.endpoints.store import DeliveryStore
+from relay.sinks.source import SendingSource
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.requests import RequestPath
 
@@ -42,16 +44,11 @@ class EndpointsSink(SinkBase):
         self.requests = RequestPath(http)  # its requests go as the webhook sink's do
         # A key that is not one, or encryption required without a key: refused here, before
         # the relay connects (OutboxError, saying what to set).
-        self.dispatcher = Dispatcher(
-            self.requests, self.destinations, secret_box=at_rest.secret_box()
-        )
-        self._store: DeliveryStore | None = None
-        self._task: asyncio.Task[None] | None = None
+        self.secret_box = at_rest.secret_box()
+        self.source: DeliverySource | None = None  # built once attached
 
     def attach(self, host: Host) -> None:
         """Called by the relay once the database is reached, before any claim."""
-        self._store = DeliveryStore(host.store)
-        self.dispatcher.paused = host.paused
         max_in_flight = host.max_in_flight
         # Each endpoint's requests are bounded by its max_concurrency and all of them by the
         # deliveries held (max_in_flight): a pool smaller than that would make healthy
@@ -60,36 +57,37 @@ class EndpointsSink(SinkBase):
         http = self.requests.http
         if http.max_connections < max_in_flight:
             self.requests.http = http.model_copy(update={"max_connections": max_in_flight})
-        self.dispatcher.max_in_flight = max_in_flight
-        self.dispatcher.poll_interval = host.poll_interval
-        self.dispatcher.metrics = host.metrics
+        source = DeliverySource(
+            DeliveryStore(host.store),
+            self.requests,
+            self.destinations,
+            max_in_flight=max_in_flight,
+            poll_interval=host.poll_interval,
+            secret_box=self.secret_box,
+        )
+        source.paused = host.paused
+        source.metrics = host.metrics
+        self.source = source
 
     @property
     def deliveries(self) -> DeliveryStore | None:
         """Its statements over the relay's pool, once attached (benchmarks time them)."""
-        return self._store
+        return self.source.store if self.source is not None else None
+
+    def sources(self) -> Sequence[SendingSource[Any]]:
+        return (self.source,) if self.source is not None else ()
 
     async def start(self) -> None:
         await self.requests.start()
-        if self._store is not None and self._task is None:
+        if self.source is not None:
             try:
-                await at_rest.warn_unencrypted(self._store.store, self.dispatcher.secret_box)
+                await at_rest.warn_unencrypted(self.source.store.store, self.secret_box)
             except DB_ERRORS as exc:  # only a check: never what stops the relay
                 log.warning("relay.endpoints.secrets_check_failed", error=describe(exc))
-            self._task = asyncio.create_task(
-                self.dispatcher.run(self._store, self._store.store.lease),
-                name="endpoint-deliveries",
-            )
-
-    def tasks(self) -> set[asyncio.Task[None]]:
-        """For the relay to supervise: if the dispatcher dies, the relay stops."""
-        return {self._task} if self._task is not None else set()
 
     def wake(self) -> None:
-        self.dispatcher.wake()
-
-    async def drain(self, timeout: float) -> None:
-        await self.dispatcher.drain(timeout)
+        if self.source is not None:
+            self.source.wake()
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         """Fan a batch of events out into deliveries; one outcome per event."""
@@ -97,20 +95,20 @@ class EndpointsSink(SinkBase):
             return []
         if any(e.destination not in self.destinations for e in batch):
             return await misrouted(batch, self.destinations, "endpoints", self.deliver)
-        if self._store is None:
+        if self.source is None:
             return [Outcome.retry(e.id, "endpoints sink not attached to a database") for e in batch]
         held = [e for e in batch if e.held()]
         outcomes = [Outcome.not_held(e.id) for e in batch if not e.held()]
         if not held:
             return outcomes
         try:
-            matched = await self._store.fan_out([(e.id, e.token) for e in held], NO_MATCH)
+            matched = await self.source.store.fan_out([(e.id, e.token) for e in held], NO_MATCH)
         except DB_ERRORS as exc:
             # Not written (or, if the answer was lost after a commit, written: then the
             # completer finds the rows recorded already and counts them as not its own).
             error = f"fan-out to endpoints failed: {describe(exc)}"
             return outcomes + [Outcome.retry(e.id, error, FAN_OUT_RETRY) for e in held]
-        self.dispatcher.wake()
+        self.source.wake()
         for e in held:
             found = matched.get(e.id)
             if found is None:
@@ -132,9 +130,10 @@ class EndpointsSink(SinkBase):
     def circuits(self) -> dict[str, Breaker]:
         """Circuits that are not closed only: with thousands of endpoints, one series each
         would swamp the metrics; a missing endpoint's circuit is closed."""
+        states = self.source.states.values() if self.source is not None else ()
         return {
             f"{s.endpoint.name} {s.endpoint.origin}": s.endpoint.breaker
-            for s in self.dispatcher.states.values()
+            for s in states
             if s.endpoint is not None and s.endpoint.breaker.state is not State.CLOSED
         }
 
@@ -143,10 +142,6 @@ class EndpointsSink(SinkBase):
         return ()
 
     async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
         await self.requests.close()
 
 

@@ -2,10 +2,10 @@
 relay's own pipeline to claim, hold, renew, record, reap and release them, as it does the
 events.
 
-What the dispatcher's loops do by themselves (dispatcher.py), this offers one step at a time:
-``claim`` is one bite of its claim loop (the fair share plan, open circuits and endpoints that
-answered 410 left out, the cursor, orphans logged); ``deliver`` sends one endpoint's group of
-deliveries with at most its ``max_concurrency`` workers and hands each outcome on as it ends;
+The pipeline runs it one step at a time: ``claim`` is one bite (the fair share plan, open
+circuits and endpoints that answered 410 left out, the cursor, orphans logged); ``deliver``
+sends one endpoint's group of deliveries with at most its ``max_concurrency`` workers and
+hands each outcome on as it ends;
 ``record``, ``heartbeat``, ``settled`` and ``release`` are the lease statements the pipeline's
 Leases and Completer use; ``reap`` puts back the deliveries of relays that died. The health
 its attempts saw is written after each record.
@@ -31,7 +31,7 @@ from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.health import Health
 from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
-from relay.sinks.source import Source
+from relay.sinks.source import SendingSource
 from relay.sinks.webhook.requests import RequestPath
 
 log = structlog.get_logger("relay.sink.endpoints")
@@ -82,12 +82,7 @@ class DeliverySource(Attempts, Health):
 
     def wake(self) -> None:
         self._due = True
-        self._wake.set()
         self.on_due()
-
-    def _woken_soon(self) -> None:
-        self._wake_pending = None
-        self.wake()
 
     async def claim(self, limit: int, held: Iterable[Claimed]) -> list[Claimed]:
         """One bite: at most ``limit`` due deliveries, within the fair share of the room
@@ -100,6 +95,9 @@ class DeliverySource(Attempts, Health):
         paused = self.paused()
         serving = [d for d in self.destinations if d not in paused]
         if not serving or limit <= 0:
+            # A walk left off mid-way starts again once there is room or a destination to
+            # serve: kept, it would keep the source due (claimed again at once) for nothing.
+            self._cursor = None
             return []
         share = self._plan(sum(1 for _ in held))
         skip = [s.id for s in self.states.values() if s.circuit_open or s.gone]
@@ -179,10 +177,17 @@ class DeliverySource(Attempts, Health):
             return
         workers = min(len(queue), self.destinations[queue[0][0].destination].max_concurrency)
         try:
-            await asyncio.gather(*(self._worker(queue, emit) for _ in range(workers)))
+            # A worker that raises (a bug outside an attempt) stops its siblings: the rows
+            # left are then recorded as crashed by the pipeline, and none of them may still
+            # be sent after that.
+            async with asyncio.TaskGroup() as group:
+                for _ in range(workers):
+                    group.create_task(self._worker(queue, emit))
+        except BaseExceptionGroup as errors:
+            raise errors.exceptions[0] from None
         finally:
-            # Cut short (a stop): those not started leave their endpoint's hand; the stop
-            # releases them, unattempted.
+            # Cut short (a stop, a bug): those not started leave their endpoint's hand; the
+            # pipeline releases them, or records them as crashed.
             for _, state in queue:
                 state.in_hand -= 1
 
@@ -215,6 +220,11 @@ class DeliverySource(Attempts, Health):
             CRASH_RETRY,
             "the relay stopped during the request; the endpoint may have received it",
         )
+
+    def retry_hint(self, record: Record) -> str:
+        """A delivery is sent again by replaying its event to its endpoint."""
+        r = _delivery(record)
+        return f"outbox-relay replay {r.event_id} --endpoint {r.endpoint_id}"
 
     # --- the lease statements -----------------------------------------------------------
 
@@ -251,7 +261,7 @@ class DeliverySource(Attempts, Health):
         """Put back the deliveries whose lease expired (a dead relay's), an attempt counted;
         failed at their destination's ``limits`` (``max_attempts`` for a destination this
         relay does not know). The reaper logs them and wakes this source."""
-        return await self.store.reap(max_attempts, limits)
+        return await self.store.reap(max_attempts, {**limits, **self._limits})
 
 
 def _delivery(r: Record) -> DeliveryRecord:
@@ -267,7 +277,7 @@ def _nothing() -> None:
 
 if TYPE_CHECKING:
 
-    def _is_a_source(s: DeliverySource) -> Source[Claimed]:
+    def _is_a_source(s: DeliverySource) -> SendingSource[Claimed]:
         return s  # checked by mypy: the pipeline takes it as one
 
 

@@ -30,6 +30,7 @@ from relay.sinks import Host, Sink
 from relay.sinks.kafka.config import KafkaDestination, KafkaSettings
 from relay.sinks.kafka.sink import KafkaSink
 from relay.sinks.null import NullSink
+from relay.sinks.source import SendingSource
 from relay.sinks.webhook.config import WebhookClientSettings, WebhookDestination
 from relay.sinks.webhook.sink import WebhookSink
 
@@ -166,6 +167,9 @@ class TimingSink:
 
     async def drain(self, timeout: float) -> None:
         await self.inner.drain(timeout)
+
+    def sources(self) -> Sequence[SendingSource[Any]]:
+        return self.inner.sources()
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         outcomes = await self.inner.deliver(batch)

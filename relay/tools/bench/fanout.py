@@ -290,7 +290,7 @@ async def statement_probe(
 ) -> dict[str, Any]:
     """FAN_OUT, DELIVERY_CLAIM and DELIVERY_RECORD replayed alone, through the endpoints
     sink's own store on a pool made as the relay makes its own, nothing else running:
-    ``events`` fanned out in batches, then claimed as the dispatcher does (``per_endpoint``
+    ``events`` fanned out in batches, then claimed as the deliveries source does (``per_endpoint``
     per endpoint, the cursor carried) and recorded delivered until none is left. Wall time
     per delivery of each: on an idle loopback connection, PostgreSQL's time and a round trip.
     The rows are removed afterwards."""
@@ -354,7 +354,7 @@ async def _probe_fan_out(
 def _probe_claim_args(
     names: Mapping[str, Any], cursor: int | None, batch_size: int, per_endpoint: int
 ) -> dict[str, Any]:
-    """A claim's arguments as the dispatcher passes them, by the names the store's claim
+    """A claim's arguments as the deliveries source passes them, by the names the store's claim
     takes (``names``: its parameters; they changed over the releases)."""
     args: dict[str, Any] = {
         "destinations": [DESTINATION],

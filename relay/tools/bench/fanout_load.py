@@ -211,8 +211,9 @@ class Load:
         self.pg_cpu = await self.backends.seconds(self.conn)
         self.statements = Counter(self.relay.store.statements)
         self.statements.subtract(self.statements0)
-        dispatcher = getattr(self.relay.sinks[DESTINATION], "dispatcher", None)
-        self.lost = dispatcher.stats["lost"] if dispatcher is not None else None
+        # Outcomes not written because their delivery's lease was lost (the deliveries' pipe).
+        pipe = next((p for p in self.relay.pipes if p.name == "deliveries"), None)
+        self.lost = pipe.leases.stats["lease_lost"] if pipe is not None else None
 
     async def until_delivered(self, expected: int) -> None:
         """Until the receivers have had ``expected`` healthy requests and the table says
