@@ -876,6 +876,36 @@ async def test_a_dead_relays_expired_rows_do_not_hold_their_endpoints_room(db_ur
     assert len(claimed) == 3  # 4 less the live relay's one
 
 
+async def test_a_fast_endpoint_held_by_no_other_relay_is_claimed_ahead(db_url: str) -> None:
+    """Claim ahead (#29): an endpoint known to be fast is claimed for ``ahead`` times its
+    room, its next requests waiting in the relay's own request slots; never one another
+    relay has deliveries of in flight (max_concurrency holds across relays: that relay sees
+    these running and takes none), nor a rate-limited one, nor one not yet known."""
+    from relay.db.store import Store, create_pool
+    from relay.sinks.endpoints.fairness import UNCAPPED
+    from relay.sinks.endpoints.store import DeliveryStore
+
+    fast, shared, limited, new = (endpoint(db_url) for _ in range(4))
+    sql(db_url, "UPDATE outbox_endpoints SET rate_limit = 100 WHERE id = %s", limited)
+    for ep in (fast, shared, limited, new):
+        for _ in range(30):
+            delivery(db_url, event(db_url), ep, "pending")
+    delivery(db_url, event(db_url), shared, "running", locked_by="other-relay")
+    caps = {fast: UNCAPPED, shared: UNCAPPED, limited: UNCAPPED}  # new: not known yet
+    pool = await create_pool(to_asyncpg_dsn(db_url), "ahead", 2)
+    try:
+        store = DeliveryStore(Store(pool, "public", "ahead", 30.0))
+        claimed, _, _ = await store.claim([DEST], [4], [2], 500, [], 1000, None, caps, (), 4)
+        again, _, _ = await store.claim([DEST], [4], [2], 500, [], 1000, None, caps, (), 4)
+    finally:
+        await pool.close()
+    per_endpoint = {ep: sum(1 for c in claimed if c.endpoint_id == ep) for ep in caps}
+    per_endpoint[new] = sum(1 for c in claimed if c.endpoint_id == new)
+    assert per_endpoint == {fast: 16, shared: 3, limited: 4, new: 2}
+    # Its own rows in flight count against its room ahead: nothing more until they end.
+    assert [c.endpoint_id for c in again] == []
+
+
 async def test_retention_and_a_replay_of_an_endpoints_window_do_not_deadlock(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -66,7 +66,7 @@ added AS (
 SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 
 -- name: delivery_claim
--- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps
+-- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped
 -- The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 -- the cursor :cursor (NULL: from the first), at most :scan of them, with a loose index scan of
 -- the claim index. From each enabled endpoint of this relay's destinations (:destinations, with
@@ -79,7 +79,12 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- nothing of starts at its destination's slow_concurrency, :start_caps), less its deliveries in
 -- flight claimed by ANY relay under a live lease (the running index: one probe), so that
 -- max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit less
--- its attempts in the last second. A dead endpoint's backlog is never scanned past: the claim
+-- its attempts in the last second. An endpoint known to be fast (its cap :uncapped or more),
+-- not rate-limited, with no delivery in flight under another relay's live lease, is claimed
+-- ahead: :ahead times its room, so that its next requests wait in this relay's request slots
+-- (which hold it to max_concurrency) rather than for a claim each time one ends; another relay
+-- then sees those rows running and takes none of it, and a slow, new or rate-limited endpoint
+-- never is. A dead endpoint's backlog is never scanned past: the claim
 -- reads one endpoint's due rows at a time. At most :batch rows in all, marked running under
 -- this relay's lease (:relay, :lease seconds). The rows come with what sending needs: the event
 -- (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
@@ -117,17 +122,25 @@ picked AS (
     -- the endpoints registered.
     CROSS JOIN LATERAL (
         SELECT e.id, e.destination, e.rate_limit,
-               -- The caps are a JSON object, a lookup by key in it a binary search: an
-               -- array of thousands of endpoints would be scanned for each one walked.
-               least(c.max_concurrency,
-                     coalesce((:caps::jsonb ->> e.id::text)::int, c.start_cap)) AS limit_,
-               -- Leases expired count no more: a dead relay's rows wait for the reaper,
-               -- and must not hold the endpoint meanwhile.
-               (SELECT count(*) FROM {deliveries} AS r
-                WHERE r.endpoint_id = e.id AND r.status = 'running'
-                  AND r.locked_until > now()) AS running
+               least(c.max_concurrency, k.cap)
+                   * CASE WHEN k.cap >= :uncapped AND e.rate_limit IS NULL AND r.others = 0
+                          THEN greatest(:ahead, 1) ELSE 1 END AS limit_,
+               r.running
         FROM {endpoints} AS e
         JOIN conc AS c ON c.destination = e.destination
+        -- The caps are a JSON object, a lookup by key in it a binary search: an array of
+        -- thousands of endpoints would be scanned for each one walked.
+        CROSS JOIN LATERAL (
+            SELECT coalesce((:caps::jsonb ->> e.id::text)::int, c.start_cap) AS cap
+        ) AS k
+        -- Leases expired count no more: a dead relay's rows wait for the reaper, and must
+        -- not hold the endpoint meanwhile.
+        CROSS JOIN LATERAL (
+            SELECT count(*) AS running,
+                   count(*) FILTER (WHERE r.locked_by IS DISTINCT FROM :relay) AS others
+            FROM {deliveries} AS r
+            WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
+        ) AS r
         WHERE e.id = eps.endpoint_id AND e.enabled
           AND (e.tenant IS NULL OR NOT (e.tenant = ANY(:skip_tenants::text[])))
         OFFSET 0

@@ -113,6 +113,7 @@ class DeliverySource(Attempts, Health):
                 self._cursor,
                 share.caps,
                 sorted(share.skip_tenants),
+                self.ahead,
             )
         except BaseException:
             self._cursor = None

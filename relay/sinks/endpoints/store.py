@@ -12,6 +12,7 @@ import asyncpg
 from relay.db import queries
 from relay.db.store import Record, Store, read_headers
 from relay.model import Lease
+from relay.sinks.endpoints.fairness import UNCAPPED
 
 
 class RowLease(Lease):
@@ -120,12 +121,14 @@ class DeliveryStore:
         cursor: int | None,
         caps: Mapping[int, int],
         skip_tenants: Sequence[str] = (),
+        ahead: int = 1,
     ) -> tuple[list[Claimed], int | None, int]:
         """Due deliveries (see DELIVERY_CLAIM: ``caps`` are the known endpoints' caps on
         requests in flight, ``start`` each destination's cap for the others, ``skip`` and
-        ``skip_tenants`` endpoints and tenants that take nothing now); the cursor for the next
-        claim; and how many deliveries of deleted or moved endpoints were cancelled on the
-        way."""
+        ``skip_tenants`` endpoints and tenants that take nothing now, ``ahead`` how many times
+        its room an endpoint known to be fast, and held by no other relay, is claimed for);
+        the cursor for the next claim; and how many deliveries of deleted or moved endpoints
+        were cancelled on the way."""
         self.store.statements["delivery_claim"] += 1
         limits = {str(k): v for k, v in caps.items()}
         limits.update((str(k), 0) for k in skip)
@@ -145,6 +148,8 @@ class DeliveryStore:
             lease,
             list(skip_tenants),
             list(start),
+            ahead,
+            UNCAPPED,
         )
         claimed = [_claimed(r, until, started) for r in rows[:-1]]
         return claimed, rows[-1][2], rows[-1][1]
