@@ -50,6 +50,9 @@ log = structlog.get_logger("relay")
 
 # Between sweeps for fresh rows below the claims' cursors (see Store.sweep).
 SWEEP_INTERVAL = 1800.0
+# How long a source's outcome waits for others to share its statement (Completer.linger):
+# a source's rows end one by one (a delivery per request), the events' by the batch.
+RECORD_LINGER = 0.005
 
 __all__ = ["FINAL_BUDGET", "Relay", "RelayStartupError"]
 
@@ -219,7 +222,9 @@ class Relay:
         feeds: list[Feed[Any]] = []
         sources = [src for sink in _distinct(self.sinks) for src in sink.sources()]
         for source in sources:
-            pipe: Pipe[Any] = Pipe(source.name, source, Leases(self.metrics, Counter()))
+            pipe: Pipe[Any] = Pipe(
+                source.name, source, Leases(self.metrics, Counter()), linger=RECORD_LINGER
+            )
             sending = SourceSending(source, pipe.leases, pipe.completer, self.metrics)
             pipe.sending = sending
             self.pipes.append(pipe)

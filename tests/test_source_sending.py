@@ -381,3 +381,35 @@ async def test_the_events_are_still_polled_while_a_source_is_claimed_at_once() -
     assert events.claims - before >= 2  # and the events polled meanwhile, not only at once
     assert events.claims - before < (len(source.limits) - claims) / 4  # not at every turn
     await stop(claimer, task)
+
+
+async def test_outcomes_that_end_within_the_linger_share_one_statement() -> None:
+    """A source's outcomes come one by one (a delivery per request): with a linger, those
+    that end within it are written by one statement; without, each goes alone."""
+    for linger, writes in ((0.05, 1), (0.0, 3)):
+        table = Table("deliveries", [(i, 20) for i in IDS])
+        pipe: Pipe[Item] = Pipe("deliveries", table, Leases(Metrics(), Counter()), linger=linger)
+        pipe.leases.claimed([Item(i, 20, Lease(time.monotonic() + 3600)) for i in IDS])
+        task = asyncio.create_task(pipe.completer.run())
+        for i in IDS:
+            pipe.completer.add([Record(i, 20, Status.DELIVERED, 1, 0.0, None)])
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+        assert [call for call, _ in table.calls] == ["record"] * writes, (linger, table.calls)
+        assert table.rows == {i: [20, "delivered"] for i in IDS}
+        await pipe.completer.close(timeout=1.0)
+        await task
+
+
+async def test_a_stop_does_not_wait_out_the_linger() -> None:
+    table = Table("deliveries", [(1, 20)])
+    pipe: Pipe[Item] = Pipe("deliveries", table, Leases(Metrics(), Counter()), linger=30.0)
+    pipe.leases.claimed([Item(1, 20, Lease(time.monotonic() + 3600))])
+    task = asyncio.create_task(pipe.completer.run())
+    pipe.completer.add([Record(1, 20, Status.DELIVERED, 1, 0.0, None)])
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    assert await pipe.completer.close(timeout=5.0)
+    await asyncio.wait_for(task, 1.0)
+    assert time.monotonic() - started < 1.0
+    assert table.rows[1] == [20, "delivered"]

@@ -20,6 +20,7 @@ Store's): each source of rows has its own, beside its own Leases.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -60,11 +61,19 @@ class Completer:
         max_batch: int = 5000,
         fields: Mapping[str, str] | None = None,
         hint: Callable[[Record], str] | None = None,
+        linger: float = 0.0,
+        linger_rows: int = 200,
     ) -> None:
         self.source = source
         # What an operator runs once the cause of a refused outcome is fixed (the events'
         # command by default; a source's rows have their own).
         self.hint = hint or _retry_event
+        # How long an outcome that finds no write in progress waits for others (up to
+        # linger_rows) to share its statement: none for the events, whose outcomes come in
+        # batches; a source whose outcomes come one by one (a delivery per request) writes
+        # fewer, larger statements.
+        self.linger = linger
+        self.linger_rows = linger_rows
         # ``fields``: what its log lines add to say whose rows they are (see Pipe.fields).
         self._log = log.bind(**fields) if fields else log
         self.on_recorded = on_recorded
@@ -201,12 +210,28 @@ class Completer:
         while not self._closing:
             await self._ready.wait()
             self._ready.clear()
+            await self._linger()
             while self._buffer and not self._closing:
                 if await self.flush_once():
                     delay = 0.1
                 else:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
+
+    async def _linger(self) -> None:
+        """Wait up to ``linger`` for ``linger_rows`` outcomes (a stop ends it at once)."""
+        if self.linger <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.linger
+        while len(self._buffer) < self.linger_rows and not self._closing:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._ready.wait()
 
     async def close(self, timeout: float) -> bool:
         """Stop the loop, let the write in progress finish, then flush everything left, all

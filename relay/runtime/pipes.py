@@ -51,6 +51,7 @@ class Pipe(Generic[H]):
         *,
         heads: Callable[[], None] | None = None,
         gauge: Gauge | None = None,
+        linger: float = 0.0,
     ) -> None:
         self.name = name
         self.source = source
@@ -59,7 +60,9 @@ class Pipe(Generic[H]):
         leases.fields = self.fields
         # A source's own command for a row whose outcome was refused, if it has one.
         hint = getattr(source, "retry_hint", None)
-        self.completer = Completer(source, self._recorded, fields=self.fields, hint=hint)
+        self.completer = Completer(
+            source, self._recorded, fields=self.fields, hint=hint, linger=linger
+        )
         self.sending: Sends | None = None  # set once built (it needs the completer)
         if gauge is not None:
             gauge.set_function(lambda: len(leases))
