@@ -792,12 +792,14 @@ async def test_a_stop_waits_for_requests_in_flight_and_counts_those_cut_short(
 async def test_a_fast_endpoints_backlog_is_claimed_ahead_of_its_free_slots(
     db_url: str, aengine: AsyncEngine, receiver: Receiver
 ) -> None:
-    """Claim ahead (#29): once an endpoint is known to be fast, a claim takes four times its
-    room, its requests waiting in the relay's request slots, instead of one claim per few
-    freed slots; it never has more than max_concurrency requests in flight."""
+    """Claim ahead (#29, off by default: tests/test_endpoint_claim_ahead.py): once an
+    endpoint is known to be fast, a claim takes four times its room, its requests waiting in
+    the relay's request slots, instead of one claim per few freed slots; it never has more
+    than max_concurrency requests in flight."""
     await add_endpoint(aengine, receiver.url)
     s = endpoints_settings(db_url, max_concurrency=2, slow_concurrency=2)
     async with running(s) as relay:
+        relay.sinks[DEST].source.ahead = 4  # type: ignore[attr-defined]  # off by default
         [first] = await enqueue(db_url, [{"payload": {}}])
         await wait_until(lambda: delivered_to(receiver) == [first], what="known fast")
         before = relay.store.statements["delivery_claim"]
