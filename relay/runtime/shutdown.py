@@ -18,7 +18,6 @@ from relay.db.leasing import LeaseStatements
 from relay.db.store import DB_ERRORS, UNAVAILABLE, Store
 from relay.obs.metrics import Metrics
 from relay.pipeline.leases import LOST_IDS_LOGGED
-from relay.pipeline.sending import Sending
 from relay.runtime.pipes import Pipe
 from relay.runtime.server import HttpServer
 from relay.sinks import Sink
@@ -36,7 +35,6 @@ class Stopping(Protocol):
 
     settings: Settings
     metrics: Metrics
-    sending: Sending | None
     http: HttpServer | None
 
     @property
@@ -118,11 +116,9 @@ async def _drain(
     # No more claims: the ordered destinations it owned go to another relay now, not after the
     # rest of the shutdown (their rows still in flight here are waited for by that relay).
     await relay.store.disown()
-    # Every pipe's sends (a source's rows released while their requests are out would be
-    # sent twice).
+    # Every pipe's sends, the events' and each source's (a source's rows released while their
+    # requests are out would be sent twice).
     tasks = {t for p in relay.pipes if p.sending is not None for t in p.sending.tasks}
-    if relay.sending is not None:
-        tasks |= relay.sending.tasks
     if tasks:
         _, late = await asyncio.wait(set(tasks), timeout=max(0.0, deadline - loop.time()))
         for t in late:
