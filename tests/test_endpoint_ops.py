@@ -885,13 +885,15 @@ async def test_a_fast_endpoint_held_by_no_other_relay_is_claimed_ahead(db_url: s
     from relay.sinks.endpoints.fairness import UNCAPPED
     from relay.sinks.endpoints.store import DeliveryStore
 
-    fast, shared, limited, new = (endpoint(db_url) for _ in range(4))
+    fast, shared, mine, limited, new = (endpoint(db_url) for _ in range(5))
     sql(db_url, "UPDATE outbox_endpoints SET rate_limit = 100 WHERE id = %s", limited)
-    for ep in (fast, shared, limited, new):
+    for ep in (fast, shared, mine, limited, new):
         for _ in range(30):
             delivery(db_url, event(db_url), ep, "pending")
     delivery(db_url, event(db_url), shared, "running", locked_by="other-relay")
-    caps = {fast: UNCAPPED, shared: UNCAPPED, limited: UNCAPPED}  # new: not known yet
+    for _ in range(3):  # in flight on this relay: ahead all the same, less those
+        delivery(db_url, event(db_url), mine, "running", locked_by="ahead")
+    caps = {fast: UNCAPPED, shared: UNCAPPED, mine: UNCAPPED, limited: UNCAPPED}  # new: unknown
     pool = await create_pool(to_asyncpg_dsn(db_url), "ahead", 2)
     try:
         store = DeliveryStore(Store(pool, "public", "ahead", 30.0))
@@ -901,7 +903,7 @@ async def test_a_fast_endpoint_held_by_no_other_relay_is_claimed_ahead(db_url: s
         await pool.close()
     per_endpoint = {ep: sum(1 for c in claimed if c.endpoint_id == ep) for ep in caps}
     per_endpoint[new] = sum(1 for c in claimed if c.endpoint_id == new)
-    assert per_endpoint == {fast: 16, shared: 3, limited: 4, new: 2}
+    assert per_endpoint == {fast: 16, shared: 3, mine: 13, limited: 4, new: 2}
     # Its own rows in flight count against its room ahead: nothing more until they end.
     assert [c.endpoint_id for c in again] == []
 

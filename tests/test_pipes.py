@@ -419,6 +419,30 @@ async def test_log_lines_about_another_sources_rows_say_whose_rows_they_are() ->
     assert rejected == [(2, "deliveries")]
 
 
+class _StoppingStore:
+    """What a shutdown asks of the store beyond the pipes' statements: nothing to do."""
+
+    pool = SimpleNamespace(close=lambda: asyncio.sleep(0), terminate=lambda: None)
+
+    async def disown(self) -> None:
+        return None
+
+    async def unregister(self) -> None:
+        return None
+
+
+def stopping_relay(pipes: Sequence[Pipe[Any]], *, shutdown_timeout: float) -> Any:
+    """A relay as relay.runtime.shutdown reads it, over ``pipes`` alone."""
+    return SimpleNamespace(
+        settings=SimpleNamespace(relay=SimpleNamespace(shutdown_timeout=shutdown_timeout)),
+        metrics=Metrics(),
+        http=None,
+        pipes=list(pipes),
+        sinks={},
+        store=_StoppingStore(),
+    )
+
+
 class Hanging(Table):
     """A source whose outcome writes never return (a hung connection)."""
 
@@ -447,24 +471,7 @@ async def test_a_shutdown_writes_then_releases_each_pipe_and_a_hung_one_holds_ba
     e_pipe.completer.add([Record(1, 10, Status.DELIVERED, 1, 0.0, None)])
     o_pipe.completer.add([Record(1, 20, Status.DELIVERED, 1, 0.0, None)])
 
-    class Store:
-        pool = SimpleNamespace(close=lambda: asyncio.sleep(0), terminate=lambda: None)
-
-        async def disown(self) -> None:
-            return None
-
-        async def unregister(self) -> None:
-            return None
-
-    relay = SimpleNamespace(
-        settings=SimpleNamespace(relay=SimpleNamespace(shutdown_timeout=0.1)),
-        metrics=Metrics(),
-        sending=None,
-        http=None,
-        pipes=[e_pipe, o_pipe],
-        sinks={},
-        store=Store(),
-    )
+    relay = stopping_relay([e_pipe, o_pipe], shutdown_timeout=0.1)
     claimer = asyncio.create_task(asyncio.sleep(0))
     with capture_logs() as logs:
         await asyncio.wait_for(stopping.shutdown(relay, claimer, background), 10)

@@ -24,7 +24,15 @@ from relay.pipeline.claimer import Claimer, Feed
 from relay.pipeline.leases import Leases
 from relay.pipeline.source_sending import SourceSending
 from relay.runtime.pipes import Pipe
-from tests.test_pipes import IDS, EventsStore, Item, ItemSource, Table, events_pipe
+from tests.test_pipes import (
+    IDS,
+    EventsStore,
+    Item,
+    ItemSource,
+    Table,
+    events_pipe,
+    stopping_relay,
+)
 
 
 def claimer_for(
@@ -264,26 +272,9 @@ async def test_a_shutdown_waits_for_a_sources_sends_before_releasing_its_rows(
     background = {*e_pipe.tasks(), *pipe.tasks()}
     sending.dispatch(list(pipe.leases))
 
-    class Store:
-        pool = SimpleNamespace(close=lambda: asyncio.sleep(0), terminate=lambda: None)
-
-        async def disown(self) -> None:
-            return None
-
-        async def unregister(self) -> None:
-            return None
-
-    relay = SimpleNamespace(
-        settings=SimpleNamespace(relay=SimpleNamespace(shutdown_timeout=5.0)),
-        metrics=Metrics(),
-        sending=None,
-        http=None,
-        pipes=[e_pipe, pipe],
-        sinks={},
-        store=Store(),
-    )
+    relay = stopping_relay([e_pipe, pipe], shutdown_timeout=5.0)
     claimer = asyncio.create_task(asyncio.sleep(0))
-    await asyncio.wait_for(stopping.shutdown(relay, claimer, background), 10)  # type: ignore[arg-type]
+    await asyncio.wait_for(stopping.shutdown(relay, claimer, background), 10)
     assert source.rows == {i: [20, "delivered"] for i in IDS}
     assert "release" not in [call for call, _ in source.calls]
 
@@ -305,26 +296,9 @@ async def test_one_pipes_failing_close_keeps_no_other_pipe_from_its_release(
     e_pipe.completer.close = broken  # type: ignore[method-assign]
     background = {*e_pipe.tasks(), *o_pipe.tasks()}
 
-    class Store:
-        pool = SimpleNamespace(close=lambda: asyncio.sleep(0), terminate=lambda: None)
-
-        async def disown(self) -> None:
-            return None
-
-        async def unregister(self) -> None:
-            return None
-
-    relay = SimpleNamespace(
-        settings=SimpleNamespace(relay=SimpleNamespace(shutdown_timeout=0.1)),
-        metrics=Metrics(),
-        sending=None,
-        http=None,
-        pipes=[e_pipe, o_pipe],
-        sinks={},
-        store=Store(),
-    )
+    relay = stopping_relay([e_pipe, o_pipe], shutdown_timeout=0.1)
     claimer = asyncio.create_task(asyncio.sleep(0))
-    await asyncio.wait_for(stopping.shutdown(relay, claimer, background), 10)  # type: ignore[arg-type]
+    await asyncio.wait_for(stopping.shutdown(relay, claimer, background), 10)
     assert ("release", [(1, 20), (2, 20), (3, 20)]) in others.calls
     assert ("release", [(1, 10), (2, 10), (3, 10)]) in events.calls
 
