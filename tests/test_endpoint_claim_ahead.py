@@ -1,8 +1,9 @@
-"""Claim ahead (#29 C6), what keeps it off by default (CLAIM_AHEAD = 1): a hostile review found
-four ways in which claiming four times a fast endpoint's room breaks a guarantee, each a test
-here that failed with it on. The two statement-level ones still fail when the statement is
-asked to claim ahead (xfail, strict: they pass once it is fixed); the two in a relay pass with
-it off, and guard turning it on."""
+"""Claim ahead (#29 C6, CLAIM_AHEAD in relay/sinks/endpoints/base.py): a hostile review found
+four ways in which claiming four times a fast endpoint's room broke a guarantee. Each is a test
+here that failed with claiming ahead on before its fix: a concurrent claim of another relay
+(rows ahead kept only where none of the endpoint's picked rows was skipped as locked), a small
+batch (every endpoint's room before any row ahead), an endpoint that turns slow (a row put
+back once it holds slow_concurrency requests), and a stop (no queued row started)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import asyncio
 import time
 
 import asyncpg
-import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.dburl import to_asyncpg_dsn
@@ -30,10 +30,6 @@ from tests.test_endpoint_delivery import (
 from tests.test_endpoint_ops import DEST, delivery, endpoint, event
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="claim ahead is off: a claim ahead keeps the rows past a concurrent claim's own",
-)
 async def test_a_concurrent_claim_of_another_relay_is_not_outrun_by_claiming_ahead(
     db_url: str,
 ) -> None:
@@ -65,10 +61,6 @@ async def test_a_concurrent_claim_of_another_relay_is_not_outrun_by_claiming_ahe
     assert len(claimed) <= 3, len(claimed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="claim ahead is off: a claim ahead fills its batch in endpoint order",
-)
 async def test_a_claim_too_small_for_every_endpoints_room_does_not_give_it_to_one_ahead(
     db_url: str,
 ) -> None:

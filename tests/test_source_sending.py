@@ -149,6 +149,7 @@ class Sender(ItemSource):
         self.group_of = group_of
         self.groups: list[list[int]] = []
         self.on_due: Callable[[], None] = lambda: None
+        self.halted = False
 
     def group(self, item: Item) -> Hashable:
         return self.group_of(item)
@@ -156,6 +157,8 @@ class Sender(ItemSource):
     async def deliver(self, items: Sequence[Item], emit: Callable[[Record, Item], None]) -> None:
         self.groups.append([i.id for i in items])
         for item in items:
+            if self.halted:
+                return  # not started: left without an outcome
             record = await self.send(item)
             if record is not None:
                 emit(record, item)
@@ -167,6 +170,9 @@ class Sender(ItemSource):
         if item.id == 1:  # its request had gone out
             return Record(item.id, item.token, Status.PENDING, 1, 5.0, "cut short")
         return None
+
+    def halt(self) -> None:
+        self.halted = True
 
 
 def sending_pipe(source: Sender) -> tuple[Pipe[Item], SourceSending[Item]]:
@@ -387,3 +393,30 @@ async def test_a_stop_does_not_wait_out_the_linger() -> None:
     await asyncio.wait_for(task, 1.0)
     assert time.monotonic() - started < 1.0
     assert table.rows[1] == [20, "delivered"]
+
+
+async def test_a_halt_starts_no_group_and_leaves_the_rows_not_started_held() -> None:
+    """A stop halts the sending: a group whose rows were queued behind its first request
+    leaves those not started without an outcome, and they stay held for the shutdown to put
+    back unattempted (not recorded as crashed, which counts an attempt); rows claimed after
+    the halt start no group at all."""
+    sending_started = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def send(item: Item) -> Record:
+        sending_started.set()
+        await go_on.wait()
+        return Record(item.id, item.token, Status.DELIVERED, 1, 0.0, None)
+
+    source = Sender(send, group_of=lambda item: 0)
+    pipe, sending = sending_pipe(source)
+    items = sorted(pipe.leases, key=lambda i: i.id)
+    sending.dispatch(items[:2])
+    await sending_started.wait()
+    sending.halt()
+    go_on.set()
+    await asyncio.gather(*sending.tasks)
+    assert buffered(pipe) == [(IDS[0], "delivered", None)]  # the second is not crashed
+    assert sorted(i for i, _ in pipe.leases.tokens()) == list(IDS)  # held, for the release
+    sending.dispatch(items[2:])
+    assert not sending.tasks and source.groups == [list(IDS[:2])]

@@ -52,6 +52,10 @@ class Sending:
         self.metrics = metrics
         self.tasks: set[asyncio.Task[None]] = set()
 
+    def halt(self) -> None:
+        """A stop: nothing to do here. A destination's batch is its sink's to send whole
+        (the stop waits for it, up to shutdown_timeout); the claimer claims nothing more."""
+
     def dispatch(self, batch: list[Envelope]) -> None:
         """Start delivering a claimed batch: one task per destination."""
         groups: dict[str, list[Envelope]] = {}

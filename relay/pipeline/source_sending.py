@@ -5,7 +5,8 @@ completer as soon as it is known, not when its group is done.
 As for the events (sending.py), every row ends recorded, back in pending or with its lease
 left to the reaper: a group whose handling raised has its rows recorded as crashed (retried,
 an attempt counted), and a group a stop cut short has the rows whose request had gone out
-recorded as attempts; those not started stay held, and the shutdown puts them back.
+recorded as attempts; those not started (at the stop, or since it: ``halt``) stay held, and
+the shutdown puts them back.
 """
 
 from __future__ import annotations
@@ -45,9 +46,19 @@ class SourceSending(Generic[H]):
         self.completer = completer
         self.metrics = metrics
         self.tasks: set[asyncio.Task[None]] = set()
+        self.halted = False
+
+    def halt(self) -> None:
+        """The relay is stopping: no group starts, and no request starts in the groups
+        sending now; their rows not started stay held, for the shutdown to put back."""
+        self.halted = True
+        self.source.halt()
 
     def dispatch(self, items: Sequence[H]) -> None:
-        """Start sending claimed rows: one task per group."""
+        """Start sending claimed rows: one task per group (none once halted: they stay
+        held, and the shutdown puts them back unattempted)."""
+        if self.halted:
+            return
         groups: dict[Hashable, list[H]] = {}
         for item in items:
             groups.setdefault(self.source.group(item), []).append(item)
@@ -95,6 +106,8 @@ class SourceSending(Generic[H]):
             for item in list(left.values()):
                 emit(source.crashed(item, exc), item)
             return
+        if left and self.halted:
+            return  # not started since the stop: held, put back by the shutdown
         if left:
             # The source returned without an outcome for some rows (a bug): retried.
             missing = LookupError(f"{source.name}: no outcome for the row")

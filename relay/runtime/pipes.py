@@ -35,6 +35,10 @@ class Sends(Protocol):
 
     tasks: set[asyncio.Task[None]]
 
+    def halt(self) -> None:
+        """The relay is stopping: start nothing more that the shutdown would wait for."""
+        ...
+
 
 class Pipe(Generic[H]):
     """``source``'s rows held in ``leases``, their outcomes written by a completer of their

@@ -108,6 +108,11 @@ async def _drain(
 ) -> None:
     """Let the claim in progress end and deliveries finish, until the deadline."""
     loop = asyncio.get_running_loop()
+    # Requests in flight finish; none starts from rows queued behind them (claimed ahead of
+    # an endpoint's free slots), nor from a claim that ends from now on: they are released.
+    for pipe in relay.pipes:
+        if pipe.sending is not None:
+            pipe.sending.halt()
     # The claim loop is never cancelled mid-claim: rows it claims must be held.
     try:
         await asyncio.wait_for(asyncio.shield(claimer), timeout=max(timeout, 1))

@@ -50,7 +50,8 @@ class SendingSource(Source[H], Protocol[H]):
     ``emit(record, item)`` for each row as soon as its outcome is known, never raising for a
     delivery's problem. What it leaves without an outcome the pipeline settles: a row whose
     handling raised gets ``crashed(item, exc)``, one a stop cut short ``cut_short(item)`` (its
-    request may have gone out: an attempt) or, if that is None, is put back unattempted.
+    request may have gone out: an attempt) or, if that is None, is put back unattempted; so
+    is a row it did not start once ``halt()`` was called.
     ``on_due`` is called when the source comes due (it is set to the claimer's wake-up).
     """
 
@@ -63,6 +64,11 @@ class SendingSource(Source[H], Protocol[H]):
     def crashed(self, item: H, exc: BaseException) -> Record: ...
 
     def cut_short(self, item: H) -> Record | None: ...
+
+    def halt(self) -> None:
+        """The relay is stopping: start no more requests. Rows left without an outcome
+        are put back unattempted by the shutdown."""
+        ...
 
     def retry_hint(self, record: Record) -> str:
         """The command that sends a row again whose outcome the database refused (the row

@@ -84,9 +84,13 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- ahead: :ahead times its room, so that its next requests wait in this relay's request slots
 -- (which hold it to max_concurrency) rather than for a claim each time one ends; another relay
 -- then sees those rows running and takes none of it, and a slow, new or rate-limited endpoint
--- never is. A dead endpoint's backlog is never scanned past: the claim
--- reads one endpoint's due rows at a time. At most :batch rows in all, marked running under
--- this relay's lease (:relay, :lease seconds). The rows come with what sending needs: the event
+-- never is. Rows claimed ahead are kept only where none of the endpoint's picked rows was
+-- skipped as locked (or no longer pending): such a row is another relay's claim in progress,
+-- not yet seen running, whose rows would come on top of this claim's. A dead endpoint's
+-- backlog is never scanned past: the claim reads one endpoint's due rows at a time. At most
+-- :batch rows in all, each endpoint's room before any row ahead (a small batch is shared, not
+-- given whole to the first endpoint walked), marked running under this relay's lease (:relay,
+-- :lease seconds). The rows come with what sending needs: the event
 -- (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
 -- and event types, all of one snapshot, so that the relay checks the endpoint still takes the
 -- event before it sends it to that URL. Pending deliveries of an endpoint met on the walk that
@@ -115,8 +119,8 @@ conc AS (
     SELECT * FROM unnest(:destinations::text[], :max_concurrency::int[], :start_caps::int[])
         AS c(destination, max_concurrency, start_cap)
 ),
-picked AS (
-    SELECT d.id, e.id AS endpoint_id
+candidates AS (
+    SELECT d.id, e.id AS endpoint_id, eps.n, d.ord, d.ord > e.room AS ahead
     FROM eps
     -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
     -- the endpoints registered.
@@ -125,6 +129,7 @@ picked AS (
                least(c.max_concurrency, k.cap)
                    * CASE WHEN k.cap >= :uncapped AND e.rate_limit IS NULL AND r.others = 0
                           THEN greatest(:ahead, 1) ELSE 1 END AS limit_,
+               least(c.max_concurrency, k.cap) - r.running AS room,
                r.running
         FROM {endpoints} AS e
         JOIN conc AS c ON c.destination = e.destination
@@ -146,7 +151,8 @@ picked AS (
         OFFSET 0
     ) AS e
     CROSS JOIN LATERAL (
-        SELECT d.id FROM {deliveries} AS d
+        SELECT d.id, row_number() OVER (ORDER BY d.run_after, d.id) AS ord
+        FROM {deliveries} AS d
         WHERE d.endpoint_id = e.id AND d.destination = e.destination
           AND d.status = 'pending' AND d.run_after <= now()
         ORDER BY d.run_after, d.id
@@ -157,6 +163,11 @@ picked AS (
                         - e.running
               END)
     ) AS d
+),
+picked AS (
+    -- Every endpoint's room first, in walk order, then the rows ahead.
+    SELECT id, endpoint_id, ahead FROM candidates
+    ORDER BY ahead, n, ord
     LIMIT :batch
 ),
 stale AS (
@@ -193,11 +204,19 @@ locked AS (
     ORDER BY d.id
     FOR UPDATE SKIP LOCKED
 ),
+kept AS (
+    -- A row ahead goes only with an endpoint none of whose picked rows another claim holds.
+    SELECT p.id FROM picked AS p
+    WHERE p.id = ANY(ARRAY(SELECT id FROM locked))
+      AND (NOT p.ahead OR NOT EXISTS (
+          SELECT 1 FROM picked AS q
+          WHERE q.endpoint_id = p.endpoint_id AND q.id <> ALL(ARRAY(SELECT id FROM locked))))
+),
 claimed AS (
     UPDATE {deliveries} AS d
     SET status = 'running', locked_by = :relay, locked_until = now() + make_interval(secs => :lease),
         claims = d.claims + 1
-    WHERE d.id = ANY(ARRAY(SELECT id FROM locked))
+    WHERE d.id = ANY(ARRAY(SELECT id FROM kept))
     RETURNING d.id, d.event_id, d.endpoint_id, d.destination, d.attempts, d.claims, d.replay
 )
 SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.replay,

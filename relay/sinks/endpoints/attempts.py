@@ -23,6 +23,7 @@ from relay.model import Envelope, Outcome, Result, epoch, header_problem, trunca
 from relay.sinks.endpoints.base import DeliveriesBase
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import average as latency_average
+from relay.sinks.endpoints.fairness import is_slow
 from relay.sinks.endpoints.state import NOT_TAKEN_LOG_EVERY, EndpointState
 from relay.sinks.endpoints.store import Claimed, DeliveryRecord, takes
 from relay.sinks.webhook.requests import Answer, Target
@@ -116,6 +117,8 @@ class Attempts(DeliveriesBase):
         """Send ``env`` with one of its endpoint's request slots, at its pace: the answer and
         the milliseconds the request took, or the record of a delivery not sent after all."""
         async with state.semaphore:
+            if (back := self._put_back(c, state)) is not None:
+                return back
             # Checked before the pace (a delivery that will not be sent takes no turn of a
             # rate limit), and again once every wait is over, just before the request.
             if (stop := self._not_sendable(c, state, None)) is not None:
@@ -220,6 +223,22 @@ class Attempts(DeliveriesBase):
                 f"(outbox-relay endpoints enable {c.endpoint_id})"
             ),
         )
+
+    def _put_back(self, c: Claimed, state: EndpointState) -> DeliveryRecord | None:
+        """A delivery that got its request slot but must not start now, put back unattempted
+        (its last error kept): the relay is stopping; or its endpoint turned slow while it
+        waited, with ``slow_concurrency`` requests already out (rows claimed ahead of free
+        slots were claimed while it looked fast; the next claim holds it to its slow cap)."""
+        if self._halted:
+            return self._record(c, "pending", 0, 0.0, None)
+        config = self.destinations[c.destination]
+        now = time.monotonic()
+        if len(state.started) >= config.slow_concurrency and is_slow(
+            state.latency, state.started, now, config.budget
+        ):
+            self.stats["put_back_slow"] += 1
+            return self._record(c, "pending", 0, 0.0, None)
+        return None
 
     def _not_sendable(
         self, c: Claimed, state: EndpointState, endpoint: Target | None

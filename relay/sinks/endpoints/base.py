@@ -27,11 +27,10 @@ HEALTH_REFRESH = 60.0  # last_success_at is rewritten at most this often while a
 SCAN = 1000  # endpoints with pending deliveries examined per claim, at most
 # How many times its room a fast endpoint held by no other relay is claimed for (see
 # DELIVERY_CLAIM): at 4, its next requests wait in this relay's request slots instead of a
-# claim each time one ends (the drain 2.2-2.8x). Off (1) until what a review found is fixed
-# (tests/test_endpoint_claim_ahead.py): a claim ahead racing another relay's can exceed
-# max_concurrency, fills its batch in endpoint order, keeps an endpoint that turns slow at
-# max_concurrency for its whole queue, and a stop still starts the queued requests.
-CLAIM_AHEAD = 1
+# claim each time one ends. What keeps that within the endpoint's limits is in
+# tests/test_endpoint_claim_ahead.py: another relay's claim in progress, a small batch, an
+# endpoint that turns slow with rows queued, a stop with rows queued.
+CLAIM_AHEAD = 4
 STATE_IDLE = 600.0  # an endpoint not claimed from for this long is forgotten
 WAKE_COALESCE = 0.01  # seconds finished requests wait to be claimed for together
 
@@ -67,6 +66,8 @@ class DeliveriesBase:
         # write: the table shows them to `status`.
         self._circuits: dict[int, float | None] = {}
         self._cursor: int | None = None
+        # The relay is stopping: no request starts any more (see DeliverySource.halt).
+        self._halted = False
         self.scan = SCAN
         self.ahead = CLAIM_AHEAD
         self._limits = {name: d.max_attempts for name, d in self.destinations.items()}

@@ -192,8 +192,16 @@ class DeliverySource(Attempts, Health):
             for _, state in queue:
                 state.in_hand -= 1
 
+    def halt(self) -> None:
+        """The relay is stopping: no request starts from now on. Rows not started are left
+        without an outcome (the shutdown puts them back unattempted), or, if they were
+        waiting for a request slot, put back at once."""
+        self._halted = True
+
     async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
-        while queue:
+        # Halted, the rows still queued (claimed ahead of the endpoint's free slots) are not
+        # started: the stop waits for requests in flight, not for a queue of them.
+        while queue and not self._halted:
             c, state = queue.popleft()
             try:
                 record = await self._attempt(c, state)
