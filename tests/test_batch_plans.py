@@ -19,6 +19,10 @@ import pytest
 
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries
+from relay.db.store import Store, create_pool
+from relay.sinks.endpoints.fairness import UNCAPPED
+from relay.sinks.endpoints.store import DeliveryStore
+from relay.tools.bench.fanout import _delivered
 
 N = 500
 RELAY = "r1"
@@ -500,3 +504,52 @@ async def test_settled_reads_its_rows_by_id_among_many_delivered(
         assert [r[0] for r in await conn.fetch(sql, ids, tokens)] == [ids[0]]
     finally:
         await conn.close()
+
+
+async def test_the_delivery_claims_walk_reads_the_claim_index_beside_a_delivered_history(
+    db_url: str,
+) -> None:
+    """DELIVERY_CLAIM walks the endpoints with pending deliveries (a loose scan, one probe
+    each). Ordered by endpoint_id alone, that probe could be served by the endpoint index
+    (endpoint_id, id), which holds every delivery ever made: once the table had statistics
+    (autovacuum's ANALYZE) from a drain under way, the planner took it, and each probe stepped
+    over all of an endpoint's delivered rows to its first pending one (18,000 pages and 20 ms
+    a claim after 128,000 deliveries). The walk reads the claim index (pending rows only).
+    (Reproduced here with the statistics of a drain a fifth done.)"""
+    pool = await create_pool(to_asyncpg_dsn(db_url), RELAY, 1)
+    conn = await _connect(db_url)
+    try:
+        endpoints = [
+            await conn.fetchval(
+                "INSERT INTO outbox_endpoints (destination, url, secret) "
+                "VALUES ('hooks', 'http://127.0.0.1:9/', 'whsec_x') RETURNING id"
+            )
+            for _ in range(8)
+        ]
+        # 2,000 events fanned out to 8 endpoints, then claimed and recorded delivered 32 at a
+        # time by the relay's own statements, until 3,200 are done.
+        for first in range(1, 2001, 500):  # as FAN_OUT writes them: 500 events a statement
+            await conn.execute(
+                "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination) "
+                "SELECT i, e, 'hooks' "
+                "FROM generate_series($2::int, $2 + 499) AS i, unnest($1::bigint[]) AS e",
+                endpoints,
+                first,
+            )
+        store = DeliveryStore(Store(pool, "public", RELAY, 30.0))
+        cursor = None
+        for _ in range(100):
+            got, cursor, _ = await store.claim(["hooks"], [4], [4], 2000, [], 1000, cursor, {})
+            await store.record([_delivered(c) for c in got])
+        await conn.execute("ANALYZE outbox_deliveries")
+        sql = queries.render_ops(queries.DELIVERY_CLAIM, "public")
+        limits = json.dumps({str(e): UNCAPPED for e in endpoints})
+        args = (["hooks"], [4], 2000, RELAY, limits, 1000, None, 30.0, [], [4], 4, UNCAPPED)
+        raw = await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, *args)
+        plan = json.loads(raw) if isinstance(raw, str) else raw
+        used = {n.get("Index Name") for n in _nodes(plan[0]["Plan"])}
+        assert "outbox_deliveries_endpoint_idx" not in used, used
+        assert plan[0]["Plan"]["Actual Rows"] == 129  # 16 for each endpoint, and the cursor
+    finally:
+        await conn.close()
+        await pool.close()

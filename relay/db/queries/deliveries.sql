@@ -101,16 +101,20 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- end.
 
 WITH RECURSIVE eps AS (
+    -- Ordered as the claim index is (endpoint_id, run_after, id), so that the walk reads it:
+    -- ordered by endpoint_id alone, the planner may take the endpoint index instead (once the
+    -- table has statistics), and step over every delivered row of each endpoint to its first
+    -- pending one (20 ms a claim after 30,000 deliveries).
     (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
      WHERE d.status = 'pending' AND d.endpoint_id > coalesce(:cursor::bigint, -1)
-     ORDER BY d.endpoint_id
+     ORDER BY d.endpoint_id, d.run_after, d.id
      LIMIT 1)
     UNION ALL
     SELECT nxt.endpoint_id, eps.n + 1
     FROM eps CROSS JOIN LATERAL (
         SELECT d.endpoint_id FROM {deliveries} AS d
         WHERE d.status = 'pending' AND d.endpoint_id > eps.endpoint_id
-        ORDER BY d.endpoint_id
+        ORDER BY d.endpoint_id, d.run_after, d.id
         LIMIT 1
     ) AS nxt
     WHERE eps.n < :scan
