@@ -7,9 +7,13 @@ Statements name the outbox table ``{table}``, outbox_paused ``{paused}``, outbox
 
 from __future__ import annotations
 
+import functools
+
 from outbox.queries import qualified_table, render_endpoints
 
 
+# Called for every statement a sink's store runs (Store.call): a few statements, one schema.
+@functools.lru_cache(maxsize=512)
 def render_ops(sql: str, schema: str) -> str:
     """Fill in ``{table}`` (the outbox), ``{paused}`` (outbox_paused), ``{relays}``
     (outbox_relays), ``{batches}`` (outbox_batches), and ``{endpoints}``, ``{deliveries}``,
