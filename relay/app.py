@@ -205,7 +205,11 @@ class Relay:
         it, and other relays know what this one serves."""
         self._store = store
         events = Pipe(
-            EVENTS, store, self.leases, heads=self._key_finished, gauge=self.metrics.in_flight
+            EVENTS,
+            store,
+            self.leases,
+            heads=self._key_finished,
+            gauge=self.metrics.in_flight.labels(EVENTS),
         )
         self.completer = events.completer
         self.sending = Sending(self.routes, self.leases, store, self.completer, self.metrics)
@@ -223,7 +227,11 @@ class Relay:
         sources = [src for sink in _distinct(self.sinks) for src in sink.sources()]
         for source in sources:
             pipe: Pipe[Any] = Pipe(
-                source.name, source, Leases(self.metrics, Counter()), linger=RECORD_LINGER
+                source.name,
+                source,
+                Leases(self.metrics, Counter()),
+                gauge=self.metrics.in_flight.labels(source.name),
+                linger=RECORD_LINGER,
             )
             sending = SourceSending(source, pipe.leases, pipe.completer, self.metrics)
             pipe.sending = sending

@@ -385,7 +385,7 @@ async def test_metrics_after_a_known_run(db_url: str, kafka_bootstrap: str) -> N
     assert 0 < get(v, "outbox_oldest_pending_age_seconds", destination="later") < 60
     assert get(v, "outbox_destination_paused", destination="later") == 1
     assert get(v, "outbox_destination_paused", destination="orders") == 0
-    assert get(v, "outbox_in_flight_rows") == 0
+    assert get(v, "outbox_in_flight_rows", source="events") == 0
     assert (
         get(
             v,

@@ -488,3 +488,32 @@ async def test_a_shutdown_writes_then_releases_each_pipe_and_a_hung_one_holds_ba
         (e["outcomes"], e.get("source")) for e in logs if e["event"] == "relay.shutdown.unrecorded"
     ]
     assert unrecorded == [(1, "deliveries")]
+
+
+async def test_rows_in_flight_and_leases_lost_are_counted_by_source() -> None:
+    """outbox_in_flight_rows and outbox_leases_lost_total say whose rows they are: a
+    delivery whose lease was lost is not counted as an event's, and the deliveries held show
+    beside the events (before, they were not shown at all)."""
+    metrics = Metrics()
+    events, others = Table("events", [(i, 10) for i in IDS]), Table("deliveries", [(1, 20)])
+    e_pipe: Pipe[Envelope] = Pipe(
+        EVENTS, events, Leases(metrics, Counter()), gauge=metrics.in_flight.labels(EVENTS)
+    )
+    e_pipe.leases.claimed([dataclasses.replace(envelope(id=i), token=10) for i in IDS])
+    o_pipe: Pipe[Item] = Pipe(
+        "deliveries",
+        others,
+        Leases(metrics, Counter()),
+        gauge=metrics.in_flight.labels("deliveries"),
+    )
+    o_pipe.leases.claimed([Item(1, 20, Lease(time.monotonic() + 3600))])
+    others.taken_back(1)
+    await o_pipe.leases.heartbeat(others, 30.0)
+
+    def value(name: str, source: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"source": source})
+
+    assert value("outbox_in_flight_rows", "events") == 3
+    assert value("outbox_in_flight_rows", "deliveries") == 0  # lost: no longer held
+    assert value("outbox_leases_lost_total", "deliveries") == 1
+    assert value("outbox_leases_lost_total", "events") in (None, 0)

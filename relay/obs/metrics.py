@@ -176,7 +176,8 @@ class Metrics:
         self.leases_lost = Counter(
             "outbox_leases_lost",
             "Rows this relay found it no longer held (it stalled past the lease): not sent or "
-            "not recorded by it",
+            "not recorded by it; source: events, or a sink's own rows (deliveries)",
+            ["source"],
             registry=r,
         )
         self.delivery_errors = Counter(
@@ -225,7 +226,11 @@ class Metrics:
             registry=r,
         )
         self.in_flight = Gauge(
-            "outbox_in_flight_rows", "Rows claimed by this relay and not yet recorded", registry=r
+            "outbox_in_flight_rows",
+            "Rows claimed by this relay and not yet recorded; source: events, or a sink's own "
+            "rows (deliveries)",
+            ["source"],
+            registry=r,
         )
         self.paused = Gauge(
             "outbox_destination_paused",
