@@ -97,6 +97,11 @@ class Relay:
         if not self.stopping.is_set():
             log.info("relay.stopping", relay_id=self.id, in_flight=len(self.leases), reason=reason)
         self.stopping.set()
+        # At once, not when the shutdown begins a few loop turns later: a request ending in
+        # between must not start the next one queued behind it.
+        for pipe in self.pipes:
+            if pipe.sending is not None:
+                pipe.sending.halt()
 
     def wake(self) -> None:
         """Claim now (a NOTIFY arrived, rows became claimable)."""

@@ -420,3 +420,26 @@ async def test_a_halt_starts_no_group_and_leaves_the_rows_not_started_held() -> 
     assert sorted(i for i, _ in pipe.leases.tokens()) == list(IDS)  # held, for the release
     sending.dispatch(items[2:])
     assert not sending.tasks and source.groups == [list(IDS[:2])]
+
+
+async def test_a_row_left_without_an_outcome_after_its_request_went_out_counts_an_attempt() -> None:
+    """After a halt, rows a source left without an outcome stay held for the release, unless
+    their request had gone out (cut_short says so): that one may have reached its receiver,
+    and is recorded as an attempt, as when a stop cuts a group short."""
+    go_on = asyncio.Event()
+    started = asyncio.Event()
+
+    async def send(item: Item) -> None:
+        started.set()
+        await go_on.wait()
+        return None  # a source that leaves the row without an outcome
+
+    source = Sender(send, group_of=lambda item: 0)
+    pipe, sending = sending_pipe(source)
+    items = sorted(pipe.leases, key=lambda i: i.id)
+    sending.dispatch(items[:2])  # the fake's cut_short: item 1's request had gone out
+    await started.wait()
+    sending.halt()
+    go_on.set()
+    await asyncio.gather(*sending.tasks)
+    assert buffered(pipe) == [(IDS[0], "pending", "cut short")]

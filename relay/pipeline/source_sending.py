@@ -107,7 +107,17 @@ class SourceSending(Generic[H]):
                 emit(source.crashed(item, exc), item)
             return
         if left and self.halted:
-            return  # not started since the stop: held, put back by the shutdown
+            # Not started since the stop: held, put back by the shutdown; but a row whose
+            # request had gone out (a source that left it without an outcome) counts as an
+            # attempt, as when a stop cuts a group short.
+            for item in list(left.values()):
+                try:
+                    cut = source.cut_short(item)
+                except Exception as exc:  # a bug: counted as an attempt all the same
+                    cut = source.crashed(item, exc)
+                if cut is not None:
+                    emit(cut, item)
+            return
         if left:
             # The source returned without an outcome for some rows (a bug): retried.
             missing = LookupError(f"{source.name}: no outcome for the row")

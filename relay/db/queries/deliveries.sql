@@ -123,8 +123,11 @@ conc AS (
     SELECT * FROM unnest(:destinations::text[], :max_concurrency::int[], :start_caps::int[])
         AS c(destination, max_concurrency, start_cap)
 ),
-candidates AS (
-    SELECT d.id, e.id AS endpoint_id, eps.n, d.ord, d.ord > e.room AS ahead
+ends AS (
+    -- The endpoints walked, each with its room (its cap less its deliveries in flight) and
+    -- how many of its rows this claim may take (limit_ - running: more than its room when it
+    -- is claimed ahead). Read in walk order, as far as the claim needs.
+    SELECT e.*, eps.n
     FROM eps
     -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
     -- the endpoints registered.
@@ -133,7 +136,7 @@ candidates AS (
                least(c.max_concurrency, k.cap)
                    * CASE WHEN k.cap >= :uncapped AND e.rate_limit IS NULL AND r.others = 0
                           THEN greatest(:ahead, 1) ELSE 1 END AS limit_,
-               least(c.max_concurrency, k.cap) - r.running AS room,
+               greatest(0, least(c.max_concurrency, k.cap) - r.running) AS room,
                r.running
         FROM {endpoints} AS e
         JOIN conc AS c ON c.destination = e.destination
@@ -154,25 +157,49 @@ candidates AS (
           AND (e.tenant IS NULL OR NOT (e.tenant = ANY(:skip_tenants::text[])))
         OFFSET 0
     ) AS e
+),
+within AS (
+    -- Each endpoint's room, in walk order: the LIMIT ends the walk's reads once the batch
+    -- is full.
+    SELECT d.id, ends.id AS endpoint_id
+    FROM ends
     CROSS JOIN LATERAL (
-        SELECT d.id, row_number() OVER (ORDER BY d.run_after, d.id) AS ord
-        FROM {deliveries} AS d
-        WHERE d.endpoint_id = e.id AND d.destination = e.destination
+        SELECT d.id FROM {deliveries} AS d
+        WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
           AND d.status = 'pending' AND d.run_after <= now()
         ORDER BY d.run_after, d.id
-        LIMIT greatest(0, CASE WHEN e.rate_limit IS NULL THEN e.limit_ - e.running
-                   ELSE least(e.limit_, e.rate_limit
+        LIMIT CASE WHEN ends.rate_limit IS NULL THEN ends.room
+                   ELSE greatest(0, least(ends.limit_, ends.rate_limit
                        - (SELECT count(*) FROM {attempts} AS a
-                          WHERE a.endpoint_id = e.id AND a.at > now() - interval '1 second'))
-                        - e.running
-              END)
+                          WHERE a.endpoint_id = ends.id
+                            AND a.at > now() - interval '1 second'))
+                        - ends.running)
+              END
     ) AS d
+    LIMIT :batch
+),
+ahead AS (
+    -- Then the rows claimed ahead (the next ones of each endpoint past its room), only if
+    -- every endpoint's room left the batch room to spare: a small batch is shared, not given
+    -- whole to the first endpoint walked.
+    SELECT d.id, ends.id AS endpoint_id
+    FROM ends
+    CROSS JOIN LATERAL (
+        SELECT d.id FROM {deliveries} AS d
+        WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
+          AND d.status = 'pending' AND d.run_after <= now()
+        ORDER BY d.run_after, d.id
+        OFFSET ends.room
+        LIMIT ends.limit_ - ends.running - ends.room
+    ) AS d
+    WHERE ends.rate_limit IS NULL AND ends.limit_ - ends.running > ends.room
+      AND (SELECT count(*) FROM within) < :batch
+    LIMIT greatest(0, :batch - (SELECT count(*) FROM within))
 ),
 picked AS (
-    -- Every endpoint's room first, in walk order, then the rows ahead.
-    SELECT id, endpoint_id, ahead FROM candidates
-    ORDER BY ahead, n, ord
-    LIMIT :batch
+    SELECT id, endpoint_id, false AS ahead FROM within
+    UNION ALL
+    SELECT id, endpoint_id, true FROM ahead
 ),
 stale AS (
     -- Endpoints met on the walk that are gone, or whose oldest pending delivery is of
@@ -247,8 +274,9 @@ SELECT -1, (SELECT count(*) FROM orphaned), CASE
 -- token (:tokens) is recorded, as outcomes.sql's record does for events, and every attempt made
 -- (:counted = 1) is logged, whether or not its delivery was still held: the request was sent. A
 -- try that sent nothing (:counted = 2: the relay could not open the endpoint's secret) is
--- logged too, but not counted among the delivery's attempts. Returns the (id, token) pairs
--- recorded.
+-- logged too, but not counted among the delivery's attempts. A pending outcome with a negative
+-- delay (:delays) keeps its run_after: a delivery put back unattempted keeps its place in its
+-- endpoint's queue. Returns the (id, token) pairs recorded.
 
 WITH u AS (
     SELECT * FROM unnest(:ids::bigint[], :tokens::int[], :statuses::text[], :counted::int[], :delays::float8[],
@@ -261,7 +289,7 @@ done AS (
     UPDATE {deliveries} AS d
     SET status = u.status,
         attempts = d.attempts + CASE WHEN u.counted = 1 THEN 1 ELSE 0 END,
-        run_after = CASE WHEN u.status = 'pending'
+        run_after = CASE WHEN u.status = 'pending' AND u.delay >= 0
                          THEN now() + make_interval(secs => u.delay) ELSE d.run_after END,
         last_error = CASE WHEN u.status = 'delivered' THEN NULL
                           ELSE COALESCE(u.error, d.last_error) END,

@@ -35,6 +35,13 @@ RESPONSE_LOGGED = 1024  # bytes of each answer kept in the message log
 # cannot be opened): each is logged, and the cause is an operator's to fix.
 UNUSABLE_RETRY = 60.0
 NOT_SENT = 2  # DeliveryRecord.counted of a try that sent nothing: logged, not an attempt
+# DeliveryRecord.delay of a delivery put back unattempted that keeps its run_after (its place
+# in its endpoint's queue), see DELIVERY_RECORD.
+KEEP_PLACE = -1.0
+# An endpoint that had a delivery put back (it turned slow with rows queued) is not claimed
+# ahead for this long: near its latency budget it would flip between fast and slow, and each
+# flip put back a queue.
+PUT_BACK_COOLDOWN = 60.0
 CRASH_RETRY = 5.0
 
 
@@ -225,19 +232,19 @@ class Attempts(DeliveriesBase):
         )
 
     def _put_back(self, c: Claimed, state: EndpointState) -> DeliveryRecord | None:
-        """A delivery that got its request slot but must not start now, put back unattempted
-        (its last error kept): the relay is stopping; or its endpoint turned slow while it
-        waited, with ``slow_concurrency`` requests already out (rows claimed ahead of free
-        slots were claimed while it looked fast; the next claim holds it to its slow cap)."""
-        if self._halted:
-            return self._record(c, "pending", 0, 0.0, None)
+        """A delivery that got its request slot while its endpoint turned slow, with
+        ``slow_concurrency`` requests already out, put back unattempted in its place in the
+        queue, its last error kept (rows claimed ahead of free slots were claimed while it
+        looked fast; the next claim holds it to its slow cap, and it is not claimed ahead
+        again for PUT_BACK_COOLDOWN)."""
         config = self.destinations[c.destination]
         now = time.monotonic()
         if len(state.started) >= config.slow_concurrency and is_slow(
             state.latency, state.started, now, config.budget
         ):
             self.stats["put_back_slow"] += 1
-            return self._record(c, "pending", 0, 0.0, None)
+            state.put_back_at = now
+            return self._record(c, "pending", 0, KEEP_PLACE, None)
         return None
 
     def _not_sendable(
@@ -245,6 +252,10 @@ class Attempts(DeliveriesBase):
     ) -> DeliveryRecord | None:
         """Why a claimed delivery must not be sent now (its record), or None. ``endpoint``:
         the one its request would use (None: before the pace, nothing picked yet)."""
+        if self._halted:
+            # The relay is stopping: no request starts, whatever it waited for (its slot, a
+            # rate limit's turn, a circuit's probe). Back in its place, unattempted.
+            return self._record(c, "pending", 0, KEEP_PLACE, None)
         if state.disabled_at is not None and c.lease_started <= state.disabled_at:
             # Claimed before this relay disabled the endpoint (a 410 Gone while it waited).
             # Not sent; it waits, as the endpoint's other deliveries do, until the endpoint

@@ -24,9 +24,9 @@ import structlog
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import describe
 from relay.db.store import Record
-from relay.sinks.endpoints.attempts import CRASH_RETRY, Attempts
+from relay.sinks.endpoints.attempts import CRASH_RETRY, PUT_BACK_COOLDOWN, Attempts
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.fairness import Plan
+from relay.sinks.endpoints.fairness import UNCAPPED, Plan
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.health import Health
 from relay.sinks.endpoints.state import EndpointState
@@ -99,9 +99,18 @@ class DeliverySource(Attempts, Health):
             # serve: kept, it would keep the source due (claimed again at once) for nothing.
             self._cursor = None
             return []
-        share = self._plan(sum(1 for _ in held))
+        holding = sum(1 for _ in held)
+        share = self._plan(holding)
         skip = [s.id for s in self.states.values() if s.circuit_open or s.gone]
         skip.extend(share.skip_endpoints)
+        now = time.monotonic()
+        caps = dict(share.caps)
+        for s in self.states.values():
+            if now - s.put_back_at < PUT_BACK_COOLDOWN and caps.get(s.id) == UNCAPPED:
+                caps[s.id] = s.config.max_concurrency  # its room, not claimed ahead
+        # Claiming ahead uses only the free half of the relay's room: rows queued behind an
+        # endpoint's request slots count in max_in_flight, and must not crowd out the others'.
+        ahead = self.ahead if holding < self.max_in_flight // 2 else 1
         try:
             claimed, self._cursor, orphans = await self.store.claim(
                 serving,
@@ -111,9 +120,9 @@ class DeliverySource(Attempts, Health):
                 skip,
                 self.scan,
                 self._cursor,
-                share.caps,
+                caps,
                 sorted(share.skip_tenants),
-                self.ahead,
+                ahead,
             )
         except BaseException:
             self._cursor = None
@@ -166,7 +175,9 @@ class DeliverySource(Attempts, Health):
         destination's ``max_concurrency`` at a time; each outcome goes to ``emit`` as soon as
         it is known, not when the whole group is done."""
         queue: deque[tuple[Claimed, EndpointState]] = deque()
-        for c in items:
+        # Oldest first (the claim returns its rows in no particular order): the first round
+        # of a queue claimed ahead is its endpoint's oldest deliveries.
+        for c in sorted(items, key=lambda c: c.id):
             key = (c.id, c.token)
             exc = self._broken.pop(key, None)
             state = self._waiting.pop(key, None)
