@@ -33,6 +33,7 @@ from tests.test_endpoint_delivery import (
     fetch,
 )
 from tests.test_endpoint_ops import DEST, SECRET, delivery, endpoint, event, sql
+from tests.test_endpoint_source import served
 
 
 async def test_a_concurrent_claim_of_another_relay_is_not_outrun_by_claiming_ahead(
@@ -302,3 +303,24 @@ async def test_an_endpoint_near_its_latency_budget_is_not_put_back_at_every_flip
         [pipe] = [p for p in relay.pipes if p.name == "deliveries"]
         put_back = pipe.source.stats["put_back_slow"]
     assert put_back <= 20, put_back
+
+
+async def test_rows_ahead_are_claimed_only_within_the_free_half_of_max_in_flight(
+    db_url: str,
+) -> None:
+    """Rows queued behind an endpoint's request slots count in the relay's max_in_flight,
+    and the fair share plan gives an endpoint up to its max_concurrency: claimed ahead, one
+    fast endpoint could hold three times that and leave other tenants only the reserve. So
+    a claim asks for rows ahead only while the relay holds less than half its room."""
+    asked: list[int] = []
+
+    async def claim(*args: Any) -> tuple[list[Any], None, int]:
+        asked.append(args[-1])  # the claim's ahead
+        return [], None, 0
+
+    async with served(db_url, max_in_flight=20) as s:
+        s.source.store.claim = claim  # type: ignore[method-assign]
+        held = await s.claim(0)  # nothing: only the count of held rows matters below
+        for holding in (0, 9, 10, 19):
+            await s.source.claim(100, [*held, *([None] * holding)])  # type: ignore[list-item]
+    assert asked == [4, 4, 1, 1]
