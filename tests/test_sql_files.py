@@ -280,10 +280,10 @@ def heartbeat(table: str, row: str) -> str:
     )
 
 
-def release(table: str, row: str) -> str:
+def release(table: str, row: str, run_after: str = ", run_after = now()") -> str:
     return (
         f"\nUPDATE {table} AS {row}\n"
-        "SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()\n"
+        f"SET status = 'pending', locked_by = NULL, locked_until = NULL{run_after}\n"
         "FROM unnest($2::bigint[], $3::int[]) AS u(id, token)\n"
         f"WHERE {held(row, 'u', '$1')}\n"
     )
@@ -355,8 +355,9 @@ def test_the_lease_fences_are_written_alike() -> None:
     # The events' heartbeat and release and the deliveries', alike but for the table.
     for written, rows in ((q.HEARTBEAT, ("{table}", "o")), (q.DELIVERY_HEARTBEAT, DELIVERIES)):
         assert written == heartbeat(*rows)
-    for written, rows in ((q.RELEASE, ("{table}", "o")), (q.DELIVERY_RELEASE, DELIVERIES)):
-        assert written == release(*rows)
+    assert q.RELEASE == release("{table}", "o")
+    # A released delivery keeps its run_after: its place in its endpoint's queue.
+    assert q.DELIVERY_RELEASE == release(*DELIVERIES, run_after="")
     fenced = {
         "FAN_OUT": [("o", "u", "$3")],
         "RECORD": [("o", "u", "$7")],

@@ -66,7 +66,7 @@ added AS (
 SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 
 -- name: delivery_claim
--- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped
+-- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room
 -- The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 -- the cursor :cursor (NULL: from the first), at most :scan of them, with a loose index scan of
 -- the claim index. From each enabled endpoint of this relay's destinations (:destinations, with
@@ -194,7 +194,9 @@ ahead AS (
     ) AS d
     WHERE ends.rate_limit IS NULL AND ends.limit_ - ends.running > ends.room
       AND (SELECT count(*) FROM within) < :batch
-    LIMIT greatest(0, :batch - (SELECT count(*) FROM within))
+    -- Rows ahead only up to :ahead_room rows claimed in all: rows queued behind request
+    -- slots count in the relay's max_in_flight, and may take only the free half of it.
+    LIMIT greatest(0, least(:batch, :ahead_room) - (SELECT count(*) FROM within))
 ),
 picked AS (
     SELECT id, endpoint_id, false AS ahead FROM within
@@ -203,13 +205,16 @@ picked AS (
 ),
 stale AS (
     -- Endpoints met on the walk that are gone, or whose oldest pending delivery is of
-    -- another destination than theirs (moved with SQL): one probe each.
+    -- another destination than theirs (moved with SQL): one probe each. Only when the claim
+    -- did not fill its batch: the walk was then read to its end anyway, where a full batch
+    -- stops it early (read here, every claim would walk :scan endpoints).
     SELECT eps.endpoint_id, x.destination
     FROM eps LEFT JOIN {endpoints} AS x ON x.id = eps.endpoint_id
-    WHERE x.id IS NULL
-       OR x.destination <> (SELECT d.destination FROM {deliveries} AS d
-                            WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
-                            ORDER BY d.run_after, d.id LIMIT 1)
+    WHERE (SELECT count(*) FROM picked) < :batch
+      AND (x.id IS NULL
+           OR x.destination <> (SELECT d.destination FROM {deliveries} AS d
+                                WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
+                                ORDER BY d.run_after, d.id LIMIT 1))
 ),
 orphaned AS (
     UPDATE {deliveries} AS d
@@ -323,10 +328,12 @@ RETURNING d.id
 
 -- name: delivery_release
 -- params: relay, ids, tokens
--- leases.sql's release, for the deliveries.
+-- leases.sql's release, for the deliveries. A released delivery was never attempted: it keeps
+-- its run_after, and so its place in its endpoint's queue (rows claimed ahead and still queued
+-- at a stop would otherwise go behind every delivery of their endpoint not claimed yet).
 
 UPDATE {deliveries} AS d
-SET status = 'pending', locked_by = NULL, locked_until = NULL, run_after = now()
+SET status = 'pending', locked_by = NULL, locked_until = NULL
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
 WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
 

@@ -110,7 +110,8 @@ class DeliverySource(Attempts, Health):
                 caps[s.id] = s.config.max_concurrency  # its room, not claimed ahead
         # Claiming ahead uses only the free half of the relay's room: rows queued behind an
         # endpoint's request slots count in max_in_flight, and must not crowd out the others'.
-        ahead = self.ahead if holding < self.max_in_flight // 2 else 1
+        ahead_room = max(0, self.max_in_flight // 2 - holding)
+        ahead = self.ahead if ahead_room > 0 else 1
         try:
             claimed, self._cursor, orphans = await self.store.claim(
                 serving,
@@ -123,6 +124,7 @@ class DeliverySource(Attempts, Health):
                 caps,
                 sorted(share.skip_tenants),
                 ahead,
+                ahead_room,
             )
         except BaseException:
             self._cursor = None

@@ -122,11 +122,13 @@ class DeliveryStore:
         caps: Mapping[int, int],
         skip_tenants: Sequence[str] = (),
         ahead: int = 1,
+        ahead_room: int | None = None,
     ) -> tuple[list[Claimed], int | None, int]:
         """Due deliveries (see DELIVERY_CLAIM: ``caps`` are the known endpoints' caps on
         requests in flight, ``start`` each destination's cap for the others, ``skip`` and
         ``skip_tenants`` endpoints and tenants that take nothing now, ``ahead`` how many times
-        its room an endpoint known to be fast, and held by no other relay, is claimed for);
+        its room an endpoint known to be fast, and held by no other relay, is claimed for, and
+        ``ahead_room`` how many rows it may claim in all when it takes rows ahead);
         the cursor for the next claim; and how many deliveries of deleted or moved endpoints
         were cancelled on the way."""
         self.store.statements["delivery_claim"] += 1
@@ -150,6 +152,7 @@ class DeliveryStore:
             list(start),
             ahead,
             UNCAPPED,
+            limit if ahead_room is None else ahead_room,
         )
         claimed = [_claimed(r, until, started) for r in rows[:-1]]
         return claimed, rows[-1][2], rows[-1][1]
