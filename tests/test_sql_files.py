@@ -355,9 +355,9 @@ def test_the_lease_fences_are_written_alike() -> None:
     # The events' heartbeat and release and the deliveries', alike but for the table.
     for written, rows in ((q.HEARTBEAT, ("{table}", "o")), (q.DELIVERY_HEARTBEAT, DELIVERIES)):
         assert written == heartbeat(*rows)
-    assert q.RELEASE == release("{table}", "o")
+    assert release("{table}", "o") == q.RELEASE
     # A released delivery keeps its run_after: its place in its endpoint's queue.
-    assert q.DELIVERY_RELEASE == release(*DELIVERIES, run_after="")
+    assert release(*DELIVERIES, run_after="") == q.DELIVERY_RELEASE
     fenced = {
         "FAN_OUT": [("o", "u", "$3")],
         "RECORD": [("o", "u", "$7")],
