@@ -12,7 +12,7 @@ the shutdown puts them back.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 import structlog
@@ -67,6 +67,18 @@ class SourceSending(Generic[H]):
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
+    def _cut_short(self, left: Iterable[H], emit: Callable[[Record, H], None]) -> None:
+        """Rows a stop left without an outcome: one whose request had gone out may have
+        reached its receiver, and counts as an attempt; the others stay held, for the
+        shutdown to put back unattempted."""
+        for item in list(left):
+            try:
+                cut = self.source.cut_short(item)
+            except Exception as exc:  # a bug: counted as an attempt all the same
+                cut = self.source.crashed(item, exc)
+            if cut is not None:
+                emit(cut, item)
+
     async def deliver(self, items: list[H]) -> None:
         """Send one group; every row leaves with an outcome, or stays held for the stop."""
         left = {(i.id, i.token): i for i in items}
@@ -84,13 +96,7 @@ class SourceSending(Generic[H]):
             # A stop cut the group short: a request that had gone out may have reached its
             # receiver, and counts as an attempt; a row not started stays held, and is put
             # back unattempted by the shutdown.
-            for item in list(left.values()):
-                try:
-                    cut = source.cut_short(item)
-                except Exception as exc:  # a bug: counted as an attempt all the same
-                    cut = source.crashed(item, exc)
-                if cut is not None:
-                    emit(cut, item)
+            self._cut_short(left.values(), emit)
             raise
         except Exception as exc:
             log.error(
@@ -110,13 +116,7 @@ class SourceSending(Generic[H]):
             # Not started since the stop: held, put back by the shutdown; but a row whose
             # request had gone out (a source that left it without an outcome) counts as an
             # attempt, as when a stop cuts a group short.
-            for item in list(left.values()):
-                try:
-                    cut = source.cut_short(item)
-                except Exception as exc:  # a bug: counted as an attempt all the same
-                    cut = source.crashed(item, exc)
-                if cut is not None:
-                    emit(cut, item)
+            self._cut_short(left.values(), emit)
             return
         if left:
             # The source returned without an outcome for some rows (a bug): retried.
