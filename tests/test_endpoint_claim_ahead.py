@@ -220,6 +220,18 @@ async def test_a_small_claim_reads_no_more_than_its_batch_needs(db_url: str) -> 
     endpoint's rows (room first, then ahead) before the LIMIT read all of them (17,000
     rows, 43 ms against 10), where the walk's LIMIT used to stop at the first endpoint. The
     room is taken first with the LIMIT, the rows ahead only when it left the batch short."""
+    plan = await _small_claim_beside_a_backlog(db_url)
+    assert plan["Actual Rows"] == 5  # 4 claimed, and the cursor's row
+    assert _due_rows_read(plan) <= 4 * 16, _due_rows_read(plan)
+
+
+class _RolledBack(Exception):
+    pass
+
+
+async def _small_claim_beside_a_backlog(db_url: str) -> dict[str, Any]:
+    """The plan (EXPLAIN ANALYZE, rolled back) of a claim of 4 deliveries beside 1,000 fast
+    endpoints with 20 due each, claimed ahead."""
     _backlog(db_url, 1000, 20)
     caps = json.dumps({str(i): UNCAPPED for i in range(1, 1001)})
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
@@ -234,13 +246,8 @@ async def test_a_small_claim_reads_no_more_than_its_batch_needs(db_url: str) -> 
         pass
     finally:
         await conn.close()
-    plan = json.loads(out)[0]["Plan"]
-    assert plan["Actual Rows"] == 5  # 4 claimed, and the cursor's row
-    assert _due_rows_read(plan) <= 4 * 16, _due_rows_read(plan)
-
-
-class _RolledBack(Exception):
-    pass
+    plan: dict[str, Any] = json.loads(out)[0]["Plan"]
+    return plan
 
 
 async def test_a_row_put_back_keeps_its_place_and_its_endpoint_is_not_claimed_ahead_again(
@@ -330,21 +337,7 @@ async def test_a_small_claim_does_not_walk_every_endpoint(db_url: str) -> None:
     check for deleted or moved endpoints read all of it (it feeds a data-modifying CTE, which
     always runs to its end): a claim of 4 walked :scan endpoints (1,000; 7 ms against 0.8). It
     now looks only when the batch was not filled, when the walk went to its end anyway."""
-    _backlog(db_url, 1000, 20)
-    caps = json.dumps({str(i): UNCAPPED for i in range(1, 1001)})
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        async with conn.transaction():
-            [(out,)] = await conn.fetch(
-                "EXPLAIN (ANALYZE, FORMAT JSON) " + render_ops(DELIVERY_CLAIM, "public"),
-                [DEST], [4], 4, "r", caps, 1000, None, 30.0, [], [1], 4, UNCAPPED, 4,
-            )  # fmt: skip
-            raise _RolledBack
-    except _RolledBack:
-        pass
-    finally:
-        await conn.close()
-    plan = json.loads(out)[0]["Plan"]
+    plan = await _small_claim_beside_a_backlog(db_url)
     walk = [p for p in plan["Plans"] if p["Node Type"] == "Recursive Union"]
     assert walk and walk[0]["Actual Rows"] <= 16, walk[0]["Actual Rows"]
 
