@@ -310,7 +310,11 @@ async def test_an_endpoint_near_its_latency_budget_is_not_put_back_at_every_flip
         )
         [pipe] = [p for p in relay.pipes if p.name == "deliveries"]
         put_back = pipe.source.stats["put_back_slow"]
-    assert put_back <= 20, put_back
+    # Without the cooldown 100-102, idle or with the CPU taken by three busy loops; with it
+    # 12 idle, up to 24 under the suite's load (the rows within its room still go back at a
+    # flip, and flips come more often when the fast answers are slowed). Half of 100 tells
+    # the two apart under any load seen.
+    assert put_back <= 50, put_back
 
 
 async def test_rows_ahead_are_claimed_only_within_the_free_half_of_max_in_flight(
