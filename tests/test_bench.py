@@ -317,6 +317,40 @@ def test_fanout_with_slow_endpoints_beside_a_small_max_in_flight(pg_admin_url: s
     assert "target_p99_within_2x" in out["ratios"]
 
 
+def test_fanout_steady_under_a_held_snapshot_reports_windows_and_kept_versions(
+    pg_admin_url: str,
+) -> None:
+    """`bench fanout --hold-snapshot`, bounded: the snapshot is held from before the relay
+    starts to the end (its xmin unchanged), every delivery is accounted for, the latencies
+    come per window of commit time, and the tables show the dead versions it kept."""
+    out = bench(
+        "fanout",
+        "--endpoints",
+        "2",
+        "--no-slow-dead",
+        "--rate",
+        "100",
+        "--seconds",
+        "2",
+        "--window",
+        "1",
+        "--hold-snapshot",
+        admin=pg_admin_url,
+    )
+    s = out["steady"]
+    assert s["complete"] is True and s["accounted"] is True, s
+    assert s["hold_snapshot"] is True and s["snapshot_held_seconds"] > 2, s
+    assert s["snapshot_xmin"] is not None and s["snapshot_xmin"] == s["snapshot_xmin_at_end"]
+    rows = s["windows"]
+    # Two seconds of commits, a line per second (a commit late on a loaded machine: a third).
+    assert [w["from_s"] for w in rows][:2] == [0.0, 1.0] and len(rows) <= 3, rows
+    assert sum(w["deliveries"] for w in rows) == s["healthy_delivered"] == 400
+    assert all(0 < w["p50_ms"] <= w["p99_ms"] <= w["max_ms"] <= s["max_ms"] for w in rows)
+    # Each delivery was claimed and recorded: two dead versions, none removable.
+    assert s["tables"]["outbox_deliveries"]["dead"] >= 2 * 400, s["tables"]
+    assert s["tables"]["outbox"]["dead"] >= 100, s["tables"]
+
+
 def test_console_pages_over_a_small_and_an_estimated_outbox(pg_admin_url: str) -> None:
     """`bench console`, bounded: every page answers 200 (the run fails otherwise); 20,000 rows
     are counted exactly, 150,000 (more than 100,000 delivered) estimated, within a few %."""

@@ -377,12 +377,30 @@ def history_cmd(**opts: Any) -> None:
     help="The relay's max_in_flight (default: 4 x --batch-size).",
 )
 @shown("--rate", 500.0, type=click.FloatRange(1, 5000), help="Events/s.")
-@shown("--seconds", 10.0, type=click.FloatRange(0.1, 120))
+@shown(
+    "--seconds",
+    10.0,
+    type=click.FloatRange(0.1, 1800),
+    help="steady: seconds of load (--rate x --seconds is bounded too).",
+)
 @shown("--writers", 8, type=click.IntRange(1, 32), help="Connections.")
 @click.option(
     "--events",
     type=click.IntRange(1, 200_000),
     help="Events committed first: default 20,000 (drain), 5,000 (scale).",
+)
+@click.option(
+    "--hold-snapshot",
+    is_flag=True,
+    help=f"steady, drain: hold a snapshot open for the whole run (a connection named "
+    f"{SNAPSHOT_APP!r} in a REPEATABLE READ transaction, as a pg_dump holds one), opened "
+    "before the relay starts: vacuum can remove none of the run's dead row versions.",
+)
+@shown(
+    "--window",
+    30.0,
+    type=click.FloatRange(1, 600),
+    help="steady: seconds of commit time per line of the latency-per-window table.",
 )
 @shown(
     "--registered",

@@ -26,6 +26,7 @@ endpoints), the deliveries table by status, the message log, what the receivers 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import statistics
@@ -45,8 +46,8 @@ from relay.db.pool import create_pool
 from relay.db.store import Store
 from relay.sinks.endpoints.base import SCAN
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
-from relay.tools.bench.common import DESTINATION, machine
-from relay.tools.bench.fanout_load import Load
+from relay.tools.bench.common import DESTINATION, HeldSnapshot, held_snapshot, machine
+from relay.tools.bench.fanout_load import Load, dead_versions
 from relay.tools.bench.fanout_setup import add_events, register, relay_settings, running
 from relay.tools.bench.fanout_sql import (
     ANALYZE_ENDPOINTS,
@@ -134,6 +135,8 @@ def _isolation_run(opts: dict[str, Any], mode: str, pair: bool) -> Callable[[str
         slow_endpoints=opts["slow_endpoints"],
         max_in_flight=opts["max_in_flight"],
         timeout=opts["timeout"],
+        hold_snapshot=opts["hold_snapshot"],
+        window=opts["window"],
     )
 
 
@@ -173,6 +176,8 @@ async def isolation(
     slow_endpoints: int = 1,
     max_in_flight: int | None = None,
     timeout: float = 15.0,
+    hold_snapshot: bool = False,
+    window: float = 30.0,
 ) -> dict[str, Any]:
     backlog = dead_backlog if slow_dead else 0
     slow = slow_endpoints if slow_dead else 0
@@ -193,18 +198,35 @@ async def isolation(
         with local_receivers(delays, tmp) as receivers:
             ids = await _register_isolation(conn, receivers, slow_dead, backlog)
             load = Load(conn, db_url, receivers, ids[:healthy], max_seconds)
-            async with running(settings) as (relay, task):
-                await load.begin(relay, task)
-                if mode == "steady":
-                    await load.steady(db_url, rate, seconds, writers, tmp)
-                else:
-                    await load.drain(events)
-                await load.end()
-            received = receivers.stop()
-        report = await load.report(received, total, latency=mode == "steady", backlog=backlog)
+            held: HeldSnapshot | None = None
+            async with contextlib.AsyncExitStack() as stack:
+                if hold_snapshot:
+                    # Before the relay starts, held until the run's rows are counted: no
+                    # version the fan-out, the claims and the outcomes leave can be removed.
+                    held = await stack.enter_async_context(held_snapshot(db_url))
+                async with running(settings) as (relay, task):
+                    await load.begin(relay, task)
+                    if mode == "steady":
+                        await load.steady(db_url, rate, seconds, writers, tmp)
+                    else:
+                        await load.drain(events)
+                    await load.end()
+                received = receivers.stop()
+                report = await load.report(
+                    received, total, latency=mode == "steady", backlog=backlog, per_window=window
+                )
+                if hold_snapshot:
+                    report.update(await dead_versions(conn))
+            if held is not None:
+                report.update(held.figures())
     finally:
         await conn.close()
-    head: dict[str, Any] = {"mode": mode, "endpoints_healthy": healthy, "slow_and_dead": slow_dead}
+    head: dict[str, Any] = {
+        "mode": mode,
+        "endpoints_healthy": healthy,
+        "slow_and_dead": slow_dead,
+        "hold_snapshot": hold_snapshot,
+    }
     if slow_dead:
         head.update(slow_endpoints=slow, slow_delay_s=slow_delay, dead_backlog=backlog)
     head.update(

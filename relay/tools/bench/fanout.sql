@@ -103,3 +103,13 @@ RETURNING id, claims
 -- name: truncate_probe
 -- The statement probe's rows, removed afterwards.
 TRUNCATE outbox, outbox_deliveries, outbox_attempts
+
+-- name: table_versions
+-- The three tables' row versions and sizes at the end of a run (a held snapshot keeps every
+-- dead one): the statistics' counts, flushed by the relay's backends as they exit.
+SELECT c.relname AS name, s.n_live_tup AS live, s.n_dead_tup AS dead,
+       round(pg_table_size(c.oid) / 1048576.0, 1)::float8 AS table_mb,
+       round(pg_indexes_size(c.oid) / 1048576.0, 1)::float8 AS indexes_mb
+FROM pg_class AS c JOIN pg_stat_user_tables AS s ON s.relid = c.oid
+WHERE c.relname IN ('outbox', 'outbox_deliveries', 'outbox_attempts')
+ORDER BY c.relname

@@ -18,7 +18,7 @@ import click
 from outbox.dburl import to_asyncpg_dsn
 from relay.app import Relay
 from relay.sinks.endpoints.sink import EndpointsSink
-from relay.tools.bench.common import DESTINATION, percentile, rss_mb
+from relay.tools.bench.common import CLEAR_STATS_SNAPSHOT, DESTINATION, percentile, rss_mb
 from relay.tools.bench.fanout_setup import add_events
 from relay.tools.bench.fanout_sql import (
     COUNT_ATTEMPTS,
@@ -29,6 +29,7 @@ from relay.tools.bench.fanout_sql import (
     LAST_HEALTHY,
     RECORDED_LATENCY,
     RELAY_BACKENDS,
+    TABLE_VERSIONS,
 )
 from relay.tools.bench.receiver import LocalReceiver, LocalReceivers
 from relay.tools.bench.steady import (
@@ -175,6 +176,39 @@ def _ms(values: Sequence[float], p: float) -> float:
     return round(percentile(values, p), 2)
 
 
+async def dead_versions(conn: asyncpg.Connection) -> dict[str, Any]:
+    """The tables' live and dead row versions and sizes (under a held snapshot: every
+    version the run left)."""
+    await conn.execute(CLEAR_STATS_SNAPSHOT)
+    return {
+        "tables": {
+            r["name"]: {k: r[k] for k in ("live", "dead", "table_mb", "indexes_mb")}
+            for r in await conn.fetch(TABLE_VERSIONS)
+        }
+    }
+
+
+def windows(
+    latencies: Sequence[tuple[float, float]], started: float, window: float
+) -> list[dict[str, Any]]:
+    """Commit-to-delivery latencies per ``window`` seconds of commit time (``latencies``:
+    (commit time, ms)): a latency that grows while the run goes on shows here, not in the
+    run's overall percentiles."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for at, ms in latencies:
+        by[int(max(0.0, at - started) // window)].append(ms)
+    return [
+        {
+            "from_s": round(w * window, 1),
+            "deliveries": len(by[w]),
+            "p50_ms": _ms(by[w], 50),
+            "p99_ms": _ms(by[w], 99),
+            "max_ms": round(max(by[w]), 2),
+        }
+        for w in sorted(by)
+    ]
+
+
 class Load:
     """One run's load on a started relay, and what it measured."""
 
@@ -268,6 +302,7 @@ class Load:
         *,
         latency: bool,
         backlog: int = 0,
+        per_window: float = 30.0,
     ) -> dict[str, Any]:
         conn, healthy = self.conn, len(self.healthy_ids)
         acc = await account(
@@ -300,11 +335,18 @@ class Load:
             for i, e, t in received:
                 if i < healthy and (i, e) not in first:
                     first[(i, e)] = t
-            lat = [(t - self.commits[e]) * 1000 for (_, e), t in first.items() if e in self.commits]
+            timed = [
+                (self.commits[e], (t - self.commits[e]) * 1000)
+                for (_, e), t in first.items()
+                if e in self.commits
+            ]
+            lat = [ms for _, ms in timed]
             out["p50_ms"] = _ms(lat, 50)
             out["p95_ms"] = _ms(lat, 95)
             out["p99_ms"] = _ms(lat, 99)
             out["max_ms"] = round(max(lat, default=float("nan")), 2)
+            out["window_s"] = per_window
+            out["windows"] = windows(timed, self.started, per_window)
             recorded = [r[0] for r in await conn.fetch(RECORDED_LATENCY, self.healthy_ids)]
             out["recorded_p50_ms"] = _ms(recorded, 50)
             out["recorded_p99_ms"] = _ms(recorded, 99)

@@ -25,6 +25,7 @@ RELAY_BACKENDS = _q["relay_backends"]
 COUNT_EVENTS = _q["count_events"]
 DELIVERIES_BY_STATUS = _q["deliveries_by_status"]
 COUNT_ATTEMPTS = _q["count_attempts"]
+TABLE_VERSIONS = _q["table_versions"]
 
 # The scale scenario's statement probe (fanout.py).
 PROBE_CLAIM_ALL = _q["probe_claim_all"]
