@@ -83,7 +83,7 @@ async def _claim_pages(store: DeliveryStore, conn: asyncpg.Connection) -> int:
     await store.fan_out(held, "no endpoint matched")
     sql = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + render_ops(dq.DELIVERY_CLAIM, "public")
     args = [[DESTINATION], [ROOM], 2000, RELAY, "{}", 1000, None, 30.0, [], [ROOM], 1]
-    args += [UNCAPPED, 2000]
+    args += [UNCAPPED, 2000, True]
     async with conn.transaction():
         raw = await conn.fetchval(sql, *args)
         top = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]

@@ -66,7 +66,7 @@ added AS (
 SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 
 -- name: delivery_claim
--- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room
+-- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room, sweep
 -- The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 -- the cursor :cursor (NULL: from the first), at most :scan of them, with a loose index scan of
 -- the claim index. From each enabled endpoint of this relay's destinations (:destinations, with
@@ -93,9 +93,12 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- :lease seconds). The rows come with what sending needs: the event
 -- (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
 -- and event types, all of one snapshot, so that the relay checks the endpoint still takes the
--- event before it sends it to that URL. Pending deliveries of an endpoint met on the walk that
--- no longer exists (deleted while its events were being fanned out) or that now belongs to
--- another destination are cancelled, saying so. The last row (id -1) carries the cursor for
+-- event before it sends it to that URL. With :sweep, pending deliveries of an endpoint met on
+-- the walk that no longer exists (deleted while its events were being fanned out) or that now
+-- belongs to another destination are cancelled, saying so (they are never claimed: the claim
+-- reads enabled endpoints of their own destination only; the relay sweeps every few seconds,
+-- since each probe reads the endpoint's oldest pending delivery, past every dead entry a held
+-- snapshot keeps). The last row (id -1) carries the cursor for
 -- the next claim in endpoint_id: the last endpoint examined when the scan limit cut the walk
 -- short, the last one claimed from when the batch filled up, NULL when the walk reached the
 -- end.
@@ -210,7 +213,7 @@ stale AS (
     -- stops it early (read here, every claim would walk :scan endpoints).
     SELECT eps.endpoint_id, x.destination
     FROM eps LEFT JOIN {endpoints} AS x ON x.id = eps.endpoint_id
-    WHERE (SELECT count(*) FROM picked) < :batch
+    WHERE :sweep AND (SELECT count(*) FROM picked) < :batch
       AND (x.id IS NULL
            OR x.destination <> (SELECT d.destination FROM {deliveries} AS d
                                 WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'

@@ -39,6 +39,10 @@ log = structlog.get_logger("relay.sink.endpoints")
 Emit = Callable[[DeliveryRecord, Claimed], None]  # an outcome, and the delivery it is of
 Key = tuple[int, int]  # (delivery id, fencing token)
 PRUNE_EVERY = 10.0  # seconds between looks for endpoints idle long enough to be forgotten
+# Seconds between the claim's sweeps for deliveries of deleted or moved endpoints: never
+# claimed, they only wait to be cancelled, and each sweep's probes read every dead entry a
+# held snapshot keeps at the front of each endpoint's pending deliveries.
+SWEEP_EVERY = 5.0
 
 
 class DeliverySource(Attempts, Health):
@@ -72,6 +76,8 @@ class DeliverySource(Attempts, Health):
         self._waiting: dict[Key, EndpointState] = {}
         self._broken: dict[Key, BaseException] = {}
         self._pruned = time.monotonic()
+        self._swept = -SWEEP_EVERY  # when the last sweep of the whole walk ended (monotonic)
+        self._sweeping = False  # the claims since the walk's start have all swept
 
     # --- claiming -----------------------------------------------------------------------
 
@@ -112,12 +118,19 @@ class DeliverySource(Attempts, Health):
         # endpoint's request slots count in max_in_flight, and must not crowd out the others'.
         ahead_room = max(0, self.max_in_flight // 2 - holding)
         ahead = self.ahead if ahead_room > 0 else 1
+        # Once due, every claim sweeps until a walk from the first endpoint to the last has
+        # been swept whole: by one claim, or by claims cut at :scan going on from their
+        # cursors; a filled claim stops its walk early and sweeps nothing.
+        sweep = now - self._swept >= SWEEP_EVERY
+        if sweep and self._cursor is None:
+            self._sweeping = True
+        room = min(limit, share.limit)
         try:
             claimed, self._cursor, orphans = await self.store.claim(
                 serving,
                 [self.destinations[d].max_concurrency for d in serving],
                 [self.destinations[d].slow_concurrency for d in serving],
-                min(limit, share.limit),
+                room,
                 skip,
                 self.scan,
                 self._cursor,
@@ -125,11 +138,16 @@ class DeliverySource(Attempts, Health):
                 sorted(share.skip_tenants),
                 ahead,
                 ahead_room,
+                sweep,
             )
         except BaseException:
             self._cursor = None
             self._due = True  # claimed again once the claimer's retry comes
             raise
+        if not sweep or len(claimed) >= room:
+            self._sweeping = False
+        elif self._cursor is None and self._sweeping:
+            self._swept = now
         if orphans:
             log.warning(
                 "relay.endpoints.orphans_cancelled",

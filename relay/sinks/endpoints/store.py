@@ -123,6 +123,7 @@ class DeliveryStore:
         skip_tenants: Sequence[str] = (),
         ahead: int = 1,
         ahead_room: int | None = None,
+        sweep: bool = True,
     ) -> tuple[list[Claimed], int | None, int]:
         """Due deliveries (see DELIVERY_CLAIM: ``caps`` are the known endpoints' caps on
         requests in flight, ``start`` each destination's cap for the others, ``skip`` and
@@ -130,7 +131,7 @@ class DeliveryStore:
         its room an endpoint known to be fast, and held by no other relay, is claimed for, and
         ``ahead_room`` how many rows it may claim in all when it takes rows ahead);
         the cursor for the next claim; and how many deliveries of deleted or moved endpoints
-        were cancelled on the way."""
+        were cancelled on the way (looked for with ``sweep`` only)."""
         self.store.statements["delivery_claim"] += 1
         limits = {str(k): v for k, v in caps.items()}
         limits.update((str(k), 0) for k in skip)
@@ -153,6 +154,7 @@ class DeliveryStore:
             ahead,
             UNCAPPED,
             limit if ahead_room is None else ahead_room,
+            sweep,
         )
         claimed = [_claimed(r, until, started) for r in rows[:-1]]
         return claimed, rows[-1][2], rows[-1][1]
