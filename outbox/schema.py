@@ -304,7 +304,12 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
         ),
         Index("outbox_deliveries_endpoint_idx", "endpoint_id", "id"),
         _partial_index("outbox_deliveries_lease_idx", "locked_until", where="status = 'running'"),
-        _partial_index("outbox_deliveries_running_idx", "endpoint_id", where="status = 'running'"),
+        _partial_index(
+            "outbox_deliveries_in_flight_idx",
+            "endpoint_id",
+            "locked_until",
+            where="status = 'running'",
+        ),
         _partial_index(
             "outbox_deliveries_finished_idx",
             "finished_at",

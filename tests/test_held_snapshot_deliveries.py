@@ -14,8 +14,10 @@ and is marked xfail(strict) until then.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -76,42 +78,50 @@ def _delivered(c: Claimed) -> DeliveryRecord:
     )
 
 
-async def _claim_pages(store: DeliveryStore, conn: asyncpg.Connection) -> int:
-    """Pages one claim reads with 100 fresh deliveries waiting per endpoint (rolled back)."""
+async def _claim_plan(store: DeliveryStore, conn: asyncpg.Connection) -> dict[str, Any]:
+    """The plan of one claim (EXPLAIN ANALYZE, rolled back) with 100 fresh deliveries waiting
+    per endpoint."""
     await add_events(conn, 100, TENANT)
     held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, RELAY))
     await store.fan_out(held, "no endpoint matched")
     sql = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + render_ops(dq.DELIVERY_CLAIM, "public")
     args = [[DESTINATION], [ROOM], 2000, RELAY, "{}", 1000, None, 30.0, [], [ROOM], 1]
     args += [UNCAPPED, 2000, True]
-    async with conn.transaction():
-        raw = await conn.fetchval(sql, *args)
-        top = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
-        pages = int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
-        raise _RollBack(pages)
+    try:
+        async with conn.transaction():
+            raw = await conn.fetchval(sql, *args)
+            raise _RollBack((json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"])
+    except _RollBack as r:
+        return r.plan
 
 
 class _RollBack(Exception):
-    def __init__(self, pages: int) -> None:
-        self.pages = pages
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.plan = plan
 
 
 async def _pages(store: DeliveryStore, conn: asyncpg.Connection) -> int:
-    try:
-        await _claim_pages(store, conn)
-    except _RollBack as r:
-        return r.pages
-    raise AssertionError("the claim was not rolled back")
+    top = await _claim_plan(store, conn)
+    return int(top["Shared Hit Blocks"]) + int(top["Shared Read Blocks"])
+
+
+def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from _nodes(child)
 
 
 @pytest.fixture
-async def stores(db_url: str) -> AsyncIterator[tuple[DeliveryStore, asyncpg.Connection]]:
+async def stores(
+    db_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[DeliveryStore, asyncpg.Connection]]:
     dsn = to_asyncpg_dsn(db_url)
     conn = await asyncpg.connect(dsn)
     pool = await create_pool(dsn, RELAY, 1)
+    lease = getattr(request, "param", 30.0)
     try:
         await register(conn, [f"http://127.0.0.1:{9000 + i}/" for i in range(ENDPOINTS)], TENANT)
-        yield DeliveryStore(Store(pool, "public", RELAY, 30.0)), conn
+        yield DeliveryStore(Store(pool, "public", RELAY, lease)), conn
     finally:
         await pool.close()
         await conn.close()
@@ -136,3 +146,28 @@ async def test_the_delivery_claim_reads_as_many_pages_after_5x_the_history(
             await _round(store, conn, 250)
         after = await _pages(store, conn)
     assert after <= 1.5 * first + 200, (first, after)
+
+
+@pytest.mark.parametrize("stores", [1.0], indirect=True)  # a lease of 1 s
+async def test_the_claims_count_in_flight_reads_only_leases_not_yet_ended(
+    db_url: str, stores: tuple[DeliveryStore, asyncpg.Connection]
+) -> None:
+    """Each endpoint's deliveries in flight are counted by their live leases, from the index
+    of running deliveries by (endpoint, lease end) read from now() on: the dead running
+    version of each delivery recorded under a held snapshot carries a lease that has ended,
+    and is not read. By endpoint alone (outbox_deliveries_running_idx, before migration 0017)
+    the count read every one of them: 2,000 here, 250 per endpoint and claim."""
+    store, conn = stores
+    async with held_snapshot(db_url):
+        assert await _round(store, conn, 250) == 250 * ENDPOINTS
+        await asyncio.sleep(1.5)  # every lease of the history has ended
+        plan = await _claim_plan(store, conn)
+    counts = [
+        n
+        for n in _nodes(plan)
+        if n.get("Index Name") == "outbox_deliveries_in_flight_idx"
+        and "locked_until >" in n.get("Index Cond", "")
+    ]
+    assert counts, "the count in flight does not read the in-flight index by lease end"
+    # Index entries matched per endpoint: none of the history's 250.
+    assert all(n["Actual Rows"] <= 5 for n in counts), [n["Actual Rows"] for n in counts]

@@ -77,7 +77,8 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- gives it (:caps, a JSON object of endpoint id to cap: 0 for one it skips, circuit open,
 -- answered 410 or at its fair share; a slow endpoint's slow_concurrency; one this relay knows
 -- nothing of starts at its destination's slow_concurrency, :start_caps), less its deliveries in
--- flight claimed by ANY relay under a live lease (the running index: one probe), so that
+-- flight claimed by ANY relay under a live lease (outbox_deliveries_in_flight_idx from now() on:
+-- under a held snapshot, a lease's worth of dead versions, not every one since), so that
 -- max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit less
 -- its attempts in the last second. An endpoint known to be fast (its cap :uncapped or more),
 -- not rate-limited, with no delivery in flight under another relay's live lease, is claimed
