@@ -102,7 +102,8 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- snapshot keeps). The last row (id -1) carries the cursor for
 -- the next claim in endpoint_id: the last endpoint examined when the scan limit cut the walk
 -- short, the last one claimed from when the batch filled up, NULL when the walk reached the
--- end.
+-- end; the deliveries cancelled in event_id; and in found whether this claim swept (with
+-- :sweep, only when it picked less than :batch: a full batch stops the walk early).
 
 WITH RECURSIVE eps AS (
     -- Ordered as the claim index is (endpoint_id, run_after, id), so that the walk reads it:
@@ -274,8 +275,11 @@ SELECT -1, (SELECT count(*) FROM orphaned), CASE
            WHEN (SELECT count(*) FROM eps) >= :scan
                THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
        END,
-       NULL, 0, 0, false, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL
+       NULL, 0, 0, false,
+       -- Whether the sweep ran: the check reads the walk only when the claim picked less
+       -- than its batch (a claim may pick a full batch and still claim less: rows locked).
+       :sweep AND (SELECT count(*) FROM picked) < :batch,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: delivery_record
 -- params: ids, tokens, statuses, counted, delays, errors, http_statuses, event_ids, endpoint_ids, durations_ms, responses, replays, relay

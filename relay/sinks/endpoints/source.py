@@ -120,7 +120,7 @@ class DeliverySource(Attempts, Health):
         ahead = self.ahead if ahead_room > 0 else 1
         # Once due, every claim sweeps until a walk from the first endpoint to the last has
         # been swept whole: by one claim, or by claims cut at :scan going on from their
-        # cursors; a filled claim stops its walk early and sweeps nothing.
+        # cursors; a claim that picked a full batch stopped its walk early and swept nothing.
         sweep = now - self._swept >= SWEEP_EVERY
         if sweep and self._cursor is None:
             self._sweeping = True
@@ -144,7 +144,7 @@ class DeliverySource(Attempts, Health):
             self._cursor = None
             self._due = True  # claimed again once the claimer's retry comes
             raise
-        if not sweep or len(claimed) >= room:
+        if not self.store.swept:
             self._sweeping = False
         elif self._cursor is None and self._sweeping:
             self._swept = now

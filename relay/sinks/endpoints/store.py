@@ -89,6 +89,9 @@ def takes(
 class DeliveryStore:
     def __init__(self, store: Store) -> None:
         self.store = store
+        # Whether the last claim swept for deliveries of deleted or moved endpoints (it was
+        # asked to, and its walk was not stopped early by a full batch).
+        self.swept = False
 
     @property
     def relay_id(self) -> str:
@@ -157,6 +160,7 @@ class DeliveryStore:
             sweep,
         )
         claimed = [_claimed(r, until, started) for r in rows[:-1]]
+        self.swept = bool(rows[-1][7])
         return claimed, rows[-1][2], rows[-1][1]
 
     async def record(self, records: Sequence[DeliveryRecord]) -> set[tuple[int, int]]:

@@ -393,6 +393,8 @@ def _probe_claim_args(
         args.update(max_concurrency=[per_endpoint], in_hand={})
     else:
         args["per_endpoint"] = per_endpoint
+    if "sweep" in names:
+        args["sweep"] = False  # the source sweeps every SWEEP_EVERY seconds, not every claim
     return args
 
 

@@ -18,7 +18,14 @@ import click
 from outbox.dburl import to_asyncpg_dsn
 from relay.app import Relay
 from relay.sinks.endpoints.sink import EndpointsSink
-from relay.tools.bench.common import CLEAR_STATS_SNAPSHOT, DESTINATION, percentile, rss_mb
+from relay.tools.bench.common import (
+    CLEAR_STATS_SNAPSHOT,
+    DESTINATION,
+    OTHER_BACKENDS,
+    SNAPSHOT_APP,
+    percentile,
+    rss_mb,
+)
 from relay.tools.bench.fanout_setup import add_events
 from relay.tools.bench.fanout_sql import (
     COUNT_ATTEMPTS,
@@ -176,9 +183,13 @@ def _ms(values: Sequence[float], p: float) -> float:
     return round(percentile(values, p), 2)
 
 
-async def dead_versions(conn: asyncpg.Connection) -> dict[str, Any]:
+async def dead_versions(conn: asyncpg.Connection, settle: float = 5.0) -> dict[str, Any]:
     """The tables' live and dead row versions and sizes (under a held snapshot: every
-    version the run left)."""
+    version the run left). A backend sends its counts to the statistics as it exits: this
+    waits up to ``settle`` seconds for the relay's to be gone (the snapshot's stays)."""
+    deadline = time.monotonic() + settle
+    while await conn.fetchval(OTHER_BACKENDS, SNAPSHOT_APP) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     await conn.execute(CLEAR_STATS_SNAPSHOT)
     return {
         "tables": {
