@@ -174,14 +174,16 @@ async def _take_lock(
             if holder
             else "another session"
         )
+        # Told first: a deadline already past (a short --wait on a loaded machine, where the
+        # connection took it all) still names what it waited for before giving up.
+        if not told:
+            notify(f"waiting for another migrate of schema {schema!r} to finish: {who}")
+            told = True
         if time.monotonic() > deadline:
             raise MigrationError(
                 f"another migrate of schema {schema!r} has held its lock too long: {who}; "
                 "wait for it, or end that session (pg_terminate_backend)"
             )
-        if not told:
-            notify(f"waiting for another migrate of schema {schema!r} to finish: {who}")
-            told = True
         await asyncio.sleep(0.2)
 
 
