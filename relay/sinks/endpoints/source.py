@@ -118,19 +118,13 @@ class DeliverySource(Attempts, Health):
         # endpoint's request slots count in max_in_flight, and must not crowd out the others'.
         ahead_room = max(0, self.max_in_flight // 2 - holding)
         ahead = self.ahead if ahead_room > 0 else 1
-        # Once due, every claim sweeps until a walk from the first endpoint to the last has
-        # been swept whole: by one claim, or by claims cut at :scan going on from their
-        # cursors; a claim that picked a full batch stopped its walk early and swept nothing.
-        sweep = now - self._swept >= SWEEP_EVERY
-        if sweep and self._cursor is None:
-            self._sweeping = True
-        room = min(limit, share.limit)
+        sweep = self._sweep_due(now)
         try:
             claimed, self._cursor, orphans = await self.store.claim(
                 serving,
                 [self.destinations[d].max_concurrency for d in serving],
                 [self.destinations[d].slow_concurrency for d in serving],
-                room,
+                min(limit, share.limit),
                 skip,
                 self.scan,
                 self._cursor,
@@ -144,10 +138,7 @@ class DeliverySource(Attempts, Health):
             self._cursor = None
             self._due = True  # claimed again once the claimer's retry comes
             raise
-        if not self.store.swept:
-            self._sweeping = False
-        elif self._cursor is None and self._sweeping:
-            self._swept = now
+        self._swept_after(now)
         if orphans:
             log.warning(
                 "relay.endpoints.orphans_cancelled",
@@ -158,6 +149,24 @@ class DeliverySource(Attempts, Health):
             self._take(c)
         self.stats["claimed"] += len(claimed)
         return claimed
+
+    def _sweep_due(self, now: float) -> bool:
+        """Whether this claim sweeps for deliveries of deleted or moved endpoints. Once due,
+        every claim sweeps until a walk from the first endpoint to the last has been swept
+        whole: by one claim, or by claims cut at :scan going on from their cursors (a claim
+        that picked a full batch stopped its walk early and swept nothing)."""
+        sweep = now - self._swept >= SWEEP_EVERY
+        if sweep and self._cursor is None:
+            self._sweeping = True
+        return sweep
+
+    def _swept_after(self, now: float) -> None:
+        """After a claim: the sweep goes on, is done (the walk's end, swept from its first
+        endpoint), or must start again from the first."""
+        if not self.store.swept:
+            self._sweeping = False
+        elif self._cursor is None and self._sweeping:
+            self._swept = now
 
     def _plan(self, held: int) -> Plan:
         """The fair share plan (fairness.py) with ``held`` deliveries held: from the

@@ -12,8 +12,17 @@ import click
 
 from outbox.migrate import migrate
 from relay.runtime import loop
-from relay.tools.bench.common import SNAPSHOT_APP, Target, emit, machine
-from relay.tools.bench.options import as_json, common, database_url, event_loop, max_seconds, shown
+from relay.tools.bench.common import Target, emit, machine
+from relay.tools.bench.options import (
+    as_json,
+    common,
+    database_url,
+    event_loop,
+    hold_snapshot,
+    max_seconds,
+    shown,
+    window,
+)
 from relay.tools.bench.receiver import local_receiver
 from relay.tools.localbroker import LocalBroker
 from relay.tools.scratch import scratch_database
@@ -174,13 +183,7 @@ def _ratios(results: dict[str, Any]) -> None:
     type=float,
     help="relay.retention in seconds (default: the relay's); 0 deletes rows as they are recorded.",
 )
-@click.option(
-    "--hold-snapshot",
-    is_flag=True,
-    help=f"Hold a snapshot open during the drain (a connection named {SNAPSHOT_APP!r} in a "
-    "REPEATABLE READ transaction, as a pg_dump holds one): opened after the prefill and before "
-    "the relay starts, so vacuum can remove none of the claims' and outcomes' dead versions.",
-)
+@hold_snapshot("from after the prefill, before the relay starts, to the drain's end")
 @CLAIMS
 @click.option("--compare-naive", is_flag=True, help="Also run the one-row-per-round loop.")
 @shown("--naive-events", 3000)
@@ -239,13 +242,7 @@ STEADY_OPTIONS = (
     help="relay.retention in seconds (default: the relay's); 0 deletes rows as they are "
     "recorded. Retention runs once a minute: a long run shows the table level off.",
 )
-@click.option(
-    "--hold-snapshot",
-    is_flag=True,
-    help=f"Hold a snapshot open for the whole run (a connection named {SNAPSHOT_APP!r} in a "
-    "REPEATABLE READ transaction, as a pg_dump or a long report holds one), opened before "
-    "the load starts: vacuum can remove none of the run's dead row versions.",
-)
+@hold_snapshot("from before the load starts to the run's end")
 @shown(
     "--hold-insert",
     0.0,
@@ -254,12 +251,7 @@ STEADY_OPTIONS = (
     "--warmup seconds into the load (a bulk import, a session idle in transaction); 0: none.",
 )
 @CLAIMS
-@shown(
-    "--window",
-    15.0,
-    type=click.FloatRange(0.1, clamp=False),
-    help="Seconds of commit time per line of the latency-per-window table.",
-)
+@window(15.0)
 @shown(
     "--warmup",
     15.0,
@@ -389,19 +381,8 @@ def history_cmd(**opts: Any) -> None:
     type=click.IntRange(1, 200_000),
     help="Events committed first: default 20,000 (drain), 5,000 (scale).",
 )
-@click.option(
-    "--hold-snapshot",
-    is_flag=True,
-    help=f"steady, drain: hold a snapshot open for the whole run (a connection named "
-    f"{SNAPSHOT_APP!r} in a REPEATABLE READ transaction, as a pg_dump holds one), opened "
-    "before the relay starts: vacuum can remove none of the run's dead row versions.",
-)
-@shown(
-    "--window",
-    30.0,
-    type=click.FloatRange(1, 600),
-    help="steady: seconds of commit time per line of the latency-per-window table.",
-)
+@hold_snapshot("(steady, drain) from before the relay starts to the run's end")
+@window(30.0)
 @shown(
     "--registered",
     10_000,

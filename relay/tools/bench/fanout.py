@@ -26,14 +26,13 @@ endpoints), the deliveries table by status, the message log, what the receivers 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import statistics
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from relay.db.pool import create_pool
 from relay.db.store import Store
 from relay.sinks.endpoints.base import SCAN
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
-from relay.tools.bench.common import DESTINATION, HeldSnapshot, held_snapshot, machine
+from relay.tools.bench.common import DESTINATION, held_snapshot, machine
 from relay.tools.bench.fanout_load import Load, dead_versions
 from relay.tools.bench.fanout_setup import add_events, register, relay_settings, running
 from relay.tools.bench.fanout_sql import (
@@ -183,58 +182,55 @@ async def isolation(
     slow = slow_endpoints if slow_dead else 0
     delays = [0.0] * healthy + [slow_delay] * slow
     total = healthy + (slow + 1 if slow_dead else 0)
+    # shutdown: room for the slow endpoint's requests in flight to end and be recorded.
     settings = relay_settings(
-        db_url,
-        batch_size=batch_size,
-        max_concurrency=max_concurrency,
-        endpoints=total,
-        # Room for the slow endpoint's requests in flight to end and be recorded.
-        shutdown=slow_delay + 2.0,
-        max_in_flight=max_in_flight,
-        timeout=timeout,
-    )
+        db_url, batch_size=batch_size, max_concurrency=max_concurrency, endpoints=total,
+        shutdown=slow_delay + 2.0, max_in_flight=max_in_flight, timeout=timeout,
+    )  # fmt: skip
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
         with local_receivers(delays, tmp) as receivers:
             ids = await _register_isolation(conn, receivers, slow_dead, backlog)
             load = Load(conn, db_url, receivers, ids[:healthy], max_seconds)
-            held: HeldSnapshot | None = None
-            async with contextlib.AsyncExitStack() as stack:
-                if hold_snapshot:
-                    # Before the relay starts, held until the run's rows are counted: no
-                    # version the fan-out, the claims and the outcomes leave can be removed.
-                    held = await stack.enter_async_context(held_snapshot(db_url))
-                async with running(settings) as (relay, task):
-                    await load.begin(relay, task)
-                    if mode == "steady":
-                        await load.steady(db_url, rate, seconds, writers, tmp)
-                    else:
-                        await load.drain(events)
-                    await load.end()
-                received = receivers.stop()
-                report = await load.report(
-                    received, total, latency=mode == "steady", backlog=backlog, per_window=window
-                )
-                if hold_snapshot:
-                    report.update(await dead_versions(conn))
-            if held is not None:
-                report.update(held.figures())
+
+            async def measured() -> dict[str, Any]:
+                await load.run(settings, mode, events, (rate, seconds, writers), tmp)
+                return await load.report(
+                    receivers.stop(), total, latency=mode == "steady", backlog=backlog,
+                    per_window=window,
+                )  # fmt: skip
+
+            report = await _held_around(db_url, conn, hold_snapshot, measured)
     finally:
         await conn.close()
-    head: dict[str, Any] = {
-        "mode": mode,
-        "endpoints_healthy": healthy,
-        "slow_and_dead": slow_dead,
-        "hold_snapshot": hold_snapshot,
-    }
+    head: dict[str, Any] = {"mode": mode, "endpoints_healthy": healthy, "slow_and_dead": slow_dead}
     if slow_dead:
         head.update(slow_endpoints=slow, slow_delay_s=slow_delay, dead_backlog=backlog)
     head.update(
+        hold_snapshot=hold_snapshot,
         max_concurrency=max_concurrency,
         max_in_flight=settings.relay.max_in_flight,
         timeout_s=timeout,
     )
     return {**head, **report}
+
+
+async def _held_around(
+    db_url: str,
+    conn: asyncpg.Connection,
+    hold: bool,
+    body: Callable[[], Awaitable[dict[str, Any]]],
+) -> dict[str, Any]:
+    """``body``'s report; with ``hold``, a snapshot held from before it (the relay not yet
+    started) until the run's rows are counted, no version the fan-out, the claims and the
+    outcomes leave removable: the report then says what the tables kept, and the snapshot."""
+    if not hold:
+        return await body()
+    async with held_snapshot(db_url) as held:
+        report = await body()
+        report.update(await dead_versions(conn))
+    report.update(held.figures())
+    return report
 
 
 async def _register_isolation(

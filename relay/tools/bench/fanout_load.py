@@ -17,6 +17,7 @@ import click
 
 from outbox.dburl import to_asyncpg_dsn
 from relay.app import Relay
+from relay.config import Settings
 from relay.sinks.endpoints.sink import EndpointsSink
 from relay.tools.bench.common import (
     CLEAR_STATS_SNAPSHOT,
@@ -26,7 +27,7 @@ from relay.tools.bench.common import (
     percentile,
     rss_mb,
 )
-from relay.tools.bench.fanout_setup import add_events
+from relay.tools.bench.fanout_setup import add_events, running
 from relay.tools.bench.fanout_sql import (
     COUNT_ATTEMPTS,
     COUNT_EVENTS,
@@ -232,6 +233,7 @@ class Load:
         max_seconds: float,
     ) -> None:
         self.conn = conn
+        self.db_url = db_url
         self.receivers = receivers
         self.healthy_ids = healthy_ids
         self.max_seconds = max_seconds
@@ -274,6 +276,26 @@ class Load:
             return await _healthy_delivered(self.conn, self.healthy_ids) >= expected
 
         self.complete = got and await _wait_for(recorded, deadline, self.task, interval=0.1)
+
+    async def run(
+        self,
+        settings: Settings,
+        mode: str,
+        events: int,
+        steady: tuple[float, float, int],
+        tmp: Path,
+    ) -> None:
+        """The relay started with ``settings``; ``events`` drained, or (``mode`` "steady")
+        the ``steady`` load (rate, seconds, writers); until every healthy delivery is
+        recorded."""
+        async with running(settings) as (relay, task):
+            await self.begin(relay, task)
+            if mode == "steady":
+                rate, seconds, writers = steady
+                await self.steady(self.db_url, rate, seconds, writers, tmp)
+            else:
+                await self.drain(events)
+            await self.end()
 
     async def drain(self, events: int) -> None:
         """``events`` committed at once (one statement); until every healthy delivery is

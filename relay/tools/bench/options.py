@@ -9,6 +9,8 @@ from typing import Any
 
 import click
 
+from relay.tools.bench.common import SNAPSHOT_APP
+
 Command = Callable[..., Any]
 Decorator = Callable[[Command], Command]
 
@@ -16,6 +18,28 @@ Decorator = Callable[[Command], Command]
 def shown(name: str, default: Any, *, type: Any = None, help: str | None = None) -> Decorator:
     """An option whose default ``--help`` shows."""
     return click.option(name, default=default, show_default=True, type=type, help=help)
+
+
+def hold_snapshot(when: str) -> Decorator:
+    """--hold-snapshot: a snapshot held open (``when``: from when to when), as a pg_dump holds
+    one."""
+    return click.option(
+        "--hold-snapshot",
+        is_flag=True,
+        help=f"Hold a snapshot open (a connection named {SNAPSHOT_APP!r} in a REPEATABLE "
+        f"READ transaction, as a pg_dump or a long report holds one) {when}: vacuum can "
+        "remove none of the run's dead row versions.",
+    )
+
+
+def window(default: float) -> Decorator:
+    """--window: the latency-per-window table's lines."""
+    return shown(
+        "--window",
+        default,
+        type=click.FloatRange(0.1, clamp=False),
+        help="Seconds of commit time per line of the latency-per-window table.",
+    )
 
 
 def database_url(
