@@ -386,6 +386,57 @@ async def test_migration_0011_interrupted_anywhere_and_run_again(empty_db_url: s
     assert (await migrate(empty_db_url)).applied == []  # recorded: nothing left to run
 
 
+_RUNNING_BY_ENDPOINT = """
+SELECT count(*) FROM pg_index AS i
+WHERE i.indrelid = 'outbox_deliveries'::regclass AND i.indisvalid
+  AND pg_get_indexdef(i.indexrelid) LIKE '%(endpoint_id%WHERE (status = ''running''::text)'
+"""
+
+_BEFORE_0017 = [
+    "DROP INDEX IF EXISTS outbox_deliveries_in_flight_idx",
+    "DROP INDEX IF EXISTS outbox_deliveries_running_idx",
+    "CREATE INDEX outbox_deliveries_running_idx ON outbox_deliveries (endpoint_id) "
+    "WHERE status = 'running'",
+    "DELETE FROM outbox_migrations WHERE version = 17",
+]
+
+
+async def test_migration_0017_interrupted_anywhere_and_run_again(empty_db_url: str) -> None:
+    """Stopped after any of its statements and run again (a review found that a run whose
+    statements had all run but whose record was lost began by dropping the new index), 0017
+    ends with outbox_deliveries_in_flight_idx and never leaves the deliveries without a
+    valid index of running ones by endpoint meanwhile: each claim's count in flight would
+    read the lease index whole, once per endpoint walked."""
+    await migrate(empty_db_url)
+    (m,) = [m for m in load_migrations() if m.version == 17]
+    statements = m.statements()
+    conn = await asyncpg.connect(to_asyncpg_dsn(empty_db_url))
+    try:
+        for stop in range(len(statements) + 1):
+            for sql in _BEFORE_0017:
+                await conn.execute(sql)
+            for sql in [*statements[:stop], *statements]:  # interrupted, then run again
+                await conn.execute(sql)
+                assert await conn.fetchval(_RUNNING_BY_ENDPOINT) >= 1, (stop, sql)
+            await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+            indexes = {
+                r["indexname"]: r["indexdef"]
+                for r in await conn.fetch(
+                    "SELECT indexname, indexdef FROM pg_indexes"
+                    " WHERE tablename = 'outbox_deliveries'"
+                )
+            }
+            assert not [n for n in indexes if n.endswith(("_old_idx", "_next_idx"))], stop
+            assert "outbox_deliveries_running_idx" not in indexes, stop
+            assert (
+                "(endpoint_id, locked_until) WHERE (status = 'running'::text)"
+                in indexes["outbox_deliveries_in_flight_idx"]
+            )
+    finally:
+        await conn.close()
+    assert (await migrate(empty_db_url)).applied == []
+
+
 def test_no_transaction_migrations_hold_one_command_per_statement() -> None:
     """psql (running `migrate --dry-run`'s script) sends each command on its own: a statement
     of a migration outside a transaction holds one command, several only inside a DO block,
