@@ -20,7 +20,7 @@ from structlog.testing import capture_logs
 from outbox.status import Status
 from relay.config import RelaySettings
 from relay.db.store import Record
-from relay.maintenance.reaper import Reaper
+from relay.maintenance.reaper import FULL_EVERY, MARGIN, REAP_LIMIT, Reaper
 from relay.model import Envelope, Lease
 from relay.obs.metrics import Metrics
 from relay.pipeline.claimer import Claimer, Feed
@@ -254,6 +254,7 @@ class ItemSource(Table):
         self.limits: list[int] = []
         self.held: list[list[int]] = []
         self.reaped = 0
+        self.withins: list[float | None] = []
         self.woken = 0
 
     async def claim(self, limit: int, held: Iterable[Item]) -> Sequence[Item]:
@@ -263,7 +264,10 @@ class ItemSource(Table):
         lease = Lease(time.monotonic() + 3600)
         return [Item(i, 20, lease) for i in IDS] if len(self.limits) == 1 else []
 
-    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int:
+    async def reap(
+        self, max_attempts: int, limits: Mapping[str, int], within: float | None = None
+    ) -> int:
+        self.withins.append(within)
         return self.reaped
 
     def wake(self) -> None:
@@ -312,30 +316,36 @@ async def test_the_claimer_holds_and_dispatches_each_sources_rows_apart() -> Non
     await task
 
 
+class _Batches:
+    async def reap(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return []
+
+
+class _NoExpiredEvents:
+    """The reaper's store, with no event's lease expired."""
+
+    lease = 30.0
+    batch_leases = _Batches()
+
+    async def reap(self, *args: Any, **kwargs: Any) -> list[Any]:
+        return []
+
+    async def forget_batches(self, keep: float) -> int:
+        return 0
+
+
 async def test_the_reaper_reaps_each_other_source_after_the_events() -> None:
-    class Batches:
-        async def reap(self, *args: Any, **kwargs: Any) -> list[Any]:
-            return []
-
-    class Store:
-        lease = 30.0
-        batch_leases = Batches()
-
-        async def reap(self, *args: Any, **kwargs: Any) -> list[Any]:
-            return []
-
-        async def forget_batches(self, keep: float) -> int:
-            return 0
-
     class Refusing(ItemSource):
-        async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int:
+        async def reap(
+            self, max_attempts: int, limits: Mapping[str, int], within: float | None = None
+        ) -> int:
             raise asyncpg.PostgresError("refused")
 
     refusing, reaping, idle = Refusing(), ItemSource(), ItemSource()
     reaping.reaped = 2
     woken: list[str] = []
     reaper = Reaper(
-        Store(),  # type: ignore[arg-type]
+        _NoExpiredEvents(),  # type: ignore[arg-type]
         5,
         {},
         Metrics(),
@@ -349,6 +359,32 @@ async def test_the_reaper_reaps_each_other_source_after_the_events() -> None:
         ("relay.reap.source_failed", "deliveries"),
         ("relay.source.reaped", "deliveries"),
     ]
+
+
+async def test_the_reaper_bounds_each_other_sources_pass_after_a_complete_one() -> None:
+    """A delivery's reap, as the events': a held snapshot keeps the dead running version of
+    every delivery recorded since, each with the lease it had, and a pass over every lease
+    ever ended grew with them. After a complete pass, a pass takes only the leases that ended
+    since it began (and MARGIN before); every FULL_EVERY, all of them; a pass that reaped its
+    limit was not complete, and the next looks as far back as before."""
+    source = ItemSource()
+    store: Any = _NoExpiredEvents()
+    reaper = Reaper(store, 5, {}, Metrics(), lambda: None, extra=[source])
+    await reaper()
+    await asyncio.sleep(0.05)
+    await reaper()
+    first, second = source.withins
+    assert first is None  # the first pass: every lease ever ended
+    assert second is not None and MARGIN <= second < MARGIN + 1.0
+    source.reaped = REAP_LIMIT  # a pass cut at its limit: not complete
+    await reaper()
+    source.reaped = 0
+    await reaper()
+    cut, after = source.withins[2:]
+    assert cut is not None and after is not None and after > cut  # from the last complete one
+    reaper._source_full[0] = time.monotonic() - FULL_EVERY  # a full pass is due
+    await reaper()
+    assert source.withins[-1] is None
 
 
 class Backlog(ItemSource):

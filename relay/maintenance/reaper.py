@@ -29,7 +29,9 @@ class Reapable(Protocol):
     @property
     def name(self) -> str: ...
 
-    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int: ...
+    async def reap(
+        self, max_attempts: int, limits: Mapping[str, int], within: float | None = None
+    ) -> int: ...
 
     def wake(self) -> None: ...
 
@@ -75,6 +77,9 @@ class Reaper:
         self._complete: float | None = None
         self._full: float | None = None
         self._forgot: float | None = None
+        # The same for each other source, in the order of extra.
+        self._source_complete: list[float | None] = [None] * len(self.extra)
+        self._source_full: list[float | None] = [None] * len(self.extra)
 
     async def __call__(self) -> None:
         now = time.monotonic()
@@ -111,16 +116,26 @@ class Reaper:
                 destinations=sorted({r["destination"] for r in rows}),
             )
             self.reaped()
-        for source in self.extra:
-            await self._reap_source(source)
+        for i, source in enumerate(self.extra):
+            await self._reap_source(i, source)
 
-    async def _reap_source(self, source: Reapable) -> None:
-        """One other source's pass: its failure is its own, the next source's pass runs."""
+    async def _reap_source(self, i: int, source: Reapable) -> None:
+        """One other source's pass: its failure is its own, the next source's pass runs.
+        Bounded as the events' passes are: after a complete pass, only the leases that ended
+        since it began (and MARGIN before); every lease ever ended every FULL_EVERY."""
+        now = time.monotonic()
+        complete, last_full = self._source_complete[i], self._source_full[i]
+        full = complete is None or last_full is None or now - last_full >= FULL_EVERY
+        within = None if full or complete is None else now - complete + MARGIN
         try:
-            count = await source.reap(self.max_attempts, self.limits)
+            count = await source.reap(self.max_attempts, self.limits, within=within)
         except DB_ERRORS as exc:
             log.warning("relay.reap.source_failed", source=source.name, error=describe(exc))
             return
+        if count < REAP_LIMIT:
+            self._source_complete[i] = now
+            if full:
+                self._source_full[i] = now
         if count:
             # An event of its own: relay.lease.expired names the events' rows (first_id,
             # last_id, destinations), and a source's ids are another table's.

@@ -346,14 +346,19 @@ FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
 WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
 
 -- name: delivery_reap
--- params: default_max_attempts, batch, destinations, max_attempts
+-- params: default_max_attempts, batch, destinations, max_attempts, within
 -- Deliveries whose relay stopped heartbeating: back to pending, an attempt counted (the
 -- request may have been sent), or failed at their destination's attempt limit
--- (:destinations/:max_attempts; :default_max_attempts otherwise). At most :batch.
+-- (:destinations/:max_attempts; :default_max_attempts otherwise). At most :batch. :within:
+-- only leases that ended in the last :within seconds (NULL: all), as leases.sql's reap: a
+-- held snapshot keeps the dead running version of every delivery recorded since, each with
+-- the end its lease would have had, and a pass over all of them grew with every delivery;
+-- the reaper's full pass, now and then, takes what a bounded one cannot see.
 
 WITH expired AS (
     SELECT id FROM {deliveries}
     WHERE status = 'running' AND locked_until < now()
+      AND (:within::float8 IS NULL OR locked_until >= now() - make_interval(secs => :within::float8))
     ORDER BY locked_until
     LIMIT :batch
     FOR UPDATE SKIP LOCKED

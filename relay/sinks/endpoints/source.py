@@ -306,11 +306,14 @@ class DeliverySource(Attempts, Health):
         if leases:
             await self.store.release(leases)
 
-    async def reap(self, max_attempts: int, limits: Mapping[str, int]) -> int:
+    async def reap(
+        self, max_attempts: int, limits: Mapping[str, int], within: float | None = None
+    ) -> int:
         """Put back the deliveries whose lease expired (a dead relay's), an attempt counted;
         failed at their destination's ``limits`` (``max_attempts`` for a destination this
-        relay does not know). The reaper logs them and wakes this source."""
-        return await self.store.reap(max_attempts, {**limits, **self._limits})
+        relay does not know); with ``within``, only leases that ended in the last ``within``
+        seconds. The reaper logs them and wakes this source."""
+        return await self.store.reap(max_attempts, {**limits, **self._limits}, within=within)
 
 
 def _delivery(r: Record) -> DeliveryRecord:

@@ -210,7 +210,15 @@ class DeliveryStore:
             [t for _, t in held],
         )
 
-    async def reap(self, default_max: int, limits: Mapping[str, int], limit: int = 5000) -> int:
+    async def reap(
+        self,
+        default_max: int,
+        limits: Mapping[str, int],
+        limit: int = 5000,  # the reaper's REAP_LIMIT: fewer reaped, the pass was complete
+        within: float | None = None,
+    ) -> int:
+        """Deliveries whose lease expired put back (DELIVERY_REAP), at most ``limit``; with
+        ``within``, only leases that ended in the last ``within`` seconds. How many."""
         self.store.statements["delivery_reap"] += 1
         rows = await self.store.call(
             "fetch",
@@ -219,6 +227,7 @@ class DeliveryStore:
             limit,
             list(limits),
             list(limits.values()),
+            within,
         )
         return len(rows)
 
