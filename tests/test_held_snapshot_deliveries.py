@@ -200,3 +200,24 @@ async def test_a_bounded_reap_reads_only_leases_that_ended_within_its_bound(
             read[within] = int(plan["Shared Hit Blocks"]) + int(plan["Shared Read Blocks"])
     assert read[0.5] <= 10, read  # an index descent
     assert read[None] >= 10 * read[0.5], read  # what an unbounded pass reads: every entry
+
+
+@pytest.mark.parametrize("stores", [1.0], indirect=True)  # a lease of 1 s
+async def test_a_bounded_reap_takes_the_leases_that_ended_within_it_and_a_full_one_the_rest(
+    stores: tuple[DeliveryStore, asyncpg.Connection],
+) -> None:
+    """A dead relay's deliveries (claimed, never recorded): a pass bounded to the last
+    0.5 s after their leases ended takes them; ended 2 s before, only a full pass does."""
+    store, conn = stores
+    await add_events(conn, 1, TENANT)
+    held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, RELAY))
+    await store.fan_out(held, "no endpoint matched")
+    got, _, _ = await store.claim([DESTINATION], [ROOM], [ROOM], 2000, [], 1000, None, {})
+    assert len(got) == ENDPOINTS
+    await asyncio.sleep(1.2)  # their leases ended 0.2 s ago
+    assert await store.reap(10, {}, within=0.5) == ENDPOINTS
+    got, _, _ = await store.claim([DESTINATION], [ROOM], [ROOM], 2000, [], 1000, None, {})
+    assert len(got) == ENDPOINTS  # claimed again, and left to die
+    await asyncio.sleep(3.0)  # their leases ended 2 s ago
+    assert await store.reap(10, {}, within=0.5) == 0
+    assert await store.reap(10, {}) == ENDPOINTS
