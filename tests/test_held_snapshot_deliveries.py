@@ -28,8 +28,9 @@ from relay.db.queries import deliveries as dq
 from relay.db.queries.render import render_ops
 from relay.db.store import Store
 from relay.sinks.endpoints.fairness import UNCAPPED
-from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
+from relay.sinks.endpoints.store import DeliveryStore
 from relay.tools.bench.common import DESTINATION
+from relay.tools.bench.fanout import _delivered
 from relay.tools.bench.fanout_setup import add_events, register
 from relay.tools.bench.fanout_sql import PROBE_CLAIM_ALL
 from tests.test_claim_lanes import held_snapshot
@@ -59,23 +60,6 @@ async def _round(store: DeliveryStore, conn: asyncpg.Connection, events: int) ->
             break
     assert done >= made  # and the rows the last measure left pending
     return made
-
-
-def _delivered(c: Claimed) -> DeliveryRecord:
-    return DeliveryRecord(
-        id=c.id,
-        token=c.token,
-        status="delivered",
-        counted=1,
-        delay=0.0,
-        error=None,
-        http_status=204,
-        event_id=c.event_id,
-        endpoint_id=c.endpoint_id,
-        duration_ms=1.0,
-        response="",
-        replay=c.replay,
-    )
 
 
 async def _claim_plan(store: DeliveryStore, conn: asyncpg.Connection) -> dict[str, Any]:
