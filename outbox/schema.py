@@ -269,6 +269,11 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
     return table
 
 
+# A delivery of the claim's fresh lane (migration 0018): never claimed, due when it was written,
+# not a replay. Written alike wherever the lane is read (relay/db/queries/deliveries.sql).
+DELIVERY_FRESH = "claims = 0 AND NOT replay AND run_after <= created_at"
+
+
 def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Table:
     """Add ``outbox_deliveries`` (one row per event and matching endpoint) to ``metadata``."""
     return Table(
@@ -301,6 +306,20 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
             "run_after",
             "id",
             where="status = 'pending'",
+        ),
+        # The claim's lanes (migration 0018): never claimed, and due again.
+        _partial_index(
+            "outbox_deliveries_fresh_idx",
+            "endpoint_id",
+            "id",
+            where=f"status = 'pending' AND {DELIVERY_FRESH}",
+        ),
+        _partial_index(
+            "outbox_deliveries_waiting_idx",
+            "endpoint_id",
+            "run_after",
+            "id",
+            where="status = 'pending' AND (claims <> 0 OR replay OR run_after > created_at)",
         ),
         Index("outbox_deliveries_endpoint_idx", "endpoint_id", "id"),
         _partial_index("outbox_deliveries_lease_idx", "locked_until", where="status = 'running'"),

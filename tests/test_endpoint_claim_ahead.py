@@ -23,6 +23,7 @@ from relay.db.store import Store, create_pool
 from relay.sinks.endpoints.fairness import UNCAPPED
 from relay.sinks.endpoints.source import SWEEP_EVERY
 from relay.sinks.endpoints.store import DeliveryStore
+from tests.support.lanes import lane_args
 from tests.support.receiver import Receiver, Script
 from tests.support.relays import running, wait_until
 from tests.test_endpoint_delivery import (
@@ -205,15 +206,20 @@ def _backlog(db_url: str, endpoints: int, per: int) -> None:
 
 
 def _due_rows_read(plan: dict[str, Any]) -> int:
-    """Rows the claim read of the endpoints' due deliveries (its scans of the claim index)."""
-    total, stack = 0, [plan]
+    """Rows the claim read of the endpoints' due deliveries (its scans of the two lanes)."""
+    return sum(n["Actual Rows"] * n["Actual Loops"] for n in _lane_scans(plan))
+
+
+def _lane_scans(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plan's scans of the claim's lanes (migration 0018)."""
+    lanes = ("outbox_deliveries_fresh_idx", "outbox_deliveries_waiting_idx")
+    found, stack = [], [plan]
     while stack:
         node = stack.pop()
-        cond = node.get("Index Cond") or ""
-        if node.get("Index Name") == "outbox_deliveries_claim_idx" and "run_after" in cond:
-            total += node["Actual Rows"] * node["Actual Loops"]
+        if node.get("Index Name") in lanes:
+            found.append(node)
         stack.extend(node.get("Plans", []))
-    return total
+    return found
 
 
 async def test_a_small_claim_reads_no_more_than_its_batch_needs(db_url: str) -> None:
@@ -222,7 +228,7 @@ async def test_a_small_claim_reads_no_more_than_its_batch_needs(db_url: str) -> 
     rows, 43 ms against 10), where the walk's LIMIT used to stop at the first endpoint. The
     room is taken first with the LIMIT, the rows ahead only when it left the batch short."""
     plan = await _small_claim_beside_a_backlog(db_url)
-    assert plan["Actual Rows"] == 5  # 4 claimed, and the cursor's row
+    assert plan["Actual Rows"] == 6  # 4 claimed, the first endpoint's next floor, the cursor
     assert _due_rows_read(plan) <= 4 * 16, _due_rows_read(plan)
 
 
@@ -241,6 +247,7 @@ async def _small_claim_beside_a_backlog(db_url: str) -> dict[str, Any]:
             [(out,)] = await conn.fetch(
                 "EXPLAIN (ANALYZE, FORMAT JSON) " + render_ops(DELIVERY_CLAIM, "public"),
                 [DEST], [4], 4, "r", caps, 1000, None, 30.0, [], [1], 4, UNCAPPED, 4, True,
+                *await lane_args(conn),
             )  # fmt: skip
             raise _RolledBack
     except _RolledBack:
@@ -341,10 +348,12 @@ async def test_a_small_claim_does_not_walk_every_endpoint(db_url: str) -> None:
     """The walk over endpoints with pending deliveries stops once the batch is full, but the
     check for deleted or moved endpoints read all of it (it feeds a data-modifying CTE, which
     always runs to its end): a claim of 4 walked :scan endpoints (1,000; 7 ms against 0.8). It
-    now looks only when the batch was not filled, when the walk went to its end anyway."""
+    now looks only when the batch was not filled, when the walk went to its end anyway. The
+    endpoints the walk probes, in either lane, are those the claim needs (and each one's next
+    floor, up to where it stopped)."""
     plan = await _small_claim_beside_a_backlog(db_url)
-    walk = [p for p in plan["Plans"] if p["Node Type"] == "Recursive Union"]
-    assert walk and walk[0]["Actual Rows"] <= 16, walk[0]["Actual Rows"]
+    probes = [n["Actual Loops"] for n in _lane_scans(plan)]
+    assert probes and max(probes) <= 16, probes
 
 
 async def test_a_stop_keeps_the_place_of_rows_queued_ahead(

@@ -59,6 +59,12 @@ async def missing_tables(call: Call, schema: str) -> list[str]:
                     f"DROP INDEX CONCURRENTLY {name}; then run its CREATE INDEX from "
                     "migrations/0012_claim_lanes.sql"
                 )
+        # The delivery claim's lanes: without them its cost grew with every delivery made
+        # while a snapshot was held.
+        for index in ("outbox_deliveries_fresh_idx", "outbox_deliveries_waiting_idx"):
+            name = queries.qualified_table(schema, index)
+            if await call("fetchval", queries.INDEX_VALID, name) is None:
+                missing.append(f"{name} (migration 0018)")
         # The owner's claim of an ordered destination reads the failed rows by it.
         failed = queries.qualified_table(schema, "outbox_failed_key_idx")
         if await call("fetchval", queries.INDEX_VALID, failed) is None:

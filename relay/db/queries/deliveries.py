@@ -5,12 +5,23 @@ Their text, and why each is written so, is in relay/db/queries/deliveries.sql.""
 
 from __future__ import annotations
 
+import zlib
+
 from outbox.sql import load
 
 _q = load("relay.db.queries", "deliveries.sql", binds="numbered")
 
+
+def serial_key(schema: str) -> int:
+    """The key of the transaction lock that orders fan-outs into ``schema``'s deliveries (see
+    fan_out): one per schema, a signed 32-bit int. Another schema's key may be the same; its
+    fan-outs then wait for these, and nothing else changes."""
+    return int.from_bytes(zlib.crc32(schema.encode()).to_bytes(4, "big"), "big", signed=True)
+
+
 FAN_OUT = _q["fan_out"]
 DELIVERY_CLAIM = _q["delivery_claim"]
+DELIVERY_FLOORS = _q["delivery_floors"]
 DELIVERY_RECORD = _q["delivery_record"]
 DELIVERY_HEARTBEAT = _q["delivery_heartbeat"]
 DELIVERY_RELEASE = _q["delivery_release"]

@@ -10,7 +10,7 @@
 -- deliveries; delivery_reap's limits and what it sets on a reaped row are leases.sql's reap's.
 
 -- name: fan_out
--- params: ids, tokens, relay, no_match
+-- params: ids, tokens, relay, no_match, serial
 -- Fan-out of a claimed batch of events and their outcome, in one statement: one delivery per
 -- matching endpoint (enabled, of the event's destination, of its tenant or of every tenant,
 -- taking its type or every type), and each event recorded as delivered (with :no_match as
@@ -22,8 +22,19 @@
 -- were kept). Returns each event recorded with how many endpoints it matched; an event missing
 -- from the answer was no longer this relay's (its lease ran out): nothing was fanned out for
 -- it.
+--
+-- Fan-outs write their deliveries one at a time (:serial, the deliveries table's key: see
+-- relay/db/queries/deliveries.py): each takes a transaction lock before it draws its first id,
+-- and holds it to its commit, so fan-outs commit in the order of their ids. A claim that sees
+-- a fresh delivery then sees every fresh delivery of a lower id that will ever be: the floors
+-- of the claim's fresh lane (delivery_claim) are never passed by a fan-out committing late.
+-- The lock is a gate of both the events' UPDATE and the INSERT (a one-time filter, read before
+-- either reads a row), so no fan-out waits for it holding an event's row lock.
 
-WITH matched AS (
+WITH serial AS MATERIALIZED (
+    SELECT 1 AS one FROM (SELECT pg_advisory_xact_lock(:serial::int, 1)) AS l
+),
+matched AS (
     SELECT o.id AS event_id, e.id AS endpoint_id, o.destination
     FROM {table} AS o
     CROSS JOIN LATERAL (
@@ -35,7 +46,7 @@ WITH matched AS (
         WHERE e.enabled AND e.destination = o.destination AND e.tenant IS NULL
           AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types))
     ) AS e
-    WHERE o.id = ANY(:ids::bigint[])
+    WHERE o.id = ANY(:ids::bigint[]) AND (SELECT one FROM serial) = 1
 ),
 counted AS (
     SELECT event_id, count(*)::int AS n FROM matched GROUP BY event_id
@@ -53,6 +64,7 @@ recorded AS (
     FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
     LEFT JOIN counted AS c ON c.event_id = u.id
     WHERE o.id = u.id AND CASE WHEN o.claims = u.token AND o.status = 'running' AND o.locked_by = :relay THEN true END
+      AND (SELECT one FROM serial) = 1
     RETURNING o.id, coalesce(c.n, 0) AS endpoints
 ),
 added AS (
@@ -66,73 +78,127 @@ added AS (
 SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 
 -- name: delivery_claim
--- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room, sweep
+-- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room, sweep, floors, seen, chunk
 -- The delivery claim. It walks the endpoints that have pending deliveries, in id order from
--- the cursor :cursor (NULL: from the first), at most :scan of them, with a loose index scan of
--- the claim index. From each enabled endpoint of this relay's destinations (:destinations, with
--- each one's max_concurrency in :max_concurrency) but those of the tenants it skips
--- (:skip_tenants: at their fair share, see relay/sinks/endpoints/fairness.py), it takes due
--- deliveries of the endpoint's own destination, oldest first: as many as the endpoint has room
--- for, fewer for a rate-limited one. Its room is its max_concurrency, or the cap this relay
--- gives it (:caps, a JSON object of endpoint id to cap: 0 for one it skips, circuit open,
--- answered 410 or at its fair share; a slow endpoint's slow_concurrency; one this relay knows
--- nothing of starts at its destination's slow_concurrency, :start_caps), less its deliveries in
--- flight claimed by ANY relay under a live lease (outbox_deliveries_in_flight_idx from now() on:
--- under a held snapshot, a lease's worth of dead versions, not every one since), so that
--- max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit less
--- its attempts in the last second. An endpoint known to be fast (its cap :uncapped or more),
--- not rate-limited, with no delivery in flight under another relay's live lease, is claimed
--- ahead: :ahead times its room, so that its next requests wait in this relay's request slots
--- (which hold it to max_concurrency) rather than for a claim each time one ends; another relay
--- then sees those rows running and takes none of it, and a slow, new or rate-limited endpoint
--- never is. Rows claimed ahead are kept only where none of the endpoint's picked rows was
--- skipped as locked (or no longer pending): such a row is another relay's claim in progress,
--- not yet seen running, whose rows would come on top of this claim's. A dead endpoint's
--- backlog is never scanned past: the claim reads one endpoint's due rows at a time. At most
--- :batch rows in all, each endpoint's room before any row ahead (a small batch is shared, not
--- given whole to the first endpoint walked), marked running under this relay's lease (:relay,
--- :lease seconds). The rows come with what sending needs: the event
--- (NULL if it was deleted), with its tenant and type, and the endpoint's URL, secrets, tenant
--- and event types, all of one snapshot, so that the relay checks the endpoint still takes the
--- event before it sends it to that URL. With :sweep, pending deliveries of an endpoint met on
--- the walk that no longer exists (deleted while its events were being fanned out) or that now
--- belongs to another destination are cancelled, saying so (they are never claimed: the claim
--- reads enabled endpoints of their own destination only; the relay sweeps every few seconds,
--- since each probe reads the endpoint's oldest pending delivery, past every dead entry a held
--- snapshot keeps). The last row (id -1) carries the cursor for
--- the next claim in endpoint_id: the last endpoint examined when the scan limit cut the walk
--- short, the last one claimed from when the batch filled up, NULL when the walk reached the
--- end; the deliveries cancelled in event_id; and in found whether this claim swept (with
--- :sweep, only when it picked less than :batch: a full batch stops the walk early).
+-- the cursor :cursor (NULL: from the first), at most :scan of them. From each enabled endpoint
+-- of this relay's destinations (:destinations, with each one's max_concurrency in
+-- :max_concurrency) but those of the tenants it skips (:skip_tenants: at their fair share, see
+-- relay/sinks/endpoints/fairness.py), it takes due deliveries of the endpoint's own
+-- destination, oldest first: as many as the endpoint has room for, fewer for a rate-limited
+-- one. Its room is its max_concurrency, or the cap this relay gives it (:caps, a JSON object of
+-- endpoint id to cap: 0 for one it skips, circuit open, answered 410 or at its fair share; a
+-- slow endpoint's slow_concurrency; one this relay knows nothing of starts at its
+-- destination's slow_concurrency, :start_caps), less its deliveries in flight claimed by ANY
+-- relay under a live lease (outbox_deliveries_in_flight_idx from now() on: under a held
+-- snapshot, a lease's worth of dead versions, not every one since), so that max_concurrency
+-- holds across relays; a rate-limited endpoint's is also at most its limit less its attempts
+-- in the last second. An endpoint known to be fast (its cap :uncapped or more), not
+-- rate-limited, with no delivery in flight under another relay's live lease, is claimed ahead:
+-- :ahead times its room, so that its next requests wait in this relay's request slots (which
+-- hold it to max_concurrency) rather than for a claim each time one ends; another relay then
+-- sees those rows running and takes none of it, and a slow, new or rate-limited endpoint never
+-- is. Rows claimed ahead are kept only where none of the endpoint's picked rows was skipped as
+-- locked (or no longer pending): such a row is another relay's claim in progress, not yet seen
+-- running, whose rows would come on top of this claim's. A dead endpoint's backlog is never
+-- scanned past: the claim reads one endpoint's due rows at a time. At most :batch rows in all,
+-- each endpoint's room before any row ahead (a small batch is shared, not given whole to the
+-- first endpoint walked), marked running under this relay's lease (:relay, :lease seconds).
+-- The rows come with what sending needs: the event (NULL if it was deleted), with its tenant
+-- and type, and the endpoint's URL, secrets, tenant and event types, all of one snapshot, so
+-- that the relay checks the endpoint still takes the event before it sends it to that URL.
+--
+-- Two lanes (migration 0018), so that a held snapshot (a pg_dump, a report, an idle
+-- transaction), which keeps the dead pending version of every delivery claimed since, costs
+-- the claim only those claimed since its relay last looked. Fresh deliveries (never claimed,
+-- due when written, not replays: nearly all of them) are read in id order from each endpoint's
+-- floor: :floors, a JSON object of endpoint id to floor kept by this relay, below which the
+-- endpoint has no fresh delivery pending. Fresh deliveries of endpoints it keeps no floor for
+-- are above :seen: the claim reads those written since (at most :chunk, in id order, from the
+-- primary key) and gives their endpoints floors. Deliveries due again (retried, reaped,
+-- released, replayed, or written with a later run_after) are read in run_after order from the
+-- waiting lane, whose endpoints the walk finds with a loose index scan. Fan-outs commit in the
+-- order of their ids (fan_out), so a floor or :seen is never passed by one committing late.
+--
+-- With :sweep, pending deliveries of an endpoint met on the walk that no longer exists
+-- (deleted while its events were being fanned out) or that now belongs to another destination
+-- are cancelled, saying so (they are never claimed: the claim reads enabled endpoints of their
+-- own destination only; the relay sweeps every few seconds). The last rows carry what the
+-- relay keeps: rows of id -2 an endpoint's next floor (in endpoint_id; its floor in event_id,
+-- NULL: none of its fresh deliveries is pending), for every endpoint walked and every one
+-- found above :seen; the last row (id -1) the cursor for the next claim in endpoint_id (the
+-- last endpoint examined when the scan limit cut the walk short, the last one claimed from
+-- when the batch filled up, NULL when the walk reached the end), the deliveries cancelled in
+-- event_id, the next :seen in attempts' place (as text in content_type), and in found whether
+-- this claim swept (with :sweep, only when it picked less than :batch: a full batch stops the
+-- walk early).
 
-WITH RECURSIVE eps AS (
-    -- Ordered as the claim index is (endpoint_id, run_after, id), so that the walk reads it:
-    -- ordered by endpoint_id alone, the planner may take the endpoint index instead (once the
-    -- table has statistics), and step over every delivered row of each endpoint to its first
-    -- pending one (20 ms a claim after 30,000 deliveries).
+WITH RECURSIVE waits AS (
+    -- The endpoints with deliveries due again, from the cursor: a loose scan of the waiting
+    -- lane, whose dead entries are only those of deliveries retried since the snapshot.
     (SELECT d.endpoint_id, 1 AS n FROM {deliveries} AS d
-     WHERE d.status = 'pending' AND d.endpoint_id > coalesce(:cursor::bigint, -1)
+     WHERE d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
+       AND d.endpoint_id > coalesce(:cursor::bigint, -1)
      ORDER BY d.endpoint_id, d.run_after, d.id
      LIMIT 1)
     UNION ALL
-    SELECT nxt.endpoint_id, eps.n + 1
-    FROM eps CROSS JOIN LATERAL (
+    SELECT nxt.endpoint_id, waits.n + 1
+    FROM waits CROSS JOIN LATERAL (
         SELECT d.endpoint_id FROM {deliveries} AS d
-        WHERE d.status = 'pending' AND d.endpoint_id > eps.endpoint_id
+        WHERE d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
+          AND d.endpoint_id > waits.endpoint_id
         ORDER BY d.endpoint_id, d.run_after, d.id
         LIMIT 1
     ) AS nxt
-    WHERE eps.n < :scan
+    WHERE waits.n < :scan
+),
+found AS MATERIALIZED (
+    -- Fresh deliveries written since :seen. IS TRUE keeps the planner on the primary key: by
+    -- the fresh lane's index it would read every endpoint's range whole.
+    SELECT d.id, d.endpoint_id FROM {deliveries} AS d
+    WHERE d.id > :seen::bigint
+      AND (d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at) IS TRUE
+    ORDER BY d.id
+    LIMIT :chunk
+),
+seen AS MATERIALIZED (
+    -- Up to where the next claim's read of fresh deliveries starts: the last one found when
+    -- :chunk cut it short, else the highest id there is (every fresh delivery up to it is
+    -- seen: fan_out) but of replays, which `outbox-relay replay` writes without the fan-outs'
+    -- lock (so that no fan-out waits for an operator's transaction).
+    SELECT CASE WHEN (SELECT count(*) FROM found) >= :chunk THEN (SELECT max(id) FROM found)
+                ELSE coalesce((SELECT max(id) FROM {deliveries} WHERE NOT replay), 0) END AS seen
+),
+floors AS MATERIALIZED (
+    -- Each endpoint's floor: the one kept, or below the first found, or (an endpoint with
+    -- deliveries due again only) the next :seen.
+    SELECT f.endpoint_id, min(f.floor) AS floor
+    FROM (
+        SELECT k.key::bigint AS endpoint_id, k.value::bigint AS floor
+        FROM jsonb_each_text(:floors::jsonb) AS k
+        UNION ALL
+        SELECT endpoint_id, min(id) - 1 FROM found GROUP BY endpoint_id
+        UNION ALL
+        SELECT endpoint_id, (SELECT seen FROM seen) FROM waits
+    ) AS f
+    GROUP BY f.endpoint_id
+),
+eps AS MATERIALIZED (
+    SELECT f.endpoint_id, f.floor, row_number() OVER (ORDER BY f.endpoint_id) AS n
+    FROM floors AS f
+    WHERE f.endpoint_id > coalesce(:cursor::bigint, -1)
+    ORDER BY f.endpoint_id
+    LIMIT :scan
 ),
 conc AS (
     SELECT * FROM unnest(:destinations::text[], :max_concurrency::int[], :start_caps::int[])
         AS c(destination, max_concurrency, start_cap)
 ),
 ends AS (
-    -- The endpoints walked, each with its room (its cap less its deliveries in flight) and
-    -- how many of its rows this claim may take (limit_ - running: more than its room when it
-    -- is claimed ahead). Read in walk order, as far as the claim needs.
-    SELECT e.*, eps.n
+    -- The endpoints walked, each with its room (its cap less its deliveries in flight), how
+    -- many of its rows this claim may take (limit_ - running: more than its room when it is
+    -- claimed ahead) and how many within its room (take). Read in walk order, as far as the
+    -- claim needs.
+    SELECT e.*, eps.n, eps.floor
     FROM eps
     -- OFFSET 0 keeps the walk driving: one probe per endpoint found, never a scan of all
     -- the endpoints registered.
@@ -165,21 +231,36 @@ ends AS (
 ),
 within AS (
     -- Each endpoint's room, in walk order: the LIMIT ends the walk's reads once the batch
-    -- is full.
+    -- is full. Each lane gives its oldest, and the oldest of both are taken.
     SELECT d.id, ends.id AS endpoint_id
     FROM ends
     CROSS JOIN LATERAL (
-        SELECT d.id FROM {deliveries} AS d
-        WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
-          AND d.status = 'pending' AND d.run_after <= now()
-        ORDER BY d.run_after, d.id
-        LIMIT CASE WHEN ends.rate_limit IS NULL THEN ends.room
-                   ELSE greatest(0, least(ends.limit_, ends.rate_limit
-                       - (SELECT count(*) FROM {attempts} AS a
-                          WHERE a.endpoint_id = ends.id
-                            AND a.at > now() - interval '1 second'))
-                        - ends.running)
-              END
+        SELECT CASE WHEN ends.rate_limit IS NULL THEN ends.room
+                    ELSE greatest(0, least(ends.limit_, ends.rate_limit
+                        - (SELECT count(*) FROM {attempts} AS a
+                           WHERE a.endpoint_id = ends.id
+                             AND a.at > now() - interval '1 second'))
+                         - ends.running)
+               END AS take
+    ) AS t
+    CROSS JOIN LATERAL (
+        SELECT c.id FROM (
+            (SELECT d.id, d.run_after FROM {deliveries} AS d
+             WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
+               AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+               AND d.id > ends.floor AND d.run_after <= now()
+             ORDER BY d.id
+             LIMIT t.take)
+            UNION ALL
+            (SELECT d.id, d.run_after FROM {deliveries} AS d
+             WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
+               AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
+               AND d.run_after <= now()
+             ORDER BY d.run_after, d.id
+             LIMIT t.take)
+        ) AS c
+        ORDER BY c.run_after, c.id
+        LIMIT t.take
     ) AS d
     LIMIT :batch
 ),
@@ -190,10 +271,22 @@ ahead AS (
     SELECT d.id, ends.id AS endpoint_id
     FROM ends
     CROSS JOIN LATERAL (
-        SELECT d.id FROM {deliveries} AS d
-        WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
-          AND d.status = 'pending' AND d.run_after <= now()
-        ORDER BY d.run_after, d.id
+        SELECT c.id FROM (
+            (SELECT d.id, d.run_after FROM {deliveries} AS d
+             WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
+               AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+               AND d.id > ends.floor AND d.run_after <= now()
+             ORDER BY d.id
+             LIMIT ends.limit_ - ends.running)
+            UNION ALL
+            (SELECT d.id, d.run_after FROM {deliveries} AS d
+             WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
+               AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
+               AND d.run_after <= now()
+             ORDER BY d.run_after, d.id
+             LIMIT ends.limit_ - ends.running)
+        ) AS c
+        ORDER BY c.run_after, c.id
         OFFSET ends.room
         LIMIT ends.limit_ - ends.running - ends.room
     ) AS d
@@ -209,17 +302,24 @@ picked AS (
     SELECT id, endpoint_id, true FROM ahead
 ),
 stale AS (
-    -- Endpoints met on the walk that are gone, or whose oldest pending delivery is of
-    -- another destination than theirs (moved with SQL): one probe each. Only when the claim
-    -- did not fill its batch: the walk was then read to its end anyway, where a full batch
-    -- stops it early (read here, every claim would walk :scan endpoints).
+    -- Endpoints met on the walk that are gone, or whose first pending delivery of either
+    -- lane is of another destination than theirs (moved with SQL): a probe of each lane.
+    -- Only when the claim did not fill its batch: the walk was then read to its end anyway,
+    -- where a full batch stops it early (read here, every claim would walk :scan endpoints).
     SELECT eps.endpoint_id, x.destination
     FROM eps LEFT JOIN {endpoints} AS x ON x.id = eps.endpoint_id
     WHERE :sweep AND (SELECT count(*) FROM picked) < :batch
       AND (x.id IS NULL
-           OR x.destination <> (SELECT d.destination FROM {deliveries} AS d
-                                WHERE d.endpoint_id = eps.endpoint_id AND d.status = 'pending'
-                                ORDER BY d.run_after, d.id LIMIT 1))
+           OR (x.destination <> ANY(ARRAY[
+                  (SELECT d.destination FROM {deliveries} AS d
+                   WHERE d.endpoint_id = eps.endpoint_id
+                     AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+                     AND d.id > eps.floor
+                   ORDER BY d.id LIMIT 1),
+                  (SELECT d.destination FROM {deliveries} AS d
+                   WHERE d.endpoint_id = eps.endpoint_id
+                     AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
+                   ORDER BY d.run_after, d.id LIMIT 1)])) IS TRUE)
 ),
 orphaned AS (
     UPDATE {deliveries} AS d
@@ -238,8 +338,8 @@ orphaned AS (
 locked AS (
     -- Another relay may have claimed a row since this statement's snapshot: the lock
     -- re-reads it and the status check drops it. Written so that the planner finds the rows
-    -- by id (the primary key) rather than through the partial claim index, which it would
-    -- otherwise read whole for the ids.
+    -- by id (the primary key) rather than through a partial index, which it would otherwise
+    -- read whole for the ids.
     SELECT d.id FROM {deliveries} AS d
     WHERE d.id = ANY(ARRAY(SELECT id FROM picked)) AND (d.status = 'pending') IS TRUE
     ORDER BY d.id
@@ -259,6 +359,30 @@ claimed AS (
         claims = d.claims + 1
     WHERE d.id = ANY(ARRAY(SELECT id FROM kept))
     RETURNING d.id, d.event_id, d.endpoint_id, d.destination, d.attempts, d.claims, d.replay
+),
+next_cursor AS MATERIALIZED (
+    SELECT CASE
+               WHEN (SELECT count(*) FROM picked) >= :batch THEN (SELECT max(endpoint_id) FROM picked)
+               WHEN (SELECT count(*) FROM eps) >= :scan
+                   THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
+           END AS cursor
+),
+next_floors AS (
+    -- Each endpoint walked (up to the next cursor), below its first fresh delivery this claim
+    -- did not take: those taken are passed, those another claim is taking (seen pending) are
+    -- not. Then those found above :seen and not walked, below the first found.
+    SELECT eps.endpoint_id,
+           (SELECT min(d.id) - 1 FROM {deliveries} AS d
+            WHERE d.endpoint_id = eps.endpoint_id
+              AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+              AND d.id > eps.floor AND d.id <> ALL(ARRAY(SELECT id FROM kept))) AS floor
+    FROM eps
+    WHERE eps.endpoint_id <= coalesce((SELECT cursor FROM next_cursor), eps.endpoint_id)
+    UNION ALL
+    SELECT f.endpoint_id, f.floor FROM floors AS f
+    WHERE f.endpoint_id IN (SELECT endpoint_id FROM found)
+      AND NOT (f.endpoint_id IN (SELECT endpoint_id FROM eps)
+               AND f.endpoint_id <= coalesce((SELECT cursor FROM next_cursor), f.endpoint_id))
 )
 SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.replay,
        o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
@@ -270,16 +394,42 @@ FROM claimed AS c
 JOIN {endpoints} AS e ON e.id = c.endpoint_id
 LEFT JOIN {table} AS o ON o.id = c.event_id
 UNION ALL
-SELECT -1, (SELECT count(*) FROM orphaned), CASE
-           WHEN (SELECT count(*) FROM picked) >= :batch THEN (SELECT max(endpoint_id) FROM picked)
-           WHEN (SELECT count(*) FROM eps) >= :scan
-               THEN (SELECT endpoint_id FROM eps ORDER BY n DESC LIMIT 1)
-       END,
+SELECT -2, n.floor, n.endpoint_id, NULL, 0, 0, false, false,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM next_floors AS n
+UNION ALL
+SELECT -1, (SELECT count(*) FROM orphaned), (SELECT cursor FROM next_cursor),
        NULL, 0, 0, false,
        -- Whether the sweep ran: the check reads the walk only when the claim picked less
        -- than its batch (a claim may pick a full batch and still claim less: rows locked).
        :sweep AND (SELECT count(*) FROM picked) < :batch,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, (SELECT seen FROM seen)::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+
+-- name: delivery_floors
+-- Every endpoint's first fresh delivery still pending (a loose scan of the fresh lane), and the
+-- highest id there is (id -1), read in one snapshot: the floors and :seen a relay's delivery
+-- claims start from, and check now and then (a delivery written by hand in a transaction
+-- that committed late, ids handed out again). Under a held snapshot it reads every dead entry
+-- of the lane: off the claim's path, once at a start and every few minutes.
+
+WITH RECURSIVE firsts AS (
+    (SELECT d.endpoint_id, d.id FROM {deliveries} AS d
+     WHERE d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+     ORDER BY d.endpoint_id, d.id
+     LIMIT 1)
+    UNION ALL
+    SELECT nxt.endpoint_id, nxt.id
+    FROM firsts CROSS JOIN LATERAL (
+        SELECT d.endpoint_id, d.id FROM {deliveries} AS d
+        WHERE d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+          AND d.endpoint_id > firsts.endpoint_id
+        ORDER BY d.endpoint_id, d.id
+        LIMIT 1
+    ) AS nxt
+)
+SELECT endpoint_id, id FROM firsts
+UNION ALL
+SELECT -1, coalesce((SELECT max(id) FROM {deliveries} WHERE NOT replay), 0)
 
 -- name: delivery_record
 -- params: ids, tokens, statuses, counted, delays, errors, http_statuses, event_ids, endpoint_ids, durations_ms, responses, replays, relay

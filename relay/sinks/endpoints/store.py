@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import asyncpg
+import structlog
 
 from relay.db import queries
 from relay.db.store import Record, Store, read_headers
 from relay.model import Lease
 from relay.sinks.endpoints.fairness import UNCAPPED
+from relay.sinks.endpoints.lanes import FOUND_CHUNK, Floors
+
+log = structlog.get_logger("relay.endpoints")
 
 
 class RowLease(Lease):
@@ -92,6 +97,10 @@ class DeliveryStore:
         # Whether the last claim swept for deliveries of deleted or moved endpoints (it was
         # asked to, and its walk was not stopped early by a full batch).
         self.swept = False
+        # The claim's fresh lane: one claim at a time reads and moves its floors.
+        self.lanes = Floors()
+        self._claiming = asyncio.Lock()
+        self._serial = queries.serial_key(store.schema)
 
     @property
     def relay_id(self) -> str:
@@ -110,6 +119,7 @@ class DeliveryStore:
             [t for _, t in events],
             self.relay_id,
             no_match,
+            self._serial,
         )
         return {r[0]: r[1] for r in rows}
 
@@ -135,13 +145,72 @@ class DeliveryStore:
         ``ahead_room`` how many rows it may claim in all when it takes rows ahead);
         the cursor for the next claim; and how many deliveries of deleted or moved endpoints
         were cancelled on the way (looked for with ``sweep`` only)."""
-        self.store.statements["delivery_claim"] += 1
-        limits = {str(k): v for k, v in caps.items()}
-        limits.update((str(k), 0) for k in skip)
-        lease = self.store.lease
-        started = time.monotonic()
-        until = started + lease  # before the statement: never later than its now()
-        rows = await self.store.call(
+        async with self._claiming:
+            if self.lanes.due(time.monotonic()):
+                await self._read_floors()
+            self.store.statements["delivery_claim"] += 1
+            limits = {str(k): v for k, v in caps.items()}
+            limits.update((str(k), 0) for k in skip)
+            lease = self.store.lease
+            started = time.monotonic()
+            until = started + lease  # before the statement: never later than its now()
+            rows = await self._claim(
+                destinations,
+                max_concurrency,
+                start,
+                limit,
+                scan,
+                cursor,
+                limits,
+                skip_tenants,
+                ahead,
+                ahead_room,
+                sweep,
+            )
+            marker = rows[-1]
+            if not self.lanes.claimed(((r[2], r[1]) for r in rows if r[0] == -2), int(marker[9])):
+                log.warning(
+                    "relay.endpoints.floors_reset",
+                    reason="the highest delivery id went back (ids handed out again, or "
+                    "the newest deliveries deleted): the claim's floors are read again",
+                )
+        claimed = [_claimed(r, until, started) for r in rows if r[0] >= 0]
+        self.swept = bool(marker[7])
+        return claimed, marker[2], marker[1]
+
+    async def _read_floors(self) -> None:
+        """Every endpoint's first fresh delivery pending and the highest id (DELIVERY_FLOORS),
+        taken as the lane's floors or checked against them."""
+        self.store.statements["delivery_floors"] += 1
+        rows = await self.store.call("fetch", queries.DELIVERY_FLOORS)
+        top = next(r[1] for r in rows if r[0] == -1)
+        firsts = [(r[0], r[1]) for r in rows if r[0] != -1]
+        missed = self.lanes.read(firsts, top, time.monotonic())
+        if missed:
+            log.warning(
+                "relay.endpoints.deliveries_below_floor",
+                endpoints=missed,
+                reason="fresh deliveries were written below where the claim had read (a "
+                "transaction writing deliveries by hand committed late, or ids were handed "
+                "out again): claimed from now on",
+            )
+
+    async def _claim(
+        self,
+        destinations: Sequence[str],
+        max_concurrency: Sequence[int],
+        start: Sequence[int],
+        limit: int,
+        scan: int,
+        cursor: int | None,
+        limits: Mapping[str, int],
+        skip_tenants: Sequence[str],
+        ahead: int,
+        ahead_room: int | None,
+        sweep: bool,
+    ) -> list[asyncpg.Record]:
+        """DELIVERY_CLAIM's rows: those claimed, each next floor (-2), the marker (-1)."""
+        rows: list[asyncpg.Record] = await self.store.call(
             "fetch",
             queries.DELIVERY_CLAIM,
             list(destinations),
@@ -151,17 +220,18 @@ class DeliveryStore:
             json.dumps(limits, separators=(",", ":")),
             scan,
             cursor,
-            lease,
+            self.store.lease,
             list(skip_tenants),
             list(start),
             ahead,
             UNCAPPED,
             limit if ahead_room is None else ahead_room,
             sweep,
+            self.lanes.as_json(),
+            self.lanes.seen,
+            FOUND_CHUNK,
         )
-        claimed = [_claimed(r, until, started) for r in rows[:-1]]
-        self.swept = bool(rows[-1][7])
-        return claimed, rows[-1][2], rows[-1][1]
+        return rows
 
     async def record(self, records: Sequence[DeliveryRecord]) -> set[tuple[int, int]]:
         """Write outcomes and log attempts; the (id, token) pairs recorded (the others were no

@@ -1,0 +1,81 @@
+"""What a relay keeps of the delivery claim's fresh lane (migration 0018; DELIVERY_CLAIM says
+how the claim reads it): each endpoint's floor, below which the endpoint has no fresh delivery
+pending, and ``seen``, below which every endpoint without a floor has none.
+
+Under a held snapshot (a pg_dump, a report, an idle transaction) every delivery claimed since
+leaves a dead entry in the fresh lane's index; read from a floor, a claim passes only those
+claimed since its relay last looked, not all of them. Pure: the store runs the statements."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# How many fresh deliveries one claim reads past ``seen``: a fan-out of a large backlog is
+# found over several claims, each reading at most this many of its rows.
+FOUND_CHUNK = 1000
+
+# How often the floors are read whole (DELIVERY_FLOORS), in seconds: what a floor cannot see (a
+# delivery written by hand in a transaction that committed late, ids handed out again) waits
+# at most this long. Under a held snapshot that read passes every dead entry of the lane.
+CHECK_EVERY = 300.0
+
+
+@dataclass(slots=True)
+class Floors:
+    """Each endpoint's floor and ``seen``; ``None`` floors until they have been read whole."""
+
+    floors: dict[int, int] | None = None
+    seen: int = 0
+    checked_at: float = field(default=float("-inf"))  # monotonic time of the last whole read
+
+    def due(self, now: float) -> bool:
+        """Whether the next claim reads the floors whole first: never read, or not for
+        CHECK_EVERY."""
+        return self.floors is None or now - self.checked_at >= CHECK_EVERY
+
+    def as_json(self) -> str:
+        """The floors as DELIVERY_CLAIM takes them (:floors)."""
+        floors = {str(k): v for k, v in (self.floors or {}).items()}
+        return json.dumps(floors, separators=(",", ":"))
+
+    def read(self, firsts: Iterable[tuple[int, int]], top: int, now: float) -> list[int]:
+        """After DELIVERY_FLOORS: each endpoint's first fresh delivery pending (``firsts``)
+        and the highest id (``top``). The first read takes them; a later one lowers a floor
+        where a delivery is below it, and gives one to an endpoint that had none. Returns the
+        endpoints where a delivery was below what the floors said (written late, or ids
+        handed out again)."""
+        self.checked_at = now
+        if self.floors is None:
+            self.floors = {endpoint: first - 1 for endpoint, first in firsts}
+            self.seen = top
+            return []
+        missed = []
+        for endpoint, first in firsts:
+            floor = self.floors.get(endpoint)
+            if first <= (self.seen if floor is None else floor):
+                missed.append(endpoint)
+            self.floors[endpoint] = first - 1 if floor is None else min(floor, first - 1)
+        return missed
+
+    def claimed(self, floors: Iterable[tuple[int, int | None]], seen: int) -> bool:
+        """After DELIVERY_CLAIM: the next floors it gave (``None``: the endpoint has no fresh
+        delivery pending) and the next ``seen``. False when ``seen`` went back (ids handed
+        out again, or the newest deliveries deleted): the floors are then read whole at the
+        next claim."""
+        if self.floors is None:
+            return True  # not read yet: nothing to keep
+        if seen < self.seen:
+            self.floors = None
+            return False
+        for endpoint, floor in floors:
+            if floor is None:
+                self.floors.pop(endpoint, None)
+            else:
+                self.floors[endpoint] = floor
+        self.seen = seen
+        return True
+
+
+__all__ = ["CHECK_EVERY", "FOUND_CHUNK", "Floors"]

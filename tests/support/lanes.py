@@ -1,0 +1,21 @@
+"""The delivery claim's lane arguments for tests that run DELIVERY_CLAIM themselves: the floors
+and ``seen`` a relay starts from (DELIVERY_FLOORS), as DeliveryStore passes them."""
+
+from __future__ import annotations
+
+import time
+
+import asyncpg
+
+from relay.db.queries import DELIVERY_FLOORS
+from relay.db.queries.render import render_ops
+from relay.sinks.endpoints.lanes import FOUND_CHUNK, Floors
+
+
+async def lane_args(conn: asyncpg.Connection, schema: str = "public") -> list[object]:
+    """:floors, :seen and :chunk of a relay that has just read its floors."""
+    rows = await conn.fetch(render_ops(DELIVERY_FLOORS, schema))
+    lanes = Floors()
+    top = next(r[1] for r in rows if r[0] == -1)
+    lanes.read([(r[0], r[1]) for r in rows if r[0] != -1], top, time.monotonic())
+    return [lanes.as_json(), lanes.seen, FOUND_CHUNK]
