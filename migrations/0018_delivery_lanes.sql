@@ -24,3 +24,17 @@ CREATE INDEX CONCURRENTLY outbox_deliveries_fresh_idx ON outbox_deliveries (endp
 DROP INDEX CONCURRENTLY IF EXISTS outbox_deliveries_waiting_idx;
 CREATE INDEX CONCURRENTLY outbox_deliveries_waiting_idx ON outbox_deliveries (endpoint_id, run_after, id)
     WHERE status = 'pending' AND (claims <> 0 OR replay OR run_after > created_at);
+-- An endpoint's deliveries in flight by when their leases end and by relay: the claim counts
+-- only other relays' from the database (each relay knows its own), and an index key of
+-- locked_by lets it step over its own entries, and over the dead running version of each of
+-- its deliveries recorded while a snapshot is held (a lease's worth: with a 30 s lease at 800
+-- deliveries/s, 24,000 read at every claim), without reading the table. It replaces
+-- outbox_deliveries_in_flight_idx of migration 0017 (its first two columns, for relays of
+-- that release), built under a name of its own and swapped in as 0017 does, so a run
+-- interrupted anywhere and run again never leaves the deliveries without one.
+DROP INDEX CONCURRENTLY IF EXISTS outbox_deliveries_in_flight_old_idx;
+DROP INDEX CONCURRENTLY IF EXISTS outbox_deliveries_in_flight_next_idx;
+CREATE INDEX CONCURRENTLY outbox_deliveries_in_flight_next_idx ON outbox_deliveries (endpoint_id, locked_until, locked_by)
+    WHERE status = 'running';
+DO $$ BEGIN IF to_regclass('outbox_deliveries_in_flight_idx') IS NOT NULL THEN ALTER INDEX outbox_deliveries_in_flight_idx RENAME TO outbox_deliveries_in_flight_old_idx; END IF; ALTER INDEX outbox_deliveries_in_flight_next_idx RENAME TO outbox_deliveries_in_flight_idx; END $$;
+DROP INDEX CONCURRENTLY IF EXISTS outbox_deliveries_in_flight_old_idx;

@@ -274,32 +274,9 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
 DELIVERY_FRESH = "claims = 0 AND NOT replay AND run_after <= created_at"
 
 
-def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Table:
-    """Add ``outbox_deliveries`` (one row per event and matching endpoint) to ``metadata``."""
-    return Table(
-        DELIVERIES_TABLE_NAME,
-        metadata,
-        _id(),
-        *_event_and_endpoint(),
-        Column("destination", Text, nullable=False),
-        Column("status", Text, nullable=False, server_default=text("'pending'::text")),
-        Column("attempts", Integer, nullable=False, server_default=text("0")),
-        _timestamp("run_after", now=True),
-        Column("locked_by", Text, nullable=True),
-        _timestamp("locked_until"),
-        Column("claims", Integer, nullable=False, server_default=text("0")),
-        Column("last_error", Text, nullable=True),
-        Column("last_status", Integer, nullable=True),
-        _timestamp("created_at", now=True),
-        _timestamp("finished_at"),
-        Column("replay", Boolean, nullable=False, server_default=text("false")),
-        CheckConstraint(
-            "status IN ('pending', 'running', 'delivered', 'failed', 'cancelled')",
-            name="outbox_deliveries_status_check",
-        ),
-        UniqueConstraint(
-            "event_id", "endpoint_id", name="outbox_deliveries_event_id_endpoint_id_key"
-        ),
+def _deliveries_indexes() -> list[Index]:
+    """outbox_deliveries' indexes, as the migrations create them (the drift test compares)."""
+    return [
         _partial_index(
             "outbox_deliveries_claim_idx",
             "endpoint_id",
@@ -327,6 +304,7 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
             "outbox_deliveries_in_flight_idx",
             "endpoint_id",
             "locked_until",
+            "locked_by",
             where="status = 'running'",
         ),
         _partial_index(
@@ -334,6 +312,36 @@ def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Ta
             "finished_at",
             where="status IN ('delivered', 'failed', 'cancelled')",
         ),
+    ]
+
+
+def define_deliveries_table(metadata: MetaData, schema: str | None = None) -> Table:
+    """Add ``outbox_deliveries`` (one row per event and matching endpoint) to ``metadata``."""
+    return Table(
+        DELIVERIES_TABLE_NAME,
+        metadata,
+        _id(),
+        *_event_and_endpoint(),
+        Column("destination", Text, nullable=False),
+        Column("status", Text, nullable=False, server_default=text("'pending'::text")),
+        Column("attempts", Integer, nullable=False, server_default=text("0")),
+        _timestamp("run_after", now=True),
+        Column("locked_by", Text, nullable=True),
+        _timestamp("locked_until"),
+        Column("claims", Integer, nullable=False, server_default=text("0")),
+        Column("last_error", Text, nullable=True),
+        Column("last_status", Integer, nullable=True),
+        _timestamp("created_at", now=True),
+        _timestamp("finished_at"),
+        Column("replay", Boolean, nullable=False, server_default=text("false")),
+        CheckConstraint(
+            "status IN ('pending', 'running', 'delivered', 'failed', 'cancelled')",
+            name="outbox_deliveries_status_check",
+        ),
+        UniqueConstraint(
+            "event_id", "endpoint_id", name="outbox_deliveries_event_id_endpoint_id_key"
+        ),
+        *_deliveries_indexes(),
         schema=schema,
     )
 

@@ -891,12 +891,14 @@ async def test_a_fast_endpoint_held_by_no_other_relay_is_claimed_ahead(db_url: s
         for _ in range(30):
             delivery(db_url, event(db_url), ep, "pending")
     delivery(db_url, event(db_url), shared, "running", locked_by="other-relay")
-    for _ in range(3):  # in flight on this relay: ahead all the same, less those
-        delivery(db_url, event(db_url), mine, "running", locked_by="ahead")
     caps = {fast: UNCAPPED, shared: UNCAPPED, mine: UNCAPPED, limited: UNCAPPED}  # new: unknown
     pool = await create_pool(to_asyncpg_dsn(db_url), "ahead", 2)
     try:
         store = DeliveryStore(Store(pool, "public", "ahead", 30.0))
+        # 3 in flight on this relay (it claimed them): ahead all the same, less those.
+        others = [fast, shared, limited, new]
+        first, _, _ = await store.claim([DEST], [4], [2], 500, others, 1000, None, {mine: 3})
+        assert [c.endpoint_id for c in first] == [mine] * 3
         claimed, _, _ = await store.claim([DEST], [4], [2], 500, [], 1000, None, caps, (), 4)
         again, _, _ = await store.claim([DEST], [4], [2], 500, [], 1000, None, caps, (), 4)
     finally:

@@ -437,6 +437,52 @@ async def test_migration_0017_interrupted_anywhere_and_run_again(empty_db_url: s
     assert (await migrate(empty_db_url)).applied == []
 
 
+_BEFORE_0018 = [
+    "DROP INDEX IF EXISTS outbox_deliveries_fresh_idx",
+    "DROP INDEX IF EXISTS outbox_deliveries_waiting_idx",
+    "DROP INDEX IF EXISTS outbox_deliveries_in_flight_idx",
+    "CREATE INDEX outbox_deliveries_in_flight_idx ON outbox_deliveries (endpoint_id, "
+    "locked_until) WHERE status = 'running'",
+    "DELETE FROM outbox_migrations WHERE version = 18",
+]
+
+
+async def test_migration_0018_interrupted_anywhere_and_run_again(empty_db_url: str) -> None:
+    """Stopped after any of its statements and run again, 0018 ends with the claim's two
+    lanes and the in-flight index keyed by relay, and never leaves the deliveries without a
+    valid index of running ones by endpoint meanwhile (it swaps the in-flight index as 0017
+    built it)."""
+    await migrate(empty_db_url)
+    (m,) = [m for m in load_migrations() if m.version == 18]
+    statements = m.statements()
+    conn = await asyncpg.connect(to_asyncpg_dsn(empty_db_url))
+    try:
+        for stop in range(len(statements) + 1):
+            for sql in _BEFORE_0018:
+                await conn.execute(sql)
+            for sql in [*statements[:stop], *statements]:  # interrupted, then run again
+                await conn.execute(sql)
+                assert await conn.fetchval(_RUNNING_BY_ENDPOINT) >= 1, (stop, sql)
+            await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
+            indexes = {
+                r["indexname"]: r["indexdef"]
+                for r in await conn.fetch(
+                    "SELECT indexname, indexdef FROM pg_indexes"
+                    " WHERE tablename = 'outbox_deliveries'"
+                )
+            }
+            assert not [n for n in indexes if n.endswith(("_old_idx", "_next_idx"))], stop
+            assert (
+                "(endpoint_id, locked_until, locked_by) WHERE (status = 'running'::text)"
+                in indexes["outbox_deliveries_in_flight_idx"]
+            )
+            assert "(endpoint_id, id) WHERE" in indexes["outbox_deliveries_fresh_idx"]
+            assert "(endpoint_id, run_after, id)" in indexes["outbox_deliveries_waiting_idx"]
+    finally:
+        await conn.close()
+    assert (await migrate(empty_db_url)).applied == []
+
+
 def test_no_transaction_migrations_hold_one_command_per_statement() -> None:
     """psql (running `migrate --dry-run`'s script) sends each command on its own: a statement
     of a migration outside a transaction holds one command, several only inside a DO block,

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 
 from outbox.status import Status
+from relay.db.queries import serial_key
 from relay.ops import queries, replay_queries
 from relay.ops.common import AdminError, Result, check_tables, origin, sql
 from relay.ops.selection import Selection, exactly, same, select
@@ -192,7 +193,11 @@ async def _replay_deliveries(
     created = False
     if not rows and endpoint is not None:
         added = await conn.fetchval(
-            sql(replay_queries.REPLAY_EVENT_INSERT, schema), event_id, endpoint_id, destination
+            sql(replay_queries.REPLAY_EVENT_INSERT, schema),
+            event_id,
+            endpoint_id,
+            destination,
+            serial_key(schema),
         )
         created = added is not None
         if not created:  # another session added it meanwhile: replay that one

@@ -58,13 +58,17 @@ LEFT JOIN replayed AS r ON r.id = t.id
 ORDER BY t.endpoint_id
 
 -- name: replay_event_insert
--- params: event_id, endpoint_id, destination
+-- params: event_id, endpoint_id, destination, serial
 -- `replay ID --endpoint EID` for an endpoint the event was never fanned out to (it was added
 -- later, or did not match then): a delivery of its own, pending as a replay. The caller has
--- checked that the endpoint takes the event (admin.replay_event).
+-- checked that the endpoint takes the event (admin.replay_event). It draws its id under the
+-- fan-outs' lock (:serial; see relay/db/queries/deliveries.sql, fan_out), as every writer of
+-- deliveries does: the relays' claims take the highest id as one below which every delivery
+-- is seen.
 
 INSERT INTO {deliveries} (event_id, endpoint_id, destination, replay)
-VALUES (:event_id, :endpoint_id, :destination, true)
+SELECT :event_id, :endpoint_id, :destination, true
+FROM (SELECT pg_advisory_xact_lock(:serial::int, 1)) AS l
 ON CONFLICT (event_id, endpoint_id) DO NOTHING
 RETURNING id
 

@@ -78,7 +78,7 @@ added AS (
 SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 
 -- name: delivery_claim
--- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room, sweep, floors, seen, chunk
+-- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room, sweep, floors, seen, chunk, held
 -- The delivery claim. It walks the endpoints that have pending deliveries, in id order from
 -- the cursor :cursor (NULL: from the first), at most :scan of them. From each enabled endpoint
 -- of this relay's destinations (:destinations, with each one's max_concurrency in
@@ -89,9 +89,10 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- endpoint id to cap: 0 for one it skips, circuit open, answered 410 or at its fair share; a
 -- slow endpoint's slow_concurrency; one this relay knows nothing of starts at its
 -- destination's slow_concurrency, :start_caps), less its deliveries in flight claimed by ANY
--- relay under a live lease (outbox_deliveries_in_flight_idx from now() on: under a held
--- snapshot, a lease's worth of dead versions, not every one since), so that max_concurrency
--- holds across relays; a rate-limited endpoint's is also at most its limit less its attempts
+-- relay under a live lease (this relay's in :held, a JSON object of endpoint id to how many
+-- it holds; the others' read from outbox_deliveries_in_flight_idx from now() on: under a held
+-- snapshot, their lease's worth of dead versions, not every one since), so that
+-- max_concurrency holds across relays; a rate-limited endpoint's is also at most its limit less its attempts
 -- in the last second. An endpoint known to be fast (its cap :uncapped or more), not
 -- rate-limited, with no delivery in flight under another relay's live lease, is claimed ahead:
 -- :ahead times its room, so that its next requests wait in this relay's request slots (which
@@ -128,7 +129,9 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- found above :seen; the last row (id -1) the cursor for the next claim in endpoint_id (the
 -- last endpoint examined when the scan limit cut the walk short, the last one claimed from
 -- when the batch filled up, NULL when the walk reached the end), the deliveries cancelled in
--- event_id, the next :seen in attempts' place (as text in content_type), and in found whether
+-- event_id, the next :seen (as text in content_type), the ids' epoch (in headers: the
+-- deliveries' id sequence's file, new at a TRUNCATE … RESTART IDENTITY or a restore, and the
+-- server's start, new at a failover that may hand ids out again), and in found whether
 -- this claim swept (with :sweep, only when it picked less than :batch: a full batch stops the
 -- walk early).
 
@@ -162,11 +165,10 @@ found AS MATERIALIZED (
 ),
 seen AS MATERIALIZED (
     -- Up to where the next claim's read of fresh deliveries starts: the last one found when
-    -- :chunk cut it short, else the highest id there is (every fresh delivery up to it is
-    -- seen: fan_out) but of replays, which `outbox-relay replay` writes without the fan-outs'
-    -- lock (so that no fan-out waits for an operator's transaction).
+    -- :chunk cut it short, else the highest id there is (every delivery up to it is seen:
+    -- fan_out).
     SELECT CASE WHEN (SELECT count(*) FROM found) >= :chunk THEN (SELECT max(id) FROM found)
-                ELSE coalesce((SELECT max(id) FROM {deliveries} WHERE NOT replay), 0) END AS seen
+                ELSE coalesce((SELECT max(id) FROM {deliveries}), 0) END AS seen
 ),
 floors AS MATERIALIZED (
     -- Each endpoint's floor: the one kept, or below the first found, or (an endpoint with
@@ -217,12 +219,22 @@ ends AS (
             SELECT coalesce((:caps::jsonb ->> e.id::text)::int, c.start_cap) AS cap
         ) AS k
         -- Leases expired count no more: a dead relay's rows wait for the reaper, and must
-        -- not hold the endpoint meanwhile.
+        -- not hold the endpoint meanwhile. This relay's own come from :held (what it holds
+        -- of each endpoint); the others' from the in-flight index, by two ranges of its
+        -- locked_by key around this relay's, so that this relay's entries (live, or the
+        -- dead version of each delivery it recorded under a held snapshot) are stepped
+        -- over in the index, never read in the table.
         CROSS JOIN LATERAL (
-            SELECT count(*) AS running,
-                   count(*) FILTER (WHERE r.locked_by IS DISTINCT FROM :relay) AS others
-            FROM {deliveries} AS r
-            WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
+            SELECT (SELECT count(*) FROM {deliveries} AS r
+                    WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
+                      AND r.locked_by < :relay)
+                   + (SELECT count(*) FROM {deliveries} AS r
+                      WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
+                        AND r.locked_by > :relay) AS others
+        ) AS o
+        CROSS JOIN LATERAL (
+            SELECT coalesce((:held::jsonb ->> e.id::text)::int, 0) + o.others AS running,
+                   o.others
         ) AS r
         WHERE e.id = eps.endpoint_id AND e.enabled
           AND (e.tenant IS NULL OR NOT (e.tenant = ANY(:skip_tenants::text[])))
@@ -403,11 +415,12 @@ SELECT -1, (SELECT count(*) FROM orphaned), (SELECT cursor FROM next_cursor),
        -- Whether the sweep ran: the check reads the walk only when the claim picked less
        -- than its batch (a claim may pick a full batch and still claim less: rows locked).
        :sweep AND (SELECT count(*) FROM picked) < :batch,
-       NULL, (SELECT seen FROM seen)::text, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, (SELECT seen FROM seen)::text, (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{deliveries})::text, 'id')::regclass)::text
+        || '@' || pg_postmaster_start_time()::text), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: delivery_floors
 -- Every endpoint's first fresh delivery still pending (a loose scan of the fresh lane), and the
--- highest id there is (id -1), read in one snapshot: the floors and :seen a relay's delivery
+-- highest id there is with the ids' epoch (id -1; see delivery_claim), read in one snapshot: the floors and :seen a relay's delivery
 -- claims start from, and check now and then (a delivery written by hand in a transaction
 -- that committed late, ids handed out again). Under a held snapshot it reads every dead entry
 -- of the lane: off the claim's path, once at a start and every few minutes.
@@ -427,9 +440,10 @@ WITH RECURSIVE firsts AS (
         LIMIT 1
     ) AS nxt
 )
-SELECT endpoint_id, id FROM firsts
+SELECT endpoint_id, id, NULL FROM firsts
 UNION ALL
-SELECT -1, coalesce((SELECT max(id) FROM {deliveries} WHERE NOT replay), 0)
+SELECT -1, coalesce((SELECT max(id) FROM {deliveries}), 0), (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{deliveries})::text, 'id')::regclass)::text
+        || '@' || pg_postmaster_start_time()::text)
 
 -- name: delivery_record
 -- params: ids, tokens, statuses, counted, delays, errors, http_statuses, event_ids, endpoint_ids, durations_ms, responses, replays, relay

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 # found over several claims, each reading at most this many of its rows.
 FOUND_CHUNK = 1000
 
-# How often the floors are read whole (DELIVERY_FLOORS), in seconds: what a floor cannot see (a
-# delivery written by hand in a transaction that committed late, ids handed out again) waits
-# at most this long. Under a held snapshot that read passes every dead entry of the lane.
+# How often the floors are checked whole (DELIVERY_FLOORS), in seconds, by the reaper's pass:
+# what a floor cannot see (a delivery written by hand in a transaction that committed late, or
+# by a relay of an earlier release, which fans out without the lock) waits at most this long.
+# Under a held snapshot the check passes every dead entry of the lane: off the claim's path.
 CHECK_EVERY = 300.0
 
 
@@ -28,6 +29,7 @@ class Floors:
 
     floors: dict[int, int] | None = None
     seen: int = 0
+    epoch: str | None = None  # the ids' (DELIVERY_CLAIM): another means ids handed out again
     checked_at: float = field(default=float("-inf"))  # monotonic time of the last whole read
 
     def due(self, now: float) -> bool:
@@ -40,16 +42,19 @@ class Floors:
         floors = {str(k): v for k, v in (self.floors or {}).items()}
         return json.dumps(floors, separators=(",", ":"))
 
-    def read(self, firsts: Iterable[tuple[int, int]], top: int, now: float) -> list[int]:
-        """After DELIVERY_FLOORS: each endpoint's first fresh delivery pending (``firsts``)
-        and the highest id (``top``). The first read takes them; a later one lowers a floor
-        where a delivery is below it, and gives one to an endpoint that had none. Returns the
-        endpoints where a delivery was below what the floors said (written late, or ids
-        handed out again)."""
+    def read(
+        self, firsts: Iterable[tuple[int, int]], top: int, epoch: str, now: float
+    ) -> list[int]:
+        """After DELIVERY_FLOORS: each endpoint's first fresh delivery pending (``firsts``),
+        the highest id (``top``) and the ids' epoch. The first read (or one in another epoch)
+        takes them; a later one lowers a floor where a delivery is below it, and gives one to
+        an endpoint that had none. Returns the endpoints where a delivery was below what the
+        floors said (written late, or ids handed out again)."""
         self.checked_at = now
-        if self.floors is None:
+        if self.floors is None or epoch != self.epoch:
             self.floors = {endpoint: first - 1 for endpoint, first in firsts}
             self.seen = top
+            self.epoch = epoch
             return []
         missed = []
         for endpoint, first in firsts:
@@ -59,17 +64,28 @@ class Floors:
             self.floors[endpoint] = first - 1 if floor is None else min(floor, first - 1)
         return missed
 
-    def claimed(self, floors: Iterable[tuple[int, int | None]], seen: int) -> bool:
-        """After DELIVERY_CLAIM: the next floors it gave (``None``: the endpoint has no fresh
-        delivery pending) and the next ``seen``. False when ``seen`` went back (ids handed
-        out again, or the newest deliveries deleted): the floors are then read whole at the
-        next claim."""
+    def claimed(
+        self,
+        floors: Iterable[tuple[int, int | None]],
+        seen: int,
+        epoch: str,
+        given: dict[int, int],
+    ) -> bool:
+        """After DELIVERY_CLAIM, given the floors ``given``: the next floors it gave (``None``:
+        the endpoint has no fresh delivery pending), the next ``seen`` and the ids' epoch.
+        A floor a check moved while the claim ran (it found a delivery below) keeps the
+        lower of the two. False when the epoch changed or ``seen`` went back (ids handed out
+        again, or the newest deliveries deleted): the floors are then read whole at the next
+        claim."""
         if self.floors is None:
             return True  # not read yet: nothing to keep
-        if seen < self.seen:
+        if epoch != self.epoch or seen < self.seen:
             self.floors = None
             return False
         for endpoint, floor in floors:
+            now = self.floors.get(endpoint)
+            if now != given.get(endpoint) and now is not None:
+                floor = now if floor is None else min(now, floor)
             if floor is None:
                 self.floors.pop(endpoint, None)
             else:

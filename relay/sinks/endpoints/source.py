@@ -313,7 +313,12 @@ class DeliverySource(Attempts, Health):
         failed at their destination's ``limits`` (``max_attempts`` for a destination this
         relay does not know); with ``within``, only leases that ended in the last ``within``
         seconds. The reaper logs them and wakes this source."""
-        return await self.store.reap(max_attempts, {**limits, **self._limits}, within=within)
+        reaped = await self.store.reap(max_attempts, {**limits, **self._limits}, within=within)
+        try:
+            await self.store.check_floors()
+        except Exception as exc:  # the check runs again at the next pass
+            log.warning("relay.endpoints.floors_check_failed", error=describe(exc))
+        return reaped
 
 
 def _delivery(r: Record) -> DeliveryRecord:

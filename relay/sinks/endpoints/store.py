@@ -101,6 +101,10 @@ class DeliveryStore:
         self.lanes = Floors()
         self._claiming = asyncio.Lock()
         self._serial = queries.serial_key(store.schema)
+        # What this relay holds (DELIVERY_CLAIM's :held): each delivery it claimed, by id, with
+        # its endpoint and the end of its lease (monotonic), until it is recorded, released or
+        # lost at a heartbeat, or its lease ends.
+        self._held: dict[int, tuple[int, float]] = {}
 
     @property
     def relay_id(self) -> str:
@@ -146,8 +150,9 @@ class DeliveryStore:
         the cursor for the next claim; and how many deliveries of deleted or moved endpoints
         were cancelled on the way (looked for with ``sweep`` only)."""
         async with self._claiming:
-            if self.lanes.due(time.monotonic()):
+            if self.lanes.floors is None:
                 await self._read_floors()
+            given = dict(self.lanes.floors or {})
             self.store.statements["delivery_claim"] += 1
             limits = {str(k): v for k, v in caps.items()}
             limits.update((str(k), 0) for k in skip)
@@ -155,37 +160,40 @@ class DeliveryStore:
             started = time.monotonic()
             until = started + lease  # before the statement: never later than its now()
             rows = await self._claim(
-                destinations,
-                max_concurrency,
-                start,
-                limit,
-                scan,
-                cursor,
-                limits,
-                skip_tenants,
-                ahead,
-                ahead_room,
-                sweep,
-            )
+                destinations, max_concurrency, start, limit, scan, cursor, limits,
+                skip_tenants, ahead, ahead_room, sweep, given,
+            )  # fmt: skip
             marker = rows[-1]
-            if not self.lanes.claimed(((r[2], r[1]) for r in rows if r[0] == -2), int(marker[9])):
+            for r in rows:
+                if r[0] >= 0:
+                    self._held[r[0]] = (r[2], until)
+            next_floors = ((r[2], r[1]) for r in rows if r[0] == -2)
+            if not self.lanes.claimed(next_floors, int(marker[9]), marker[10], given):
                 log.warning(
                     "relay.endpoints.floors_reset",
-                    reason="the highest delivery id went back (ids handed out again, or "
-                    "the newest deliveries deleted): the claim's floors are read again",
+                    reason="the deliveries' ids were handed out again (a TRUNCATE … RESTART "
+                    "IDENTITY, a restore, a failover, a restart), or the newest deliveries "
+                    "were deleted: the claim's floors are read again",
                 )
         claimed = [_claimed(r, until, started) for r in rows if r[0] >= 0]
         self.swept = bool(marker[7])
         return claimed, marker[2], marker[1]
+
+    async def check_floors(self) -> None:
+        """The floors checked whole (DELIVERY_FLOORS) when CHECK_EVERY has passed since the
+        last time: the reaper's pass runs it, beside the claims (under a held snapshot it
+        reads every dead entry of the fresh lane, and must not hold them up)."""
+        if self.lanes.floors is not None and self.lanes.due(time.monotonic()):
+            await self._read_floors()
 
     async def _read_floors(self) -> None:
         """Every endpoint's first fresh delivery pending and the highest id (DELIVERY_FLOORS),
         taken as the lane's floors or checked against them."""
         self.store.statements["delivery_floors"] += 1
         rows = await self.store.call("fetch", queries.DELIVERY_FLOORS)
-        top = next(r[1] for r in rows if r[0] == -1)
+        [(_, top, epoch)] = [r for r in rows if r[0] == -1]
         firsts = [(r[0], r[1]) for r in rows if r[0] != -1]
-        missed = self.lanes.read(firsts, top, time.monotonic())
+        missed = self.lanes.read(firsts, top, epoch, time.monotonic())
         if missed:
             log.warning(
                 "relay.endpoints.deliveries_below_floor",
@@ -208,6 +216,7 @@ class DeliveryStore:
         ahead: int,
         ahead_room: int | None,
         sweep: bool,
+        floors: Mapping[int, int],
     ) -> list[asyncpg.Record]:
         """DELIVERY_CLAIM's rows: those claimed, each next floor (-2), the marker (-1)."""
         rows: list[asyncpg.Record] = await self.store.call(
@@ -227,11 +236,24 @@ class DeliveryStore:
             UNCAPPED,
             limit if ahead_room is None else ahead_room,
             sweep,
-            self.lanes.as_json(),
+            json.dumps({str(k): v for k, v in floors.items()}, separators=(",", ":")),
             self.lanes.seen,
             FOUND_CHUNK,
+            self._holding(),
         )
         return rows
+
+    def _holding(self) -> str:
+        """How many deliveries this relay holds of each endpoint under a live lease, as
+        DELIVERY_CLAIM takes them (:held); those whose lease ended are forgotten."""
+        now = time.monotonic()
+        counts: dict[str, int] = {}
+        for row_id, (endpoint, until) in list(self._held.items()):
+            if until <= now:
+                del self._held[row_id]
+            else:
+                counts[str(endpoint)] = counts.get(str(endpoint), 0) + 1
+        return json.dumps(counts, separators=(",", ":"))
 
     async def record(self, records: Sequence[DeliveryRecord]) -> set[tuple[int, int]]:
         """Write outcomes and log attempts; the (id, token) pairs recorded (the others were no
@@ -254,11 +276,14 @@ class DeliveryStore:
             [r.replay for r in records],
             self.relay_id,
         )
+        for r in records:
+            self._held.pop(r.id, None)
         return {(r[0], r[1]) for r in rows}
 
     async def heartbeat(self, held: Sequence[tuple[int, int]]) -> set[int]:
         """Extend the leases of (id, token) pairs; the ids still held."""
         self.store.statements["delivery_heartbeat"] += 1
+        until = time.monotonic() + self.store.lease  # before the statement, as a claim's
         rows = await self.store.call(
             "fetch",
             queries.DELIVERY_HEARTBEAT,
@@ -267,7 +292,14 @@ class DeliveryStore:
             self.relay_id,
             self.store.lease,
         )
-        return {r[0] for r in rows}
+        kept = {r[0] for r in rows}
+        for row_id, _ in held:
+            mine = self._held.get(row_id)
+            if row_id not in kept:
+                self._held.pop(row_id, None)
+            elif mine is not None:
+                self._held[row_id] = (mine[0], until)
+        return kept
 
     async def release(self, held: Sequence[tuple[int, int]]) -> None:
         """Put (id, token) pairs back to pending, unattempted."""
@@ -279,6 +311,8 @@ class DeliveryStore:
             [i for i, _ in held],
             [t for _, t in held],
         )
+        for row_id, _ in held:
+            self._held.pop(row_id, None)
 
     async def reap(
         self,
