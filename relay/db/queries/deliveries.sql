@@ -231,6 +231,8 @@ ends AS (
                    + (SELECT count(*) FROM {deliveries} AS r
                       WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
                         AND r.locked_by > :relay) AS others
+            -- OFFSET 0: counted once, not again for each column below that reads it.
+            OFFSET 0
         ) AS o
         CROSS JOIN LATERAL (
             SELECT coalesce((:held::jsonb ->> e.id::text)::int, 0) + o.others AS running,
