@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from outbox.dburl import to_asyncpg_dsn
+from relay.db import queries
 from relay.db.pool import create_pool
 from relay.db.queries import FAN_OUT, serial_key
 from relay.db.queries.render import render_ops
@@ -32,30 +33,36 @@ ROOM = 1000
 def test_the_first_read_takes_every_floor_and_the_top() -> None:
     lanes = Floors()
     assert lanes.due(0.0)
-    assert lanes.read([(1, 10), (2, 5)], 40, "e1", now=100.0) == []
+    assert lanes.read([(1, 10), (2, 5)], 40, "e1") == []
     assert (lanes.floors, lanes.seen, lanes.epoch) == ({1: 9, 2: 4}, 40, "e1")
+    lanes.checked_at = 100.0
     assert not lanes.due(100.0 + CHECK_EVERY - 1) and lanes.due(100.0 + CHECK_EVERY)
 
 
-def test_a_later_read_lowers_floors_and_names_the_endpoints_it_found_below_them() -> None:
+def test_a_check_lowers_floors_only_below_what_they_said_before_it() -> None:
+    """A check reads in a snapshot taken before claims that commit while it runs: a delivery
+    above the floors as they were before it may have been claimed since, and is left to
+    the claims; one below them was missed (written late), and lowers its floor."""
     lanes = Floors({1: 9, 2: 4}, seen=40, epoch="e1")
-    # 1 has a delivery below its floor; 3 had none kept, and one at or below seen; 4 one above
-    # seen (found by the next claim anyway); 2 one above its floor.
-    missed = lanes.read([(1, 7), (2, 30), (3, 40), (4, 41)], 50, "e1", now=0.0)
+    before = (dict(lanes.floors or {}), lanes.seen)
+    lanes.floors = {1: 20, 2: 30}  # claims moved them while the check ran
+    # 1: below its floor before (missed); 2: above it (claimed since?); 3: no floor, at or
+    # below seen (missed); 4: above seen (the claims' to find).
+    missed = lanes.read([(1, 7), (2, 30), (3, 40), (4, 41)], 50, "e1", before)
     assert missed == [1, 3]
-    assert lanes.floors == {1: 6, 2: 4, 3: 39, 4: 40}
+    assert lanes.floors == {1: 6, 2: 30, 3: 39}
     assert lanes.seen == 40  # a check never moves seen
 
 
 def test_a_read_in_another_epoch_takes_everything_afresh() -> None:
     lanes = Floors({1: 9, 2: 4}, seen=40, epoch="e1")
-    assert lanes.read([(1, 3)], 5, "e2", now=0.0) == []
+    assert lanes.read([(1, 3)], 5, "e2", ({1: 9, 2: 4}, 40)) == []
     assert (lanes.floors, lanes.seen, lanes.epoch) == ({1: 2}, 5, "e2")
 
 
 def test_a_claim_moves_the_floors_it_gives_and_drops_an_endpoint_with_none_pending() -> None:
     lanes = Floors({1: 9, 2: 4, 3: 7}, seen=40, epoch="e1")
-    given = dict(lanes.floors or {})
+    given = (dict(lanes.floors or {}), lanes.epoch)
     assert lanes.claimed([(1, 20), (2, None), (5, 44)], 60, "e1", given)
     assert (lanes.floors, lanes.seen) == ({1: 20, 3: 7, 5: 44}, 60)
     assert lanes.as_json() == '{"1":20,"3":7,"5":44}'
@@ -66,18 +73,29 @@ def test_a_floor_a_check_lowered_while_a_claim_ran_keeps_the_lower() -> None:
     (an endpoint that had none) during a claim is not raised again by the claim's answer,
     computed from the floors it was given."""
     lanes = Floors({1: 9, 2: 4}, seen=40, epoch="e1")
-    given = dict(lanes.floors or {})
-    lanes.read([(1, 3), (3, 11)], 40, "e1", now=0.0)  # the check, while the claim ran
+    given = (dict(lanes.floors or {}), lanes.epoch)
+    lanes.read([(1, 3), (3, 11)], 40, "e1", (dict(given[0]), 40))  # the check
     assert lanes.claimed([(1, 20), (2, None), (3, 30)], 60, "e1", given)
     assert lanes.floors == {1: 2, 3: 10}
+
+
+def test_a_claim_that_began_before_a_read_afresh_moves_nothing() -> None:
+    """A check in a new epoch read everything afresh while a claim ran in the old one's
+    floors and seen: the claim's answer is not applied over it (a review's find: the
+    claim's seen passed deliveries of endpoints that had no floor)."""
+    lanes = Floors({1: 9}, seen=40, epoch="e1")
+    given = (dict(lanes.floors or {}), lanes.epoch)
+    lanes.read([(2, 3)], 5, "e2", (dict(given[0]), 40))
+    assert lanes.claimed([(1, 20)], 60, "e2", given)
+    assert (lanes.floors, lanes.seen, lanes.epoch) == ({2: 2}, 5, "e2")
 
 
 def test_seen_going_back_or_a_new_epoch_drops_every_floor_until_read_again() -> None:
     for seen, epoch in ((39, "e1"), (41, "e2")):
         lanes = Floors({1: 9}, seen=40, epoch="e1")
-        assert not lanes.claimed([(1, 20)], seen, epoch, {1: 9})
+        assert not lanes.claimed([(1, 20)], seen, epoch, ({1: 9}, "e1"))
         assert lanes.floors is None and lanes.due(0.0) and lanes.as_json() == "{}"
-        assert lanes.claimed([(1, 20)], seen, epoch, {})  # not read yet: nothing to move
+        assert lanes.claimed([(1, 20)], seen, epoch, ({}, None))  # not read: nothing to move
 
 
 # --- against the database --------------------------------------------------------------------
@@ -331,3 +349,93 @@ async def test_claims_in_small_batches_take_every_endpoints_deliveries(
         await store.record([_delivered(c) for c in got])
         ids += [c.id for c in got]
     assert len(ids) == len(set(ids)) == 4 * ENDPOINTS
+
+
+async def test_a_stale_record_does_not_uncount_a_newer_claim_of_the_same_row(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """The relay stalled past its lease; the row was put back and claimed again by this
+    relay (token 2); the first claim's outcome (token 1) comes late: not written, and the
+    newer claim stays counted (a review's find: it was forgotten, and the endpoint, at
+    max_concurrency 1, got a second delivery while token 2's was in flight)."""
+    pool = await create_pool(to_asyncpg_dsn(db_url), "held", 2)
+    s = DeliveryStore(Store(pool, "public", "held", 1.0))
+    try:
+        await add_events(conn, 1)
+        await s.fan_out(await _hold(conn, "held"), "none")
+        first, _, _ = await s.claim([DESTINATION], [1], [1], 100, [], 1000, None, {})
+        old = first[0]
+        await asyncio.sleep(1.1)  # the stall: every lease ended
+        await conn.execute(  # the reaper put it back, due now
+            "UPDATE outbox_deliveries SET status = 'pending', locked_by = NULL, "
+            "locked_until = NULL, run_after = now() WHERE id = $1",
+            old.id,
+        )
+        again, _, _ = await s.claim([DESTINATION], [1], [1], 100, [], 1000, None, {})
+        [new] = [c for c in again if c.id == old.id]
+        assert new.token != old.token
+        await add_events(conn, 1)
+        await s.fan_out(await _hold(conn, "held"), "none")
+        assert await s.record([_delivered(old)]) == set()  # stale: not applied
+        more, _, _ = await s.claim([DESTINATION], [1], [1], 100, [], 1000, None, {})
+        assert old.endpoint_id not in {c.endpoint_id for c in more}
+    finally:
+        await pool.close()
+
+
+async def test_a_check_that_started_before_a_claim_does_not_lower_its_floors(
+    conn: asyncpg.Connection, store: DeliveryStore
+) -> None:
+    """The reaper's check reads in a snapshot taken before a claim that commits meanwhile:
+    the rows that claim took are not below the floors as they were before the check, so
+    they lower nothing (a review's find: every active endpoint's floor was set back, and a
+    warning logged, every 300 s under steady traffic)."""
+    await _claim_all(store)
+    await add_events(conn, 3)
+    await store.fan_out(await _hold(conn, "lanes"), "none")
+    gate = asyncio.Event()
+    call = store.store.call
+
+    async def slow(method: str, sql: str, *args: object) -> object:
+        rows = await call(method, sql, *args)
+        if sql is queries.DELIVERY_FLOORS:
+            await gate.wait()  # a long read under a held snapshot
+        return rows
+
+    store.store.call = slow  # type: ignore[method-assign,assignment]
+    store.lanes.checked_at -= CHECK_EVERY
+    check = asyncio.create_task(store.check_floors())
+    await asyncio.sleep(0.2)
+    assert len(await _claim_all(store)) == 3 * ENDPOINTS
+    after_claim = dict(store.lanes.floors or {})
+    gate.set()
+    await check
+    assert store.lanes.floors == after_claim
+
+
+async def test_other_relays_in_flight_count_whether_their_ids_sort_before_or_after(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """Other relays' deliveries in flight are read by two ranges of relay ids around this
+    relay's: both count against an endpoint's max_concurrency."""
+    await add_events(conn, 4)
+    held = await _hold(conn, "mmm")
+    pool = await create_pool(to_asyncpg_dsn(db_url), "mmm", 2)
+    store = DeliveryStore(Store(pool, "public", "mmm", 30.0))
+    try:
+        await store.fan_out(held, "none")
+        endpoint = await conn.fetchval("SELECT min(id) FROM outbox_endpoints")
+        for relay, event in (("aaa", held[0][0]), ("zzz", held[1][0])):
+            await conn.execute(
+                "UPDATE outbox_deliveries SET status = 'running', locked_by = $1, "
+                "claims = 1, locked_until = now() + interval '1 minute' "
+                "WHERE event_id = $2 AND endpoint_id = $3",
+                relay,
+                event,
+                endpoint,
+            )
+        got, _, _ = await store.claim([DESTINATION], [3], [3], 100, [], 1000, None, {})
+    finally:
+        await pool.close()
+    counts = {e: sum(1 for c in got if c.endpoint_id == e) for e in {c.endpoint_id for c in got}}
+    assert counts[endpoint] == 1 and sorted(counts.values()) == [1, 3, 3]

@@ -4,8 +4,6 @@ holds (nothing)."""
 
 from __future__ import annotations
 
-import time
-
 import asyncpg
 
 from relay.db.queries import DELIVERY_FLOORS
@@ -19,5 +17,5 @@ async def lane_args(conn: asyncpg.Connection, schema: str = "public") -> list[ob
     rows = await conn.fetch(render_ops(DELIVERY_FLOORS, schema))
     lanes = Floors()
     [(_, top, epoch)] = [r for r in rows if r[0] == -1]
-    lanes.read([(r[0], r[1]) for r in rows if r[0] != -1], top, epoch, time.monotonic())
+    lanes.read([(r[0], r[1]) for r in rows if r[0] != -1], top, epoch)
     return [lanes.as_json(), lanes.seen, FOUND_CHUNK, "{}"]

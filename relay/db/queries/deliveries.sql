@@ -418,7 +418,7 @@ SELECT -1, (SELECT count(*) FROM orphaned), (SELECT cursor FROM next_cursor),
        -- than its batch (a claim may pick a full batch and still claim less: rows locked).
        :sweep AND (SELECT count(*) FROM picked) < :batch,
        NULL, (SELECT seen FROM seen)::text, (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{deliveries})::text, 'id')::regclass)::text
-        || '@' || pg_postmaster_start_time()::text), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+        || '@' || extract(epoch FROM pg_postmaster_start_time())::text), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: delivery_floors
 -- Every endpoint's first fresh delivery still pending (a loose scan of the fresh lane), and the
@@ -445,7 +445,7 @@ WITH RECURSIVE firsts AS (
 SELECT endpoint_id, id, NULL FROM firsts
 UNION ALL
 SELECT -1, coalesce((SELECT max(id) FROM {deliveries}), 0), (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{deliveries})::text, 'id')::regclass)::text
-        || '@' || pg_postmaster_start_time()::text)
+        || '@' || extract(epoch FROM pg_postmaster_start_time())::text)
 
 -- name: delivery_record
 -- params: ids, tokens, statuses, counted, delays, errors, http_statuses, event_ids, endpoint_ids, durations_ms, responses, replays, relay

@@ -43,25 +43,32 @@ class Floors:
         return json.dumps(floors, separators=(",", ":"))
 
     def read(
-        self, firsts: Iterable[tuple[int, int]], top: int, epoch: str, now: float
+        self,
+        firsts: Iterable[tuple[int, int]],
+        top: int,
+        epoch: str,
+        before: tuple[dict[int, int], int] | None = None,
     ) -> list[int]:
         """After DELIVERY_FLOORS: each endpoint's first fresh delivery pending (``firsts``),
         the highest id (``top``) and the ids' epoch. The first read (or one in another epoch)
-        takes them; a later one lowers a floor where a delivery is below it, and gives one to
-        an endpoint that had none. Returns the endpoints where a delivery was below what the
-        floors said (written late, or ids handed out again)."""
-        self.checked_at = now
-        if self.floors is None or epoch != self.epoch:
+        takes them. A later one (a check, ``before`` the floors and seen as they were just
+        before it) lowers a floor where a delivery was below what they said then, and gives
+        one to an endpoint that had none: a delivery above them was pending in the check's
+        snapshot but may have been claimed since (claims run beside the check), and is the
+        claims' to find. Returns the endpoints where a delivery was below (written late, or
+        ids handed out again)."""
+        if self.floors is None or epoch != self.epoch or before is None:
             self.floors = {endpoint: first - 1 for endpoint, first in firsts}
             self.seen = top
             self.epoch = epoch
             return []
+        floors, seen = before
         missed = []
         for endpoint, first in firsts:
-            floor = self.floors.get(endpoint)
-            if first <= (self.seen if floor is None else floor):
+            if first <= floors.get(endpoint, seen):
                 missed.append(endpoint)
-            self.floors[endpoint] = first - 1 if floor is None else min(floor, first - 1)
+                floor = self.floors.get(endpoint)
+                self.floors[endpoint] = first - 1 if floor is None else min(floor, first - 1)
         return missed
 
     def claimed(
@@ -69,22 +76,24 @@ class Floors:
         floors: Iterable[tuple[int, int | None]],
         seen: int,
         epoch: str,
-        given: dict[int, int],
+        given: tuple[dict[int, int], str | None],
     ) -> bool:
-        """After DELIVERY_CLAIM, given the floors ``given``: the next floors it gave (``None``:
-        the endpoint has no fresh delivery pending), the next ``seen`` and the ids' epoch.
-        A floor a check moved while the claim ran (it found a delivery below) keeps the
-        lower of the two. False when the epoch changed or ``seen`` went back (ids handed out
-        again, or the newest deliveries deleted): the floors are then read whole at the next
-        claim."""
-        if self.floors is None:
-            return True  # not read yet: nothing to keep
+        """After DELIVERY_CLAIM, ``given`` the floors and epoch it started from: the next
+        floors it gave (``None``: the endpoint has no fresh delivery pending), the next
+        ``seen`` and the ids' epoch. A floor a check moved while the claim ran (it found a
+        delivery below) keeps the lower of the two; a check that read everything afresh in
+        another epoch meanwhile keeps what it read. False when the epoch changed or ``seen``
+        went back (ids handed out again, or the newest deliveries deleted): the floors are
+        then read whole at the next claim."""
+        started, started_in = given
+        if self.floors is None or self.epoch != started_in:
+            return True  # not read yet, or read afresh meanwhile: nothing to move
         if epoch != self.epoch or seen < self.seen:
             self.floors = None
             return False
         for endpoint, floor in floors:
             now = self.floors.get(endpoint)
-            if now != given.get(endpoint) and now is not None:
+            if now != started.get(endpoint) and now is not None:
                 floor = now if floor is None else min(now, floor)
             if floor is None:
                 self.floors.pop(endpoint, None)

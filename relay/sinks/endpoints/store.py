@@ -104,7 +104,7 @@ class DeliveryStore:
         # What this relay holds (DELIVERY_CLAIM's :held): each delivery it claimed, by id, with
         # its endpoint and the end of its lease (monotonic), until it is recorded, released or
         # lost at a heartbeat, or its lease ends.
-        self._held: dict[int, tuple[int, float]] = {}
+        self._held: dict[int, tuple[int, int, float]] = {}  # id: endpoint, token, until
 
     @property
     def relay_id(self) -> str:
@@ -152,7 +152,7 @@ class DeliveryStore:
         async with self._claiming:
             if self.lanes.floors is None:
                 await self._read_floors()
-            given = dict(self.lanes.floors or {})
+            given = (dict(self.lanes.floors or {}), self.lanes.epoch)
             self.store.statements["delivery_claim"] += 1
             limits = {str(k): v for k, v in caps.items()}
             limits.update((str(k), 0) for k in skip)
@@ -161,12 +161,12 @@ class DeliveryStore:
             until = started + lease  # before the statement: never later than its now()
             rows = await self._claim(
                 destinations, max_concurrency, start, limit, scan, cursor, limits,
-                skip_tenants, ahead, ahead_room, sweep, given,
+                skip_tenants, ahead, ahead_room, sweep, given[0],
             )  # fmt: skip
             marker = rows[-1]
             for r in rows:
                 if r[0] >= 0:
-                    self._held[r[0]] = (r[2], until)
+                    self._held[r[0]] = (r[2], r[5], until)
             next_floors = ((r[2], r[1]) for r in rows if r[0] == -2)
             if not self.lanes.claimed(next_floors, int(marker[9]), marker[10], given):
                 log.warning(
@@ -183,17 +183,23 @@ class DeliveryStore:
         """The floors checked whole (DELIVERY_FLOORS) when CHECK_EVERY has passed since the
         last time: the reaper's pass runs it, beside the claims (under a held snapshot it
         reads every dead entry of the fresh lane, and must not hold them up)."""
-        if self.lanes.floors is not None and self.lanes.due(time.monotonic()):
-            await self._read_floors()
+        now = time.monotonic()
+        if self.lanes.floors is not None and self.lanes.due(now):
+            # Checked again after CHECK_EVERY, even if this one fails (a timeout under a
+            # held snapshot would otherwise be tried at every pass).
+            self.lanes.checked_at = now
+            await self._read_floors((dict(self.lanes.floors), self.lanes.seen))
 
-    async def _read_floors(self) -> None:
+    async def _read_floors(self, before: tuple[dict[int, int], int] | None = None) -> None:
         """Every endpoint's first fresh delivery pending and the highest id (DELIVERY_FLOORS),
         taken as the lane's floors or checked against them."""
         self.store.statements["delivery_floors"] += 1
         rows = await self.store.call("fetch", queries.DELIVERY_FLOORS)
         [(_, top, epoch)] = [r for r in rows if r[0] == -1]
         firsts = [(r[0], r[1]) for r in rows if r[0] != -1]
-        missed = self.lanes.read(firsts, top, epoch, time.monotonic())
+        if before is None:
+            self.lanes.checked_at = time.monotonic()
+        missed = self.lanes.read(firsts, top, epoch, before)
         if missed:
             log.warning(
                 "relay.endpoints.deliveries_below_floor",
@@ -248,7 +254,7 @@ class DeliveryStore:
         DELIVERY_CLAIM takes them (:held); those whose lease ended are forgotten."""
         now = time.monotonic()
         counts: dict[str, int] = {}
-        for row_id, (endpoint, until) in list(self._held.items()):
+        for row_id, (endpoint, _, until) in list(self._held.items()):
             if until <= now:
                 del self._held[row_id]
             else:
@@ -277,7 +283,7 @@ class DeliveryStore:
             self.relay_id,
         )
         for r in records:
-            self._held.pop(r.id, None)
+            self._forget(r.id, r.token)
         return {(r[0], r[1]) for r in rows}
 
     async def heartbeat(self, held: Sequence[tuple[int, int]]) -> set[int]:
@@ -293,13 +299,20 @@ class DeliveryStore:
             self.store.lease,
         )
         kept = {r[0] for r in rows}
-        for row_id, _ in held:
+        for row_id, token in held:
             mine = self._held.get(row_id)
             if row_id not in kept:
-                self._held.pop(row_id, None)
-            elif mine is not None:
-                self._held[row_id] = (mine[0], until)
+                self._forget(row_id, token)
+            elif mine is not None and mine[1] == token:
+                self._held[row_id] = (mine[0], token, until)
         return kept
+
+    def _forget(self, row_id: int, token: int) -> None:
+        """A delivery of this relay's claim ``token`` no longer held: a later claim of the
+        same row (its lease ran out, it was put back and claimed again) stays counted."""
+        mine = self._held.get(row_id)
+        if mine is not None and mine[1] == token:
+            del self._held[row_id]
 
     async def release(self, held: Sequence[tuple[int, int]]) -> None:
         """Put (id, token) pairs back to pending, unattempted."""
@@ -311,8 +324,8 @@ class DeliveryStore:
             [i for i, _ in held],
             [t for _, t in held],
         )
-        for row_id, _ in held:
-            self._held.pop(row_id, None)
+        for row_id, token in held:
+            self._forget(row_id, token)
 
     async def reap(
         self,
