@@ -114,7 +114,7 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- due when written, not replays: nearly all of them) are read in id order from each endpoint's
 -- floor: :floors, a JSON object of endpoint id to floor kept by this relay, below which the
 -- endpoint has no fresh delivery pending. Fresh deliveries of endpoints it keeps no floor for
--- are above :seen: the claim reads those written since (at most :chunk, in id order, from the
+-- are above :seen: the claim reads those written since (of the next :chunk ids, from the
 -- primary key) and gives their endpoints floors. Deliveries due again (retried, reaped,
 -- released, replayed, or written with a later run_after) are read in run_after order from the
 -- waiting lane, whose endpoints the walk finds with a loose index scan. Fan-outs commit in the
@@ -129,7 +129,8 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- found above :seen; the last row (id -1) the cursor for the next claim in endpoint_id (the
 -- last endpoint examined when the scan limit cut the walk short, the last one claimed from
 -- when the batch filled up, NULL when the walk reached the end), the deliveries cancelled in
--- event_id, the next :seen (as text in content_type), the ids' epoch (in headers: the
+-- event_id, the next :seen and the highest id (as text in content_type, "seen:top"), the ids'
+-- epoch (in headers: the
 -- deliveries' id sequence's file, new at a TRUNCATE … RESTART IDENTITY or a restore, and the
 -- server's start, new at a failover that may hand ids out again), and in found whether
 -- this claim swept (with :sweep, only when it picked less than :batch: a full batch stops the
@@ -155,20 +156,20 @@ WITH RECURSIVE waits AS (
     WHERE waits.n < :scan
 ),
 found AS MATERIALIZED (
-    -- Fresh deliveries written since :seen. IS TRUE keeps the planner on the primary key: by
-    -- the fresh lane's index it would read every endpoint's range whole.
+    -- Fresh deliveries written since :seen, of the next :chunk ids at most: a claim after a
+    -- fan-out of a large backlog reads a chunk of it, not all of it (the planner reads such
+    -- a range whole, then sorts it). IS TRUE keeps it on the primary key: by the fresh
+    -- lane's index it would read every endpoint's range whole.
     SELECT d.id, d.endpoint_id FROM {deliveries} AS d
-    WHERE d.id > :seen::bigint
+    WHERE d.id > :seen::bigint AND d.id <= :seen::bigint + :chunk
       AND (d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at) IS TRUE
-    ORDER BY d.id
-    LIMIT :chunk
 ),
 seen AS MATERIALIZED (
-    -- Up to where the next claim's read of fresh deliveries starts: the last one found when
-    -- :chunk cut it short, else the highest id there is (every delivery up to it is seen:
-    -- fan_out).
-    SELECT CASE WHEN (SELECT count(*) FROM found) >= :chunk THEN (SELECT max(id) FROM found)
-                ELSE coalesce((SELECT max(id) FROM {deliveries}), 0) END AS seen
+    -- Up to where the next claim's read of fresh deliveries starts: the chunk's end, or the
+    -- highest id there is (every delivery up to it is seen: fan_out). Below the highest id,
+    -- the relay claims again at once.
+    SELECT least(:seen::bigint + :chunk, coalesce((SELECT max(id) FROM {deliveries}), 0)) AS seen,
+           coalesce((SELECT max(id) FROM {deliveries}), 0) AS top
 ),
 floors AS MATERIALIZED (
     -- Each endpoint's floor: the one kept, or below the first found, or (an endpoint with
@@ -417,7 +418,7 @@ SELECT -1, (SELECT count(*) FROM orphaned), (SELECT cursor FROM next_cursor),
        -- Whether the sweep ran: the check reads the walk only when the claim picked less
        -- than its batch (a claim may pick a full batch and still claim less: rows locked).
        :sweep AND (SELECT count(*) FROM picked) < :batch,
-       NULL, (SELECT seen FROM seen)::text, (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{deliveries})::text, 'id')::regclass)::text
+       NULL, (SELECT seen || ':' || top FROM seen), (SELECT pg_relation_filenode(pg_get_serial_sequence(pg_typeof(NULL::{deliveries})::text, 'id')::regclass)::text
         || '@' || extract(epoch FROM pg_postmaster_start_time())::text), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 
 -- name: delivery_floors

@@ -12,9 +12,10 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-# How many fresh deliveries one claim reads past ``seen``: a fan-out of a large backlog is
-# found over several claims, each reading at most this many of its rows.
-FOUND_CHUNK = 1000
+# How many ids past ``seen`` one claim reads: a fan-out of a large backlog is found over
+# several claims (the relay claims again at once while ``seen`` is below the highest id),
+# each reading at most this many of its rows.
+FOUND_CHUNK = 2000
 
 # How often the floors are checked whole (DELIVERY_FLOORS), in seconds, by the reaper's pass:
 # what a floor cannot see (a delivery written by hand in a transaction that committed late, or

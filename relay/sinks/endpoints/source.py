@@ -139,6 +139,8 @@ class DeliverySource(Attempts, Health):
             self._due = True  # claimed again once the claimer's retry comes
             raise
         self._swept_after(now)
+        if self.store.behind:
+            self._due = True  # the fresh deliveries past its read: claimed again at once
         if orphans:
             log.warning(
                 "relay.endpoints.orphans_cancelled",

@@ -99,6 +99,8 @@ class DeliveryStore:
         self.swept = False
         # The claim's fresh lane: one claim at a time reads and moves its floors.
         self.lanes = Floors()
+        # Whether the last claim's read of fresh deliveries stopped short of the highest id.
+        self.behind = False
         self._claiming = asyncio.Lock()
         self._serial = queries.serial_key(store.schema)
         # What this relay holds (DELIVERY_CLAIM's :held): each delivery it claimed, by id, with
@@ -168,7 +170,9 @@ class DeliveryStore:
                 if r[0] >= 0:
                     self._held[r[0]] = (r[2], r[5], until)
             next_floors = ((r[2], r[1]) for r in rows if r[0] == -2)
-            if not self.lanes.claimed(next_floors, int(marker[9]), marker[10], given):
+            seen, top = (int(x) for x in marker[9].split(":"))
+            self.behind = seen < top
+            if not self.lanes.claimed(next_floors, seen, marker[10], given):
                 log.warning(
                     "relay.endpoints.floors_reset",
                     reason="the deliveries' ids were handed out again (a TRUNCATE … RESTART "
