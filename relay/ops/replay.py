@@ -110,7 +110,9 @@ async def replay_event(
     """Send an event to its endpoints again (to ``endpoint_id`` only, if given), with the same
     webhook-id: its deliveries go back to pending as replays, due now, their attempts afresh,
     whatever their state but running (a relay is sending it). With ``endpoint_id`` and no
-    delivery to it yet, one is added."""
+    delivery to it yet, one is added, under the fan-outs' lock (held to the commit: called in
+    a transaction of the caller's, this holds every relay's fan-outs into ``schema`` until
+    that transaction ends)."""
     await _check_replay_tables(conn, schema)
     async with conn.transaction():
         event = await _event(conn, schema, event_id)
