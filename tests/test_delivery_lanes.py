@@ -5,7 +5,7 @@ endpoint that no fan-out passes, deliveries due again apart; what the relay keep
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
 import pytest
@@ -131,7 +131,7 @@ async def _claim_all(store: DeliveryStore) -> list[int]:
         if got:
             await store.record([_delivered(c) for c in got])
         ids += [c.id for c in got]
-        if not got and cursor is None:
+        if not got and cursor is None and not store.behind:
             return ids
     raise AssertionError("the claims never ran dry")
 
@@ -458,3 +458,60 @@ async def test_a_claim_reads_a_chunk_of_a_large_fan_out_and_the_rest_at_the_next
         await store.claim([DESTINATION], [1], [1], 10, [], 1000, None, {})
         claims += 1
     assert claims == 3 and store.lanes.seen == ENDPOINTS * FOUND_CHUNK
+    assert len(got) + len(await _claim_all(store)) == ENDPOINTS * FOUND_CHUNK
+
+
+async def test_fresh_deliveries_past_an_id_gap_are_claimed_at_once(
+    conn: asyncpg.Connection, store: DeliveryStore
+) -> None:
+    """The ids jumped far ahead (a sequence set ahead; a table emptied by retention, whose
+    floors reset to a seen far below the sequence): the next fan-out's deliveries are
+    claimed at once, not after one claim per FOUND_CHUNK ids of the gap (a review's find:
+    none of them in 5 claims)."""
+    await _claim_all(store)  # the floors read, seen 0
+    await conn.execute(
+        "SELECT setval(pg_get_serial_sequence('outbox_deliveries', 'id')::regclass, $1)",
+        100 * FOUND_CHUNK,
+    )
+    await add_events(conn, 1)
+    await store.fan_out(await _hold(conn, "lanes"), "none")
+    got, _, _ = await store.claim([DESTINATION], [ROOM], [ROOM], 5000, [], 1000, None, {})
+    assert len(got) == ENDPOINTS and not store.behind
+
+
+async def test_a_heartbeat_after_a_stall_past_the_lease_counts_its_delivery_again(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """The relay stalled past its lease, a claim ran first (the delivery no longer counted),
+    then the heartbeat renewed the lease: the delivery is still being sent, and counts
+    again (a review's find: it was forgotten, and the endpoint got a second delivery). A
+    heartbeat that finds an earlier claim of a row lost leaves the later claim counted."""
+    pool = await create_pool(to_asyncpg_dsn(db_url), "held", 2)
+    s = DeliveryStore(Store(pool, "public", "held", 1.0))
+
+    async def claim(skip: Sequence[int] = ()) -> set[int]:
+        got, _, _ = await s.claim([DESTINATION], [1], [1], 100, skip, 1000, None, {})
+        return {c.endpoint_id for c in got}
+
+    try:
+        await add_events(conn, 3)
+        await s.fan_out(await _hold(conn, "held"), "none")
+        first, _, _ = await s.claim([DESTINATION], [1], [1], 100, [], 1000, None, {})
+        old = first[0]
+        await asyncio.sleep(1.1)  # the stall: every lease ended
+        await s.release([(c.id, c.token) for c in first if c.id != old.id])
+        assert old.endpoint_id not in await claim([old.endpoint_id])  # a claim runs first
+        assert await s.heartbeat([(old.id, old.token)]) == {old.id}
+        assert old.endpoint_id not in await claim()  # renewed: it counts again
+        await conn.execute(  # put back by hand, claimed again (first) by this relay
+            "UPDATE outbox_deliveries SET status = 'pending', locked_by = NULL, "
+            "locked_until = NULL, run_after = now() - interval '1 hour' WHERE id = $1",
+            old.id,
+        )
+        s._held.pop(old.id)
+        again, _, _ = await s.claim([DESTINATION], [1], [1], 100, [], 1000, None, {})
+        assert [c.id for c in again if c.endpoint_id == old.endpoint_id] == [old.id]
+        assert await s.heartbeat([(old.id, old.token)]) == set()  # the old token: lost
+        assert old.endpoint_id not in await claim()  # the new claim still counts
+    finally:
+        await pool.close()

@@ -155,21 +155,28 @@ WITH RECURSIVE waits AS (
     ) AS nxt
     WHERE waits.n < :scan
 ),
+past AS MATERIALIZED (
+    -- Where the read of fresh deliveries past :seen starts: before the first id there is past
+    -- it, so that a gap in the ids (a sequence set ahead, a table emptied by retention) is
+    -- stepped over at once, not a chunk a claim.
+    SELECT coalesce((SELECT min(d.id) FROM {deliveries} AS d WHERE d.id > :seen::bigint),
+                    :seen::bigint + 1) - 1 AS start
+),
 found AS MATERIALIZED (
     -- Fresh deliveries written since :seen, of the next :chunk ids at most: a claim after a
     -- fan-out of a large backlog reads a chunk of it, not all of it (the planner reads such
     -- a range whole, then sorts it). IS TRUE keeps it on the primary key: by the fresh
     -- lane's index it would read every endpoint's range whole.
     SELECT d.id, d.endpoint_id FROM {deliveries} AS d
-    WHERE d.id > :seen::bigint AND d.id <= :seen::bigint + :chunk
+    WHERE d.id > (SELECT start FROM past) AND d.id <= (SELECT start FROM past) + :chunk
       AND (d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at) IS TRUE
 ),
 seen AS MATERIALIZED (
     -- Up to where the next claim's read of fresh deliveries starts: the chunk's end, or the
     -- highest id there is (every delivery up to it is seen: fan_out). Below the highest id,
     -- the relay claims again at once.
-    SELECT least(:seen::bigint + :chunk, coalesce((SELECT max(id) FROM {deliveries}), 0)) AS seen,
-           coalesce((SELECT max(id) FROM {deliveries}), 0) AS top
+    SELECT least((SELECT start FROM past) + :chunk, t.top) AS seen, t.top
+    FROM (SELECT coalesce((SELECT max(id) FROM {deliveries}), 0) AS top) AS t
 ),
 floors AS MATERIALIZED (
     -- Each endpoint's floor: the one kept, or below the first found, or (an endpoint with

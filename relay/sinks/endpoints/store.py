@@ -19,6 +19,10 @@ from relay.sinks.endpoints.lanes import FOUND_CHUNK, Floors
 
 log = structlog.get_logger("relay.endpoints")
 
+# How many leases after its lease ended a delivery this relay held is forgotten, if nothing
+# recorded, released or lost it before.
+FORGET_AFTER = 10
+
 
 class RowLease(Lease):
     """The hold of one delivery's claim: each delivery has a Lease of its own, so any loss
@@ -255,14 +259,16 @@ class DeliveryStore:
 
     def _holding(self) -> str:
         """How many deliveries this relay holds of each endpoint under a live lease, as
-        DELIVERY_CLAIM takes them (:held); those whose lease ended are forgotten."""
+        DELIVERY_CLAIM takes them (:held); those whose lease ended long ago are forgotten."""
         now = time.monotonic()
         counts: dict[str, int] = {}
         for row_id, (endpoint, _, until) in list(self._held.items()):
-            if until <= now:
-                del self._held[row_id]
-            else:
+            if until > now:
                 counts[str(endpoint)] = counts.get(str(endpoint), 0) + 1
+            elif until <= now - FORGET_AFTER * self.store.lease:
+                # Kept a while after its lease ended: a heartbeat that comes late (the relay
+                # stalled) may still renew it, and it counts again.
+                del self._held[row_id]
         return json.dumps(counts, separators=(",", ":"))
 
     async def record(self, records: Sequence[DeliveryRecord]) -> set[tuple[int, int]]:
