@@ -139,8 +139,7 @@ class DeliverySource(Attempts, Health):
             self._due = True  # claimed again once the claimer's retry comes
             raise
         self._swept_after(now)
-        if self.store.behind:
-            self._due = True  # the fresh deliveries past its read: claimed again at once
+        self._due = self._due or self.store.behind  # fresh deliveries past its read: again
         if orphans:
             log.warning(
                 "relay.endpoints.orphans_cancelled",
