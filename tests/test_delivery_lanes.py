@@ -5,6 +5,7 @@ endpoint that no fan-out passes, deliveries due again apart; what the relay keep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
@@ -67,15 +68,12 @@ async def _hold(conn: asyncpg.Connection, relay: str) -> list[tuple[int, int]]:
     return sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, relay))
 
 
-async def test_a_fan_out_waits_for_one_in_progress_so_none_commits_below_a_floor(
-    db_url: str, conn: asyncpg.Connection, store: DeliveryStore
-) -> None:
-    """A fan-out drew its ids and has not committed; another fans out after it, and a claim
-    runs. Without the fan-outs' lock the second commits first, the claim takes its deliveries
-    and moves the floors past the first's ids: those were left pending, found only by the
-    floors' check minutes later. With it the second waits, and every delivery is claimed."""
-    await _claim_all(store)  # the floors read, and nothing to claim
-    await add_events(conn, 5)
+@contextlib.asynccontextmanager
+async def _fan_out_in_progress(
+    db_url: str, conn: asyncpg.Connection
+) -> AsyncIterator[asyncpg.transaction.Transaction]:
+    """The events pending fanned out by relay "early" in a transaction left open (its ids
+    drawn, its lock held) until the block commits it."""
     early = await _hold(conn, "early")
     slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
@@ -89,6 +87,21 @@ async def test_a_fan_out_waits_for_one_in_progress_so_none_commits_below_a_floor
             "none",
             serial_key("public"),
         )
+        yield tx
+    finally:
+        await slow.close()
+
+
+async def test_a_fan_out_waits_for_one_in_progress_so_none_commits_below_a_floor(
+    db_url: str, conn: asyncpg.Connection, store: DeliveryStore
+) -> None:
+    """A fan-out drew its ids and has not committed; another fans out after it, and a claim
+    runs. Without the fan-outs' lock the second commits first, the claim takes its deliveries
+    and moves the floors past the first's ids: those were left pending, found only by the
+    floors' check minutes later. With it the second waits, and every delivery is claimed."""
+    await _claim_all(store)  # the floors read, and nothing to claim
+    await add_events(conn, 5)
+    async with _fan_out_in_progress(db_url, conn) as tx:
         await add_events(conn, 5)
         later = await _hold(conn, "lanes")
         fan_out = asyncio.create_task(store.fan_out(later, "none"))
@@ -97,8 +110,6 @@ async def test_a_fan_out_waits_for_one_in_progress_so_none_commits_below_a_floor
         first = await _claim_all(store)
         await tx.commit()
         await fan_out
-    finally:
-        await slow.close()
     second = await _claim_all(store)
     left = await conn.fetchval("SELECT count(*) FROM outbox_deliveries WHERE status = 'pending'")
     assert (len(first) + len(second), left) == (10 * ENDPOINTS, 0)
@@ -223,19 +234,7 @@ async def test_a_replay_written_beside_a_fan_out_in_progress_waits_for_it(
     it (a review's find: 9 left pending until the floors' check)."""
     await _claim_all(store)
     await add_events(conn, 3)
-    early = await _hold(conn, "early")
-    slow = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        tx = slow.transaction()
-        await tx.start()
-        await slow.fetch(
-            render_ops(FAN_OUT, "public"),
-            [i for i, _ in early],
-            [t for _, t in early],
-            "early",
-            "none",
-            serial_key("public"),
-        )
+    async with _fan_out_in_progress(db_url, conn) as tx:
         endpoint = await conn.fetchval("SELECT min(id) FROM outbox_endpoints")
         replay = asyncio.create_task(
             conn.fetchval(
@@ -252,8 +251,6 @@ async def test_a_replay_written_beside_a_fan_out_in_progress_waits_for_it(
         await store.record([_delivered(c) for c in got])
         await tx.commit()
         assert await replay is not None
-    finally:
-        await slow.close()
     rest = await _claim_all(store)
     left = await conn.fetchval("SELECT count(*) FROM outbox_deliveries WHERE status = 'pending'")
     assert (len(got) + len(rest), left) == (3 * ENDPOINTS + 1, 0)

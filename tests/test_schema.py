@@ -407,34 +407,12 @@ async def test_migration_0017_interrupted_anywhere_and_run_again(empty_db_url: s
     ends with outbox_deliveries_in_flight_idx and never leaves the deliveries without a
     valid index of running ones by endpoint meanwhile: each claim's count in flight would
     read the lease index whole, once per endpoint walked."""
-    await migrate(empty_db_url)
-    (m,) = [m for m in load_migrations() if m.version == 17]
-    statements = m.statements()
-    conn = await asyncpg.connect(to_asyncpg_dsn(empty_db_url))
-    try:
-        for stop in range(len(statements) + 1):
-            for sql in _BEFORE_0017:
-                await conn.execute(sql)
-            for sql in [*statements[:stop], *statements]:  # interrupted, then run again
-                await conn.execute(sql)
-                assert await conn.fetchval(_RUNNING_BY_ENDPOINT) >= 1, (stop, sql)
-            await conn.execute(queries.RECORD_MIGRATION, m.version, m.name)
-            indexes = {
-                r["indexname"]: r["indexdef"]
-                for r in await conn.fetch(
-                    "SELECT indexname, indexdef FROM pg_indexes"
-                    " WHERE tablename = 'outbox_deliveries'"
-                )
-            }
-            assert not [n for n in indexes if n.endswith(("_old_idx", "_next_idx"))], stop
-            assert "outbox_deliveries_running_idx" not in indexes, stop
-            assert (
-                "(endpoint_id, locked_until) WHERE (status = 'running'::text)"
-                in indexes["outbox_deliveries_in_flight_idx"]
-            )
-    finally:
-        await conn.close()
-    assert (await migrate(empty_db_url)).applied == []
+    for indexes in await _interrupted_anywhere(empty_db_url, 17, _BEFORE_0017):
+        assert "outbox_deliveries_running_idx" not in indexes
+        assert (
+            "(endpoint_id, locked_until) WHERE (status = 'running'::text)"
+            in indexes["outbox_deliveries_in_flight_idx"]
+        )
 
 
 _BEFORE_0018 = [
@@ -452,13 +430,29 @@ async def test_migration_0018_interrupted_anywhere_and_run_again(empty_db_url: s
     lanes and the in-flight index keyed by relay, and never leaves the deliveries without a
     valid index of running ones by endpoint meanwhile (it swaps the in-flight index as 0017
     built it)."""
-    await migrate(empty_db_url)
-    (m,) = [m for m in load_migrations() if m.version == 18]
+    for indexes in await _interrupted_anywhere(empty_db_url, 18, _BEFORE_0018):
+        assert (
+            "(endpoint_id, locked_until, locked_by) WHERE (status = 'running'::text)"
+            in indexes["outbox_deliveries_in_flight_idx"]
+        )
+        assert "(endpoint_id, id) WHERE" in indexes["outbox_deliveries_fresh_idx"]
+        assert "(endpoint_id, run_after, id)" in indexes["outbox_deliveries_waiting_idx"]
+
+
+async def _interrupted_anywhere(url: str, version: int, before: list[str]) -> list[dict[str, str]]:
+    """Migration ``version`` of the deliveries' indexes, from the state ``before`` sets,
+    stopped after each of its statements and run again: after every statement a valid index
+    of running deliveries by endpoint is there, and no build is left half way. The indexes
+    on outbox_deliveries at the end of each run (name: definition); the migrations are then
+    all recorded."""
+    await migrate(url)
+    (m,) = [m for m in load_migrations() if m.version == version]
     statements = m.statements()
-    conn = await asyncpg.connect(to_asyncpg_dsn(empty_db_url))
+    ends = []
+    conn = await asyncpg.connect(to_asyncpg_dsn(url))
     try:
         for stop in range(len(statements) + 1):
-            for sql in _BEFORE_0018:
+            for sql in before:
                 await conn.execute(sql)
             for sql in [*statements[:stop], *statements]:  # interrupted, then run again
                 await conn.execute(sql)
@@ -472,15 +466,11 @@ async def test_migration_0018_interrupted_anywhere_and_run_again(empty_db_url: s
                 )
             }
             assert not [n for n in indexes if n.endswith(("_old_idx", "_next_idx"))], stop
-            assert (
-                "(endpoint_id, locked_until, locked_by) WHERE (status = 'running'::text)"
-                in indexes["outbox_deliveries_in_flight_idx"]
-            )
-            assert "(endpoint_id, id) WHERE" in indexes["outbox_deliveries_fresh_idx"]
-            assert "(endpoint_id, run_after, id)" in indexes["outbox_deliveries_waiting_idx"]
+            ends.append(indexes)
     finally:
         await conn.close()
-    assert (await migrate(empty_db_url)).applied == []
+    assert (await migrate(url)).applied == []
+    return ends
 
 
 def test_no_transaction_migrations_hold_one_command_per_statement() -> None:

@@ -130,11 +130,10 @@ SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
 -- last endpoint examined when the scan limit cut the walk short, the last one claimed from
 -- when the batch filled up, NULL when the walk reached the end), the deliveries cancelled in
 -- event_id, the next :seen and the highest id (as text in content_type, "seen:top"), the ids'
--- epoch (in headers: the
--- deliveries' id sequence's file, new at a TRUNCATE … RESTART IDENTITY or a restore, and the
--- server's start, new at a failover that may hand ids out again), and in found whether
--- this claim swept (with :sweep, only when it picked less than :batch: a full batch stops the
--- walk early).
+-- epoch (in headers: the deliveries' id sequence's file, new at a TRUNCATE … RESTART IDENTITY
+-- or a restore, and the server's start, new at a failover that may hand ids out again), and
+-- in found whether this claim swept (with :sweep, only when it picked less than :batch: a
+-- full batch stops the walk early).
 
 WITH RECURSIVE waits AS (
     -- The endpoints with deliveries due again, from the cursor: a loose scan of the waiting
