@@ -40,7 +40,7 @@ from relay.pipeline.sending import Sending
 from relay.pipeline.source_sending import SourceSending
 from relay.runtime import loop, probes
 from relay.runtime.claim_modes import MixedClaims
-from relay.runtime.pipes import EVENTS, Pipe
+from relay.runtime.pipes import EVENTS, Pipe, adopter
 from relay.runtime.server import HttpServer, HttpStartupError, build_app
 from relay.runtime.shutdown import FINAL_BUDGET, shutdown
 from relay.runtime.startup import RelayStartupError, open_store
@@ -223,7 +223,9 @@ class Relay:
         self.pauses = Pauses(store, self.sinks, self.metrics, self.wake)
         rs = self.settings.relay
         # Sinks that keep tables of their own (endpoint deliveries) use the relay's.
-        host = Host(store, rs.max_in_flight, rs.poll_interval, self.metrics, lambda: self.paused)
+        host = Host(
+            store, rs.max_in_flight, rs.poll_interval, self.metrics, lambda: self.paused, self.wake
+        )
         for sink in _distinct(self.sinks):
             sink.attach(host)
         # Their rows are claimed, held, renewed, recorded, reaped and released by this
@@ -242,6 +244,7 @@ class Relay:
             pipe.sending = sending
             self.pipes.append(pipe)
             feeds.append(Feed(source, pipe.leases, sending.dispatch, rs.max_in_flight))
+            source.adopt = adopter(pipe.leases, sending.dispatch)
         self.claimer = Claimer(
             rs,
             self.routes,

@@ -346,8 +346,9 @@ def test_fanout_steady_under_a_held_snapshot_reports_windows_and_kept_versions(
     assert [w["from_s"] for w in rows][:2] == [0.0, 1.0] and len(rows) <= 3, rows
     assert sum(w["deliveries"] for w in rows) == s["healthy_delivered"] == 400
     assert all(0 < w["p50_ms"] <= w["p99_ms"] <= w["max_ms"] <= s["max_ms"] for w in rows)
-    # Each delivery was claimed and recorded: two dead versions, none removable.
-    assert s["tables"]["outbox_deliveries"]["dead"] >= 2 * 400, s["tables"]
+    # Each delivery was recorded (one dead version, none removable), and one claimed after
+    # its fan-out (not sent at once: its endpoint was not yet known to be fast) another.
+    assert s["tables"]["outbox_deliveries"]["dead"] >= 400, s["tables"]
     assert s["tables"]["outbox"]["dead"] >= 100, s["tables"]
 
 

@@ -22,6 +22,9 @@ class FakeSink:
     def available(self, destination: str) -> bool:
         return self.open
 
+    def claim_limit(self, destination: str, limit: int) -> int:
+        return limit
+
 
 class FakeStore:
     """Claims nothing; notes when each destination was claimed for."""

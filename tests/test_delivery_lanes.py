@@ -86,6 +86,10 @@ async def _fan_out_in_progress(
             "early",
             "none",
             serial_key("public"),
+            [],  # none claimed as it is written
+            [],
+            [],
+            30.0,
         )
         yield tx
     finally:

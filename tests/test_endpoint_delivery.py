@@ -522,7 +522,7 @@ async def test_fan_out_records_only_events_it_holds_and_never_twice(
     await fetch(db_url, claim, "r1", ids[4:])  # reaped and claimed again: token + 1
     sql = render_ops(FAN_OUT, "public")
     pairs = [*mine, (theirs, token), (stale, old_token)]
-    args = ([i for i, _ in pairs], [t for _, t in pairs], "r1", "none matched", 1)
+    args = ([i for i, _ in pairs], [t for _, t in pairs], "r1", "none matched", 1, [], [], [], 30)
     first = {r["id"]: r["endpoints"] for r in await fetch(db_url, sql, *args)}
     assert first == {ids[0]: 2, ids[1]: 1, ids[2]: 0}  # not the row r2 holds
     events = {r["id"]: r for r in await fetch(db_url, "SELECT * FROM outbox")}

@@ -283,7 +283,7 @@ async def test_the_claimer_holds_and_dispatches_each_sources_rows_apart() -> Non
     other: Leases[Item] = Leases(metrics, Counter())
     events_sent: list[list[int]] = []
     items_sent: list[list[int]] = []
-    sink = SimpleNamespace(available=lambda destination: True)
+    sink = SimpleNamespace(available=lambda destination: True, claim_limit=lambda d, n: n)
     routes = {"d": SimpleNamespace(sink=sink, name="d", ordered=False)}
     claimer = Claimer(
         RelaySettings(poll_interval=5.0, batch_size=100, max_in_flight=1000),
@@ -413,7 +413,7 @@ async def test_a_source_whose_claim_came_back_full_is_claimed_again_at_once() ->
     stats: Counter[str] = Counter()
     source = Backlog()
     other: Leases[Item] = Leases(metrics, Counter())
-    sink = SimpleNamespace(available=lambda destination: True)
+    sink = SimpleNamespace(available=lambda destination: True, claim_limit=lambda d, n: n)
     routes = {"d": SimpleNamespace(sink=sink, name="d", ordered=False)}
     claimer = Claimer(
         RelaySettings(poll_interval=5.0, batch_size=3, max_in_flight=1000),

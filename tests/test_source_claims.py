@@ -39,7 +39,7 @@ def claimer(
 ) -> tuple[Claimer, list[list[int]]]:
     metrics = Metrics()
     stats: Counter[str] = Counter()
-    sink = SimpleNamespace(available=lambda destination: True)
+    sink = SimpleNamespace(available=lambda destination: True, claim_limit=lambda d, n: n)
     routes = {"d": SimpleNamespace(sink=sink, name="d", ordered=False)}
     sent: list[list[int]] = []
     c = Claimer(

@@ -48,7 +48,7 @@ def claimer_for(
     leases: Leases[Envelope] = Leases(metrics, stats)
     sent: list[list[int]] = []
     now = time.monotonic()  # claimed just now: not due by its poll in these tests
-    sink = SimpleNamespace(available=lambda destination: available)
+    sink = SimpleNamespace(available=lambda destination: available, claim_limit=lambda d, n: n)
     routes = {"d": SimpleNamespace(sink=sink, name="d", ordered=False)}
     claimer = Claimer(
         RelaySettings(poll_interval=5.0, batch_size=3, max_in_flight=max_in_flight),

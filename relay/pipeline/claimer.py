@@ -244,8 +244,13 @@ class Claimer:
             if len(batch) >= limit:
                 self._scan_progressed = True  # the others' turn comes at once
                 break
+            route = self.routes[dest]
+            # A sink whose deliveries take room of their own (endpoints) may take fewer now.
+            take = route.sink.claim_limit(dest, limit - len(batch))
+            if take <= 0:
+                continue
             try:
-                batch += await self._claim_one(self.routes[dest], limit - len(batch))
+                batch += await self._claim_one(route, take)
             except Exception as exc:
                 return batch, exc
         return batch, None

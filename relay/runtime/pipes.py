@@ -40,6 +40,19 @@ class Sends(Protocol):
         ...
 
 
+def adopter(
+    leases: Leases[H], dispatch: Callable[[Sequence[H]], None]
+) -> Callable[[Sequence[H]], None]:
+    """What a source hands rows it claimed by itself to (a fan-out's deliveries, claimed as
+    they were written): held in ``leases`` and dispatched, as the claimer's own are."""
+
+    def adopt(items: Sequence[H]) -> None:
+        leases.claimed(items)
+        dispatch(items)
+
+    return adopt
+
+
 class Pipe(Generic[H]):
     """``source``'s rows held in ``leases``, their outcomes written by a completer of their
     own; ``heads`` is called when an outcome let the next row of an ordered key go (the

@@ -31,6 +31,8 @@ class Host:
     poll_interval: float
     metrics: Metrics
     paused: Callable[[], Collection[str]]
+    # Claims events now: a sink whose claim_limit held a destination back has room again.
+    wake: Callable[[], None] = lambda: None
 
 
 @runtime_checkable
@@ -86,6 +88,12 @@ class Sink(Protocol):
         it holds of its own within ``timeout`` seconds."""
         ...
 
+    def claim_limit(self, destination: str, limit: int) -> int:
+        """How many of ``destination``'s events (at most ``limit``) the next claim may take:
+        a sink whose deliveries of a batch take room of their own says how many fit now (0:
+        none; it wakes the relay through :attr:`Host.wake` once some do)."""
+        ...
+
     def sources(self) -> Sequence[SendingSource[Any]]:
         """Tables of rows of its own (endpoint deliveries), once attached: the relay claims,
         holds, renews, records, reaps and releases their rows with its own pipeline, and the
@@ -95,7 +103,7 @@ class Sink(Protocol):
     async def close(self) -> None: ...
 
 
-HOOKS = ("breakers_of", "attach", "tasks", "wake", "drain", "sources")
+HOOKS = ("breakers_of", "attach", "tasks", "wake", "drain", "claim_limit", "sources")
 
 
 class SinkBase:
@@ -120,6 +128,9 @@ class SinkBase:
 
     async def drain(self, timeout: float) -> None:
         return None
+
+    def claim_limit(self, destination: str, limit: int) -> int:
+        return limit
 
     def sources(self) -> Sequence[SendingSource[Any]]:
         return ()
@@ -185,6 +196,10 @@ class Hooked(SinkBase):
         own = getattr(self.inner, "drain", None)
         if own is not None:
             await own(timeout)
+
+    def claim_limit(self, destination: str, limit: int) -> int:
+        own = getattr(self.inner, "claim_limit", None)
+        return own(destination, limit) if own is not None else limit
 
     def sources(self) -> Sequence[SendingSource[Any]]:
         own = getattr(self.inner, "sources", None)

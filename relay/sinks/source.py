@@ -58,6 +58,9 @@ class SendingSource(Source[H], Protocol[H]):
     """
 
     on_due: Callable[[], None]
+    # Set by the relay: rows the source claimed by itself (a fan-out's deliveries, claimed as
+    # they were written), to be held and sent as the claimer's are.
+    adopt: Callable[[Sequence[H]], None] | None
 
     def group(self, item: H) -> Hashable: ...
 

@@ -42,6 +42,7 @@ from relay.db.queries.claim import CLAIM_FRESH as CLAIM_FRESH
 from relay.db.queries.claim import FENCE as FENCE
 from relay.db.queries.claim import FRESH_BELOW as FRESH_BELOW
 from relay.db.queries.deliveries import DELIVERY_CLAIM as DELIVERY_CLAIM
+from relay.db.queries.deliveries import DELIVERY_CLAIM_LOCK as DELIVERY_CLAIM_LOCK
 from relay.db.queries.deliveries import DELIVERY_FLOORS as DELIVERY_FLOORS
 from relay.db.queries.deliveries import DELIVERY_HEARTBEAT as DELIVERY_HEARTBEAT
 from relay.db.queries.deliveries import DELIVERY_REAP as DELIVERY_REAP
@@ -51,6 +52,7 @@ from relay.db.queries.deliveries import ENDPOINT_CIRCUIT as ENDPOINT_CIRCUIT
 from relay.db.queries.deliveries import ENDPOINT_DISABLE as ENDPOINT_DISABLE
 from relay.db.queries.deliveries import ENDPOINT_HEALTH as ENDPOINT_HEALTH
 from relay.db.queries.deliveries import FAN_OUT as FAN_OUT
+from relay.db.queries.deliveries import FAN_OUT_LOCK as FAN_OUT_LOCK
 from relay.db.queries.deliveries import serial_key as serial_key
 from relay.db.queries.gauges import PENDING_BY_DESTINATION as PENDING_BY_DESTINATION
 from relay.db.queries.gauges import SNAPSHOT_HOLDER as SNAPSHOT_HOLDER

@@ -20,6 +20,8 @@ def serial_key(schema: str) -> int:
 
 
 FAN_OUT = _q["fan_out"]
+FAN_OUT_LOCK = _q["fan_out_lock"]
+DELIVERY_CLAIM_LOCK = _q["delivery_claim_lock"]
 DELIVERY_CLAIM = _q["delivery_claim"]
 DELIVERY_FLOORS = _q["delivery_floors"]
 DELIVERY_RECORD = _q["delivery_record"]

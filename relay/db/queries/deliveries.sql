@@ -9,8 +9,26 @@
 -- delivery_heartbeat and delivery_release are leases.sql's heartbeat and release on the
 -- deliveries; delivery_reap's limits and what it sets on a reaped row are leases.sql's reap's.
 
+-- name: fan_out_lock
+-- params: serial
+-- The in-flight lock (:serial, 2), taken alone in a fan-out's transaction before a FAN_OUT
+-- that sends deliveries at once (:room_ids), so that FAN_OUT's snapshot is taken once it is
+-- held: it then sees every delivery claim that committed before (a claim takes it shared:
+-- delivery_claim_lock), and no claim that began before it commits sees a snapshot without
+-- its deliveries in flight. Either way each counts the other's against max_concurrency.
+-- Another key than the fan-outs' own (:serial, 1), which replays take too: a replay in an
+-- application's open transaction holds up fan-outs, never claims.
+SELECT pg_advisory_xact_lock(:serial::int, 2)
+
+-- name: delivery_claim_lock
+-- params: serial
+-- The delivery claim's share of the in-flight lock (see fan_out_lock), taken alone in the
+-- claim's transaction before DELIVERY_CLAIM: claims run beside each other, never beside a
+-- fan-out that sends deliveries at once.
+SELECT pg_advisory_xact_lock_shared(:serial::int, 2)
+
 -- name: fan_out
--- params: ids, tokens, relay, no_match, serial
+-- params: ids, tokens, relay, no_match, serial, room_ids, room_n, room_floors, lease
 -- Fan-out of a claimed batch of events and their outcome, in one statement: one delivery per
 -- matching endpoint (enabled, of the event's destination, of its tenant or of every tenant,
 -- taking its type or every type), and each event recorded as delivered (with :no_match as
@@ -35,7 +53,7 @@ WITH serial AS MATERIALIZED (
     SELECT 1 AS one FROM (SELECT pg_advisory_xact_lock(:serial::int, 1)) AS l
 ),
 matched AS (
-    SELECT o.id AS event_id, e.id AS endpoint_id, o.destination
+    SELECT o.id AS event_id, e.id AS endpoint_id, o.destination, o.tenant
     FROM {table} AS o
     CROSS JOIN LATERAL (
         SELECT e.id FROM {endpoints} AS e
@@ -67,15 +85,68 @@ recorded AS (
       AND (SELECT one FROM serial) = 1
     RETURNING o.id, coalesce(c.n, 0) AS endpoints
 ),
-added AS (
-    INSERT INTO {deliveries} (event_id, endpoint_id, destination)
-    SELECT m.event_id, m.endpoint_id, m.destination
+room AS MATERIALIZED (
+    -- The endpoints whose deliveries this relay sends at once (:room_ids, each taking its
+    -- first :room_n of this fan-out), where none has to go first and no limit is passed: the
+    -- endpoint takes no rate limit, no other relay holds a delivery of it under a live lease
+    -- (counted as the claim counts them; its room is this relay's alone), and none of its
+    -- deliveries is pending and due, in the fresh lane from its floor (:room_floors, as the
+    -- claim's) or in the waiting lane: an endpoint with a backlog is served oldest first, by
+    -- the claim.
+    SELECT g.endpoint_id, g.n
+    FROM unnest(:room_ids::bigint[], :room_n::int[], :room_floors::bigint[]) AS g(endpoint_id, n, floor)
+    JOIN {endpoints} AS e ON e.id = g.endpoint_id
+    WHERE e.enabled AND e.rate_limit IS NULL AND (SELECT one FROM serial) = 1
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS r
+                      WHERE r.endpoint_id = g.endpoint_id AND r.status = 'running'
+                        AND r.locked_until > now() AND r.locked_by < :relay)
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS r
+                      WHERE r.endpoint_id = g.endpoint_id AND r.status = 'running'
+                        AND r.locked_until > now() AND r.locked_by > :relay)
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
+                      WHERE d.endpoint_id = g.endpoint_id
+                        AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
+                        AND d.id > g.floor AND d.run_after <= now())
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
+                      WHERE d.endpoint_id = g.endpoint_id
+                        AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
+                        AND d.run_after <= now())
+),
+ranked AS (
+    SELECT m.event_id, m.endpoint_id, m.destination,
+           row_number() OVER (PARTITION BY m.endpoint_id ORDER BY m.event_id) <= coalesce(g.n, 0) AS sent
     FROM matched AS m JOIN recorded AS r ON r.id = m.event_id
-    ORDER BY m.event_id, m.endpoint_id
+    LEFT JOIN room AS g ON g.endpoint_id = m.endpoint_id
+),
+added AS (
+    -- Those sent at once are written claimed by this relay (running under its lease, its
+    -- first claim): they never wait in the claim's lanes.
+    INSERT INTO {deliveries} (event_id, endpoint_id, destination, status, locked_by, locked_until, claims)
+    SELECT k.event_id, k.endpoint_id, k.destination,
+           CASE WHEN k.sent THEN 'running' ELSE 'pending' END,
+           CASE WHEN k.sent THEN :relay END,
+           CASE WHEN k.sent THEN now() + make_interval(secs => :lease) END,
+           CASE WHEN k.sent THEN 1 ELSE 0 END
+    FROM ranked AS k
+    ORDER BY k.event_id, k.endpoint_id
     ON CONFLICT (event_id, endpoint_id) DO NOTHING
-    RETURNING 1
+    RETURNING id, event_id, endpoint_id, status
 )
-SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added FROM recorded
+SELECT id, endpoints, (SELECT count(*) FROM added)::int AS added,
+       NULL::bigint AS event_id, NULL::bigint AS endpoint_id, NULL::text AS url,
+       NULL::text AS secret, NULL::text AS previous_secret, NULL::text AS tenant,
+       NULL::text[] AS event_types, NULL::text AS event_tenant
+FROM recorded
+UNION ALL
+-- Then the deliveries sent at once (endpoints = -1), with what sending needs of their
+-- endpoint (the event is the caller's), all of this statement's snapshot.
+SELECT a.id, -1, 0, a.event_id, a.endpoint_id, e.url, e.secret,
+       CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END,
+       e.tenant, e.event_types, m.tenant
+FROM added AS a
+JOIN {endpoints} AS e ON e.id = a.endpoint_id
+JOIN matched AS m ON m.event_id = a.event_id AND m.endpoint_id = a.endpoint_id
+WHERE a.status = 'running'
 
 -- name: delivery_claim
 -- params: destinations, max_concurrency, batch, relay, caps, scan, cursor, lease, skip_tenants, start_caps, ahead, uncapped, ahead_room, sweep, floors, seen, chunk, held

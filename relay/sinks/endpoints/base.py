@@ -69,6 +69,11 @@ class DeliveriesBase:
         # The relay is stopping: no request starts any more (see DeliverySource.halt).
         self._halted = False
         self.scan = SCAN
+        # The relay's claim of events held back for want of room (EndpointsSink.claim_limit):
+        # on_room (the relay's wake-up) is called once deliveries have left.
+        self.held_back = False
+        self._claim_wanted = False
+        self.on_room: Callable[[], None] = lambda: None
         self.ahead = CLAIM_AHEAD
         self._limits = {name: d.max_attempts for name, d in self.destinations.items()}
         self._default_max = max(self._limits.values())
@@ -85,9 +90,12 @@ class DeliveriesBase:
             if not state.in_hand and now - state.last_claimed > STATE_IDLE:
                 del self.states[eid]
 
-    def _wake_soon(self) -> None:
+    def _wake_soon(self, claim: bool = True) -> None:
         """Wake the claim shortly: requests finishing one by one are claimed for in one
-        statement, not one claim each (a claim costs 1-3 ms of the server's time)."""
+        statement, not one claim each (a claim costs 1-3 ms of the server's time). Without
+        ``claim`` (no delivery of theirs waits to be claimed), only the relay's claim of
+        events, if it was held back for want of room."""
+        self._claim_wanted |= claim
         if self._wake_pending is None:
             self._wake_pending = asyncio.get_running_loop().call_later(
                 WAKE_COALESCE, self._woken_soon
@@ -95,4 +103,10 @@ class DeliveriesBase:
 
     def _woken_soon(self) -> None:
         self._wake_pending = None
-        self.wake()
+        if self._claim_wanted:
+            self._claim_wanted = False
+            self.wake()
+        if self.held_back:
+            # The events' claim took fewer than it could for want of room: there is some now.
+            self.held_back = False
+            self.on_room()

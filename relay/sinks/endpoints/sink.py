@@ -66,6 +66,7 @@ class EndpointsSink(SinkBase):
             secret_box=self.secret_box,
         )
         source.paused = host.paused
+        source.on_room = host.wake
         source.metrics = host.metrics
         self.source = source
 
@@ -102,13 +103,12 @@ class EndpointsSink(SinkBase):
         if not held:
             return outcomes
         try:
-            matched = await self.source.store.fan_out([(e.id, e.token) for e in held], NO_MATCH)
+            matched = await self.source.fan_out(held, NO_MATCH)
         except DB_ERRORS as exc:
             # Not written (or, if the answer was lost after a commit, written: then the
             # completer finds the rows recorded already and counts them as not its own).
             error = f"fan-out to endpoints failed: {describe(exc)}"
             return outcomes + [Outcome.retry(e.id, error, FAN_OUT_RETRY) for e in held]
-        self.source.wake()
         for e in held:
             found = matched.get(e.id)
             if found is None:
@@ -120,6 +120,18 @@ class EndpointsSink(SinkBase):
                 # Recorded, not failed and not retried: nobody subscribed to it.
                 outcomes.append(Outcome(e.id, Result.DELIVERED, NO_MATCH, recorded=True))
         return outcomes
+
+    def claim_limit(self, destination: str, limit: int) -> int:
+        """Events are claimed as their deliveries can be sent at once (fanned out into
+        endpoints' room, DeliverySource.fan_out): claimed faster, their deliveries would wait
+        to be claimed one by one. As many as asked while no endpoint is known to be fast."""
+        if self.source is None:
+            return limit
+        fits = self.source.fan_out_fits()
+        if fits is None or fits >= limit:
+            return limit
+        self.source.held_back = True
+        return fits
 
     def available(self, destination: str) -> bool:
         return True

@@ -24,13 +24,15 @@ import structlog
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import describe
 from relay.db.store import Record
+from relay.model import Envelope
+from relay.sinks.endpoints import at_once
 from relay.sinks.endpoints.attempts import CRASH_RETRY, PUT_BACK_COOLDOWN, Attempts
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import UNCAPPED, Plan
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.health import Health
 from relay.sinks.endpoints.state import EndpointState
-from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore
+from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, sent_at_once
 from relay.sinks.source import SendingSource
 from relay.sinks.webhook.requests import RequestPath
 
@@ -43,6 +45,10 @@ PRUNE_EVERY = 10.0  # seconds between looks for endpoints idle long enough to be
 # claimed, they only wait to be cancelled, and each sweep's probes read every dead entry a
 # held snapshot keeps at the front of each endpoint's pending deliveries.
 SWEEP_EVERY = 5.0
+# An endpoint whose deliveries wait for the claim holds the events' claim back (so that the
+# claim takes its backlog first, at_once.fits) only while the claim is serving it: claimed
+# from this recently. A disabled or deleted endpoint's kept queue must not hold it back.
+BACKLOG_SERVED = 2.0
 
 
 class DeliverySource(Attempts, Health):
@@ -71,6 +77,11 @@ class DeliverySource(Attempts, Health):
         self._due = True
         # Called when the source comes due, so the claimer claims it now (Claimer.wake).
         self.on_due: Callable[[], None] = _nothing
+        # Hands deliveries a fan-out claimed to the pipeline, held and sent as claimed ones
+        # (set by the relay; without it, a fan-out claims none).
+        self.adopt: Callable[[Sequence[Claimed]], None] | None = None
+        self._per_event = 1.0  # deliveries per event the last fan-out made
+        self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
         self._waiting: dict[Key, EndpointState] = {}
@@ -151,6 +162,92 @@ class DeliverySource(Attempts, Health):
         self.stats["claimed"] += len(claimed)
         return claimed
 
+    async def fan_out(self, events: Sequence[Envelope], no_match: str) -> dict[int, int]:
+        """Fan out events this relay holds (FAN_OUT): the endpoints matched per event
+        recorded. Deliveries of endpoints with room are claimed as they are written and handed
+        to the pipeline at once (:attr:`adopt`): they never wait for a claim."""
+        by_id = {e.id: e for e in events}
+        expected = len(events) * self._per_event
+        self._fanning += expected
+        try:
+            matched, sent, until, started = await self.store.fan_out_claiming(
+                [(e.id, e.token) for e in events], no_match, self._room()
+            )
+        finally:
+            self._fanning -= expected
+        made = sum(matched.values())
+        if matched:
+            self._per_event = max(1.0, made / len(matched))
+        if made > len(sent):
+            self.wake()  # some were written pending: the claim takes them
+        if sent and self.adopt is not None:
+            items = [sent_at_once(r, by_id[r[3]], until, started) for r in sent]
+            for c in items:
+                self._take(c)
+            self.stats["claimed"] += len(items)
+            self.stats["sent_at_fan_out"] += len(items)
+            self.adopt(items)
+        return matched
+
+    def fan_out_fits(self) -> int | None:
+        """How many events the relay's claim may take so that a fan-out sends their
+        deliveries at once (at_once.fits); None: as many as it asks for."""
+        queues, left = self._queues()
+        store = self.store
+        unread = store.lanes.floors is None or store.behind
+        return at_once.fits(queues, left, self._fanning, self._per_event, unread)
+
+    def _room(self) -> dict[int, int]:
+        """FAN_OUT's room: the endpoints a fan-out may claim deliveries of as it writes them,
+        and how many (at_once.room). FAN_OUT also sends none of an endpoint that is
+        rate-limited, held by another relay or has deliveries waiting, as the claim sees it."""
+        if self._halted or self.adopt is None:
+            return {}
+        return at_once.room(*self._queues())
+
+    def _queues(self) -> tuple[list[at_once.Queue], int]:
+        """The endpoints known to be fast (not slow, new, rate-limited, put back lately, gone
+        or with its circuit open) and how many deliveries a fan-out may queue here in all:
+        none while the fair share plan holds anyone back (the claim then shares the room)."""
+        holding = self.store.holding()
+        left = self.max_in_flight // 2 - holding
+        share = self._plan(holding)
+        if share.skip_endpoints or share.skip_tenants:
+            return [], 0
+        floors = self.store.lanes.floors or {}
+        now = time.monotonic()
+        queues = [
+            at_once.Queue(
+                s.id,
+                self.destinations[s.destination].max_concurrency * at_once.FAN_OUT_AHEAD,
+                s.in_hand,
+                s.id in floors and now - s.last_claimed < BACKLOG_SERVED,
+            )
+            for s in self.states.values()
+            if share.caps.get(s.id) == UNCAPPED and self._eligible(s, now)
+        ]
+        return queues, left
+
+    def _waits(self, endpoint: int) -> bool:
+        """Whether a delivery of ``endpoint`` may wait for a claim: it has a floor (a fresh
+        one pending), the claim has not read every delivery written, or the floors are not
+        read yet. (Deliveries due again wake the claim when they are written pending, when
+        reaped, or come due at its poll.)"""
+        floors = self.store.lanes.floors
+        return floors is None or self.store.behind or endpoint in floors
+
+    def _eligible(self, s: EndpointState, now: float) -> bool:
+        """Known to be fast, and nothing keeps its deliveries from being sent now."""
+        return (
+            s.destination in self.destinations
+            and s.latency is not None
+            and not s.holding(now).slow
+            and not s.rate_limited
+            and not s.circuit_open
+            and not s.gone
+            and now - s.put_back_at >= PUT_BACK_COOLDOWN
+        )
+
     def _sweep_due(self, now: float) -> bool:
         """Whether this claim sweeps for deliveries of deleted or moved endpoints. Once due,
         every claim sweeps until a walk from the first endpoint to the last has been swept
@@ -192,6 +289,7 @@ class DeliverySource(Attempts, Health):
             return
         state.in_hand += 1
         state.last_claimed = time.monotonic()
+        state.rate_limited = c.rate_limit is not None
         self._waiting[key] = state
 
     def group(self, c: Claimed) -> int:
@@ -252,7 +350,9 @@ class DeliverySource(Attempts, Health):
             finally:
                 state.in_hand -= 1
             emit(record, c)
-            self._wake_soon()  # its endpoint has room again: claimed for together
+            # Its endpoint has room again: claimed for together, if any of its deliveries
+            # waits (or may) for a claim, or this one is to be sent again.
+            self._wake_soon(record.status == "pending" or self._waits(state.id))
 
     def crashed(self, c: Claimed, exc: BaseException) -> DeliveryRecord:
         """The record of a delivery whose handling raised: retried, failed at its limit."""
@@ -284,7 +384,12 @@ class DeliverySource(Attempts, Health):
         self.stats["recorded"] += len(written)
         # The claim counts an endpoint's deliveries in flight from the table, across relays:
         # these no longer are.
-        self._wake_soon()
+        self._wake_soon(
+            any(
+                _delivery(r).status == "pending" or self._waits(_delivery(r).endpoint_id)
+                for r in records
+            )
+        )
         try:
             await self._write_health()
         except Exception as exc:  # the outcomes are written: a bug here must not undo them

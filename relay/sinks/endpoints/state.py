@@ -41,6 +41,7 @@ class EndpointState:
     started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
     not_taken: int = 0  # deliveries cancelled as not taken since the last log line
     not_taken_logged: float = -NOT_TAKEN_LOG_EVERY
+    rate_limited: bool = False  # as its last claim read it
     put_back_at: float = float("-inf")  # when a delivery was last put back as it turned slow
 
     def holding(self, now: float) -> Holding:

@@ -7,13 +7,15 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import structlog
 
 from relay.db import queries
+from relay.db.pool import connection
 from relay.db.store import Record, Store, read_headers
-from relay.model import Lease
+from relay.model import Envelope, Lease
 from relay.sinks.endpoints.fairness import UNCAPPED
 from relay.sinks.endpoints.lanes import FOUND_CHUNK, Floors
 
@@ -121,17 +123,56 @@ class DeliveryStore:
         pairs), and the events recorded as delivered, in one statement (see FAN_OUT); the
         endpoints matched per event recorded. An event missing from the answer was no longer
         this relay's: nothing was written for it."""
+        return (await self.fan_out_claiming(events, no_match, None))[0]
+
+    async def fan_out_claiming(
+        self,
+        events: Sequence[tuple[int, int]],
+        no_match: str,
+        room: Mapping[int, int] | None,
+    ) -> tuple[dict[int, int], list[asyncpg.Record], float, float]:
+        """:meth:`fan_out`, claiming as they are written each ``room`` endpoint's first
+        ``room[id]`` deliveries, where none of its deliveries waits and no other relay holds
+        one. Returns the endpoints matched per event recorded; the deliveries claimed
+        (FAN_OUT's rows of endpoints -1); the end of their lease and the time just before
+        the statement (monotonic)."""
         self.store.statements["fan_out"] += 1
-        rows = await self.store.call(
-            "fetch",
-            queries.FAN_OUT,
+        floors = self.lanes.floors
+        if floors is None or room is None:
+            room = {}  # the floors say where a backlog waits: none sent at once before them
+        args = (
             [i for i, _ in events],
             [t for _, t in events],
             self.relay_id,
             no_match,
             self._serial,
+            list(room),
+            list(room.values()),
+            [(floors or {}).get(e, self.lanes.seen) for e in room],
+            self.store.lease,
         )
-        return {r[0]: r[1] for r in rows}
+        started = time.monotonic()
+        until = started + self.store.lease  # before the statement: never later than its now()
+        if room:
+            rows = await self._after(queries.FAN_OUT_LOCK, "fetch", queries.FAN_OUT, *args)
+        else:
+            rows = await self.store.call("fetch", queries.FAN_OUT, *args)
+        sent = [r for r in rows if r[1] == -1]
+        for r in sent:
+            self._held[r[0]] = (r[4], 1, until)
+        return {r[0]: r[1] for r in rows if r[1] != -1}, sent, until, started
+
+    async def _after(self, lock: str, method: str, sql: str, *args: Any) -> Any:
+        """``sql`` in a transaction that takes ``lock`` (the in-flight lock: FAN_OUT_LOCK or
+        DELIVERY_CLAIM_LOCK) first, alone: its snapshot is taken once the lock is held."""
+        schema = self.store.schema
+        async with connection(self.store.pool) as conn, conn.transaction():
+            await conn.execute(queries.render_ops(lock, schema), self._serial)
+            return await getattr(conn, method)(queries.render_ops(sql, schema), *args)
+
+    def holding(self) -> int:
+        """How many deliveries this relay holds (claimed, not yet recorded or released)."""
+        return len(self._held)
 
     async def claim(
         self,
@@ -233,7 +274,10 @@ class DeliveryStore:
         floors: Mapping[int, int],
     ) -> list[asyncpg.Record]:
         """DELIVERY_CLAIM's rows: those claimed, each next floor (-2), the marker (-1)."""
-        rows: list[asyncpg.Record] = await self.store.call(
+        # After the in-flight lock, shared: every fan-out that sent deliveries at once
+        # committed before this claim's snapshot, or waits for this claim (FAN_OUT_LOCK).
+        rows: list[asyncpg.Record] = await self._after(
+            queries.DELIVERY_CLAIM_LOCK,
             "fetch",
             queries.DELIVERY_CLAIM,
             list(destinations),
@@ -385,6 +429,34 @@ class DeliveryStore:
         return row is not None
 
 
+def sent_at_once(r: asyncpg.Record, event: Envelope, until: float, started: float) -> Claimed:
+    """A delivery FAN_OUT claimed as it wrote it (a row of endpoints -1), of ``event``."""
+    return Claimed(
+        id=r[0],
+        event_id=r[3],
+        endpoint_id=r[4],
+        destination=event.destination,
+        attempts=0,
+        token=1,
+        replay=False,
+        found=True,
+        payload=event.payload,
+        content_type=event.content_type,
+        headers=event.headers,
+        created_at=event.created,
+        url=r[5],
+        secret=r[6],
+        previous_secret=r[7],
+        rate_limit=None,  # FAN_OUT sends none of a rate-limited endpoint at once
+        lease=RowLease(until),
+        lease_started=started,
+        event_type=event.event_type,
+        tenant=r[8],
+        event_types=tuple(r[9] or ()),
+        event_tenant=r[10],
+    )
+
+
 def _claimed(r: asyncpg.Record, until: float, started: float) -> Claimed:
     """A row of DELIVERY_CLAIM, held until ``until`` (monotonic) by the claim made at
     ``started``."""
@@ -414,4 +486,4 @@ def _claimed(r: asyncpg.Record, until: float, started: float) -> Claimed:
     )
 
 
-__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore", "RowLease", "takes"]
+__all__ = ["Claimed", "DeliveryRecord", "DeliveryStore", "RowLease", "sent_at_once", "takes"]

@@ -168,6 +168,9 @@ class TimingSink:
     async def drain(self, timeout: float) -> None:
         await self.inner.drain(timeout)
 
+    def claim_limit(self, destination: str, limit: int) -> int:
+        return self.inner.claim_limit(destination, limit)
+
     def sources(self) -> Sequence[SendingSource[Any]]:
         return self.inner.sources()
 
