@@ -262,6 +262,9 @@ class AlwaysAvailable:
     def available(self, destination: str) -> bool:
         return True
 
+    def claim_limit(self, destination: str, limit: int) -> int:
+        return limit
+
 
 def ordered_claimer(
     store: Store,
