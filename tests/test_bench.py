@@ -261,6 +261,9 @@ def test_fanout_accounts_for_every_delivery(pg_admin_url: str) -> None:
         assert counted["delivery_record"] == s["delivery_record_statements"] >= 1, counted
         assert counted["delivery_reap"] >= 1, counted
         assert s["delivery_record_us_per_delivery"] > 0
+        # The healthy endpoints' deliveries, once they are known to be fast, are claimed by
+        # their fan-out; the first ones, the slow and the dead one's by the claim.
+        assert 0 < s["deliveries_sent_at_fan_out"] < s["deliveries"], s
         per = sum(counted.values()) / s["healthy_delivered"]
         assert abs(per - s["sql_statements_per_delivery"]) < 0.01, (per, s)
     assert out["steady slow+dead"]["deliveries_pending"] >= 50  # the dead one's backlog

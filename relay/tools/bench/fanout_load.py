@@ -249,6 +249,7 @@ class Load:
         self.relay, self.task = relay, task
         self.timer.attach(relay)
         self.statements0 = Counter(relay.store.statements)
+        self.at_once0 = _sent_at_once(relay) or 0
         await self.backends.begin(self.conn)
         self.cpu0, self.receiver0 = time.process_time(), self.receivers.cpu_seconds()
 
@@ -261,6 +262,8 @@ class Load:
         # Outcomes not written because their delivery's lease was lost (the deliveries' pipe).
         pipe = next((p for p in self.relay.pipes if p.name == "deliveries"), None)
         self.lost = pipe.leases.stats["lease_lost"] if pipe is not None else None
+        at_once = _sent_at_once(self.relay)
+        self.at_once = at_once - self.at_once0 if at_once is not None else None
 
     async def until_delivered(self, expected: int) -> None:
         """Until the receivers have had ``expected`` healthy requests and the table says
@@ -386,6 +389,7 @@ class Load:
         out.update(self.costs(delivered))
         out.update(acc)
         out["deliveries_lost"] = self.lost
+        out["deliveries_sent_at_fan_out"] = self.at_once
         return out
 
     def costs(self, delivered: int) -> dict[str, Any]:
@@ -404,3 +408,11 @@ class Load:
         out["statements"] = {k: v for k, v in sorted(self.statements.items()) if v > 0}
         out["max_rss_mb"] = round(rss_mb(), 1)
         return out
+
+
+def _sent_at_once(relay: Relay) -> int | None:
+    """How many deliveries their fan-out claimed and sent at once so far (no claim statement
+    of their own); None without an endpoints destination."""
+    pipe = next((p for p in relay.pipes if p.name == "deliveries"), None)
+    stats = getattr(pipe.source, "stats", None) if pipe is not None else None
+    return int(stats["sent_at_fan_out"]) if stats is not None else None
