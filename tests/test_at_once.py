@@ -4,7 +4,7 @@ may take meanwhile. Pure: no database."""
 
 from __future__ import annotations
 
-from relay.sinks.endpoints.at_once import Queue, fits, room
+from relay.sinks.endpoints.at_once import Queue, fits, room, waiting
 
 
 def q(endpoint: int, in_hand: int = 0, depth: int = 64, backlog: bool = False) -> Queue:
@@ -25,37 +25,64 @@ def test_an_endpoint_with_a_backlog_gets_no_room_and_leaves_it_to_others() -> No
     assert room([q(1, backlog=True), q(2)], 64) == {2: 64}
 
 
+def free(queues: list[Queue], left: int = 1000, fanning: float = 0.0, per: float = 8.0) -> object:
+    """fits() of events that do not wait for the claim."""
+    return fits(queues, left, fanning, per, False, False)
+
+
 def test_the_events_claimed_are_those_whose_deliveries_fit() -> None:
     queues = [q(1), q(2)]  # 128 deliveries of room
-    assert fits(queues, 1000, 0.0, 8.0, False) == 16
-    assert fits(queues, 1000, 0.0, 3.0, False) == 42  # rounded down: never more than fit
+    assert free(queues) == 16
+    assert free(queues, per=3.0) == 42  # rounded down: never more than fit
     # Deliveries of fan-outs in progress take their room first.
-    assert fits(queues, 1000, 64.0, 8.0, False) == 8
+    assert free(queues, fanning=64.0) == 8
     # An event makes at least one delivery (matches per event below 1 count as 1).
-    assert fits(queues, 1000, 0.0, 0.5, False) == 128
+    assert free(queues, per=0.5) == 128
     # Within what is left of the relay's room, not only the queues'.
-    assert fits(queues, 40, 0.0, 8.0, False) == 5
+    assert free(queues, left=40) == 5
+    # An endpoint with a backlog adds no room: the others' pace the events.
+    assert free([q(1), q(2, backlog=True)]) == 8
+
+
+def test_one_event_at_least_when_an_event_has_more_deliveries_than_the_queues() -> None:
+    """Twenty endpoints take every event, one of them fast with a queue of 16: 16 // 20 is 0,
+    which held the events back for ever."""
+    assert free([q(1, depth=16)], per=20.0) == 1
+    assert fits([q(1, depth=16)], 1000, 0.0, 20.0, True, False) == 1
 
 
 def test_no_events_until_half_of_the_room_there_can_be_is_free() -> None:
-    assert fits([q(1, in_hand=33)], 1000, 0.0, 1.0, False) == 0  # 31 free of 64
-    assert fits([q(1, in_hand=32)], 1000, 0.0, 1.0, False) == 32  # half
-    assert fits([q(1)], 1000, 33.0, 1.0, False) == 0  # fan-outs in progress count
+    assert free([q(1, in_hand=33)], per=1.0) == 0  # 31 free of 64
+    assert free([q(1, in_hand=32)], per=1.0) == 32  # half
+    assert free([q(1)], fanning=33.0, per=1.0) == 0  # fan-outs in progress count
     # Half of what the relay has left when that is less than the queues' depth: a relay
     # with a small max_in_flight is not held back for ever.
-    assert fits([q(1)], 10, 0.0, 1.0, False) == 10
-    assert fits([q(1, in_hand=60)], 10, 0.0, 1.0, False) == 0  # 4 free: less than 5
+    assert free([q(1)], left=10, per=1.0) == 10
+    assert free([q(1, in_hand=60)], left=10, per=1.0) == 0  # 4 free: less than 5
+    # Only the queues without a backlog count, for the room and for its half.
+    assert free([q(1, in_hand=40), q(2, backlog=True)], per=1.0) == 0
+    assert free([q(1, in_hand=32), q(2, backlog=True)], per=1.0) == 32
 
 
-def test_a_backlog_or_deliveries_not_yet_read_hold_the_events_back() -> None:
-    assert fits([q(1), q(2, backlog=True)], 1000, 0.0, 8.0, False) == 0
-    assert fits([q(1)], 1000, 0.0, 8.0, True) == 0
+def test_the_events_wait_while_every_fast_endpoint_has_a_backlog_or_some_are_unread() -> None:
+    assert waiting([q(1, backlog=True), q(2, backlog=True)], False)
+    assert not waiting([q(1, backlog=True), q(2)], False)
+    assert waiting([q(1)], True)
+    assert not waiting([q(1)], False)
+    # Held: none; once the hold is over, one room's worth of every fast queue, backlogs too.
+    both = [q(1, in_hand=16, backlog=True), q(2, backlog=True)]
+    assert fits(both, 1000, 0.0, 8.0, False, True) == 0
+    assert fits(both, 1000, 0.0, 8.0, False, False) == (48 + 64) // 8
+    assert fits([q(1)], 1000, 0.0, 8.0, True, True) == 0
+    assert fits([q(1)], 1000, 16.0, 8.0, True, False) == 6
+    # No half-free threshold then: the hold paces the events.
+    assert fits([q(1, in_hand=60, backlog=True)], 1000, 0.0, 1.0, False, False) == 4
 
 
 def test_no_fast_endpoint_or_a_busy_relay_claims_as_many_events_as_asked() -> None:
-    assert fits([], 1000, 0.0, 8.0, False) is None
-    assert fits([], 1000, 0.0, 8.0, True) is None
+    assert fits([], 1000, 0.0, 8.0, False, False) is None
+    assert fits([], 1000, 0.0, 8.0, True, True) is None
     # Less than one event's deliveries left: the claim shares the room out (fair share).
-    assert fits([q(1)], 7, 0.0, 8.0, False) is None
-    assert fits([q(1)], 8, 0.0, 8.0, False) == 1
-    assert fits([q(1, backlog=True)], 0, 0.0, 1.0, True) is None
+    assert free([q(1)], left=7) is None
+    assert free([q(1)], left=8) == 1
+    assert fits([q(1, backlog=True)], 0, 0.0, 1.0, True, True) is None

@@ -16,13 +16,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries
 from relay.db.pool import create_pool
+from relay.db.queries import serial_key
 from relay.db.queries.render import render_ops
 from relay.db.store import Store
+from relay.ops.replay_queries import REPLAY_EVENT_INSERT
 from relay.sinks.endpoints.at_once import FAN_OUT_AHEAD
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.tools.bench.common import DESTINATION
 from relay.tools.bench.fanout import _delivered
 from relay.tools.bench.fanout_setup import add_events, register
+from relay.tools.bench.fanout_sql import PROBE_CLAIM_ALL
 from tests.support.receiver import Receiver
 from tests.support.relays import running, wait_until
 from tests.test_delivery_lanes import ROOM, _claim_all, _hold
@@ -316,3 +319,107 @@ async def test_a_stopping_relay_claims_nothing_at_a_fan_out(db_url: str) -> None
     async with served(db_url, max_concurrency=4) as s:
         s.source.states = {}
         assert s.source.adopt is None and s.source._room() == {}
+
+
+async def test_a_replay_left_open_holds_up_no_delivery_claim(
+    db_url: str, conn: asyncpg.Connection, store: DeliveryStore, endpoints: list[int]
+) -> None:
+    """An application's replay, not yet committed, holds the fan-outs' lock (serial, 1). A
+    fan-out that claims took the in-flight lock (serial, 2) and then waited for it, and every
+    delivery claim of every relay waited behind that (found by review): the fan-out takes the
+    fan-outs' lock first."""
+    await add_events(conn, 1)
+    [(old, _)] = await conn.fetch(PROBE_CLAIM_ALL, "someone")
+    await add_events(conn, 5)
+    mine = await _hold(conn, "lanes")
+    app = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = app.transaction()
+        await tx.start()
+        await app.fetch(
+            render_ops(REPLAY_EVENT_INSERT, "public"), old, endpoints[0], DESTINATION,
+            serial_key("public"),
+        )  # fmt: skip
+        fan_out = asyncio.create_task(
+            store.fan_out_claiming(mine, "none", dict.fromkeys(endpoints, 4))
+        )
+        await asyncio.sleep(0.5)
+        assert not fan_out.done()  # fan-outs wait for the replay: as before
+        claim = asyncio.create_task(store.claim([DESTINATION], [4], [4], 100, [], 1000, None, {}))
+        done, _ = await asyncio.wait({claim}, timeout=3)
+        await tx.commit()
+        await fan_out
+        await claim
+    finally:
+        await app.close()
+    assert done, "a delivery claim waited for an application's replay"
+
+
+async def test_rows_claimed_after_waiting_for_the_in_flight_lock_are_not_born_expired(
+    db_url: str, conn: asyncpg.Connection, endpoints: list[int]
+) -> None:
+    """The lock and the statement run in one transaction, whose now() is its start, before
+    the wait: rows claimed after a wait longer than the lease were written with their lease
+    already over, and reaped at once, an attempt counted, none sent (found by review)."""
+    lease = 2.0
+    pool = await create_pool(to_asyncpg_dsn(db_url), "r1", 3)
+    other = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        store = DeliveryStore(Store(pool, "public", "r1", lease))
+        await add_events(conn, 3)
+        await store.fan_out(await _hold(conn, "r1"), "none")  # pending, for the claim below
+        await store._read_floors()
+        await _only(conn, endpoints[0])
+        await add_events(conn, 3)
+        mine = await _hold(conn, "r1")
+        tx = other.transaction()
+        await tx.start()  # another relay's fan-out, in progress for longer than the lease
+        await other.execute(render_ops(queries.FAN_OUT_LOCK, "public"), store._serial)
+        fan_out = asyncio.create_task(store.fan_out_claiming(mine, "none", {endpoints[1]: 4}))
+        claim = asyncio.create_task(store.claim([DESTINATION], [4], [4], 100, [], 1000, None, {}))
+        await asyncio.sleep(lease + 1)
+        await tx.commit()
+        _, sent, _, _ = await fan_out
+        claimed, _, _ = await claim
+        rows = await conn.fetch(
+            "SELECT id, locked_until > now() + interval '1 second' AS live "
+            "FROM outbox_deliveries WHERE status = 'running' ORDER BY id"
+        )
+    finally:
+        await other.close()
+        await pool.close()
+    assert sent and claimed, (sent, claimed)
+    assert len(rows) == len(sent) + len(claimed) and all(r["live"] for r in rows), rows
+
+
+async def test_a_fan_out_whose_answer_was_lost_fails_no_delivery_unsent(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FAN_OUT commits and its answer is lost (a connection reset after the COMMIT): the
+    sink retries the events, which are recorded already. The deliveries it claimed are
+    running under this relay's lease, held by nothing: the reaper took them back after the
+    lease counting an attempt, and with max_attempts 1 failed one never sent (found by
+    review). The relay puts them back, unattempted, at once."""
+    lost: list[object] = []
+    real = DeliveryStore._after
+
+    async def after(self: DeliveryStore, lock: str, *args: object) -> object:
+        rows = await real(self, lock, *args)
+        if lock == queries.FAN_OUT_LOCK and not lost:
+            lost.append(rows)
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle")
+        return rows
+
+    monkeypatch.setattr(DeliveryStore, "_after", after)
+    await add_endpoint(aengine, receiver.url)
+    async with running(endpoints_settings(db_url, max_attempts=1)):
+        [first] = await enqueue(db_url, [{"payload": {"n": 0}}])
+        await wait_until(lambda: delivered_to(receiver) == [first], what="known fast")
+        [second] = await enqueue(db_url, [{"payload": {"n": 1}}])
+        await wait_until(lambda: lost, what="a fan-out that sends at once")
+        await wait_until(lambda: delivered_to(receiver) == [first, second], timeout=4, what="sent")
+    [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries WHERE event_id = $1", second)
+    assert (d["status"], d["attempts"]) == ("delivered", 1), dict(d)

@@ -53,6 +53,7 @@ from relay.db.queries.deliveries import ENDPOINT_DISABLE as ENDPOINT_DISABLE
 from relay.db.queries.deliveries import ENDPOINT_HEALTH as ENDPOINT_HEALTH
 from relay.db.queries.deliveries import FAN_OUT as FAN_OUT
 from relay.db.queries.deliveries import FAN_OUT_LOCK as FAN_OUT_LOCK
+from relay.db.queries.deliveries import FAN_OUT_SETTLE as FAN_OUT_SETTLE
 from relay.db.queries.deliveries import serial_key as serial_key
 from relay.db.queries.gauges import PENDING_BY_DESTINATION as PENDING_BY_DESTINATION
 from relay.db.queries.gauges import SNAPSHOT_HOLDER as SNAPSHOT_HOLDER

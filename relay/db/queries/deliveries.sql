@@ -16,9 +16,14 @@
 -- held: it then sees every delivery claim that committed before (a claim takes it shared:
 -- delivery_claim_lock), and no claim that began before it commits sees a snapshot without
 -- its deliveries in flight. Either way each counts the other's against max_concurrency.
--- Another key than the fan-outs' own (:serial, 1), which replays take too: a replay in an
--- application's open transaction holds up fan-outs, never claims.
-SELECT pg_advisory_xact_lock(:serial::int, 2)
+-- Another key than the fan-outs' own (:serial, 1), which replays take too, and taken after
+-- it (the CTE is read first): a replay in an application's open transaction holds up
+-- fan-outs, never claims (a fan-out holding this lock while it waited for that one would).
+-- The statements after it write leases from statement_timestamp(), not now(): now() is the
+-- transaction's start, before the wait, and a wait longer than the lease would write them
+-- expired.
+WITH fan_outs AS MATERIALIZED (SELECT pg_advisory_xact_lock(:serial::int, 1))
+SELECT pg_advisory_xact_lock(:serial::int, 2) FROM fan_outs
 
 -- name: delivery_claim_lock
 -- params: serial
@@ -99,18 +104,18 @@ room AS MATERIALIZED (
     WHERE e.enabled AND e.rate_limit IS NULL AND (SELECT one FROM serial) = 1
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS r
                       WHERE r.endpoint_id = g.endpoint_id AND r.status = 'running'
-                        AND r.locked_until > now() AND r.locked_by < :relay)
+                        AND r.locked_until > statement_timestamp() AND r.locked_by < :relay)
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS r
                       WHERE r.endpoint_id = g.endpoint_id AND r.status = 'running'
-                        AND r.locked_until > now() AND r.locked_by > :relay)
+                        AND r.locked_until > statement_timestamp() AND r.locked_by > :relay)
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
                       WHERE d.endpoint_id = g.endpoint_id
                         AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
-                        AND d.id > g.floor AND d.run_after <= now())
+                        AND d.id > g.floor AND d.run_after <= statement_timestamp())
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
                       WHERE d.endpoint_id = g.endpoint_id
                         AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
-                        AND d.run_after <= now())
+                        AND d.run_after <= statement_timestamp())
 ),
 ranked AS (
     SELECT m.event_id, m.endpoint_id, m.destination,
@@ -125,7 +130,7 @@ added AS (
     SELECT k.event_id, k.endpoint_id, k.destination,
            CASE WHEN k.sent THEN 'running' ELSE 'pending' END,
            CASE WHEN k.sent THEN :relay END,
-           CASE WHEN k.sent THEN now() + make_interval(secs => :lease) END,
+           CASE WHEN k.sent THEN statement_timestamp() + make_interval(secs => :lease) END,
            CASE WHEN k.sent THEN 1 ELSE 0 END
     FROM ranked AS k
     ORDER BY k.event_id, k.endpoint_id
@@ -141,7 +146,7 @@ UNION ALL
 -- Then the deliveries sent at once (endpoints = -1), with what sending needs of their
 -- endpoint (the event is the caller's), all of this statement's snapshot.
 SELECT a.id, -1, 0, a.event_id, a.endpoint_id, e.url, e.secret,
-       CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END,
+       CASE WHEN e.previous_secret_until > statement_timestamp() THEN e.previous_secret END,
        e.tenant, e.event_types, m.tenant
 FROM added AS a
 JOIN {endpoints} AS e ON e.id = a.endpoint_id
@@ -304,10 +309,10 @@ ends AS (
         -- over in the index, never read in the table.
         CROSS JOIN LATERAL (
             SELECT (SELECT count(*) FROM {deliveries} AS r
-                    WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
+                    WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > statement_timestamp()
                       AND r.locked_by < :relay)
                    + (SELECT count(*) FROM {deliveries} AS r
-                      WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > now()
+                      WHERE r.endpoint_id = e.id AND r.status = 'running' AND r.locked_until > statement_timestamp()
                         AND r.locked_by > :relay) AS others
             -- OFFSET 0: counted once, not again for each column below that reads it.
             OFFSET 0
@@ -331,7 +336,7 @@ within AS (
                     ELSE greatest(0, least(ends.limit_, ends.rate_limit
                         - (SELECT count(*) FROM {attempts} AS a
                            WHERE a.endpoint_id = ends.id
-                             AND a.at > now() - interval '1 second'))
+                             AND a.at > statement_timestamp() - interval '1 second'))
                          - ends.running)
                END AS take
     ) AS t
@@ -340,14 +345,14 @@ within AS (
             (SELECT d.id, d.run_after FROM {deliveries} AS d
              WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
                AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
-               AND d.id > ends.floor AND d.run_after <= now()
+               AND d.id > ends.floor AND d.run_after <= statement_timestamp()
              ORDER BY d.id
              LIMIT t.take)
             UNION ALL
             (SELECT d.id, d.run_after FROM {deliveries} AS d
              WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
                AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
-               AND d.run_after <= now()
+               AND d.run_after <= statement_timestamp()
              ORDER BY d.run_after, d.id
              LIMIT t.take)
         ) AS c
@@ -367,14 +372,14 @@ ahead AS (
             (SELECT d.id, d.run_after FROM {deliveries} AS d
              WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
                AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
-               AND d.id > ends.floor AND d.run_after <= now()
+               AND d.id > ends.floor AND d.run_after <= statement_timestamp()
              ORDER BY d.id
              LIMIT ends.limit_ - ends.running)
             UNION ALL
             (SELECT d.id, d.run_after FROM {deliveries} AS d
              WHERE d.endpoint_id = ends.id AND d.destination = ends.destination
                AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
-               AND d.run_after <= now()
+               AND d.run_after <= statement_timestamp()
              ORDER BY d.run_after, d.id
              LIMIT ends.limit_ - ends.running)
         ) AS c
@@ -415,7 +420,7 @@ stale AS (
 ),
 orphaned AS (
     UPDATE {deliveries} AS d
-    SET status = 'cancelled', finished_at = now(), locked_by = NULL, locked_until = NULL,
+    SET status = 'cancelled', finished_at = statement_timestamp(), locked_by = NULL, locked_until = NULL,
         last_error = CASE WHEN s.destination IS NULL
                           THEN 'endpoint ' || d.endpoint_id || ' was deleted'
                           ELSE 'endpoint ' || d.endpoint_id || ' moved to destination '
@@ -447,7 +452,7 @@ kept AS (
 ),
 claimed AS (
     UPDATE {deliveries} AS d
-    SET status = 'running', locked_by = :relay, locked_until = now() + make_interval(secs => :lease),
+    SET status = 'running', locked_by = :relay, locked_until = statement_timestamp() + make_interval(secs => :lease),
         claims = d.claims + 1
     WHERE d.id = ANY(ARRAY(SELECT id FROM kept))
     RETURNING d.id, d.event_id, d.endpoint_id, d.destination, d.attempts, d.claims, d.replay
@@ -479,7 +484,7 @@ next_floors AS (
 SELECT c.id, c.event_id, c.endpoint_id, c.destination, c.attempts, c.claims, c.replay,
        o.id IS NOT NULL AS found, o.payload, o.content_type, o.headers::text AS headers,
        extract(epoch FROM o.created_at)::float8 AS created_at,
-       e.url, e.secret, CASE WHEN e.previous_secret_until > now() THEN e.previous_secret END
+       e.url, e.secret, CASE WHEN e.previous_secret_until > statement_timestamp() THEN e.previous_secret END
            AS previous_secret, e.rate_limit, o.event_type, e.tenant, e.event_types,
        o.tenant AS event_tenant
 FROM claimed AS c
@@ -588,6 +593,21 @@ UPDATE {deliveries} AS d
 SET status = 'pending', locked_by = NULL, locked_until = NULL
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
 WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
+
+-- name: fan_out_settle
+-- params: event_ids, relay, held
+-- After a fan-out whose answer was lost (its connection failed, after the commit or before):
+-- the deliveries of its events it claimed as it wrote them (running under this relay's first
+-- claim, never attempted) that this relay does not hold (:held, the ids it holds) are put back
+-- to pending, unattempted, as delivery_release does, for the claim to send. Left to the
+-- reaper, they would count an attempt never made. Nothing, if the fan-out did not commit.
+-- Returns their ids.
+
+UPDATE {deliveries} AS d
+SET status = 'pending', locked_by = NULL, locked_until = NULL
+WHERE d.event_id = ANY(:event_ids::bigint[]) AND d.status = 'running' AND d.locked_by = :relay
+  AND d.claims = 1 AND d.attempts = 0 AND NOT (d.id = ANY(:held::bigint[]))
+RETURNING d.id
 
 -- name: delivery_reap
 -- params: default_max_attempts, batch, destinations, max_attempts, within

@@ -49,26 +49,45 @@ def room(queues: Iterable[Queue], left: int) -> dict[int, int]:
     return out
 
 
+def waiting(queues: Sequence[Queue], unread: bool) -> bool:
+    """Whether the events wait for the claim: every fast endpoint has a backlog the claim is
+    serving, or deliveries were written that the claim has not read (``unread``: whose
+    endpoints' backlogs are not known yet). Claimed meanwhile, the events' deliveries would
+    only queue behind those backlogs, pending, and make them longer."""
+    return unread or all(q.backlog for q in queues)
+
+
 def fits(
-    queues: Sequence[Queue], left: int, fanning: float, per_event: float, unread: bool
+    queues: Sequence[Queue],
+    left: int,
+    fanning: float,
+    per_event: float,
+    unread: bool,
+    hold: bool,
 ) -> int | None:
     """How many events the relay's claim may take now: those whose deliveries fit in the room
-    (``left`` of the free half of max_in_flight, less ``fanning``, the deliveries of fan-outs
-    in progress, at ``per_event`` deliveries an event), once at least half of the room there
-    can be is free (a fan-out is best for many events). 0 while a backlog of a fast endpoint
-    waits for the claim, or deliveries were written that the claim has not read (``unread``):
-    their deliveries are pending until the claim has taken them. None (as many as asked) when
-    no endpoint is known to be fast, or the relay is busy (less than an event's deliveries
-    ``left``: the claim shares out the room, and the fair share plan keeps the reserve)."""
+    of the fast endpoints without a backlog (``left`` of the free half of max_in_flight, less
+    ``fanning``, the deliveries of fan-outs in progress, at ``per_event`` deliveries an event),
+    once at least half of the room there can be is free (a fan-out is best for many events);
+    one at least, even if an event has more deliveries than the queues hold. While the events
+    wait for the claim (:func:`waiting`), none if ``hold`` (the caller holds them a while),
+    else one room's worth of all the fast endpoints. None (as many as asked) when no endpoint
+    is known to be fast, or the relay is busy (less than an event's deliveries ``left``: the
+    claim shares out the room, and the fair share plan keeps the reserve)."""
     per_event = max(per_event, 1.0)
     if not queues or left < per_event:
         return None
-    if unread or any(q.backlog for q in queues):
+    if waiting(queues, unread):
+        if hold:
+            return 0
+        queues = [Queue(q.endpoint_id, q.depth, q.in_hand) for q in queues]
+        free = sum(room(queues, left).values()) - fanning
+        return max(1, int(free // per_event))
+    clear = [q for q in queues if not q.backlog]
+    free = sum(room(clear, left).values()) - fanning
+    if free < min(sum(q.depth for q in clear), left) / 2:
         return 0
-    free = sum(room(queues, left).values()) - fanning
-    if free < min(sum(q.depth for q in queues), left) / 2:
-        return 0
-    return int(free // per_event)
+    return max(1, int(free // per_event))
 
 
-__all__ = ["FAN_OUT_AHEAD", "Queue", "fits", "room"]
+__all__ = ["FAN_OUT_AHEAD", "Queue", "fits", "room", "waiting"]

@@ -31,8 +31,9 @@ from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import UNCAPPED, Plan
 from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.health import Health
+from relay.sinks.endpoints.rows import Claimed, DeliveryRecord, sent_at_once
 from relay.sinks.endpoints.state import EndpointState
-from relay.sinks.endpoints.store import Claimed, DeliveryRecord, DeliveryStore, sent_at_once
+from relay.sinks.endpoints.store import DeliveryStore
 from relay.sinks.source import SendingSource
 from relay.sinks.webhook.requests import RequestPath
 
@@ -49,6 +50,10 @@ SWEEP_EVERY = 5.0
 # claim takes its backlog first, at_once.fits) only while the claim is serving it: claimed
 # from this recently. A disabled or deleted endpoint's kept queue must not hold it back.
 BACKLOG_SERVED = 2.0
+# How long the events wait, at most, for the claim to take the fast endpoints' backlogs before
+# a room's worth of them is claimed all the same (at_once.fits): the other endpoints' new
+# events wait no longer than this for one endpoint's backlog.
+BACKLOG_HOLD = 1.0
 
 
 class DeliverySource(Attempts, Health):
@@ -81,6 +86,7 @@ class DeliverySource(Attempts, Health):
         # (set by the relay; without it, a fan-out claims none).
         self.adopt: Callable[[Sequence[Claimed]], None] | None = None
         self._per_event = 1.0  # deliveries per event the last fan-out made
+        self._hold_since: float | None = None  # the events wait for the claim since (fan_out_fits)
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
@@ -189,13 +195,30 @@ class DeliverySource(Attempts, Health):
             self.adopt(items)
         return matched
 
-    def fan_out_fits(self) -> int | None:
+    def fan_out_fits(self, claiming: bool = True) -> int | None:
         """How many events the relay's claim may take so that a fan-out sends their
-        deliveries at once (at_once.fits); None: as many as it asks for."""
+        deliveries at once (at_once.fits); None: as many as it asks for. While the events
+        wait for the claim to take the fast endpoints' backlogs, they are held BACKLOG_HOLD
+        at most, then claimed (one room's worth) and held again: other endpoints' events are
+        never held longer. ``claiming``: the relay claims as many (else only a look)."""
         queues, left = self._queues()
         store = self.store
         unread = store.lanes.floors is None or store.behind
-        return at_once.fits(queues, left, self._fanning, self._per_event, unread)
+        now = time.monotonic()
+        if not queues or not at_once.waiting(queues, unread):
+            since = None
+        else:
+            since = self._hold_since if self._hold_since is not None else now
+        hold = since is not None and now - since < BACKLOG_HOLD
+        fits = at_once.fits(queues, left, self._fanning, self._per_event, unread, hold)
+        if claiming:
+            # A claim made while the events wait starts the next hold.
+            self._hold_since = now if since is not None and fits else since
+        return fits
+
+    def _room_again(self) -> bool:
+        fits = self.fan_out_fits(claiming=False)
+        return fits is None or fits > 0
 
     def _room(self) -> dict[int, int]:
         """FAN_OUT's room: the endpoints a fan-out may claim deliveries of as it writes them,
@@ -419,6 +442,7 @@ class DeliverySource(Attempts, Health):
         failed at their destination's ``limits`` (``max_attempts`` for a destination this
         relay does not know); with ``within``, only leases that ended in the last ``within``
         seconds. The reaper logs them and wakes this source."""
+        await self.store.settle()  # first: what a lost fan-out claimed is not to be reaped
         reaped = await self.store.reap(max_attempts, {**limits, **self._limits}, within=within)
         try:
             await self.store.check_floors()

@@ -1,0 +1,149 @@
+"""The events' claim of an endpoints destination paced by the room its fast endpoints have
+(EndpointsSink.claim_limit, relay/sinks/endpoints/at_once.py): it must never stall, and one
+endpoint's backlog must not hold back the events of the others."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from relay.sinks.endpoints.base import LOOK_EVERY, WAKE_COALESCE
+from tests.support.receiver import Receiver
+from tests.support.relays import running, wait_until
+from tests.test_endpoint_delivery import (
+    DEST,
+    add_endpoint,
+    aengine,  # noqa: F401  (fixture)
+    delivered_to,
+    endpoints_settings,
+    enqueue,
+    fetch,
+)
+from tests.test_endpoint_source import served
+
+
+async def test_events_are_claimed_when_one_event_has_more_deliveries_than_the_fast_queues(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """Twenty endpoints take every event, one fast and nineteen rate-limited (never sent at
+    once): at max_concurrency 1 the fast one's queue is 16 deliveries, fewer than an event's
+    20. The claim took int(16 // 20) = 0 events, for ever (found by review)."""
+    fast = make_receiver()
+    limited = [make_receiver() for _ in range(19)]
+    await add_endpoint(aengine, fast.url)
+    for r in limited:
+        await add_endpoint(aengine, r.url, rate_limit=1000)
+    async with running(endpoints_settings(db_url, max_concurrency=1)):
+        [first] = await enqueue(db_url, [{"payload": {"n": 0}}])
+        await wait_until(
+            lambda: delivered_to(fast) == [first] and all(delivered_to(r) for r in limited),
+            what="known fast",
+        )
+        [second] = await enqueue(db_url, [{"payload": {"n": 1}}])
+        await wait_until(
+            lambda: (
+                delivered_to(fast) == [first, second]
+                and all(delivered_to(r) == [first, second] for r in limited)
+            ),
+            timeout=10,
+            what="the second event delivered",
+        )
+
+
+BACKLOG = (
+    "WITH e AS (INSERT INTO outbox (destination, payload, content_type, status, attempts, "
+    "delivered_at, tenant) SELECT $1, '{}', 'application/json', 'delivered', 1, now(), $3 "
+    "FROM generate_series(1, $4) RETURNING id) "
+    "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination) "
+    "SELECT id, $2, $1 FROM e ORDER BY id"
+)
+
+
+async def test_one_endpoints_backlog_does_not_hold_back_another_tenants_new_events(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """Endpoint A (tenant a), fast, has a backlog of 150 deliveries (written while it was
+    slow, or by another relay) that the claim serves at 20 a second. A new event for tenant
+    b's endpoint is claimed meanwhile: it waited for A's whole backlog (7 s; found by
+    review)."""
+    a, b = make_receiver(), make_receiver()
+    a.respond(200, delay=0.05)
+    ep_a = await add_endpoint(aengine, a.url, tenant="a")
+    await add_endpoint(aengine, b.url, tenant="b")
+    async with running(endpoints_settings(db_url, max_concurrency=1)):
+        ids = await enqueue(
+            db_url, [{"tenant": "a", "payload": {}}, {"tenant": "b", "payload": {}}]
+        )
+        await wait_until(
+            lambda: delivered_to(a) == ids[:1] and delivered_to(b) == ids[1:],
+            what="both known fast",
+        )
+        await fetch(db_url, BACKLOG, DEST, ep_a.id, "a", 150)
+        await wait_until(lambda: len(a.requests) >= 10, what="A's backlog served")
+        [new] = await enqueue(db_url, [{"tenant": "b", "payload": {"new": True}}])
+        started = time.monotonic()
+        await wait_until(lambda: new in delivered_to(b), timeout=30, what="B's new event")
+        took = time.monotonic() - started
+        left = await fetch(db_url, "SELECT 1 FROM outbox_deliveries WHERE status = 'pending'")
+    assert took < 2.0 and left, (took, len(left))
+
+
+async def test_the_only_fast_endpoints_backlog_holds_back_the_others_events_a_second_at_most(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """While every fast endpoint has a backlog the claim is serving, the events wait for it
+    (claimed, their deliveries would only queue behind it), but a second at most: a
+    rate-limited endpoint's new events are not held for the whole backlog."""
+    a, r = make_receiver(), make_receiver()
+    a.respond(200, delay=0.05)
+    ep_a = await add_endpoint(aengine, a.url, tenant="a")
+    await add_endpoint(aengine, r.url, tenant="r", rate_limit=100)
+    async with running(endpoints_settings(db_url, max_concurrency=1)):
+        ids = await enqueue(
+            db_url, [{"tenant": "a", "payload": {}}, {"tenant": "r", "payload": {}}]
+        )
+        await wait_until(
+            lambda: delivered_to(a) == ids[:1] and delivered_to(r) == ids[1:],
+            what="both delivered",
+        )
+        await fetch(db_url, BACKLOG, DEST, ep_a.id, "a", 150)
+        await wait_until(lambda: len(a.requests) >= 10, what="A's backlog served")
+        [new] = await enqueue(db_url, [{"tenant": "r", "payload": {"new": True}}])
+        started = time.monotonic()
+        await wait_until(lambda: new in delivered_to(r), timeout=30, what="R's new event")
+        took = time.monotonic() - started
+        left = await fetch(db_url, "SELECT 1 FROM outbox_deliveries WHERE status = 'pending'")
+    assert took < 2.5 and left, (took, len(left))
+
+
+async def test_finished_deliveries_still_wake_the_claim_now_and_then(db_url: str) -> None:
+    """A finished delivery of an endpoint with nothing known to wait wakes no claim (they cost
+    1-3 ms and find nothing, deliveries being sent at their fan-out); but another relay may
+    have written deliveries of it pending, which would then wait for the poll (found by
+    review): the claim is woken every LOOK_EVERY all the same."""
+    async with served(db_url) as s:
+        woken: list[float] = []
+        s.source.on_due = lambda: woken.append(time.monotonic())
+        s.source.store.lanes.floors = {}  # read: nothing waits
+        s.source._wake_soon(claim=False)
+        await asyncio.sleep(WAKE_COALESCE * 3)
+        assert len(woken) == 1  # the first look
+        s.source._wake_soon(claim=False)
+        await asyncio.sleep(WAKE_COALESCE * 3)
+        assert len(woken) == 1  # not again before LOOK_EVERY
+        await asyncio.sleep(LOOK_EVERY)
+        s.source._wake_soon(claim=False)
+        await asyncio.sleep(WAKE_COALESCE * 3)
+        assert len(woken) == 2
+        s.source._wake_soon(claim=True)  # something of theirs waits: at once
+        await asyncio.sleep(WAKE_COALESCE * 3)
+        assert len(woken) == 3
