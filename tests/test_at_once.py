@@ -4,7 +4,7 @@ may take meanwhile. Pure: no database."""
 
 from __future__ import annotations
 
-from relay.sinks.endpoints.at_once import Queue, fits, room, waiting
+from relay.sinks.endpoints.at_once import Queue, fits, room
 
 
 def q(endpoint: int, in_hand: int = 0, depth: int = 64, backlog: bool = False) -> Queue:
@@ -26,8 +26,8 @@ def test_an_endpoint_with_a_backlog_gets_no_room_and_leaves_it_to_others() -> No
 
 
 def free(queues: list[Queue], left: int = 1000, fanning: float = 0.0, per: float = 8.0) -> object:
-    """fits() of events that do not wait for the claim."""
-    return fits(queues, left, fanning, per, False, False)
+    """fits() of events not held."""
+    return fits(queues, left, fanning, per, False)
 
 
 def test_the_events_claimed_are_those_whose_deliveries_fit() -> None:
@@ -48,7 +48,6 @@ def test_one_event_at_least_when_an_event_has_more_deliveries_than_the_queues() 
     """Twenty endpoints take every event, one of them fast with a queue of 16: 16 // 20 is 0,
     which held the events back for ever."""
     assert free([q(1, depth=16)], per=20.0) == 1
-    assert fits([q(1, depth=16)], 1000, 0.0, 20.0, True, False) == 1
 
 
 def test_no_events_until_half_of_the_room_there_can_be_is_free() -> None:
@@ -59,30 +58,20 @@ def test_no_events_until_half_of_the_room_there_can_be_is_free() -> None:
     # with a small max_in_flight is not held back for ever.
     assert free([q(1)], left=10, per=1.0) == 10
     assert free([q(1, in_hand=60)], left=10, per=1.0) == 0  # 4 free: less than 5
-    # Only the queues without a backlog count, for the room and for its half.
+
+
+def test_held_none_and_paced_by_the_endpoints_without_a_backlog_only() -> None:
+    assert fits([q(1), q(2)], 1000, 0.0, 8.0, True) == 0
+    # An endpoint with a backlog adds no room, and one alone paces nothing: as many as asked.
     assert free([q(1, in_hand=40), q(2, backlog=True)], per=1.0) == 0
     assert free([q(1, in_hand=32), q(2, backlog=True)], per=1.0) == 32
-
-
-def test_the_events_wait_while_every_fast_endpoint_has_a_backlog_or_some_are_unread() -> None:
-    assert waiting([q(1, backlog=True), q(2, backlog=True)], False)
-    assert not waiting([q(1, backlog=True), q(2)], False)
-    assert waiting([q(1)], True)
-    assert not waiting([q(1)], False)
-    # Held: none; once the hold is over, one room's worth of every fast queue, backlogs too.
-    both = [q(1, in_hand=16, backlog=True), q(2, backlog=True)]
-    assert fits(both, 1000, 0.0, 8.0, False, True) == 0
-    assert fits(both, 1000, 0.0, 8.0, False, False) == (48 + 64) // 8
-    assert fits([q(1)], 1000, 0.0, 8.0, True, True) == 0
-    assert fits([q(1)], 1000, 16.0, 8.0, True, False) == 6
-    # No half-free threshold then: the hold paces the events.
-    assert fits([q(1, in_hand=60, backlog=True)], 1000, 0.0, 1.0, False, False) == 4
+    assert free([q(1, backlog=True), q(2, backlog=True)]) is None
 
 
 def test_no_fast_endpoint_or_a_busy_relay_claims_as_many_events_as_asked() -> None:
-    assert fits([], 1000, 0.0, 8.0, False, False) is None
-    assert fits([], 1000, 0.0, 8.0, True, True) is None
+    assert fits([], 1000, 0.0, 8.0, False) is None
+    assert fits([], 1000, 0.0, 8.0, True) is None
     # Less than one event's deliveries left: the claim shares the room out (fair share).
     assert free([q(1)], left=7) is None
     assert free([q(1)], left=8) == 1
-    assert fits([q(1, backlog=True)], 0, 0.0, 1.0, True, True) is None
+    assert fits([q(1)], 0, 0.0, 1.0, True) is None  # busy: even when held

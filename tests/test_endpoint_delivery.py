@@ -487,6 +487,11 @@ async def test_stopping_releases_deliveries_not_yet_attempted(
     async with running(s):
         await enqueue(db_url, [{"payload": {"n": i}} for i in range(5)])
         await wait_until(lambda: len(receiver.requests) >= 1, what="sending")
+        # All fanned out (the first event alone, until its endpoint is known: PROBE_HOLD).
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_deliveries HAVING count(*) = 5"),
+            what="fanned out",
+        )
     rows = await fetch(db_url, "SELECT * FROM outbox_deliveries ORDER BY id")
     assert len(rows) == 5 and not [r for r in rows if r["status"] == "running"]
     untouched = [r for r in rows if r["status"] == "pending" and r["attempts"] == 0]

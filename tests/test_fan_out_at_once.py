@@ -38,7 +38,7 @@ from tests.test_endpoint_delivery import (
     enqueue,
     fetch,
 )
-from tests.test_endpoint_ops import endpoint
+from tests.test_endpoint_ops import DEST, endpoint
 from tests.test_endpoint_source import pending as pending_rows
 from tests.test_endpoint_source import served
 
@@ -312,13 +312,13 @@ async def test_a_stopping_relay_claims_nothing_at_a_fan_out(db_url: str) -> None
         await s.deliver([c])  # no receiver: it fails, but its latency is known
         s.source.states[ep].latency = 0.01  # known fast
         s.source.states[ep].endpoint = None  # no circuit (the failure's) to keep it out
-        assert s.source._room() == {ep: 4 * FAN_OUT_AHEAD}
+        assert s.source._room(DEST) == {ep: 4 * FAN_OUT_AHEAD}
         s.source.halt()
-        assert s.source._room() == {}
+        assert s.source._room(DEST) == {}
     # Without a pipeline to hand them to, a source claims none at its fan-outs.
     async with served(db_url, max_concurrency=4) as s:
         s.source.states = {}
-        assert s.source.adopt is None and s.source._room() == {}
+        assert s.source.adopt is None and s.source._room(DEST) == {}
 
 
 async def test_a_replay_left_open_holds_up_no_delivery_claim(

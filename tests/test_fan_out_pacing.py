@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relay.sinks.endpoints.base import LOOK_EVERY, WAKE_COALESCE
@@ -147,3 +148,35 @@ async def test_finished_deliveries_still_wake_the_claim_now_and_then(db_url: str
         s.source._wake_soon(claim=True)  # something of theirs waits: at once
         await asyncio.sleep(WAKE_COALESCE * 3)
         assert len(woken) == 3
+
+
+@pytest.mark.parametrize("other", ["rate-limited", "new"])
+async def test_a_fast_endpoints_burst_of_events_holds_back_another_tenants_new_event(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+    other: str,
+) -> None:
+    """A fast endpoint with little room (max_concurrency 1, 50 ms a request) and a burst of
+    150 events for it: paced by its room, the events waited in the table, and another
+    tenant's new event behind them (7 s; found by review). They wait PACE_HOLD at most."""
+    a, r = make_receiver(), make_receiver()
+    a.respond(200, delay=0.05)
+    await add_endpoint(aengine, a.url, tenant="a")
+    if other == "rate-limited":
+        await add_endpoint(aengine, r.url, tenant="r", rate_limit=100)
+    async with running(endpoints_settings(db_url, max_concurrency=1)):
+        [first] = await enqueue(db_url, [{"tenant": "a", "payload": {}}])
+        if other == "rate-limited":
+            [r0] = await enqueue(db_url, [{"tenant": "r", "payload": {}}])
+            await wait_until(lambda: delivered_to(r) == [r0], what="r delivered")
+        await wait_until(lambda: delivered_to(a) == [first], what="a known fast")
+        if other == "new":
+            await add_endpoint(aengine, r.url, tenant="r")
+        await enqueue(db_url, [{"tenant": "a", "payload": {"n": i}} for i in range(150)])
+        [new] = await enqueue(db_url, [{"tenant": "r", "payload": {"new": True}}])
+        started = time.monotonic()
+        await wait_until(lambda: new in delivered_to(r), timeout=30, what="r's new event")
+        took = time.monotonic() - started
+        sent_a = len(delivered_to(a))
+    assert took < 2.5, f"r's event took {took:.1f} s, behind {sent_a - 1} of a's events"

@@ -152,9 +152,13 @@ CREATE TRIGGER stall_fan_out_record BEFORE UPDATE ON outbox
     EXECUTE FUNCTION stall_fan_out_record();
 """
 
+# Every connection of the killed relay, as a server that noticed its death would end them: the
+# stalled fan-out, and any statement queued behind it (a second fan-out waiting for the
+# fan-outs' lock would stall in turn once the first is gone).
 TERMINATE_STALLED = """
 SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-WHERE datname = current_database() AND wait_event = 'PgSleep' AND pid <> pg_backend_pid()
+WHERE datname = current_database() AND application_name = 'outbox-relay:victim'
+  AND pid <> pg_backend_pid()
 """
 
 STALLED = """

@@ -22,6 +22,7 @@ def serial_key(schema: str) -> int:
 FAN_OUT = _q["fan_out"]
 FAN_OUT_LOCK = _q["fan_out_lock"]
 FAN_OUT_SETTLE = _q["fan_out_settle"]
+ENDPOINTS_ENABLED = _q["endpoints_enabled"]
 DELIVERY_CLAIM_LOCK = _q["delivery_claim_lock"]
 DELIVERY_CLAIM = _q["delivery_claim"]
 DELIVERY_FLOORS = _q["delivery_floors"]

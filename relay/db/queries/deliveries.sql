@@ -418,6 +418,16 @@ stale AS (
                      AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
                    ORDER BY d.run_after, d.id LIMIT 1)])) IS TRUE)
 ),
+orphans AS (
+    -- Skipped if locked (a replay of its event in an application's open transaction): the
+    -- claim holds the in-flight lock, and a wait here would hold up every claim and fan-out.
+    -- The next sweep takes it.
+    SELECT d.id, s.destination FROM {deliveries} AS d JOIN stale AS s ON s.endpoint_id = d.endpoint_id
+    -- Uncorrelated, so evaluated once: without a stale endpoint nothing below is read.
+    WHERE EXISTS (SELECT 1 FROM stale)
+      AND d.status = 'pending' AND (s.destination IS NULL OR s.destination <> d.destination)
+    FOR UPDATE OF d SKIP LOCKED
+),
 orphaned AS (
     UPDATE {deliveries} AS d
     SET status = 'cancelled', finished_at = statement_timestamp(), locked_by = NULL, locked_until = NULL,
@@ -425,11 +435,8 @@ orphaned AS (
                           THEN 'endpoint ' || d.endpoint_id || ' was deleted'
                           ELSE 'endpoint ' || d.endpoint_id || ' moved to destination '
                                || quote_literal(s.destination) END
-    FROM stale AS s
-    -- Uncorrelated, so evaluated once: without a stale endpoint nothing below is read.
-    WHERE EXISTS (SELECT 1 FROM stale)
-      AND d.endpoint_id = s.endpoint_id AND d.status = 'pending'
-      AND (s.destination IS NULL OR s.destination <> d.destination)
+    FROM orphans AS s
+    WHERE d.id = s.id AND d.status = 'pending'
     RETURNING d.id
 ),
 locked AS (
@@ -593,6 +600,16 @@ UPDATE {deliveries} AS d
 SET status = 'pending', locked_by = NULL, locked_until = NULL
 FROM unnest(:ids::bigint[], :tokens::int[]) AS u(id, token)
 WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND d.locked_by = :relay THEN true END
+
+-- name: endpoints_enabled
+-- params: destinations
+-- The enabled endpoints of these destinations, each with whether it takes a rate limit: the
+-- events' claim is paced by the fast endpoints' room only while every other one is slow or
+-- down (relay/sinks/endpoints/fan_outs.py), so none is read every claim.
+
+SELECT e.id, e.destination, e.rate_limit IS NOT NULL AS limited
+FROM {endpoints} AS e
+WHERE e.enabled AND e.destination = ANY(:destinations::text[])
 
 -- name: fan_out_settle
 -- params: event_ids, relay, held

@@ -49,45 +49,31 @@ def room(queues: Iterable[Queue], left: int) -> dict[int, int]:
     return out
 
 
-def waiting(queues: Sequence[Queue], unread: bool) -> bool:
-    """Whether the events wait for the claim: every fast endpoint has a backlog the claim is
-    serving, or deliveries were written that the claim has not read (``unread``: whose
-    endpoints' backlogs are not known yet). Claimed meanwhile, the events' deliveries would
-    only queue behind those backlogs, pending, and make them longer."""
-    return unread or all(q.backlog for q in queues)
-
-
 def fits(
-    queues: Sequence[Queue],
-    left: int,
-    fanning: float,
-    per_event: float,
-    unread: bool,
-    hold: bool,
+    queues: Sequence[Queue], left: int, fanning: float, per_event: float, hold: bool
 ) -> int | None:
     """How many events the relay's claim may take now: those whose deliveries fit in the room
     of the fast endpoints without a backlog (``left`` of the free half of max_in_flight, less
-    ``fanning``, the deliveries of fan-outs in progress, at ``per_event`` deliveries an event),
-    once at least half of the room there can be is free (a fan-out is best for many events);
-    one at least, even if an event has more deliveries than the queues hold. While the events
-    wait for the claim (:func:`waiting`), none if ``hold`` (the caller holds them a while),
-    else one room's worth of all the fast endpoints. None (as many as asked) when no endpoint
-    is known to be fast, or the relay is busy (less than an event's deliveries ``left``: the
+    ``fanning``, the deliveries of fan-outs in progress, at ``per_event`` deliveries an
+    event), once at least half of that room is free (a fan-out is best for many events); one
+    at least, even if an event has more deliveries than the queues hold. 0 while the caller
+    ``hold``s the events (for the claim to take backlogs: each event claimed meanwhile would
+    add to them). None (as many as asked, as for any destination) when no endpoint is known
+    to be fast without a backlog (an endpoint's backlog, or a slow one, never paces the
+    others' events), or the relay is busy (less than an event's deliveries ``left``: the
     claim shares out the room, and the fair share plan keeps the reserve)."""
     per_event = max(per_event, 1.0)
     if not queues or left < per_event:
         return None
-    if waiting(queues, unread):
-        if hold:
-            return 0
-        queues = [Queue(q.endpoint_id, q.depth, q.in_hand) for q in queues]
-        free = sum(room(queues, left).values()) - fanning
-        return max(1, int(free // per_event))
+    if hold:
+        return 0
     clear = [q for q in queues if not q.backlog]
+    if not clear:
+        return None
     free = sum(room(clear, left).values()) - fanning
     if free < min(sum(q.depth for q in clear), left) / 2:
         return 0
     return max(1, int(free // per_event))
 
 
-__all__ = ["FAN_OUT_AHEAD", "Queue", "fits", "room", "waiting"]
+__all__ = ["FAN_OUT_AHEAD", "Queue", "fits", "room"]

@@ -74,7 +74,7 @@ class DeliveriesBase:
         self.scan = SCAN
         # The relay's claim of events held back for want of room (EndpointsSink.claim_limit):
         # on_room (the relay's wake-up) is called once deliveries have left.
-        self.held_back = False
+        self.held_back: set[str] = set()  # destinations
         self._claim_wanted = False
         self._looked = float("-inf")  # when a finished delivery last woke the claim
         self.on_room: Callable[[], None] = lambda: None
@@ -121,5 +121,5 @@ class DeliveriesBase:
             self.wake()
         if self.held_back and self._room_again():
             # The events' claim took fewer than it could for want of room: there is some now.
-            self.held_back = False
+            self.held_back.clear()
             self.on_room()

@@ -87,8 +87,9 @@ class EndpointsSink(SinkBase):
                 log.warning("relay.endpoints.secrets_check_failed", error=describe(exc))
 
     def wake(self) -> None:
+        """A NOTIFY: endpoints were added, changed or enabled."""
         if self.source is not None:
-            self.source.wake()
+            self.source.endpoints_changed()
 
     async def deliver(self, batch: Sequence[Envelope]) -> list[Outcome]:
         """Fan a batch of events out into deliveries; one outcome per event."""
@@ -127,10 +128,10 @@ class EndpointsSink(SinkBase):
         to be claimed one by one. As many as asked while no endpoint is known to be fast."""
         if self.source is None:
             return limit
-        fits = self.source.fan_out_fits()
+        fits = self.source.fan_out_fits(destination, limit)
         if fits is None or fits >= limit:
             return limit
-        self.source.held_back = True
+        self.source.held_back.add(destination)
         return fits
 
     def available(self, destination: str) -> bool:

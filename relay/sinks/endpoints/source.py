@@ -23,15 +23,13 @@ import structlog
 
 from outbox.endpoint_secrets import SecretBox
 from outbox.errors import describe
-from relay.db.store import Record
-from relay.model import Envelope
-from relay.sinks.endpoints import at_once
-from relay.sinks.endpoints.attempts import CRASH_RETRY, PUT_BACK_COOLDOWN, Attempts
+from relay.db.store import DB_ERRORS, Record
+from relay.sinks.endpoints.attempts import CRASH_RETRY, PUT_BACK_COOLDOWN
 from relay.sinks.endpoints.config import EndpointsDestination
-from relay.sinks.endpoints.fairness import UNCAPPED, Plan
-from relay.sinks.endpoints.fairness import plan as fairness_plan
+from relay.sinks.endpoints.fairness import UNCAPPED
+from relay.sinks.endpoints.fan_outs import FanOuts
 from relay.sinks.endpoints.health import Health
-from relay.sinks.endpoints.rows import Claimed, DeliveryRecord, sent_at_once
+from relay.sinks.endpoints.rows import Claimed, DeliveryRecord
 from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.endpoints.store import DeliveryStore
 from relay.sinks.source import SendingSource
@@ -46,17 +44,12 @@ PRUNE_EVERY = 10.0  # seconds between looks for endpoints idle long enough to be
 # claimed, they only wait to be cancelled, and each sweep's probes read every dead entry a
 # held snapshot keeps at the front of each endpoint's pending deliveries.
 SWEEP_EVERY = 5.0
-# An endpoint whose deliveries wait for the claim holds the events' claim back (so that the
-# claim takes its backlog first, at_once.fits) only while the claim is serving it: claimed
-# from this recently. A disabled or deleted endpoint's kept queue must not hold it back.
-BACKLOG_SERVED = 2.0
-# How long the events wait, at most, for the claim to take the fast endpoints' backlogs before
-# a room's worth of them is claimed all the same (at_once.fits): the other endpoints' new
-# events wait no longer than this for one endpoint's backlog.
-BACKLOG_HOLD = 1.0
+# Seconds between reads of the enabled endpoints (whether the events may be paced: fan_outs.py)
+# when no NOTIFY says they changed.
+ENABLED_EVERY = 5.0
 
 
-class DeliverySource(Attempts, Health):
+class DeliverySource(FanOuts, Health):
     """The deliveries of ``store``'s table, served one step at a time by the pipeline."""
 
     name: ClassVar[str] = "deliveries"
@@ -86,7 +79,14 @@ class DeliverySource(Attempts, Health):
         # (set by the relay; without it, a fan-out claims none).
         self.adopt: Callable[[Sequence[Claimed]], None] | None = None
         self._per_event = 1.0  # deliveries per event the last fan-out made
-        self._hold_since: float | None = None  # the events wait for the claim since (fan_out_fits)
+        # Per destination (fan_out_fits): when one event was fanned out to learn of its
+        # endpoints, when its events were last held for a backlog.
+        self._probed: dict[str, float] = {}
+        self._hold_since: dict[str, float | None] = {}
+        # The enabled endpoints of each destination, read every ENABLED_EVERY and after a
+        # change (endpoints_changed): whether its events may be paced (FanOuts._paceable).
+        self._enabled: dict[str, dict[int, bool]] = {}
+        self._enabled_at = float("-inf")
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
@@ -107,14 +107,17 @@ class DeliverySource(Attempts, Health):
         self._due = True
         self.on_due()
 
+    def endpoints_changed(self) -> None:
+        """An endpoint was added, changed or enabled (a NOTIFY): read them again, and claim."""
+        self._enabled_at = float("-inf")
+        self.wake()
+
     async def claim(self, limit: int, held: Iterable[Claimed]) -> list[Claimed]:
         """One bite: at most ``limit`` due deliveries, within the fair share of the room
         ``held`` (the deliveries this relay holds) leaves, none for paused destinations, open
         circuits or endpoints that answered 410."""
         self._due = False
-        if time.monotonic() - self._pruned > PRUNE_EVERY:
-            self._prune()
-            self._pruned = time.monotonic()
+        await self._upkeep()
         paused = self.paused()
         serving = [d for d in self.destinations if d not in paused]
         if not serving or limit <= 0:
@@ -168,108 +171,23 @@ class DeliverySource(Attempts, Health):
         self.stats["claimed"] += len(claimed)
         return claimed
 
-    async def fan_out(self, events: Sequence[Envelope], no_match: str) -> dict[int, int]:
-        """Fan out events this relay holds (FAN_OUT): the endpoints matched per event
-        recorded. Deliveries of endpoints with room are claimed as they are written and handed
-        to the pipeline at once (:attr:`adopt`): they never wait for a claim."""
-        by_id = {e.id: e for e in events}
-        expected = len(events) * self._per_event
-        self._fanning += expected
+    async def _upkeep(self) -> None:
+        """Before a claim, now and then: forget idle endpoints, read the enabled ones."""
+        if time.monotonic() - self._pruned > PRUNE_EVERY:
+            self._prune()
+            self._pruned = time.monotonic()
+        if time.monotonic() - self._enabled_at >= ENABLED_EVERY:
+            await self._read_enabled()
+
+    async def _read_enabled(self) -> None:
+        """The enabled endpoints of this source's destinations, read again; none if the read
+        fails (then events are not paced before the next)."""
+        self._enabled_at = time.monotonic()
         try:
-            matched, sent, until, started = await self.store.fan_out_claiming(
-                [(e.id, e.token) for e in events], no_match, self._room()
-            )
-        finally:
-            self._fanning -= expected
-        made = sum(matched.values())
-        if matched:
-            self._per_event = max(1.0, made / len(matched))
-        if made > len(sent):
-            self.wake()  # some were written pending: the claim takes them
-        if sent and self.adopt is not None:
-            items = [sent_at_once(r, by_id[r[3]], until, started) for r in sent]
-            for c in items:
-                self._take(c)
-            self.stats["claimed"] += len(items)
-            self.stats["sent_at_fan_out"] += len(items)
-            self.adopt(items)
-        return matched
-
-    def fan_out_fits(self, claiming: bool = True) -> int | None:
-        """How many events the relay's claim may take so that a fan-out sends their
-        deliveries at once (at_once.fits); None: as many as it asks for. While the events
-        wait for the claim to take the fast endpoints' backlogs, they are held BACKLOG_HOLD
-        at most, then claimed (one room's worth) and held again: other endpoints' events are
-        never held longer. ``claiming``: the relay claims as many (else only a look)."""
-        queues, left = self._queues()
-        store = self.store
-        unread = store.lanes.floors is None or store.behind
-        now = time.monotonic()
-        if not queues or not at_once.waiting(queues, unread):
-            since = None
-        else:
-            since = self._hold_since if self._hold_since is not None else now
-        hold = since is not None and now - since < BACKLOG_HOLD
-        fits = at_once.fits(queues, left, self._fanning, self._per_event, unread, hold)
-        if claiming:
-            # A claim made while the events wait starts the next hold.
-            self._hold_since = now if since is not None and fits else since
-        return fits
-
-    def _room_again(self) -> bool:
-        fits = self.fan_out_fits(claiming=False)
-        return fits is None or fits > 0
-
-    def _room(self) -> dict[int, int]:
-        """FAN_OUT's room: the endpoints a fan-out may claim deliveries of as it writes them,
-        and how many (at_once.room). FAN_OUT also sends none of an endpoint that is
-        rate-limited, held by another relay or has deliveries waiting, as the claim sees it."""
-        if self._halted or self.adopt is None:
-            return {}
-        return at_once.room(*self._queues())
-
-    def _queues(self) -> tuple[list[at_once.Queue], int]:
-        """The endpoints known to be fast (not slow, new, rate-limited, put back lately, gone
-        or with its circuit open) and how many deliveries a fan-out may queue here in all:
-        none while the fair share plan holds anyone back (the claim then shares the room)."""
-        holding = self.store.holding()
-        left = self.max_in_flight // 2 - holding
-        share = self._plan(holding)
-        if share.skip_endpoints or share.skip_tenants:
-            return [], 0
-        floors = self.store.lanes.floors or {}
-        now = time.monotonic()
-        queues = [
-            at_once.Queue(
-                s.id,
-                self.destinations[s.destination].max_concurrency * at_once.FAN_OUT_AHEAD,
-                s.in_hand,
-                s.id in floors and now - s.last_claimed < BACKLOG_SERVED,
-            )
-            for s in self.states.values()
-            if share.caps.get(s.id) == UNCAPPED and self._eligible(s, now)
-        ]
-        return queues, left
-
-    def _waits(self, endpoint: int) -> bool:
-        """Whether a delivery of ``endpoint`` may wait for a claim: it has a floor (a fresh
-        one pending), the claim has not read every delivery written, or the floors are not
-        read yet. (Deliveries due again wake the claim when they are written pending, when
-        reaped, or come due at its poll.)"""
-        floors = self.store.lanes.floors
-        return floors is None or self.store.behind or endpoint in floors
-
-    def _eligible(self, s: EndpointState, now: float) -> bool:
-        """Known to be fast, and nothing keeps its deliveries from being sent now."""
-        return (
-            s.destination in self.destinations
-            and s.latency is not None
-            and not s.holding(now).slow
-            and not s.rate_limited
-            and not s.circuit_open
-            and not s.gone
-            and now - s.put_back_at >= PUT_BACK_COOLDOWN
-        )
+            self._enabled = await self.store.enabled(list(self.destinations))
+        except DB_ERRORS as exc:
+            self._enabled = {}
+            log.warning("relay.endpoints.enabled_read_failed", error=describe(exc))
 
     def _sweep_due(self, now: float) -> bool:
         """Whether this claim sweeps for deliveries of deleted or moved endpoints. Once due,
@@ -288,32 +206,6 @@ class DeliverySource(Attempts, Health):
             self._sweeping = False
         elif self._cursor is None and self._sweeping:
             self._swept = now
-
-    def _plan(self, held: int) -> Plan:
-        """The fair share plan (fairness.py) with ``held`` deliveries held: from the
-        endpoints this relay holds deliveries of, and those it knows to be slow."""
-        now = time.monotonic()
-        holdings = []
-        for state in self.states.values():
-            h = state.holding(now)
-            if h.in_hand or h.known:
-                holdings.append(h)
-        return fairness_plan(self.max_in_flight, held, holdings)
-
-    def _take(self, c: Claimed) -> None:
-        """Count a claimed delivery in its endpoint's hand (the next plan sees it); a row
-        whose endpoint this code cannot even read (a bug) is kept to be recorded as a crash."""
-        key = (c.id, c.token)
-        try:
-            state = self._state(c)
-        except Exception as exc:
-            log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
-            self._broken[key] = exc
-            return
-        state.in_hand += 1
-        state.last_claimed = time.monotonic()
-        state.rate_limited = c.rate_limit is not None
-        self._waiting[key] = state
 
     def group(self, c: Claimed) -> int:
         """Deliveries are sent in groups of one endpoint's."""

@@ -43,6 +43,7 @@ class DeliveryStore:
         # Whether the last claim's read of fresh deliveries stopped short of the highest id.
         self.behind = False
         self._claiming = asyncio.Lock()
+        self._at_once = asyncio.Lock()  # a fan-out that claims (fan_out_claiming), or settle
         self._serial = queries.serial_key(store.schema)
         # What this relay holds (DELIVERY_CLAIM's :held): each delivery it claimed, by id, with
         # its endpoint and the end of its lease (monotonic), until it is recorded, released or
@@ -89,22 +90,39 @@ class DeliveryStore:
             [(floors or {}).get(e, self.lanes.seen) for e in room],
             self.store.lease,
         )
-        started = time.monotonic()
-        until = started + self.store.lease  # before the statement: never later than its now()
         if room:
             try:
-                rows = await self._after(queries.FAN_OUT_LOCK, "fetch", queries.FAN_OUT, *args)
+                # One at a time, and never beside settle(): the rows it claims are held here
+                # (below) before settle can look for rows held by nothing.
+                async with self._at_once:
+                    rows, started = await self._after(
+                        queries.FAN_OUT_LOCK, "fetch", queries.FAN_OUT, *args
+                    )
+                    until = started + self.store.lease  # the lock is held: not later than the
+                    sent = [r for r in rows if r[1] == -1]  # statement's own time
+                    for r in sent:
+                        self._held[r[0]] = (r[4], 1, until)
             except DB_ERRORS:
                 # Committed, perhaps: what it claimed is held by nothing here.
                 self._unsettled.append(list(args[0]))
                 await self.settle()
                 raise
         else:
+            started = time.monotonic()
+            until = started + self.store.lease
             rows = await self.store.call("fetch", queries.FAN_OUT, *args)
-        sent = [r for r in rows if r[1] == -1]
-        for r in sent:
-            self._held[r[0]] = (r[4], 1, until)
+            sent = []
         return {r[0]: r[1] for r in rows if r[1] != -1}, sent, until, started
+
+    async def enabled(self, destinations: Sequence[str]) -> dict[str, dict[int, bool]]:
+        """The enabled endpoints of ``destinations`` (ENDPOINTS_ENABLED): per destination, each
+        endpoint's id and whether it is rate-limited."""
+        self.store.statements["endpoints_enabled"] += 1
+        rows = await self.store.call("fetch", queries.ENDPOINTS_ENABLED, list(destinations))
+        out: dict[str, dict[int, bool]] = {d: {} for d in destinations}
+        for r in rows:
+            out[r[1]][r[0]] = r[2]
+        return out
 
     async def settle(self) -> None:
         """Put back what fan-outs whose answer was lost claimed (FAN_OUT_SETTLE), if any is
@@ -113,7 +131,9 @@ class DeliveryStore:
         while self._unsettled:
             events = self._unsettled[0]
             try:
-                async with self._claiming:  # no claim of this relay's is half-way
+                # No claim or fan-out of this relay's is half-way: every row it claimed so far
+                # is in _held.
+                async with self._claiming, self._at_once:
                     held = list(self._held)
                     rows = await self.store.call(
                         "fetch", queries.FAN_OUT_SETTLE, events, self.relay_id, held
@@ -127,13 +147,16 @@ class DeliveryStore:
             if rows:
                 log.info("relay.endpoints.fan_out_settled", deliveries=len(rows))
 
-    async def _after(self, lock: str, method: str, sql: str, *args: Any) -> Any:
+    async def _after(self, lock: str, method: str, sql: str, *args: Any) -> tuple[Any, float]:
         """``sql`` in a transaction that takes ``lock`` (the in-flight lock: FAN_OUT_LOCK or
-        DELIVERY_CLAIM_LOCK) first, alone: its snapshot is taken once the lock is held."""
+        DELIVERY_CLAIM_LOCK) first, alone: its snapshot is taken once the lock is held. Its
+        answer, and when the lock was held (monotonic: before the statement's own time, from
+        which it writes leases)."""
         schema = self.store.schema
         async with connection(self.store.pool) as conn, conn.transaction():
             await conn.execute(queries.render_ops(lock, schema), self._serial)
-            return await getattr(conn, method)(queries.render_ops(sql, schema), *args)
+            locked = time.monotonic()
+            return await getattr(conn, method)(queries.render_ops(sql, schema), *args), locked
 
     def holding(self) -> int:
         """How many deliveries this relay holds (claimed, not yet recorded or released)."""
@@ -169,12 +192,11 @@ class DeliveryStore:
             limits = {str(k): v for k, v in caps.items()}
             limits.update((str(k), 0) for k in skip)
             lease = self.store.lease
-            started = time.monotonic()
-            until = started + lease  # before the statement: never later than its now()
-            rows = await self._claim(
+            rows, started = await self._claim(
                 destinations, max_concurrency, start, limit, scan, cursor, limits,
                 skip_tenants, ahead, ahead_room, sweep, given[0],
             )  # fmt: skip
+            until = started + lease  # before the statement: never later than its lease
             marker = rows[-1]
             for r in rows:
                 if r[0] >= 0:
@@ -237,11 +259,12 @@ class DeliveryStore:
         ahead_room: int | None,
         sweep: bool,
         floors: Mapping[int, int],
-    ) -> list[asyncpg.Record]:
-        """DELIVERY_CLAIM's rows: those claimed, each next floor (-2), the marker (-1)."""
+    ) -> tuple[list[asyncpg.Record], float]:
+        """DELIVERY_CLAIM's rows: those claimed, each next floor (-2), the marker (-1); and
+        when its lock was held (monotonic)."""
         # After the in-flight lock, shared: every fan-out that sent deliveries at once
         # committed before this claim's snapshot, or waits for this claim (FAN_OUT_LOCK).
-        rows: list[asyncpg.Record] = await self._after(
+        answer: tuple[list[asyncpg.Record], float] = await self._after(
             queries.DELIVERY_CLAIM_LOCK,
             "fetch",
             queries.DELIVERY_CLAIM,
@@ -264,7 +287,7 @@ class DeliveryStore:
             FOUND_CHUNK,
             self._holding(),
         )
-        return rows
+        return answer
 
     def _holding(self) -> str:
         """How many deliveries this relay holds of each endpoint under a live lease, as

@@ -1,0 +1,233 @@
+"""The deliveries source's fan-outs (relay/sinks/endpoints/sink.py hands it the events): each
+writes its events' deliveries in one statement (FAN_OUT), claiming those that can be sent at
+once (relay/sinks/endpoints/at_once.py) and handing them to the pipeline; and how many events
+the relay may claim meanwhile, so that their deliveries can be (Sink.claim_limit). Also the
+fair share plan and the count of deliveries in each endpoint's hand, which the claim shares."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from relay.model import Envelope
+from relay.sinks.endpoints import at_once
+from relay.sinks.endpoints.attempts import PUT_BACK_COOLDOWN, Attempts
+from relay.sinks.endpoints.fairness import UNCAPPED, Plan
+from relay.sinks.endpoints.fairness import plan as fairness_plan
+from relay.sinks.endpoints.rows import Claimed, sent_at_once
+from relay.sinks.endpoints.state import EndpointState
+from relay.sinks.endpoints.store import DeliveryStore
+
+log = structlog.get_logger("relay.sink.endpoints")
+
+# An endpoint whose deliveries wait for the claim holds the events' claim back (so that the
+# claim takes its backlog first, at_once.fits) only while the claim is serving it: claimed
+# from this recently. A disabled or deleted endpoint's kept queue must not hold it back.
+BACKLOG_SERVED = 2.0
+# How long, at most, the events wait for the first answers of endpoints not yet known (one
+# event claimed, its deliveries out): fast ones are then sent at their fan-out, slow ones
+# take events as any destination does.
+PROBE_HOLD = 1.0
+# How long the events wait, at most, for the claim to take a fast endpoint's backlog, and how
+# often again while it lasts (an endpoint a little slower than the events come): no
+# endpoint's new events wait longer than BACKLOG_HOLD for another's backlog.
+BACKLOG_HOLD = 1.0
+REHOLD_EVERY = 10.0
+
+
+class FanOuts(Attempts):
+    """The fan-outs of the deliveries source (DeliverySource, in source.py, is the class to
+    use)."""
+
+    # Set by DeliverySource.__init__, which says what each is.
+    store: DeliveryStore
+    adopt: Callable[[Sequence[Claimed]], None] | None
+    _per_event: float
+    _fanning: float
+    _probed: dict[str, float]
+    _hold_since: dict[str, float | None]
+    _enabled: dict[str, dict[int, bool]]
+    _waiting: dict[tuple[int, int], EndpointState]
+    _broken: dict[tuple[int, int], BaseException]
+
+    async def fan_out(self, events: Sequence[Envelope], no_match: str) -> dict[int, int]:
+        """Fan out events this relay holds (FAN_OUT): the endpoints matched per event
+        recorded. Deliveries of endpoints with room are claimed as they are written and handed
+        to the pipeline at once (:attr:`adopt`): they never wait for a claim."""
+        by_id = {e.id: e for e in events}
+        destination = events[0].destination  # a batch is one destination's
+        if destination not in self._probed and not self._queues(destination)[0]:
+            self._probed[destination] = time.monotonic()  # their first answers awaited from now
+        expected = len(events) * self._per_event
+        self._fanning += expected
+        try:
+            matched, sent, until, started = await self.store.fan_out_claiming(
+                [(e.id, e.token) for e in events], no_match, self._room(destination)
+            )
+        finally:
+            self._fanning -= expected
+        made = sum(matched.values())
+        if matched:
+            self._per_event = max(1.0, made / len(matched))
+        if made > len(sent):
+            self.wake()  # some were written pending: the claim takes them
+        if sent and self.adopt is not None:
+            items = [sent_at_once(r, by_id[r[3]], until, started) for r in sent]
+            for c in items:
+                self._take(c)
+            self.stats["claimed"] += len(items)
+            self.stats["sent_at_fan_out"] += len(items)
+            self.adopt(items)
+        return matched
+
+    def fan_out_fits(self, destination: str, limit: int, claiming: bool = True) -> int | None:
+        """How many of ``destination``'s events (``limit`` asked for) the relay's claim may take
+        so that a fan-out sends their deliveries at once (at_once.fits); None: as many as
+        asked. ``claiming``: a claim takes them (else it is a look, which changes nothing).
+
+        While a fast endpoint has a backlog the claim is serving (or deliveries were written
+        that the claim has not read), the events are held, BACKLOG_HOLD at most, and again
+        every REHOLD_EVERY while it lasts: claimed meanwhile at the pace of the others, each
+        would add a delivery to it, and it would never shrink (its deliveries all claimed one
+        by one). Paced only while no other endpoint would wait for the fast ones (_paceable).
+        While no endpoint is known to be fast and the first requests of some are out (or none
+        was seen yet): one event, then none for PROBE_HOLD at most."""
+        queues, left = self._queues(destination)
+        now = time.monotonic()
+        if not queues:
+            return self._learning(destination, now)
+        if not self._paceable(destination, {q.endpoint_id for q in queues}, now):
+            return None
+        if claiming:
+            self._probed.pop(destination, None)
+        store = self.store
+        unread = store.lanes.floors is None or store.behind
+        since = self._hold_since.get(destination)
+        if not unread and not any(q.backlog for q in queues):
+            since = None
+        elif since is None or now - since >= BACKLOG_HOLD + REHOLD_EVERY:
+            since = now
+        hold = since is not None and now - since < BACKLOG_HOLD
+        fits = at_once.fits(queues, left, self._fanning, self._per_event, hold)
+        if claiming:
+            self._hold_since[destination] = since
+        return fits
+
+    def _paceable(self, destination: str, fast: set[int], now: float) -> bool:
+        """Whether the destination's events may be paced by its fast endpoints' room: every
+        other enabled endpoint of it is slow, down or gone (its deliveries wait their turn
+        anyway). One rate-limited, not yet known here, or known but not sent to at once (put
+        back lately, its first answers awaited) would wait, its events behind a burst of the
+        fast ones' in the table: then the events are claimed as for any destination."""
+        enabled = self._enabled.get(destination)
+        if enabled is None:
+            return False
+        for endpoint, limited in enabled.items():
+            if endpoint in fast:
+                continue
+            state = self.states.get(endpoint)
+            if limited or state is None:
+                return False
+            if not (state.circuit_open or state.gone or state.holding(now).slow):
+                return False
+        return True
+
+    def _learning(self, destination: str, now: float) -> int | None:
+        """fan_out_fits while no endpoint of ``destination`` is known to be fast."""
+        learning = not self.states or any(
+            s.latency is None and s.in_hand for s in self.states.values()
+        )
+        probed = self._probed.get(destination)
+        if not learning or (probed is not None and now - probed >= PROBE_HOLD):
+            return None
+        return 1 if probed is None else 0
+
+    def _room_again(self) -> bool:
+        """Whether a destination held back may take events now."""
+        for destination in list(self.held_back):
+            fits = self.fan_out_fits(destination, self.max_in_flight, claiming=False)
+            if fits is None or fits > 0:
+                return True
+        return False
+
+    def _room(self, destination: str) -> dict[int, int]:
+        """FAN_OUT's room: the endpoints a fan-out may claim deliveries of as it writes them,
+        and how many (at_once.room). FAN_OUT also sends none of an endpoint that is
+        rate-limited, held by another relay or has deliveries waiting, as the claim sees it."""
+        if self._halted or self.adopt is None:
+            return {}
+        return at_once.room(*self._queues(destination))
+
+    def _queues(self, destination: str) -> tuple[list[at_once.Queue], int]:
+        """The endpoints of ``destination`` known to be fast (not slow, new, rate-limited, put
+        back lately, gone or with its circuit open) and how many deliveries a fan-out may
+        queue here in all: none while the fair share plan holds anyone back (the claim then
+        shares the room)."""
+        holding = self.store.holding()
+        left = self.max_in_flight // 2 - holding
+        share = self._plan(holding)
+        if share.skip_endpoints or share.skip_tenants:
+            return [], 0
+        floors = self.store.lanes.floors or {}
+        now = time.monotonic()
+        queues = [
+            at_once.Queue(
+                s.id,
+                self.destinations[s.destination].max_concurrency * at_once.FAN_OUT_AHEAD,
+                s.in_hand,
+                s.id in floors and now - s.last_claimed < BACKLOG_SERVED,
+            )
+            for s in self.states.values()
+            if s.destination == destination
+            and share.caps.get(s.id) == UNCAPPED
+            and self._eligible(s, now)
+        ]
+        return queues, left
+
+    def _waits(self, endpoint: int) -> bool:
+        """Whether a delivery of ``endpoint`` may wait for a claim: it has a floor (a fresh
+        one pending), the claim has not read every delivery written, or the floors are not
+        read yet. (Deliveries due again wake the claim when they are written pending, when
+        reaped, or come due at its poll.)"""
+        floors = self.store.lanes.floors
+        return floors is None or self.store.behind or endpoint in floors
+
+    def _eligible(self, s: EndpointState, now: float) -> bool:
+        """Known to be fast, and nothing keeps its deliveries from being sent now."""
+        return (
+            s.destination in self.destinations
+            and s.latency is not None
+            and not s.holding(now).slow
+            and not s.rate_limited
+            and not s.circuit_open
+            and not s.gone
+            and now - s.put_back_at >= PUT_BACK_COOLDOWN
+        )
+
+    def _plan(self, held: int) -> Plan:
+        """The fair share plan (fairness.py) with ``held`` deliveries held: from the
+        endpoints this relay holds deliveries of, and those it knows to be slow."""
+        now = time.monotonic()
+        holdings = []
+        for state in self.states.values():
+            h = state.holding(now)
+            if h.in_hand or h.known:
+                holdings.append(h)
+        return fairness_plan(self.max_in_flight, held, holdings)
+
+    def _take(self, c: Claimed) -> None:
+        """Count a claimed delivery in its endpoint's hand (the next plan sees it); a row
+        whose endpoint this code cannot even read (a bug) is kept to be recorded as a crash."""
+        key = (c.id, c.token)
+        try:
+            state = self._state(c)
+        except Exception as exc:
+            log.exception("relay.endpoints.delivery_crashed", delivery=c.id)
+            self._broken[key] = exc
+            return
+        state.in_hand += 1
+        state.last_claimed = time.monotonic()
+        state.rate_limited = c.rate_limit is not None
+        self._waiting[key] = state
