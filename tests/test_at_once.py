@@ -19,6 +19,9 @@ def test_each_endpoint_gets_what_its_queue_lacks_within_what_is_left() -> None:
     assert room([q(1), q(2), q(3)], 100) == {1: 64, 2: 36}
     assert room([q(1), q(2)], 64) == {1: 64}
     assert room([q(1)], 0) == {} and room([q(1)], -5) == {}
+    # The last delivery of what is left, and the last of a queue, still go (found by mutmut).
+    assert room([q(1), q(2)], 65) == {1: 64, 2: 1}
+    assert room([q(1, in_hand=63)], 1000) == {1: 1}
 
 
 def test_an_endpoint_with_a_backlog_gets_no_room_and_leaves_it_to_others() -> None:

@@ -261,6 +261,7 @@ def test_fanout_accounts_for_every_delivery(pg_admin_url: str) -> None:
         assert counted["delivery_record"] == s["delivery_record_statements"] >= 1, counted
         assert counted["delivery_reap"] >= 1, counted
         assert s["delivery_record_us_per_delivery"] > 0
+        assert s["fan_out_statements"] >= 1 and s["fan_out_us_per_delivery"] > 0, s
         # The healthy endpoints' deliveries, once they are known to be fast, are claimed by
         # their fan-out; the first ones, the slow and the dead one's by the claim.
         assert 0 < s["deliveries_sent_at_fan_out"] < s["deliveries"], s
