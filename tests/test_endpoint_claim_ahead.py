@@ -170,6 +170,11 @@ async def test_a_stop_starts_no_request_waiting_for_a_rate_limits_turn(
     async with running(s) as relay:
         await enqueue(db_url, [{"payload": {"n": i}} for i in range(4)])
         await wait_until(lambda: len(receiver.requests) >= 1, what="sending")
+        # All fanned out (the first event alone, until its endpoint's first answer).
+        await wait_until(
+            lambda: fetch(db_url, "SELECT 1 FROM outbox_deliveries HAVING count(*) = 4"),
+            what="fanned out",
+        )
         stopped = time.monotonic()
         relay.stop()
         await asyncio.sleep(0)

@@ -180,3 +180,72 @@ async def test_a_fast_endpoints_burst_of_events_holds_back_another_tenants_new_e
         took = time.monotonic() - started
         sent_a = len(delivered_to(a))
     assert took < 2.5, f"r's event took {took:.1f} s, behind {sent_a - 1} of a's events"
+
+
+async def test_a_fast_endpoints_burst_holds_back_a_slow_endpoints_new_event(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """Tenant s's endpoint is slow (0.3 s an answer, budget 0.2 s) but idle; tenant a's is
+    fast (max_concurrency 1, 50 ms). A burst of 150 events for a, then one for s: the
+    destination is paceable (the only other enabled endpoint is slow), so s's event waits in
+    the table behind a's whole burst, though s has a free slot (found by the third review)."""
+    a, s = make_receiver(), make_receiver()
+    a.respond(200, delay=0.05)
+    s.respond(200, delay=0.3)
+    await add_endpoint(aengine, a.url, tenant="a")
+    await add_endpoint(aengine, s.url, tenant="s")
+    settings = endpoints_settings(
+        db_url, max_concurrency=1, slow_concurrency=1, latency_budget=0.2, timeout=5
+    )
+    async with running(settings):
+        ids = await enqueue(
+            db_url, [{"tenant": "a", "payload": {}}, {"tenant": "s", "payload": {}}]
+        )
+        await wait_until(
+            lambda: delivered_to(a) == ids[:1] and delivered_to(s) == ids[1:],
+            what="a known fast, s known slow",
+        )
+        await asyncio.sleep(0.5)
+        await enqueue(db_url, [{"tenant": "a", "payload": {"n": i}} for i in range(150)])
+        [new] = await enqueue(db_url, [{"tenant": "s", "payload": {"new": True}}])
+        started = time.monotonic()
+        await wait_until(lambda: new in delivered_to(s), timeout=30, what="s's new event")
+        took = time.monotonic() - started
+        sent_a = len(delivered_to(a))
+    assert took < 2.5, f"s's event took {took:.1f} s, behind {sent_a - 1} of a's events"
+
+
+async def test_the_probe_hold_ends_without_waiting_for_the_poll(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """A fresh relay (no endpoint known): the claim takes one event (the probe) and holds the
+    rest PROBE_HOLD (1 s) at most. The probe matched no endpoint, so no delivery is in flight
+    and no finished delivery calls _woken_soon: nothing ends the hold but the next poll
+    (poll_interval 10 s here; up to 300 s allowed) or a NOTIFY (found by the third review)."""
+    from tests.support.relays import settings
+
+    r = make_receiver()
+    await add_endpoint(aengine, r.url, tenant="t")
+    d = {
+        "kind": "endpoints",
+        "allow_private_networks": True,
+        "backoff": {"schedule": [0.3], "jitter": 0},
+        "max_attempts": 4,
+        "circuit": {"threshold": 50},
+    }
+    s = settings(
+        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
+    )
+    async with running(s):
+        await asyncio.sleep(1.0)
+        started = time.monotonic()
+        _, t_event = await enqueue(
+            db_url, [{"tenant": "nobody", "payload": {}}, {"tenant": "t", "payload": {}}]
+        )
+        await wait_until(lambda: t_event in delivered_to(r), timeout=30, what="t's event")
+        took = time.monotonic() - started
+    assert took < 3.0, f"t's event took {took:.1f} s: held after the probe until the poll"

@@ -6,21 +6,34 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import asyncpg
 import pytest
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries
 from relay.db.pool import create_pool
 from relay.db.queries.render import render_ops
 from relay.db.store import Store
-from relay.ops.replay_queries import REPLAY_EVENT
+from relay.model import Envelope
+from relay.ops.replay_queries import REPLAY_EVENT, REPLAY_EVENT_INSERT
+from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.endpoints.store import DeliveryStore
 from relay.tools.bench.common import DESTINATION
 from relay.tools.bench.fanout_setup import add_events, register
+from relay.tools.bench.fanout_sql import PROBE_CLAIM_ALL
+from tests.support.receiver import Receiver
 from tests.test_delivery_lanes import _claim_all, _hold
+from tests.test_endpoint_delivery import (
+    DEST,
+    add_endpoint,
+    aengine,  # noqa: F401  (fixture)
+    enqueue,
+)
+from tests.test_endpoint_source import served
 
 LEASE = 30.0
 
@@ -162,3 +175,78 @@ async def test_rows_claimed_after_a_long_wait_for_the_in_flight_lock_are_held_he
         await other.close()
         await pool.close()
     assert sent and left > lease / 2, left
+
+
+@pytest.mark.parametrize("unsettled", [False, True])
+async def test_a_settle_behind_a_fan_out_waiting_for_a_replay_holds_up_no_claim(
+    db_url: str, conn: asyncpg.Connection, unsettled: bool
+) -> None:
+    """An application's replay insert (REPLAY_EVENT_INSERT) left open holds the fan-outs' lock.
+    A fan-out that claims waits for it holding DeliveryStore._at_once. A settle (the reaper's
+    pass, or an earlier fan-out's except path) then takes _claiming and waits for _at_once:
+    every delivery claim of this relay waited behind it, as long as the replay was open
+    (found by the third review)."""
+    a, b, _ = await register(conn, [f"http://127.0.0.1:{9000 + i}/" for i in range(3)])
+    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 3)
+    app = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        store = DeliveryStore(Store(pool, "public", "lanes", LEASE))
+        assert await _claim_all(store) == []  # floors read
+        await add_events(conn, 3)
+        held = await _hold(conn, "lanes")
+        tx = app.transaction()
+        await tx.start()
+        await app.fetchval(
+            render_ops(REPLAY_EVENT_INSERT, "public"), held[0][0], b, DESTINATION, store._serial
+        )  # left open
+        fan_out = asyncio.create_task(store.fan_out_claiming(held[1:], "none", {a: 4}))
+        await asyncio.sleep(0.3)
+        settling = None
+        if unsettled:
+            store._unsettled.append([10**9])  # an earlier fan-out's answer was lost
+            settling = asyncio.create_task(store.settle())  # the reaper's pass
+            await asyncio.sleep(0.3)
+        claim = asyncio.create_task(
+            store.claim([DESTINATION], [4], [4], 100, [], 1000, None, {}, sweep=False)
+        )
+        started = time.monotonic()
+        done, _ = await asyncio.wait({claim}, timeout=3)
+        took = time.monotonic() - started
+        await tx.commit()
+        await asyncio.gather(fan_out, claim, *([settling] if settling else []))
+    finally:
+        await app.close()
+        await pool.close()
+    assert claim in done, f"this relay's delivery claim waited {took:.1f} s for the replay"
+
+
+async def test_two_fan_outs_at_once_claim_no_more_than_the_room(
+    db_url: str,
+    conn: asyncpg.Connection,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """The room of a fan-out is read before it waits for _at_once (a fan-out before it, of
+    another batch of the same destination): both claimed the endpoint's whole queue (found by
+    the third review)."""
+    r = make_receiver()
+    ep = await add_endpoint(aengine, r.url)
+    ids = await enqueue(db_url, [{"payload": {"n": i}} for i in range(40)])
+    async with served(db_url, max_concurrency=1, slow_concurrency=1) as sv:
+        source = sv.source
+        await source.store._read_floors()
+        adopted: list[object] = []
+        source.adopt = adopted.extend
+        cfg = source.destinations[DEST]
+        source.states[ep.id] = EndpointState(ep.id, DEST, cfg, latency=0.01)
+        held = sorted((row[0], row[1]) for row in await conn.fetch(PROBE_CLAIM_ALL, "r1"))
+        assert [i for i, _ in held] == ids
+        lease = SimpleNamespace(held=lambda _id: True)
+        envs = [
+            Envelope(i, DEST, None, b"{}", "application/json", {}, 0, 0.0, t, lease)  # type: ignore[arg-type]
+            for i, t in held
+        ]
+        depth = cfg.max_concurrency * 16
+        await asyncio.gather(source.fan_out(envs[:12], "none"), source.fan_out(envs[12:24], "none"))
+        in_hand = source.states[ep.id].in_hand
+    assert len(adopted) <= depth, (len(adopted), depth, in_hand)

@@ -75,6 +75,7 @@ class DeliveriesBase:
         # The relay's claim of events held back for want of room (EndpointsSink.claim_limit):
         # on_room (the relay's wake-up) is called once deliveries have left.
         self.held_back: set[str] = set()  # destinations
+        self._recheck: asyncio.TimerHandle | None = None  # _recheck_room_at
         self._claim_wanted = False
         self._looked = float("-inf")  # when a finished delivery last woke the claim
         self.on_room: Callable[[], None] = lambda: None
@@ -119,7 +120,28 @@ class DeliveriesBase:
             self._claim_wanted = False
             self._looked = now
             self.wake()
+        self._recheck_room()
+
+    def _recheck_room(self) -> None:
+        """The events' claim took fewer than it could (for want of room, or held): wake it
+        if it may take more now."""
         if self.held_back and self._room_again():
-            # The events' claim took fewer than it could for want of room: there is some now.
             self.held_back.clear()
             self.on_room()
+
+    def _recheck_room_at(self, at: float) -> None:
+        """Look again at ``at`` (monotonic) whether the events' claim may take more: a hold
+        that ends then is not seen by finished deliveries if none is in flight."""
+        if self._recheck is not None and self._recheck.when() <= at:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._recheck is not None:
+            self._recheck.cancel()
+        self._recheck = loop.call_at(loop.time() + max(0.0, at - time.monotonic()), self._rechecked)
+
+    def _rechecked(self) -> None:
+        self._recheck = None
+        self._recheck_room()

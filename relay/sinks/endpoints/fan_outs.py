@@ -59,12 +59,13 @@ class FanOuts(Attempts):
         by_id = {e.id: e for e in events}
         destination = events[0].destination  # a batch is one destination's
         if destination not in self._probed and not self._queues(destination)[0]:
-            self._probed[destination] = time.monotonic()  # their first answers awaited from now
+            self._probed[destination] = now = time.monotonic()  # first answers awaited
+            self._recheck_room_at(now + PROBE_HOLD)  # none may come: the hold ends then
         expected = len(events) * self._per_event
         self._fanning += expected
         try:
             matched, sent, until, started = await self.store.fan_out_claiming(
-                [(e.id, e.token) for e in events], no_match, self._room(destination)
+                [(e.id, e.token) for e in events], no_match, lambda: self._room(destination)
             )
         finally:
             self._fanning -= expected
@@ -110,6 +111,8 @@ class FanOuts(Attempts):
         elif since is None or now - since >= BACKLOG_HOLD + REHOLD_EVERY:
             since = now
         hold = since is not None and now - since < BACKLOG_HOLD
+        if hold and since is not None:
+            self._recheck_room_at(since + BACKLOG_HOLD)
         fits = at_once.fits(queues, left, self._fanning, self._per_event, hold)
         if claiming:
             self._hold_since[destination] = since
@@ -117,10 +120,10 @@ class FanOuts(Attempts):
 
     def _paceable(self, destination: str, fast: set[int], now: float) -> bool:
         """Whether the destination's events may be paced by its fast endpoints' room: every
-        other enabled endpoint of it is slow, down or gone (its deliveries wait their turn
-        anyway). One rate-limited, not yet known here, or known but not sent to at once (put
-        back lately, its first answers awaited) would wait, its events behind a burst of the
-        fast ones' in the table: then the events are claimed as for any destination."""
+        other enabled endpoint of it is down, gone or sending already (its deliveries wait
+        their turn anyway). One rate-limited, not yet known here, or idle would wait, its
+        events behind a burst of the fast ones' in the table: then the events are claimed as
+        for any destination."""
         enabled = self._enabled.get(destination)
         if enabled is None:
             return False
@@ -130,7 +133,9 @@ class FanOuts(Attempts):
             state = self.states.get(endpoint)
             if limited or state is None:
                 return False
-            if not (state.circuit_open or state.gone or state.holding(now).slow):
+            # Down, or sending already (slow ones too: an idle slow one has room for its
+            # next events, and they would wait behind a burst of the fast ones').
+            if not (state.circuit_open or state.gone or state.in_hand > 0):
                 return False
         return True
 
@@ -142,7 +147,10 @@ class FanOuts(Attempts):
         probed = self._probed.get(destination)
         if not learning or (probed is not None and now - probed >= PROBE_HOLD):
             return None
-        return 1 if probed is None else 0
+        if probed is None:
+            return 1
+        self._recheck_room_at(probed + PROBE_HOLD)
+        return 0
 
     def _room_again(self) -> bool:
         """Whether a destination held back may take events now."""

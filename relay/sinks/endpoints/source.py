@@ -334,7 +334,8 @@ class DeliverySource(FanOuts, Health):
         failed at their destination's ``limits`` (``max_attempts`` for a destination this
         relay does not know); with ``within``, only leases that ended in the last ``within``
         seconds. The reaper logs them and wakes this source."""
-        await self.store.settle()  # first: what a lost fan-out claimed is not to be reaped
+        # First: what a lost fan-out claimed is not to be reaped (an attempt counted).
+        await self.store.settle(wait=False)
         reaped = await self.store.reap(max_attempts, {**limits, **self._limits}, within=within)
         try:
             await self.store.check_floors()

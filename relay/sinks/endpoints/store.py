@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -68,50 +68,52 @@ class DeliveryStore:
         self,
         events: Sequence[tuple[int, int]],
         no_match: str,
-        room: Mapping[int, int] | None,
+        room: Mapping[int, int] | Callable[[], Mapping[int, int]] | None,
     ) -> tuple[dict[int, int], list[asyncpg.Record], float, float]:
         """:meth:`fan_out`, claiming as they are written each ``room`` endpoint's first
         ``room[id]`` deliveries, where none of its deliveries waits and no other relay holds
-        one. Returns the endpoints matched per event recorded; the deliveries claimed
-        (FAN_OUT's rows of endpoints -1); the end of their lease and the time just before
-        the statement (monotonic)."""
+        one (``room`` may be a function, called once the fan-outs before this one are done:
+        each then sees what the others claimed). Returns the endpoints matched per event
+        recorded; the deliveries claimed (FAN_OUT's rows of endpoints -1); the end of their
+        lease and the time just before the statement (monotonic)."""
         self.store.statements["fan_out"] += 1
-        floors = self.lanes.floors
-        if floors is None or room is None:
-            room = {}  # the floors say where a backlog waits: none sent at once before them
-        args = (
-            [i for i, _ in events],
-            [t for _, t in events],
-            self.relay_id,
-            no_match,
-            self._serial,
-            list(room),
-            list(room.values()),
-            [(floors or {}).get(e, self.lanes.seen) for e in room],
-            self.store.lease,
-        )
-        if room:
-            try:
-                # One at a time, and never beside settle(): the rows it claims are held here
-                # (below) before settle can look for rows held by nothing.
-                async with self._at_once:
-                    rows, started = await self._after(
-                        queries.FAN_OUT_LOCK, "fetch", queries.FAN_OUT, *args
-                    )
-                    until = started + self.store.lease  # the lock is held: not later than the
-                    sent = [r for r in rows if r[1] == -1]  # statement's own time
-                    for r in sent:
-                        self._held[r[0]] = (r[4], 1, until)
-            except DB_ERRORS:
+        given: Mapping[int, int] = {}
+        try:
+            # One at a time, and never beside settle(): the rows it claims are held here
+            # (below) before settle can look for rows held by nothing.
+            async with self._at_once:
+                given = (room() if callable(room) else room) or {}
+                floors = self.lanes.floors
+                if floors is None:
+                    given = {}  # the floors say where a backlog waits: none sent before them
+                args = (
+                    [i for i, _ in events],
+                    [t for _, t in events],
+                    self.relay_id,
+                    no_match,
+                    self._serial,
+                    list(given),
+                    list(given.values()),
+                    [(floors or {}).get(e, self.lanes.seen) for e in given],
+                    self.store.lease,
+                )
+                if given:
+                    lock = queries.FAN_OUT_LOCK
+                    rows, started = await self._after(lock, "fetch", queries.FAN_OUT, *args)
+                else:
+                    started = time.monotonic()
+                    rows = await self.store.call("fetch", queries.FAN_OUT, *args)
+                # Once the lock was held: not later than the statement's own time.
+                until = started + self.store.lease
+                sent = [r for r in rows if r[1] == -1]
+                for r in sent:
+                    self._held[r[0]] = (r[4], 1, until)
+        except DB_ERRORS:
+            if given:
                 # Committed, perhaps: what it claimed is held by nothing here.
-                self._unsettled.append(list(args[0]))
+                self._unsettled.append([i for i, _ in events])
                 await self.settle()
-                raise
-        else:
-            started = time.monotonic()
-            until = started + self.store.lease
-            rows = await self.store.call("fetch", queries.FAN_OUT, *args)
-            sent = []
+            raise
         return {r[0]: r[1] for r in rows if r[1] != -1}, sent, until, started
 
     async def enabled(self, destinations: Sequence[str]) -> dict[str, dict[int, bool]]:
@@ -124,16 +126,21 @@ class DeliveryStore:
             out[r[1]][r[0]] = r[2]
         return out
 
-    async def settle(self) -> None:
+    async def settle(self, wait: bool = True) -> None:
         """Put back what fan-outs whose answer was lost claimed (FAN_OUT_SETTLE), if any is
         left to settle: at once, and at each reaper's pass until it is done (before the
-        lease ends, the reaper would count an attempt never made). Never raises."""
+        lease ends, the reaper would count an attempt never made). Without ``wait`` (the
+        reaper's pass), not while a fan-out that claims is under way (it may wait long for
+        the fan-outs' lock, behind an application's open replay): at the next pass. Never
+        raises."""
         while self._unsettled:
+            if not wait and self._at_once.locked():
+                return
             events = self._unsettled[0]
             try:
                 # No claim or fan-out of this relay's is half-way: every row it claimed so far
-                # is in _held.
-                async with self._claiming, self._at_once:
+                # is in _held. The fan-outs' lock first: waiting for it, no claim waits.
+                async with self._at_once, self._claiming:
                     held = list(self._held)
                     rows = await self.store.call(
                         "fetch", queries.FAN_OUT_SETTLE, events, self.relay_id, held
