@@ -40,9 +40,9 @@ BREAKS = {
         "relay/sinks/webhook/client.py",
         "from relay.sinks.endpoints import store as _endpoints",
     ),
-    "clients-ops": (CLIENTS, "relay/ops/status.py", "import aiohttp"),
+    "clients-ops": (CLIENTS, "relay/ops/status.py", "import httptools"),
     "clients-console-command": (CLIENTS, "relay/cli/ui.py", "import aiokafka"),
-    "clients-settings": (CLIENTS, "relay/settings.py", "import aiohttp"),
+    "clients-settings": (CLIENTS, "relay/settings.py", "import httptools"),
     "clients-command-group": (
         "the command group never imports the message clients",
         "relay/cli/__init__.py",

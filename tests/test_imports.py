@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("sqlalchemy", "aiokafka", "aiohttp", "uvloop", "httpx", "relay.app", "relay.tools")
+HEAVY = ("sqlalchemy", "aiokafka", "httptools", "uvloop", "httpx", "relay.app", "relay.tools")
 
 
 def imported(code: str) -> set[str]:

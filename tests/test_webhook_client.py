@@ -1,4 +1,4 @@
-"""The webhook sink's HTTP client (aiohttp) keeps every guarantee the sink makes: the SSRF
+"""The webhook sink's HTTP client keeps every guarantee the sink makes: the SSRF
 guard on resolved names (DNS answers faked, connections real), no cookies or proxies from
 anywhere, each row's destination respected, and the claim woken when a full sink drains."""
 
@@ -15,7 +15,7 @@ import pytest
 
 from outbox.webhooks.ssrf import IPAddress
 from relay.model import Result
-from relay.sinks.webhook import client as client_module
+from relay.sinks.webhook import http1 as client_module
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.sink import WebhookSink
 from tests.support.receiver import Receiver

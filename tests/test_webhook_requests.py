@@ -126,4 +126,4 @@ async def test_a_send_after_close_is_put_back_and_opens_no_session(
     assert answer.outcome.result is Result.DEFER, answer.outcome
     assert "request path is closed" in (answer.outcome.error or "")
     assert answer.status is None and receiver.requests == []
-    assert path._sessions is None  # nothing opened
+    assert path._pools is None  # nothing opened

@@ -11,11 +11,9 @@ import re
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
-import aiohttp
-
-from outbox.errors import describe
 from relay.model import Envelope, Outcome, truncate_error
 from relay.sinks.webhook.config import WebhookRequestSettings
+from relay.sinks.webhook.http1 import Response
 
 BODY_IN_ERROR = 512  # response bytes kept in last_error
 RETRY_AFTER_STATUSES = frozenset({429, 503})
@@ -54,7 +52,7 @@ def snippet(body: bytes) -> str:
 
 def classify(
     env: Envelope,
-    response: aiohttp.ClientResponse,
+    response: Response,
     body: bytes,
     latency_ms: float,
     origin: str,
@@ -87,20 +85,6 @@ def classify(
     if config.retry_client_errors:
         return Outcome.retry(env.id, error, status_class=class_of(status)), Health.UNKNOWN
     return Outcome.failed(env.id, error, status_class=class_of(status)), Health.UNKNOWN
-
-
-def transport_text(exc: BaseException) -> str:
-    """A transport error in words: aiohttp's connector errors say which address failed."""
-    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
-        return f"TLS certificate not trusted: {exc.certificate_error}"
-    if isinstance(exc, aiohttp.ClientConnectorDNSError):
-        return f"DNS lookup of {exc.host} failed: {exc.os_error}"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        error = exc.os_error
-        return f"cannot connect ({type(error).__name__}): {error.strerror or error}"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "ServerDisconnectedError: the server closed the connection without answering"
-    return describe(exc)
 
 
 def class_of(status: int) -> str:

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import aiohttp
 import structlog
 from yarl import URL
 
@@ -28,14 +27,15 @@ from outbox.webhooks.ssrf import AddressPolicy, AddressRefused
 from relay import cloudevents
 from relay.breaker import Breaker, State
 from relay.model import Envelope, Outcome, truncate_error
-from relay.sinks.webhook.answers import Health, classify, transport_text
-from relay.sinks.webhook.client import Sessions, literal_refusal, request_url
+from relay.sinks.webhook.answers import Health, classify
+from relay.sinks.webhook.client import literal_refusal, pools, request_url
 from relay.sinks.webhook.config import (
     RESERVED_HEADERS,
     WebhookClientSettings,
     WebhookRequestSettings,
     header_problem,
 )
+from relay.sinks.webhook.http1 import HttpError, Pool, Pools, host_header
 
 log = structlog.get_logger("relay.sink.webhook")
 
@@ -54,7 +54,9 @@ class Target:
     url: URL
     signer: Signer
     policy: AddressPolicy
-    timeout: aiohttp.ClientTimeout
+    # Seconds for the TCP + TLS set-up of a new connection: the attempt's own timer does the
+    # rest (see _send).
+    connect_timeout: float
     breaker: Breaker
     headers: dict[str, str]  # the configured headers, lower-cased names
     # The URL's host is an IP literal the policy refuses (aiohttp never resolves literals).
@@ -64,10 +66,12 @@ class Target:
     cloudevents: cloudevents.CloudEvents | None = None
     probe: asyncio.Lock = field(default_factory=asyncio.Lock)
     in_hand: int = 0  # rows handed to WebhookSink.deliver() for it and not yet returned
-    # The session of its address policy, and the Sessions it came from: found once, not
-    # hashed out of the policy on every request.
-    session: aiohttp.ClientSession | None = None
-    sessions: Sessions | None = None
+    # The request line and the Host header, built once.
+    start: bytes = b""
+    # The pool of its address policy, and the Pools it came from: found once, not hashed out
+    # of the policy on every request.
+    pool: Pool | None = None
+    pools: Pools | None = None
 
     @property
     def origin(self) -> str:
@@ -99,7 +103,7 @@ class RequestPath:
         # Read when the sessions open (start, or the first request): the endpoints sink
         # raises max_connections before that.
         self.http = http
-        self._sessions: Sessions | None = None
+        self._pools: Pools | None = None
         # Closed (the sink stopped): a request still going out is put back unattempted, and
         # opens no sessions that nothing would close.
         self._closed = False
@@ -125,24 +129,19 @@ class RequestPath:
             url=url,
             signer=Signer(keys),
             policy=policy,
-            # Only the TCP + TLS set-up of a new connection: the attempt's own timer does the
-            # rest (see _send).
-            timeout=aiohttp.ClientTimeout(
-                total=None,
-                connect=None,
-                sock_connect=d.connect_timeout or self.http.connect_timeout,
-            ),
+            connect_timeout=d.connect_timeout or self.http.connect_timeout,
             breaker=breaker
             or Breaker(d.circuit.threshold, d.circuit.cooldown, d.circuit.max_cooldown),
             semaphore=semaphore or asyncio.Semaphore(d.max_concurrency),
             headers={k.lower(): v for k, v in d.headers.items()},
             refused=literal_refusal(url.raw_host or "", policy),
             cloudevents=cloudevents.from_config(d),
+            start=f"POST {url.raw_path_qs} HTTP/1.1\r\nhost: {host_header(url)}\r\n".encode(),
         )
 
     async def start(self) -> None:
         self._closed = False
-        self._ensure_sessions()
+        self._ensure_pools()
         if "max_keepalive_connections" in self.http.model_fields_set:
             log.warning(
                 "relay.config.ignored",
@@ -152,19 +151,19 @@ class RequestPath:
 
     async def close(self) -> None:
         self._closed = True
-        sessions, self._sessions = self._sessions, None
-        if sessions is not None:
-            await sessions.close()
+        opened, self._pools = self._pools, None
+        if opened is not None:
+            await opened.close()
 
-    def _ensure_sessions(self) -> Sessions:
-        if self._sessions is None:
-            self._sessions = Sessions(self.http)
-        return self._sessions
+    def _ensure_pools(self) -> Pools:
+        if self._pools is None:
+            self._pools = pools(self.http)
+        return self._pools
 
-    def _session(self, t: Target) -> aiohttp.ClientSession:
-        sessions = self._ensure_sessions()
-        t.session, t.sessions = sessions.get(t.policy), sessions
-        return t.session
+    def _pool(self, t: Target) -> Pool:
+        opened = self._ensure_pools()
+        t.pool, t.pools = opened.get(t.policy), opened
+        return t.pool
 
     async def send(self, t: Target, env: Envelope, check: Check | None = None) -> Answer:
         """Send ``env`` to ``t``, with one of its request slots held by the caller; never
@@ -174,9 +173,9 @@ class RequestPath:
         if self._closed:
             why = "not sent: the relay's request path is closed"
             return Answer(Outcome.defer(env.id, why, 0.0))
-        client = t.session
-        if client is None or t.sessions is not self._sessions:
-            client = self._session(t)  # the first request, or the sessions were reopened
+        client = t.pool
+        if client is None or t.pools is not self._pools:
+            client = self._pool(t)  # the first request, or the pools were reopened
         try:
             # Checked after the wait for a slot: the circuit may have opened meanwhile.
             state = t.breaker.state
@@ -197,7 +196,7 @@ class RequestPath:
 
     async def _send_held(
         self,
-        client: aiohttp.ClientSession,
+        client: Pool,
         t: Target,
         env: Envelope,
         check: Check | None,
@@ -218,7 +217,8 @@ class RequestPath:
     def headers(self, t: Target, env: Envelope) -> dict[str, str] | str:
         """The request headers (before its timestamp and signature), or why the row's
         headers cannot be sent."""
-        headers: dict[str, str] = {}
+        # What a row's or the configuration's headers may replace.
+        headers = {"user-agent": self.http.user_agent, "accept-encoding": "identity"}
         if env.headers:
             ce = t.cloudevents
             for name, value in env.headers.items():
@@ -268,25 +268,27 @@ class RequestPath:
         headers["webhook-signature"] = t.signer.sign(headers["webhook-id"], timestamp, body)
         return headers, body
 
-    async def _send(self, client: aiohttp.ClientSession, t: Target, env: Envelope) -> Answer:
+    async def _send(self, client: Pool, t: Target, env: Envelope) -> Answer:
         request = self._request(t, env)
         if isinstance(request, Answer):
             return request
         headers, body = request
+        try:
+            head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            data = [t.start, f"{head}content-length: {len(body)}\r\n\r\n".encode(), body]
+        except UnicodeEncodeError as exc:
+            # A configured header's text (a row's is checked in headers()).
+            return Answer(
+                Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
+            )
         started = time.monotonic()
         try:
             # One timer bounds the whole attempt: the wait for a pooled connection, the DNS
-            # lookup (our resolver runs in the connect step), the request and the body read.
-            # aiohttp's own total and connect timeouts would arm two more per request.
+            # lookup (in the connect step), the request and the answer's read.
             async with asyncio.timeout(t.config.timeout):
-                async with client.post(
-                    t.url,
-                    data=body,
-                    headers=headers,
-                    timeout=t.timeout,
-                    allow_redirects=False,
-                ) as response:
-                    body = await self._read_capped(response)
+                response = await client.request(
+                    t.url, data, self.http.max_response_bytes, t.connect_timeout
+                )
         except AddressRefused as exc:
             return Answer(self._refused(t, env, exc), ms=(time.monotonic() - started) * 1000)
         except TimeoutError:
@@ -297,24 +299,14 @@ class RequestPath:
                 f"timed out after {took:.1f} s (destination timeout {t.config.timeout:g} s)",
                 took,
             )
-        except aiohttp.InvalidURL as exc:
-            return Answer(
-                Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
-            )
-        except (aiohttp.ClientError, OSError) as exc:
+        except (HttpError, OSError) as exc:
             # Connect, DNS, TLS (an untrusted certificate gets fixed: a retry, and the endpoint
-            # counted down) and read errors. Before ValueError: aiohttp's certificate error is
-            # one too.
+            # counted down), read errors and answers that are not HTTP.
             took = time.monotonic() - started
-            return self._transport_failure(
-                t, env, f"{transport_text(exc)} after {took * 1000:.0f} ms", took
-            )
-        except ValueError as exc:
-            # We could not even form the request from this row: retrying gives the same.
-            return Answer(
-                Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
-            )
+            text = str(exc) if isinstance(exc, HttpError) else describe(exc)
+            return self._transport_failure(t, env, f"{text} after {took * 1000:.0f} ms", took)
         latency_ms = (time.monotonic() - started) * 1000
+        body = response.body
         outcome, health = classify(env, response, body, latency_ms, t.origin, t.config)
         self._record(t, health, outcome.error)
         return Answer(outcome, response.status, body, latency_ms)
@@ -330,17 +322,6 @@ class RequestPath:
                 f'["<cidr>"] on destination {t.name.partition("#")[0]!r}'
             ),
         )
-
-    async def _read_capped(self, response: aiohttp.ClientResponse) -> bytes:
-        cap = self.http.max_response_bytes
-        body = bytearray()
-        while len(body) < cap:
-            chunk = await response.content.read(cap - len(body))
-            if not chunk:
-                break
-            body += chunk
-        # Unread bytes, if any, are not drained: the connection is closed instead of reused.
-        return bytes(body)
 
     def _transport_failure(self, t: Target, env: Envelope, what: str, took: float) -> Answer:
         error = truncate_error(f"{what} ({t.origin})")
