@@ -1,9 +1,12 @@
 """The webhook sink's own HTTP/1.1 client (relay/sinks/webhook/http1.py) against real
-sockets on loopback: servers that answer as real ones do, badly ones included."""
+sockets on loopback: servers that answer as real ones do, badly ones included. The tests
+after "A hostile review" each failed on 5aace85."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -11,6 +14,8 @@ import pytest
 from yarl import URL
 
 from outbox.webhooks.ssrf import AddressPolicy
+from relay.model import Result
+from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.http1 import (
     BadAnswer,
     ConnectFailed,
@@ -18,7 +23,8 @@ from relay.sinks.webhook.http1 import (
     Pool,
     host_header,
 )
-from tests.webhook_helpers import closed_port
+from relay.sinks.webhook.requests import RequestPath
+from tests.webhook_helpers import closed_port, dest, envelope
 
 LOOPBACK = AddressPolicy(True, ())
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
@@ -85,8 +91,6 @@ async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[Server]]]:
 
 @pytest.fixture
 async def pool() -> AsyncIterator[Pool]:
-    import ssl
-
     p = Pool(LOOPBACK, limit=10, keepalive=30.0, ssl_context=ssl.create_default_context())
     yield p
     await p.close()
@@ -231,8 +235,6 @@ async def test_an_oversized_head_and_a_non_http_answer_are_errors(
 async def test_no_more_than_the_limit_of_connections_are_in_use(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
-    import ssl
-
     async def slow(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
         await asyncio.sleep(0.05)
         w.write(OK)
@@ -252,8 +254,6 @@ async def test_no_more_than_the_limit_of_connections_are_in_use(
 async def test_a_cancelled_request_closes_its_connection_and_frees_its_slot(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
-    import ssl
-
     async def first_hangs(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
         if b"x-hang" in head:
             await asyncio.sleep(30)
@@ -276,8 +276,6 @@ async def test_a_cancelled_request_closes_its_connection_and_frees_its_slot(
 async def test_idle_connections_are_closed_after_the_keepalive(
     serve: Callable[[Handler], Awaitable[Server]],
 ) -> None:
-    import ssl
-
     server = await serve(answer_ok)
     p = Pool(LOOPBACK, limit=4, keepalive=0.2, ssl_context=ssl.create_default_context())
     try:
@@ -304,3 +302,148 @@ def test_the_host_header_leaves_out_the_default_port() -> None:
     assert host_header(URL("https://example.com/x")) == "example.com"
     assert host_header(URL("http://example.com:8080/x")) == "example.com:8080"
     assert host_header(URL("http://[::1]:8080/x")) == "[::1]:8080"
+
+
+# A hostile review of 5aace85 (the first version of the client)
+
+Serve = Callable[[Handler], Awaitable[Server]]
+
+
+# 1. Header injection / request smuggling through a row's content_type -------------------
+
+
+async def test_a_row_content_type_with_a_line_break_is_not_sent_as_headers(serve: Serve) -> None:
+    """enqueue() refuses control characters in content_type, but rows written with plain SQL
+    can hold anything (docs/guarantees.md); aiohttp refused such a header. Sent raw, it
+    lets a row add any header: here a transfer-encoding beside the content-length
+    (a request-smuggling set-up at the receiver's proxy)."""
+    server = await serve(answer_ok)
+    path = RequestPath(WebhookClientSettings())
+    await path.start()
+    try:
+        d = dest(str(server.url))
+        t = path.target("hook", d, d.url, d.signing_keys())
+        env = envelope(
+            content_type="application/json\r\ntransfer-encoding: chunked\r\nx-smuggled: 1"
+        )
+        answer = await path.send(t, env)
+    finally:
+        await path.close()
+    sent = b"".join(server.requests)
+    assert b"\r\nx-smuggled: 1\r\n" not in sent and b"\r\ntransfer-encoding:" not in sent
+    assert answer.outcome.result is Result.FAILED, answer.outcome
+
+
+def test_a_user_agent_with_a_line_break_is_refused_at_load() -> None:
+    """It is written into every request as it is (aiohttp refused it at the request)."""
+    with pytest.raises(ValueError, match="line break"):
+        WebhookClientSettings(user_agent="relay\r\nx-smuggled: 1")
+
+
+# 2. Pool.close() with requests under way: sent again after close, sockets leaked ---------
+
+
+async def test_a_closed_pool_sends_nothing_more_and_leaves_no_connection_open(
+    serve: Serve,
+) -> None:
+    async def second_is_slow(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        if n == 2:
+            await asyncio.sleep(0.3)
+        w.write(OK)
+
+    server = await serve(second_is_slow)
+    p = Pool(LOOPBACK, limit=4, keepalive=30.0, ssl_context=ssl.create_default_context())
+    await p.request(server.url, request(server.url), 1024, 5.0)  # one idle connection
+    inflight = asyncio.create_task(p.request(server.url, request(server.url), 1024, 5.0))
+    await asyncio.sleep(0.1)  # request 2 is out on the reused connection
+    await p.close()  # the sink stops
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(inflight, 5)
+    await asyncio.sleep(0.3)
+    # Nothing goes out after close(), and close() leaves no socket open.
+    assert len(server.requests) == 2, f"{len(server.requests)} requests, {server.connections} conns"
+    assert server.open_now == 0, f"{server.open_now} connection(s) left open after close()"
+
+
+async def test_a_request_waiting_for_a_slot_at_close_leaves_no_connection_open(
+    serve: Serve,
+) -> None:
+    async def slow(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        await asyncio.sleep(0.2)
+        w.write(OK)
+
+    server = await serve(slow)
+    p = Pool(LOOPBACK, limit=1, keepalive=30.0, ssl_context=ssl.create_default_context())
+    first = asyncio.create_task(p.request(server.url, request(server.url), 1024, 5.0))
+    waiting = asyncio.create_task(p.request(server.url, request(server.url), 1024, 5.0))
+    await asyncio.sleep(0.05)
+    await p.close()
+    await asyncio.gather(first, waiting, return_exceptions=True)
+    await asyncio.sleep(0.3)
+    assert server.open_now == 0, f"{server.open_now} connection(s) left open after close()"
+
+
+# 3. Bytes after an answer in the same read: the connection is reused mid-message -----------
+
+
+async def test_bytes_after_an_answer_do_not_spoil_the_next_request(serve: Serve) -> None:
+    """Unsolicited bytes make a connection's state unknown (Connection.data_received): only
+    when they come in a read of their own. In the same read as the answer they are parsed
+    as the start of another answer and the connection goes back to the pool: the next
+    request's answer, which the receiver did send, is then unreadable."""
+
+    async def extra(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        w.write(OK + (b"HTTP/1.1 200 OK\r\n" if n == 1 else b""))
+
+    server = await serve(extra)
+    p = Pool(LOOPBACK, limit=4, keepalive=30.0, ssl_context=ssl.create_default_context())
+    try:
+        assert (await p.request(server.url, request(server.url), 1024, 5.0)).status == 200
+        got = await p.request(server.url, request(server.url), 1024, 5.0)
+        assert got.status == 200
+    finally:
+        await p.close()
+
+
+async def test_an_answer_s_headers_are_not_changed_by_later_bytes(serve: Serve) -> None:
+    async def twice(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        w.write(
+            b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nretry-after: 86400\r\ncontent-length: 0\r\n\r\n"
+        )
+
+    server = await serve(twice)
+    p = Pool(LOOPBACK, limit=4, keepalive=30.0, ssl_context=ssl.create_default_context())
+    try:
+        got = await p.request(server.url, request(server.url), 1024, 5.0)
+        assert got.status == 503
+        assert "retry-after" not in got.headers, got.headers
+    finally:
+        await p.close()
+
+
+# 4. Trailers are not bounded by MAX_HEAD (memory held by a hostile receiver) -------------
+
+
+async def test_trailers_are_bounded_like_the_head(serve: Serve) -> None:
+    """A chunked answer's trailers go into the same headers dict, with no bound: a receiver
+    (an endpoint a tenant registered) can make the relay hold as much as it sends within the
+    attempt's timeout. 100,000 trailers (1.5 MB) are kept here."""
+
+    async def trailers(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n")
+        for i in range(100):
+            w.write(b"".join(b"x-%d: v\r\n" % (i * 1000 + j) for j in range(1000)))
+            await w.drain()
+        w.write(b"\r\n")
+
+    server = await serve(trailers)
+    p = Pool(LOOPBACK, limit=4, keepalive=30.0, ssl_context=ssl.create_default_context())
+    try:
+        got = await p.request(server.url, request(server.url), 1024, 5.0)
+    except Exception as exc:  # refused as an oversized head: fine
+        assert "over 65536 bytes" in str(exc)
+        return
+    finally:
+        await p.close()
+    assert len(got.headers) < 2000, f"{len(got.headers)} headers kept"

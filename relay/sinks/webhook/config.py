@@ -88,6 +88,14 @@ class WebhookClientSettings(Section):
         "empty: the row id alone",
     )
 
+    @field_validator("user_agent")
+    @classmethod
+    def _user_agent(cls, v: str) -> str:
+        problem = header_problem("user-agent", v)
+        if problem:
+            raise ValueError(problem)
+        return v
+
     @field_validator("id_prefix")
     @classmethod
     def _id_prefix(cls, v: str | None) -> str | None:

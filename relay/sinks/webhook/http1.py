@@ -64,6 +64,10 @@ class Disconnected(HttpError):
         self.answered = answered
 
 
+class PoolClosed(HttpError):
+    """The client was closed (the sink stops) before the request went out."""
+
+
 class BadAnswer(HttpError):
     """The answer is not HTTP/1.1 as a client can read it."""
 
@@ -149,8 +153,16 @@ class Connection(asyncio.Protocol):
 
     # httptools callbacks
 
+    def on_message_begin(self) -> None:
+        if self._waiter is None:
+            # Another answer after the one asked for, in the same read: the connection's
+            # state is unknown (see data_received).
+            self.close()
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        # Not a chunked answer's trailers: they are not needed, and would be unbounded.
+        if self._waiter is not None and not self._headers_done:
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self._status = self._parser.get_status_code()
@@ -163,6 +175,8 @@ class Connection(asyncio.Protocol):
         )
 
     def on_body(self, body: bytes) -> None:
+        if self._waiter is None:
+            return
         room = self._cap - len(self._body)
         if len(body) <= room:
             self._body += body
@@ -172,6 +186,8 @@ class Connection(asyncio.Protocol):
         self._finish(reusable=False)
 
     def on_message_complete(self) -> None:
+        if self._waiter is None:
+            return
         if not self._headers_done:  # the end of an interim answer
             self._headers, self._head_bytes = {}, 0
             return
@@ -202,8 +218,10 @@ class Connection(asyncio.Protocol):
         self.reusable = reusable and not self.closed
         if not reusable:
             self.close()
+        answer = Response(self._status, self._headers, bytes(self._body))
+        self._headers, self._body = {}, bytearray()  # what follows never changes this answer
         if waiter is not None and not waiter.done():
-            waiter.set_result(Response(self._status, self._headers, bytes(self._body)))
+            waiter.set_result(answer)
 
     def _fail(self, exc: HttpError) -> None:
         waiter, self._waiter = self._waiter, None
@@ -245,9 +263,13 @@ class Pool:
         try:
             key: Key = (url.scheme, url.raw_host or "", url.port or 0)
             for tries_left in range(RETRIES_ON_A_STALE_CONNECTION, -1, -1):
+                self._check_open()
                 conn, reused = self._reuse(key)
                 if conn is None:
                     conn = await self._connect(key, connect_timeout)
+                    if self._closed:  # closed while it connected: nothing goes out now
+                        conn.close()
+                        self._check_open()
                 self._in_use.add(conn)
                 try:
                     response = await conn.exchange(data, cap)
@@ -264,6 +286,8 @@ class Pool:
                     conn.idle_since = time.monotonic()
                     self._idle.setdefault(key, deque()).append(conn)
                     self._sweep_later()
+                else:
+                    conn.close()
                 return response
             raise AssertionError("unreachable")  # pragma: no cover
         finally:
@@ -280,8 +304,17 @@ class Pool:
         self._idle.clear()
         for conn in list(self._in_use):
             conn.close()
+        while self._waiters:  # each raises: the pool is closed
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosed("not sent: the relay's HTTP client is closed")
 
     async def _slot(self) -> None:
+        self._check_open()
         while self._busy >= self.limit:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -291,6 +324,7 @@ class Pool:
                 if waiter.done() and not waiter.cancelled():
                     self._wake_next()  # the slot handed to us goes to the next in line
                 raise
+            self._check_open()
         self._busy += 1
 
     def _release(self) -> None:
@@ -411,6 +445,7 @@ __all__ = [
     "DnsFailed",
     "HttpError",
     "Pool",
+    "PoolClosed",
     "Pools",
     "Response",
     "guarded_addresses",

@@ -241,6 +241,10 @@ class RequestPath:
                 # "not sendable" for them once, although Kafka carries the same header.
                 headers[lower] = value.strip(" \t")
         headers.update(t.headers)  # the endpoint's configuration wins over a row's header
+        # A row written with plain SQL may hold anything in content_type (enqueue refuses it).
+        problem = header_problem("content-type", env.content_type)
+        if problem:
+            return f"row content_type cannot be sent: {problem}"
         headers["content-type"] = env.content_type
         # Signed as it is sent (see _send), so the prefix is part of the signed id. Read from
         # the [webhooks] settings here, the one request path of webhook and endpoints
@@ -275,8 +279,12 @@ class RequestPath:
         headers, body = request
         try:
             head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+            if head.count("\n") != len(headers) or head.count("\r") != len(headers):
+                # Every value was checked where it came from; this is the last line against
+                # one that adds a header of its own (request smuggling), wherever it came from.
+                raise ValueError("a header value holds a line break")
             data = [t.start, f"{head}content-length: {len(body)}\r\n\r\n".encode(), body]
-        except UnicodeEncodeError as exc:
+        except (UnicodeEncodeError, ValueError) as exc:
             # A configured header's text (a row's is checked in headers()).
             return Answer(
                 Outcome.failed(env.id, truncate_error(f"request not sendable: {describe(exc)}"))
