@@ -98,24 +98,28 @@ room AS MATERIALIZED (
     -- deliveries is pending and due, in the fresh lane from its floor (:room_floors, as the
     -- claim's) or in the waiting lane: an endpoint with a backlog is served oldest first, by
     -- the claim.
+    -- Each check is a probe of one endpoint's entries (OFFSET 0 keeps it a subplan run per
+    -- endpoint with the endpoint's id in its index condition): flattened into an anti join,
+    -- statistics taken with the lanes empty let the planner read the fresh lane's index whole
+    -- once per endpoint, a slow endpoint's backlog 8 times a fan-out (tests/test_fan_out_plan.py).
     SELECT g.endpoint_id, g.n
     FROM unnest(:room_ids::bigint[], :room_n::int[], :room_floors::bigint[]) AS g(endpoint_id, n, floor)
     JOIN {endpoints} AS e ON e.id = g.endpoint_id
     WHERE e.enabled AND e.rate_limit IS NULL AND (SELECT one FROM serial) = 1
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS r
                       WHERE r.endpoint_id = g.endpoint_id AND r.status = 'running'
-                        AND r.locked_until > statement_timestamp() AND r.locked_by < :relay)
+                        AND r.locked_until > statement_timestamp() AND r.locked_by < :relay OFFSET 0)
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS r
                       WHERE r.endpoint_id = g.endpoint_id AND r.status = 'running'
-                        AND r.locked_until > statement_timestamp() AND r.locked_by > :relay)
+                        AND r.locked_until > statement_timestamp() AND r.locked_by > :relay OFFSET 0)
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
                       WHERE d.endpoint_id = g.endpoint_id
                         AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at
-                        AND d.id > g.floor AND d.run_after <= statement_timestamp())
+                        AND d.id > g.floor AND d.run_after <= statement_timestamp() OFFSET 0)
       AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d
                       WHERE d.endpoint_id = g.endpoint_id
                         AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
-                        AND d.run_after <= statement_timestamp())
+                        AND d.run_after <= statement_timestamp() OFFSET 0)
 ),
 ranked AS (
     SELECT m.event_id, m.endpoint_id, m.destination,
