@@ -138,3 +138,38 @@ async def test_only_the_endpoints_a_fan_out_writes_to_are_looked_at(
     # Four probes of each of the 8 matched endpoints at most (two of the in-flight index, one
     # of each lane), none of the 300 others.
     assert sum(scans.values()) <= 4 * FAST, scans
+
+
+async def test_the_settle_of_a_lost_fan_out_reads_its_events_deliveries_only(
+    db_url: str,
+) -> None:
+    """FAN_OUT_SETTLE (after a fan-out whose answer was lost) looks its events' deliveries up
+    by event id, not every delivery running under this relay's name (found by review: 27,000
+    entries read for the 90 deliveries of 10 events)."""
+    dsn = to_asyncpg_dsn(db_url)
+    conn = await asyncpg.connect(dsn)
+    pool = await create_pool(dsn, RELAY, 1)
+    try:
+        await conn.execute("ANALYZE")  # statistics of empty tables, as a new deployment's
+        await register(conn, [f"http://127.0.0.1:{9000 + i}/" for i in range(9)])
+        store = DeliveryStore(Store(pool, "public", RELAY, 30.0))
+        await add_events(conn, 3000)
+        held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, RELAY))
+        await store.fan_out(held, "x")
+        # 27,000 entries of this relay in the in-flight index (rows it holds, or the dead
+        # running versions of rows it recorded, kept by a held snapshot).
+        await conn.execute(
+            "UPDATE outbox_deliveries SET status = 'running', locked_by = $1, claims = 2,"
+            " locked_until = now() + interval '1 min'",
+            RELAY,
+        )
+        await add_events(conn, 10)
+        held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, RELAY))
+        await store.fan_out(held, "x")
+        sql = "EXPLAIN (ANALYZE, BUFFERS) " + render_ops(dq.FAN_OUT_SETTLE, "public")
+        plan = [r[0] for r in await conn.fetch(sql, [i for i, _ in held], RELAY, [])]
+        removed = sum(int(line.split(":")[1]) for line in plan if "Rows Removed by Filter" in line)
+        assert removed <= 90, "\n".join(plan)  # the 10 events' 90 deliveries at most
+    finally:
+        await pool.close()
+        await conn.close()

@@ -631,11 +631,14 @@ WHERE e.enabled AND e.destination = ANY(:destinations::text[])
 -- claim, never attempted) that this relay does not hold (:held, the ids it holds) are put back
 -- to pending, unattempted, as delivery_release does, for the claim to send. Left to the
 -- reaper, they would count an attempt never made. Nothing, if the fan-out did not commit.
--- Returns their ids.
+-- Returns their ids. Read by event id (the unique key): written as one condition, the status
+-- and the relay would let the planner read the in-flight index by this relay's name instead,
+-- every delivery it holds and, under a held snapshot, every one it recorded since
+-- (tests/test_fan_out_plan.py).
 
 UPDATE {deliveries} AS d
 SET status = 'pending', locked_by = NULL, locked_until = NULL
-WHERE d.event_id = ANY(:event_ids::bigint[]) AND d.status = 'running' AND d.locked_by = :relay
+WHERE d.event_id = ANY(:event_ids::bigint[]) AND (d.status = 'running' AND d.locked_by = :relay) IS TRUE
   AND d.claims = 1 AND d.attempts = 0 AND NOT (d.id = ANY(:held::bigint[]))
 RETURNING d.id
 
