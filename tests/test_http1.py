@@ -14,6 +14,7 @@ import pytest
 from yarl import URL
 
 from outbox.webhooks.ssrf import AddressPolicy
+from relay.breaker import State
 from relay.model import Result
 from relay.sinks.webhook.config import WebhookClientSettings
 from relay.sinks.webhook.http1 import (
@@ -447,3 +448,31 @@ async def test_trailers_are_bounded_like_the_head(serve: Serve) -> None:
     finally:
         await p.close()
     assert len(got.headers) < 2000, f"{len(got.headers)} headers kept"
+
+
+async def test_a_request_the_closing_client_never_sent_is_put_back_unattempted(
+    serve: Serve,
+) -> None:
+    """The sink stops with a request waiting for a connection slot: nothing went out, so the
+    row is deferred (not attempted), as a send after the close is, not a failed attempt
+    counted against the endpoint's circuit."""
+
+    async def slow(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        await asyncio.sleep(0.3)
+        w.write(OK)
+
+    server = await serve(slow)
+    path = RequestPath(WebhookClientSettings(max_connections=1))
+    await path.start()
+    d = dest(str(server.url))
+    t = path.target("hook", d, d.url, d.signing_keys())
+    first = asyncio.create_task(path.send(t, envelope()))
+    await asyncio.sleep(0.05)
+    second = asyncio.create_task(path.send(t, envelope()))
+    await asyncio.sleep(0.05)
+    await path.close()
+    answer = await asyncio.wait_for(second, 5)
+    await asyncio.gather(first, return_exceptions=True)
+    assert answer.outcome.result is Result.DEFER, answer.outcome
+    assert "closed" in (answer.outcome.error or "")
+    assert len(server.requests) == 1 and t.breaker.state is State.CLOSED

@@ -35,9 +35,11 @@ from relay.sinks.webhook.config import (
     WebhookRequestSettings,
     header_problem,
 )
-from relay.sinks.webhook.http1 import HttpError, Pool, Pools, host_header
+from relay.sinks.webhook.http1 import HttpError, Pool, PoolClosed, Pools, host_header
 
 log = structlog.get_logger("relay.sink.webhook")
+
+CLOSED = "not sent: the relay's request path is closed"
 
 # Called just before a request is sent: why it must not be after all, or None.
 Check = Callable[[], str | None]
@@ -171,8 +173,7 @@ class RequestPath:
         the request, may say why the row must not be sent after all: it is then deferred,
         unattempted, with that reason."""
         if self._closed:
-            why = "not sent: the relay's request path is closed"
-            return Answer(Outcome.defer(env.id, why, 0.0))
+            return Answer(Outcome.defer(env.id, CLOSED, 0.0))
         client = t.pool
         if client is None or t.pools is not self._pools:
             client = self._pool(t)  # the first request, or the pools were reopened
@@ -307,6 +308,9 @@ class RequestPath:
                 f"timed out after {took:.1f} s (destination timeout {t.config.timeout:g} s)",
                 took,
             )
+        except PoolClosed:
+            # Closed (the sink stops) before the request went out: not an attempt.
+            return Answer(Outcome.defer(env.id, CLOSED, 0.0))
         except (HttpError, OSError) as exc:
             # Connect, DNS, TLS (an untrusted certificate gets fixed: a retry, and the endpoint
             # counted down), read errors and answers that are not HTTP.
