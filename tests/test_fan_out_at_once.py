@@ -6,7 +6,7 @@ relay's claims, under the in-flight lock."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import asyncpg
@@ -24,8 +24,14 @@ from relay.sinks.endpoints.at_once import FAN_OUT_AHEAD
 from relay.sinks.endpoints.store import DeliveryRecord, DeliveryStore
 from relay.tools.bench.common import DESTINATION
 from relay.tools.bench.fanout import _delivered
-from relay.tools.bench.fanout_setup import add_events, register
+from relay.tools.bench.fanout_setup import add_events
 from relay.tools.bench.fanout_sql import PROBE_CLAIM_ALL
+from tests.support.fan_outs import (  # noqa: F401  (fixtures)
+    LEASE,
+    conn_fixture,
+    endpoints_fixture,
+    store_fixture,
+)
 from tests.support.receiver import Receiver
 from tests.support.relays import running, wait_until
 from tests.test_delivery_lanes import ROOM, _claim_all, _hold
@@ -41,33 +47,6 @@ from tests.test_endpoint_delivery import (
 from tests.test_endpoint_ops import DEST, endpoint
 from tests.test_endpoint_source import pending as pending_rows
 from tests.test_endpoint_source import served
-
-LEASE = 30.0
-
-
-@pytest.fixture
-async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    c = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
-@pytest.fixture
-async def endpoints(conn: asyncpg.Connection) -> list[int]:
-    return await register(conn, [f"http://127.0.0.1:{9000 + i}/" for i in range(3)])
-
-
-@pytest.fixture
-async def store(db_url: str) -> AsyncIterator[DeliveryStore]:
-    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 2)
-    try:
-        s = DeliveryStore(Store(pool, "public", "lanes", LEASE))
-        assert await _claim_all(s) == []  # its floors read, as a relay's first claim does
-        yield s
-    finally:
-        await pool.close()
 
 
 async def _by_status(conn: asyncpg.Connection) -> dict[int, dict[str, list[int]]]:

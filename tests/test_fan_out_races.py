@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import asyncpg
@@ -25,6 +25,12 @@ from relay.sinks.endpoints.store import DeliveryStore
 from relay.tools.bench.common import DESTINATION
 from relay.tools.bench.fanout_setup import add_events, register
 from relay.tools.bench.fanout_sql import PROBE_CLAIM_ALL
+from tests.support.fan_outs import (  # noqa: F401  (fixtures)
+    LEASE,
+    conn_fixture,
+    endpoints_fixture,
+    store_fixture,
+)
 from tests.support.receiver import Receiver
 from tests.test_delivery_lanes import _claim_all, _hold
 from tests.test_endpoint_delivery import (
@@ -34,33 +40,6 @@ from tests.test_endpoint_delivery import (
     enqueue,
 )
 from tests.test_endpoint_source import served
-
-LEASE = 30.0
-
-
-@pytest.fixture
-async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    c = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield c
-    finally:
-        await c.close()
-
-
-@pytest.fixture
-async def endpoints(conn: asyncpg.Connection) -> list[int]:
-    return await register(conn, [f"http://127.0.0.1:{9000 + i}/" for i in range(3)])
-
-
-@pytest.fixture
-async def store(db_url: str) -> AsyncIterator[DeliveryStore]:
-    pool = await create_pool(to_asyncpg_dsn(db_url), "lanes", 2)
-    try:
-        s = DeliveryStore(Store(pool, "public", "lanes", LEASE))
-        assert await _claim_all(s) == []
-        yield s
-    finally:
-        await pool.close()
 
 
 async def test_a_late_settle_never_puts_back_what_a_retried_fan_out_sends(
