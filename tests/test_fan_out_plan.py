@@ -12,7 +12,7 @@ said the lane was all but empty), so the slow endpoint's 22,000 waiting deliveri
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -26,21 +26,11 @@ from relay.db.store import Store
 from relay.sinks.endpoints.store import DeliveryStore
 from relay.tools.bench.fanout_setup import add_events, register
 from relay.tools.bench.fanout_sql import PROBE_CLAIM_ALL
+from tests.test_held_snapshot_deliveries import _nodes, _RollBack
 
 RELAY = "plan-probe"
 FAST = 8
 BACKLOG = 3000  # events whose delivery to the slow endpoint waits
-
-
-class _RollBack(Exception):
-    def __init__(self, plan: dict[str, Any]) -> None:
-        self.plan = plan
-
-
-def _nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield node
-    for child in node.get("Plans", []):
-        yield from _nodes(child)
 
 
 async def _fan_out_plan(
