@@ -483,3 +483,24 @@ async def test_a_request_the_closing_client_never_sent_is_put_back_unattempted(
     assert answer.outcome.result is Result.DEFER, answer.outcome
     assert "closed" in (answer.outcome.error or "")
     assert len(server.requests) == 1 and t.breaker.state is State.CLOSED
+
+
+async def test_a_content_type_is_checked_for_every_row_not_only_the_first(
+    serve: Serve,
+) -> None:
+    """Sendable content types are remembered; one that is not never is, nor does a good one
+    let a bad one through."""
+    server = await serve(answer_ok)
+    path = RequestPath(WebhookClientSettings())
+    await path.start()
+    try:
+        d = dest(str(server.url))
+        t = path.target("hook", d, d.url, d.signing_keys())
+        bad = "text/plain\r\nx-smuggled: 1"
+        for ct in ("application/json", bad, "application/json", bad):
+            answer = await path.send(t, envelope(content_type=ct))
+            expected = Result.FAILED if ct == bad else Result.DELIVERED
+            assert answer.outcome.result is expected, (ct, answer.outcome)
+    finally:
+        await path.close()
+    assert len(server.requests) == 2

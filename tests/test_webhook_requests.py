@@ -101,10 +101,10 @@ async def test_a_private_address_is_refused_before_any_request(
     assert answer.status is None and receiver.requests == []
 
 
-async def test_a_target_sends_again_once_the_sessions_are_reopened(
+async def test_a_target_sends_again_once_the_pools_are_reopened(
     receiver: Receiver, path: RequestPath
 ) -> None:
-    """A target keeps the session it was sent through; closing the request path and starting
+    """A target keeps the pool it was sent through; closing the request path and starting
     it again must not leave it with the closed one."""
     t = target(path, receiver.url)
     assert (await path.send(t, envelope())).status == 200
@@ -115,11 +115,11 @@ async def test_a_target_sends_again_once_the_sessions_are_reopened(
     assert len(receiver.requests) == 2
 
 
-async def test_a_send_after_close_is_put_back_and_opens_no_session(
+async def test_a_send_after_close_is_put_back_and_opens_no_pool(
     receiver: Receiver, path: RequestPath
 ) -> None:
     """A request still going out as the sink stops (a batch cut short) is put back, not
-    attempted: it must not open sessions that nothing would close."""
+    attempted: it must not open pools that nothing would close."""
     t = target(path, receiver.url)
     await path.close()
     answer = await path.send(t, envelope())

@@ -39,6 +39,7 @@ from relay.sinks.webhook.http1 import HttpError, Pool, PoolClosed, Pools, host_h
 
 log = structlog.get_logger("relay.sink.webhook")
 
+SENDABLE_TYPES_KEPT = 64  # content types remembered as sendable, at most
 CLOSED = "not sent: the relay's request path is closed"
 
 # Called just before a request is sent: why it must not be after all, or None.
@@ -99,16 +100,17 @@ class Answer:
 
 class RequestPath:
     """Sends one envelope to one target: signed, SSRF-guarded, within the destination's
-    timeout, through the client's sessions (one per address policy, opened by ``start``)."""
+    timeout, through the client's pools (one per address policy, opened by ``start``)."""
 
     def __init__(self, http: WebhookClientSettings) -> None:
-        # Read when the sessions open (start, or the first request): the endpoints sink
+        # Read when the pools open (start, or the first request): the endpoints sink
         # raises max_connections before that.
         self.http = http
         self._pools: Pools | None = None
         # Closed (the sink stopped): a request still going out is put back unattempted, and
-        # opens no sessions that nothing would close.
+        # opens no pools that nothing would close.
         self._closed = False
+        self._sendable_types: set[str] = set()  # content types header_problem passed
 
     def target(
         self,
@@ -243,10 +245,15 @@ class RequestPath:
                 headers[lower] = value.strip(" \t")
         headers.update(t.headers)  # the endpoint's configuration wins over a row's header
         # A row written with plain SQL may hold anything in content_type (enqueue refuses it).
-        problem = header_problem("content-type", env.content_type)
-        if problem:
-            return f"row content_type cannot be sent: {problem}"
-        headers["content-type"] = env.content_type
+        # Checked once per value: a relay sees a handful, and this is every request's path.
+        ct = env.content_type
+        if ct not in self._sendable_types:
+            problem = header_problem("content-type", ct)
+            if problem:
+                return f"row content_type cannot be sent: {problem}"
+            if len(self._sendable_types) < SENDABLE_TYPES_KEPT:
+                self._sendable_types.add(ct)
+        headers["content-type"] = ct
         # Signed as it is sent (see _send), so the prefix is part of the signed id. Read from
         # the [webhooks] settings here, the one request path of webhook and endpoints
         # destinations alike.
