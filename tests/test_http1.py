@@ -436,9 +436,7 @@ async def test_an_answer_s_headers_are_not_changed_by_later_bytes(
 # 4. Trailers are not bounded by MAX_HEAD (memory held by a hostile receiver) -------------
 
 
-async def test_trailers_are_bounded_like_the_head(
-    serve: Serve, new_pool: Callable[..., Pool]
-) -> None:
+async def test_trailers_are_not_kept(serve: Serve, new_pool: Callable[..., Pool]) -> None:
     """A chunked answer's trailers go into the same headers dict, with no bound: a receiver
     (an endpoint a tenant registered) can make the relay hold as much as it sends within the
     attempt's timeout. 100,000 trailers (1.5 MB) were kept by 5aace85."""
@@ -504,3 +502,30 @@ async def test_a_content_type_is_checked_for_every_row_not_only_the_first(
     finally:
         await path.close()
     assert len(server.requests) == 2
+
+
+async def test_a_request_out_on_a_reused_connection_as_the_client_closes_is_an_attempt(
+    serve: Serve,
+) -> None:
+    """The receiver has the request when the sink stops: its connection closed by the
+    client's close(), it is not tried again, nor taken for one never sent (found by review:
+    deferred as "not sent" when its connection was a reused one)."""
+
+    async def second_hangs(head: bytes, w: asyncio.StreamWriter, n: int) -> None:
+        if n == 2:
+            await asyncio.sleep(1.0)
+        w.write(OK)
+
+    server = await serve(second_hangs)
+    path = RequestPath(WebhookClientSettings())
+    await path.start()
+    d = dest(str(server.url))
+    t = path.target("hook", d, d.url, d.signing_keys())
+    assert (await path.send(t, envelope())).outcome.result is Result.DELIVERED
+    second = asyncio.create_task(path.send(t, envelope()))
+    await asyncio.sleep(0.1)
+    assert len(server.requests) == 2  # the receiver has request 2
+    await path.close()
+    answer = await asyncio.wait_for(second, 5)
+    assert answer.outcome.result is Result.RETRY, answer.outcome
+    assert len(server.requests) == 2  # not sent again

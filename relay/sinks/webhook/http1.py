@@ -274,7 +274,8 @@ class Pool:
                 try:
                     response = await conn.exchange(data, cap)
                 except Disconnected as exc:
-                    if reused and not exc.answered and tries_left:
+                    # Not after our own close(): that cut it, after its bytes went out.
+                    if reused and not exc.answered and tries_left and not self._closed:
                         continue
                     raise
                 except BaseException:
