@@ -27,9 +27,6 @@ from yarl import URL
 from outbox.webhooks.ssrf import AddressPolicy, AddressRefused, IPAddress, resolve
 
 MAX_HEAD = 65536  # bytes of status line and headers an answer may have
-# A reused connection the server closed as the request went out is tried again at once
-# on a new one, this many times: the receiver may have closed it idle just then.
-RETRIES_ON_A_STALE_CONNECTION = 1
 
 Key = tuple[str, str, int]  # scheme, host, port
 
@@ -262,35 +259,30 @@ class Pool:
         await self._slot()
         try:
             key: Key = (url.scheme, url.raw_host or "", url.port or 0)
-            for tries_left in range(RETRIES_ON_A_STALE_CONNECTION, -1, -1):
-                self._check_open()
-                conn, reused = self._reuse(key)
-                if conn is None:
-                    conn = await self._connect(key, connect_timeout)
-                    if self._closed:  # closed while it connected: nothing goes out now
-                        conn.close()
-                        self._check_open()
-                self._in_use.add(conn)
-                try:
-                    response = await conn.exchange(data, cap)
-                except Disconnected as exc:
-                    # Not after our own close(): that cut it, after its bytes went out.
-                    if reused and not exc.answered and tries_left and not self._closed:
-                        continue
-                    raise
-                except BaseException:
+            # A request is sent once: a reused connection the receiver closed as it went out
+            # fails the attempt (Disconnected). Sent again here, the receiver could get it
+            # twice in one attempt, and the message log must count every request sent.
+            conn = self._reuse(key)
+            if conn is None:
+                conn = await self._connect(key, connect_timeout)
+                if self._closed:  # closed while it connected: nothing goes out now
                     conn.close()
-                    raise
-                finally:
-                    self._in_use.discard(conn)
-                if conn.reusable and not self._closed:
-                    conn.idle_since = time.monotonic()
-                    self._idle.setdefault(key, deque()).append(conn)
-                    self._sweep_later()
-                else:
-                    conn.close()
-                return response
-            raise AssertionError("unreachable")  # pragma: no cover
+                    self._check_open()
+            self._in_use.add(conn)
+            try:
+                response = await conn.exchange(data, cap)
+            except BaseException:
+                conn.close()
+                raise
+            finally:
+                self._in_use.discard(conn)
+            if conn.reusable and not self._closed:
+                conn.idle_since = time.monotonic()
+                self._idle.setdefault(key, deque()).append(conn)
+                self._sweep_later()
+            else:
+                conn.close()
+            return response
         finally:
             self._release()
 
@@ -339,15 +331,16 @@ class Pool:
                 waiter.set_result(None)
                 return
 
-    def _reuse(self, key: Key) -> tuple[Connection | None, bool]:
+    def _reuse(self, key: Key) -> Connection | None:
+        self._check_open()
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to have expired
             if not conn.closed and now - conn.idle_since < self.keepalive:
-                return conn, True
+                return conn
             conn.close()
-        return None, False
+        return None
 
     async def _connect(self, key: Key, timeout: float) -> Connection:
         scheme, host, port = key
