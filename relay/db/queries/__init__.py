@@ -51,6 +51,7 @@ from relay.db.queries.deliveries import DELIVERY_RELEASE as DELIVERY_RELEASE
 from relay.db.queries.deliveries import ENDPOINT_CIRCUIT as ENDPOINT_CIRCUIT
 from relay.db.queries.deliveries import ENDPOINT_DISABLE as ENDPOINT_DISABLE
 from relay.db.queries.deliveries import ENDPOINT_HEALTH as ENDPOINT_HEALTH
+from relay.db.queries.deliveries import ENDPOINTS_AHEAD as ENDPOINTS_AHEAD
 from relay.db.queries.deliveries import ENDPOINTS_ENABLED as ENDPOINTS_ENABLED
 from relay.db.queries.deliveries import FAN_OUT as FAN_OUT
 from relay.db.queries.deliveries import FAN_OUT_LOCK as FAN_OUT_LOCK

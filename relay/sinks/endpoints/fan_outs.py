@@ -6,11 +6,14 @@ fair share plan and the count of deliveries in each endpoint's hand, which the c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 
 import structlog
 
+from outbox.errors import describe
+from relay.db.store import DB_ERRORS
 from relay.model import Envelope
 from relay.sinks.endpoints import at_once
 from relay.sinks.endpoints.attempts import PUT_BACK_COOLDOWN, Attempts
@@ -35,6 +38,14 @@ PROBE_HOLD = 1.0
 # endpoint's new events wait longer than BACKLOG_HOLD for another's backlog.
 BACKLOG_HOLD = 1.0
 REHOLD_EVERY = 10.0
+# The look ahead (_look): how many of a destination's waiting events it reads (in each lane),
+# how often while the pace depends on it, and how long what it saw is used. An endpoint not
+# known here stops the pace only if one of those events would reach it: an event of a new one
+# waits at most about AHEAD_FOR behind another's paced backlog, unless more than AHEAD_EVENTS
+# events are ahead of it.
+AHEAD_EVENTS = 5000
+AHEAD_EVERY = 0.5
+AHEAD_FOR = 1.0
 
 
 class FanOuts(Attempts):
@@ -49,6 +60,11 @@ class FanOuts(Attempts):
     _probed: dict[str, float]
     _hold_since: dict[str, float | None]
     _enabled: dict[str, dict[int, bool]]
+    _ahead: dict[str, tuple[float, set[int]]]
+    _looking: dict[str, asyncio.Task[None]]
+    _look_started: dict[str, float]
+    _look_failed: dict[str, float]
+    _fanned_top: dict[str, int]
     _waiting: dict[tuple[int, int], EndpointState]
     _broken: dict[tuple[int, int], BaseException]
 
@@ -81,7 +97,41 @@ class FanOuts(Attempts):
             self.stats["claimed"] += len(items)
             self.stats["sent_at_fan_out"] += len(items)
             self.adopt(items)
+        self._fanned_top[destination] = max(self._fanned_top.get(destination, 0), *by_id)
         return matched
+
+    def _look_soon(self, destination: str) -> bool:
+        """Read, in a task of its own, which endpoints the destination's next waiting events
+        would reach (ENDPOINTS_AHEAD), unless a look is under way or one failed lately.
+        Returns whether one is under way (started less than AHEAD_FOR ago): the events are
+        paced meanwhile (a claim or two, for the milliseconds it takes)."""
+        now = time.monotonic()
+        task = self._looking.get(destination)
+        if task is not None:
+            return now - self._look_started[destination] < AHEAD_FOR
+        if now - self._look_failed.get(destination, float("-inf")) < AHEAD_FOR:
+            return False
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False  # no loop to look in (a test's plain call)
+        self._look_started[destination] = now
+        self._looking[destination] = loop.create_task(self._look(destination, now))
+        return True
+
+    async def _look(self, destination: str, started: float) -> None:
+        try:
+            after = self._fanned_top.get(destination, 0)
+            reach = await self.store.ahead(destination, after, AHEAD_EVENTS)
+        except DB_ERRORS as exc:
+            self._ahead.pop(destination, None)
+            self._look_failed[destination] = time.monotonic()
+            log.warning("relay.endpoints.ahead_read_failed", error=describe(exc))
+        else:
+            self._ahead[destination] = (started, reach)
+        finally:
+            del self._looking[destination]
+        self._recheck_room()  # held back until the look said whom the events reach
 
     def fan_out_fits(self, destination: str, limit: int, claiming: bool = True) -> int | None:
         """How many of ``destination``'s events (``limit`` asked for) the relay's claim may take
@@ -120,24 +170,37 @@ class FanOuts(Attempts):
 
     def _paceable(self, destination: str, fast: set[int], now: float) -> bool:
         """Whether the destination's events may be paced by its fast endpoints' room: every
-        other enabled endpoint of it is down, gone or sending already (its deliveries wait
-        their turn anyway). One rate-limited, not yet known here, or idle would wait, its
-        events behind a burst of the fast ones' in the table: then the events are claimed as
-        for any destination."""
+        other enabled endpoint that its next waiting events would reach (the look ahead, when
+        fresh: _look) or else every other enabled one is down, gone or sending already (its
+        deliveries wait their turn anyway). One rate-limited, not yet known here, or idle
+        would wait, its events behind a burst of the fast ones' in the table: then the events
+        are claimed as for any destination."""
         enabled = self._enabled.get(destination)
         if enabled is None:
             return False
+        look = self._ahead.get(destination)
+        if look is not None and now - look[0] < AHEAD_FOR:
+            if now - look[0] >= AHEAD_EVERY:
+                self._look_soon(destination)  # kept fresh while it is used
+            # Reached, and not read as enabled yet: a new one, not known here either.
+            return not any(
+                e not in fast and self._would_wait(e, enabled.get(e, False)) for e in look[1]
+            )
         for endpoint, limited in enabled.items():
-            if endpoint in fast:
-                continue
-            state = self.states.get(endpoint)
-            if limited or state is None:
-                return False
-            # Down, or sending already (slow ones too: an idle slow one has room for its
-            # next events, and they would wait behind a burst of the fast ones').
-            if not (state.circuit_open or state.gone or state.in_hand > 0):
-                return False
+            if endpoint not in fast and self._would_wait(endpoint, limited):
+                # Whether the next events reach it is not known: paced only while a look
+                # says (in milliseconds), not on a guess.
+                return self._look_soon(destination)
         return True
+
+    def _would_wait(self, endpoint: int, limited: bool) -> bool:
+        """Whether an endpoint (not a fast one) would wait behind a burst of the fast ones'
+        deliveries: rate-limited, not known here, or neither down nor sending already (slow
+        ones too: an idle slow one has room for its next events)."""
+        state = self.states.get(endpoint)
+        if limited or state is None:
+            return True
+        return not (state.circuit_open or state.gone or state.in_hand > 0)
 
     def _learning(self, destination: str, now: float) -> int | None:
         """fan_out_fits while no endpoint of ``destination`` is known to be fast."""

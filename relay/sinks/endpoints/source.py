@@ -87,6 +87,15 @@ class DeliverySource(FanOuts, Health):
         # change (endpoints_changed): whether its events may be paced (FanOuts._paceable).
         self._enabled: dict[str, dict[int, bool]] = {}
         self._enabled_at = float("-inf")
+        # Per destination: what the last look ahead saw (when, and the endpoints the next
+        # waiting events would reach), the look under way and when it started, when one
+        # last failed, and the highest event id fanned out here (a look reads the fresh
+        # events after it).
+        self._ahead: dict[str, tuple[float, set[int]]] = {}
+        self._looking: dict[str, asyncio.Task[None]] = {}
+        self._look_started: dict[str, float] = {}
+        self._look_failed: dict[str, float] = {}
+        self._fanned_top: dict[str, int] = {}
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
@@ -251,6 +260,8 @@ class DeliverySource(FanOuts, Health):
         without an outcome (the shutdown puts them back unattempted), or, if they were
         waiting for a request slot, put back at once."""
         self._halted = True
+        for task in self._looking.values():
+            task.cancel()  # a look ahead: nothing is paced any more
 
     async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
         # Halted, the rows still queued (claimed ahead of the endpoint's free slots) are not

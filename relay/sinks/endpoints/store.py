@@ -126,6 +126,13 @@ class DeliveryStore:
             out[r[1]][r[0]] = r[2]
         return out
 
+    async def ahead(self, destination: str, after: int, n: int) -> set[int]:
+        """The endpoints that ``destination``'s next waiting events would reach: at most ``n``
+        of each lane read, the fresh ones after ``after`` (ENDPOINTS_AHEAD)."""
+        self.store.statements["endpoints_ahead"] += 1
+        found = await self.store.call("fetchval", queries.ENDPOINTS_AHEAD, destination, after, n)
+        return set(found)
+
     async def settle(self, wait: bool = True) -> None:
         """Put back what fan-outs whose answer was lost claimed (FAN_OUT_SETTLE), if any is
         left to settle: at once, and at each reaper's pass until it is done (before the
