@@ -40,6 +40,15 @@ from outbox.endpoints.checks import MAX_RATE_LIMIT as MAX_RATE_LIMIT
 from outbox.endpoints.checks import MAX_REENCRYPT_BATCH as MAX_REENCRYPT_BATCH
 from outbox.endpoints.checks import MAX_URL_BYTES as MAX_URL_BYTES
 from outbox.endpoints.model import UNSET, Endpoint, EndpointNotFound, Reencrypted
+from outbox.endpoints.portal_tokens import (
+    PortalAccess,
+    PortalKeyMissing,
+    PortalTokenRefused,
+    new_portal_key,
+    portal_token,
+    portal_url,
+    verify_portal_token,
+)
 from outbox.endpoints.reachable import DNS_TIMEOUT as DNS_TIMEOUT
 from outbox.endpoints.reachable import check_reachable
 from outbox.endpoints.runners import AsyncTarget as AsyncTarget
@@ -50,9 +59,16 @@ __all__ = [
     "Endpoint",
     "EndpointNotFound",
     "Endpoints",
+    "PortalAccess",
+    "PortalKeyMissing",
+    "PortalTokenRefused",
     "Reencrypted",
     "SecretEncryptionRequired",
     "check_reachable",
+    "new_portal_key",
+    "portal_token",
+    "portal_url",
+    "verify_portal_token",
 ]
 
 _default = Endpoints()
