@@ -256,11 +256,18 @@ def portal_url(
     """The portal's link for ``tenant``: ``base_url`` (where the portal is served, such as
     https://hooks.example.com/portal) with the token in its fragment, which a browser never
     sends to a server (nor into a log or a Referer)."""
-    if not re.match(r"https?://[^/?#\s]+", base_url) or "#" in base_url:
-        raise OutboxValidationError(
-            "base_url", "must be an http(s) URL without a fragment (where the portal is served)"
-        )
     token = portal_token(tenant=tenant, ttl=ttl, key=key, read_only=read_only, schema=schema)
+    return portal_link(base_url, token)
+
+
+def portal_link(base_url: str, token: str) -> str:
+    """``base_url`` (where the portal is served) with ``token`` in its fragment."""
+    if not isinstance(base_url, str) or not re.match(r"https?://[^/?#\s]+", base_url):
+        raise OutboxValidationError(
+            "base_url", "must be an http(s) URL (where the portal is served)"
+        )
+    if "#" in base_url or any(c.isspace() for c in base_url):
+        raise OutboxValidationError("base_url", "must hold no fragment (#) and no space")
     return f"{base_url.rstrip('/')}/#token={token}"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import click
 
 from relay.cli.endpoints.commands import add, delete, disable, enable, list_, show, update
+from relay.cli.endpoints.portal import portal_key, portal_token
 from relay.cli.endpoints.secrets import reencrypt, rotate_secret
 
 
@@ -22,8 +23,21 @@ def endpoints() -> None:
 
     The receivers of destinations of kind `endpoints`: add, list, show, update, disable,
     enable, rotate-secret, delete; reencrypt moves their secrets under a new key. Relays see
-    each change at their next claim."""
+    each change at their next claim. portal-token prints a token that opens a tenant's
+    portal; portal-key a new key for them."""
 
 
-for _command in (add, list_, show, update, disable, enable, rotate_secret, delete, reencrypt):
+for _command in (
+    add,
+    list_,
+    show,
+    update,
+    disable,
+    enable,
+    rotate_secret,
+    delete,
+    reencrypt,
+    portal_token,
+    portal_key,
+):
     endpoints.add_command(_command)
