@@ -57,6 +57,8 @@ FENCE_FUNCTION = _ddl["fence_function"]
 FENCE_TRIGGER = _ddl["fence_trigger"]
 ENDPOINTS_NOTIFY_FUNCTION = _ddl["endpoints_notify_function"]
 ENDPOINTS_NOTIFY_TRIGGER = _ddl["endpoints_notify_trigger"]
+ENDPOINTS_TENANT_SINCE_FUNCTION = _ddl["endpoints_tenant_since_function"]
+ENDPOINTS_TENANT_SINCE_TRIGGER = _ddl["endpoints_tenant_since_trigger"]
 
 
 def _attach_triggers(table: Table, schema: str | None) -> None:
@@ -251,6 +253,7 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
         _timestamp("created_at", now=True),
         _timestamp("updated_at", now=True),
         _timestamp("circuit_open_until"),
+        _timestamp("tenant_since"),  # migration 0019: when its tenant last changed
         CheckConstraint("destination <> ''", name="outbox_endpoints_destination_check"),
         CheckConstraint("url <> ''", name="outbox_endpoints_url_check"),
         CheckConstraint(
@@ -264,6 +267,8 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
     for when, sql in (
         ("before_create", ENDPOINTS_NOTIFY_FUNCTION),
         ("after_create", ENDPOINTS_NOTIFY_TRIGGER),
+        ("before_create", ENDPOINTS_TENANT_SINCE_FUNCTION),
+        ("after_create", ENDPOINTS_TENANT_SINCE_TRIGGER),
     ):
         event.listen(table, when, DDL(sql.replace("{schema}", prefix)))  # type: ignore[no-untyped-call]
     return table

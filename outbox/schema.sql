@@ -1,5 +1,5 @@
 -- The functions and triggers of migrations 0001 and 0003 (the outbox's wake-up and ordering
--- fence) and 0006 (the endpoints' wake-up), created with their tables by SQLAlchemy's
+-- fence), 0006 (the endpoints' wake-up) and 0019 (an endpoint's tenant_since), created with their tables by SQLAlchemy's
 -- metadata.create_all, so a schema managed with Alembic gets them too: outbox/schema.py loads
 -- them (binds="named", though they have none). The drift test checks they match what the
 -- migrations create. {schema} is the schema's quoted name and a dot, or nothing (the search
@@ -57,3 +57,22 @@ CREATE TRIGGER outbox_endpoints_notify
         previous_secret, previous_secret_until, rate_limit, enabled
     ON {schema}outbox_endpoints
     FOR EACH STATEMENT EXECUTE FUNCTION {schema}outbox_endpoints_notify()
+
+-- name: endpoints_tenant_since_function
+
+CREATE FUNCTION {schema}outbox_endpoints_tenant_since() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.tenant IS DISTINCT FROM OLD.tenant THEN
+        -- The time of the change itself, not of its transaction's start: a fan-out that
+        -- commits between the two wrote its deliveries for the tenant before.
+        NEW.tenant_since := clock_timestamp();
+    END IF;
+    RETURN NEW;
+END
+$$
+
+-- name: endpoints_tenant_since_trigger
+
+CREATE TRIGGER outbox_endpoints_tenant_since
+    BEFORE UPDATE OF tenant ON {schema}outbox_endpoints
+    FOR EACH ROW EXECUTE FUNCTION {schema}outbox_endpoints_tenant_since()

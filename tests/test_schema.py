@@ -156,7 +156,7 @@ async def test_model_matches_migrated_schema(db_url: str, empty_db_url: str) -> 
     migrated, modelled = await catalog(db_url), await catalog(empty_db_url)
     by_table = {t: [c for c in migrated["columns"] if c[0] == t] for t in TABLES}
     assert len(by_table["outbox"]) == 18 and len(by_table["outbox_paused"]) == 4
-    assert len(by_table["outbox_relays"]) == 11 and len(by_table["outbox_endpoints"]) == 18
+    assert len(by_table["outbox_relays"]) == 11 and len(by_table["outbox_endpoints"]) == 19
     assert len(by_table["outbox_deliveries"]) == 15 and len(by_table["outbox_attempts"]) == 10
     assert len(by_table["outbox_inbox"]) == 3 and len(by_table["outbox_batches"]) == 9
     assert {i[1] for i in migrated["indexes"]} >= {"outbox_inbox_pkey", "outbox_inbox_received_idx"}
