@@ -261,6 +261,7 @@ def define_endpoints_table(metadata: MetaData, schema: str | None = None) -> Tab
         ),
         _partial_index("outbox_endpoints_destination_idx", "destination", "id", where="enabled"),
         _partial_index("outbox_endpoints_match_idx", "destination", "tenant", where="enabled"),
+        Index("outbox_endpoints_tenant_idx", "tenant", "id"),  # migration 0019: the portal's
         schema=schema,
     )
     prefix = f"{quote_ident(check_schema(schema))}." if schema else ""

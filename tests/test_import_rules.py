@@ -43,6 +43,13 @@ BREAKS = {
     "clients-ops": (CLIENTS, "relay/ops/status.py", "import httptools"),
     "clients-console-command": (CLIENTS, "relay/cli/ui.py", "import aiokafka"),
     "clients-settings": (CLIENTS, "relay/settings.py", "import httptools"),
+    "portal-without-operator-powers": (
+        "the tenant portal never imports the operator's console",
+        "relay/portal/scope.py",
+        "from relay.ops import purge as _purge",
+    ),
+    "clients-portal": (CLIENTS, "relay/portal/reads.py", "import aiokafka"),
+    "layers-portal-below-runtime": (LAYERS, "relay/portal/cursors.py", "import relay.runtime"),
     "clients-command-group": (
         "the command group never imports the message clients",
         "relay/cli/__init__.py",

@@ -1,0 +1,102 @@
+-- The tenant portal's reads (issue #30): a tenant's endpoints, its message log (one message
+-- per delivery) and the attempts of each. relay/portal/queries.py names them,
+-- relay/portal/reads.py runs them. They are asyncpg's (:name binds handed out as $1, $2, … in
+-- their params' order: outbox/sql.py).
+--
+-- The scope, written alike at the start of every statement (tests/test_sql_files.py checks
+-- it): the CTE mine, the endpoints whose tenant is :tenant (bound only from a verified token:
+-- relay/portal/scope.py), and when each became the tenant's (migration 0019). Every read of a
+-- delivery or an attempt goes through mine, made since the endpoint became the tenant's; an
+-- event is read only where its own tenant is :tenant. So an endpoint without a tenant (it
+-- takes every tenant's events: the operator's) is no tenant's here, and an endpoint handed
+-- from one tenant to another shows the new one nothing of what the old one was sent.
+--
+-- Pages are newest first by id, below :before (a cursor: relay/portal/cursors.py), :limit
+-- rows; never OFFSET, never a count of the whole log.
+
+-- name: endpoints
+-- params: tenant, before, limit
+-- The tenant's endpoints, with what the relays wrote of their health.
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT e.id, e.destination, e.url, e.event_types, e.description, e.rate_limit, e.enabled,
+       e.disabled_reason, e.disabled_at, e.failing_since, e.last_success_at,
+       e.circuit_open_until, e.created_at, e.updated_at
+FROM mine AS m JOIN {endpoints} AS e ON e.id = m.id
+WHERE e.id < :before::bigint
+ORDER BY e.id DESC
+LIMIT :limit
+
+-- name: endpoint_counts
+-- params: tenant, endpoint_id
+-- One endpoint's deliveries of the tenant by status (none if it is not the tenant's).
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT count(*) FILTER (WHERE d.status = 'pending') AS pending,
+       count(*) FILTER (WHERE d.status = 'running') AS running,
+       count(*) FILTER (WHERE d.status = 'delivered') AS delivered,
+       count(*) FILTER (WHERE d.status = 'failed') AS failed,
+       count(*) FILTER (WHERE d.status = 'cancelled') AS cancelled
+FROM mine AS m JOIN {deliveries} AS d ON d.endpoint_id = m.id
+    AND d.created_at >= coalesce(m.tenant_since, '-infinity')
+WHERE m.id = :endpoint_id::bigint
+
+-- name: messages
+-- params: tenant, before, limit, endpoint_id, status, event_type, since, until
+-- The tenant's messages: the newest :limit deliveries below :before of each of its endpoints
+-- (outbox_deliveries_endpoint_idx), each with its event's type, filtered (a NULL filter takes
+-- all), then the newest :limit of those. An event deleted by retention leaves its deliveries
+-- in the log without a type.
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT d.id, d.event_id, d.endpoint_id, d.event_type, d.status, d.attempts, d.last_status,
+       d.last_error, d.created_at, d.finished_at, d.replay
+FROM mine AS m
+CROSS JOIN LATERAL (
+    SELECT d.id, d.event_id, d.endpoint_id, o.event_type, d.status, d.attempts, d.last_status,
+           d.last_error, d.created_at, d.finished_at, d.replay
+    FROM {deliveries} AS d
+    LEFT JOIN {table} AS o ON o.id = d.event_id
+    WHERE d.endpoint_id = m.id AND d.id < :before::bigint
+      AND d.created_at >= coalesce(m.tenant_since, '-infinity')
+      AND (o.id IS NULL OR o.tenant = :tenant)
+      AND (:status::text IS NULL OR d.status = :status::text)
+      AND (:event_type::text IS NULL OR o.event_type = :event_type::text)
+      AND (:since::timestamptz IS NULL OR d.created_at >= :since::timestamptz)
+      AND (:until::timestamptz IS NULL OR d.created_at < :until::timestamptz)
+    ORDER BY d.id DESC
+    LIMIT :limit
+) AS d
+WHERE :endpoint_id::bigint IS NULL OR m.id = :endpoint_id::bigint
+ORDER BY d.id DESC
+LIMIT :limit
+
+-- name: message
+-- params: tenant, delivery_id
+-- One message of the tenant, with its event's payload if the event is still kept.
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT d.id, d.event_id, d.endpoint_id, o.event_type, d.status, d.attempts, d.last_status,
+       d.last_error, d.created_at, d.finished_at, d.replay, o.id IS NOT NULL AS event_kept,
+       o.content_type, o.payload
+FROM mine AS m
+JOIN {deliveries} AS d ON d.endpoint_id = m.id
+    AND d.created_at >= coalesce(m.tenant_since, '-infinity')
+LEFT JOIN {table} AS o ON o.id = d.event_id
+WHERE d.id = :delivery_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
+
+-- name: attempts
+-- params: tenant, delivery_id, before, limit
+-- The attempts of one message of the tenant (outbox_attempts_event_idx), newest first.
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT a.id, a.at, a.http_status, a.duration_ms, a.response, a.error, a.replay
+FROM mine AS m
+JOIN {deliveries} AS d ON d.endpoint_id = m.id
+    AND d.created_at >= coalesce(m.tenant_since, '-infinity')
+LEFT JOIN {table} AS o ON o.id = d.event_id
+JOIN {attempts} AS a ON a.event_id = d.event_id AND a.delivery_id = d.id
+WHERE d.id = :delivery_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
+  AND a.id < :before::bigint
+ORDER BY a.id DESC
+LIMIT :limit
