@@ -157,7 +157,7 @@ async def list_endpoints(
 ) -> Listed:
     """The endpoints (never their secrets), of ``destination`` and of ``tenant`` if given."""
     listing = _in_transaction(lambda e, c: e.list(c, destination=destination, tenant=tenant))
-    found, _ = await _library(conn, schema, listing)
+    found, _ = await library(conn, schema, listing)
     return Listed(found)
 
 
@@ -172,7 +172,7 @@ async def show(
         # The same connection, in the same transaction, as the library's statement.
         return await _activity(conn, schema, ep)
 
-    shown, _ = await _library(conn, schema, _in_transaction(read))
+    shown, _ = await library(conn, schema, _in_transaction(read))
     return shown
 
 
@@ -228,7 +228,7 @@ async def rotate_secret(
 
 async def delete(conn: asyncpg.Connection, schema: str, endpoint_id: int) -> Deleted:
     """Delete the endpoint; its unfinished deliveries end as cancelled."""
-    cancelled, _ = await _library(
+    cancelled, _ = await library(
         conn, schema, _in_transaction(lambda e, c: e.delete(c, endpoint_id))
     )
     return Deleted(id=endpoint_id, deleted=True, cancelled=cancelled)
@@ -239,7 +239,7 @@ async def reencrypt(
 ) -> Reencryption:
     """Every secret and previous secret re-encrypted under the first key, a batch per
     transaction; previous secrets past their window cleared."""
-    passes, _ = await _library(conn, schema, lambda e, c: _reencrypt_passes(e, c, batch_size))
+    passes, _ = await library(conn, schema, lambda e, c: _reencrypt_passes(e, c, batch_size))
     done = [b for p in passes for b in p]
     # Each change is made once (then it is under the first key), so they add up over passes;
     # the endpoints are those the last pass read.
@@ -279,7 +279,7 @@ async def _activity(conn: asyncpg.Connection, schema: str, ep: Endpoint) -> Show
 
 
 async def _change(conn: asyncpg.Connection, schema: str, action: Action[Endpoint]) -> Changed:
-    ep, unencrypted = await _library(conn, schema, _in_transaction(action))
+    ep, unencrypted = await library(conn, schema, _in_transaction(action))
     return Changed(ep, unencrypted)
 
 
@@ -291,7 +291,7 @@ def _in_transaction(action: Action[T]) -> Action[T]:
     return once
 
 
-async def _library(conn: asyncpg.Connection, schema: str, work: Action[T]) -> tuple[T, bool]:
+async def library(conn: asyncpg.Connection, schema: str, work: Action[T]) -> tuple[T, bool]:
     """``work`` on the schema's endpoints (outbox.endpoints) over a SQLAlchemy connection on
     ``conn``, and whether it stored a secret unencrypted: said by the caller once committed
     (the command line says it on stderr, rather than as the library's log event)."""

@@ -100,3 +100,50 @@ WHERE d.id = :delivery_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
   AND a.id < :before::bigint
 ORDER BY a.id DESC
 LIMIT :limit
+
+-- name: endpoint_lock
+-- params: tenant, endpoint_id
+-- Before a change to an endpoint: the endpoint, locked, if it is the tenant's (no row: as if
+-- it did not exist). The lock keeps its tenant from changing until the change commits; the
+-- tenant is checked again on the row locked (a change of tenant committed meanwhile is seen).
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT e.id, e.destination, e.enabled, e.event_types,
+       CAST(extract(epoch FROM now() - m.tenant_since) AS float8) AS tenant_for
+FROM mine AS m JOIN {endpoints} AS e ON e.id = m.id
+WHERE e.id = :endpoint_id::bigint AND e.tenant = :tenant
+FOR UPDATE OF e
+
+-- name: endpoints_counted
+-- params: tenant
+-- Before an endpoint is added: how many the tenant has, two additions of one tenant taking
+-- turns (a transaction lock keyed by the tenant), so that neither passes the bound unseen.
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
+SELECT count(*) FROM mine AS m
+WHERE (SELECT 1 FROM (SELECT pg_advisory_xact_lock(hashtext('outbox-portal:' || :tenant))) AS l) = 1
+
+-- name: test_send
+-- params: tenant, endpoint_id, event_type, payload, serial
+-- A test event for one endpoint of the tenant (locked by endpoint_lock first): the event
+-- written as delivered (no fan-out ever takes it, so no other endpoint gets it), and its one
+-- delivery, drawn under the fan-outs' lock as every writer of deliveries does
+-- (relay/db/queries/deliveries.sql, fan_out). The relays send it as any other.
+
+WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant),
+ep AS (
+    SELECT e.id, e.destination FROM mine AS m JOIN {endpoints} AS e ON e.id = m.id
+    WHERE e.id = :endpoint_id::bigint
+),
+event AS (
+    INSERT INTO {table} (destination, payload, content_type, tenant, event_type, status,
+                         attempts, delivered_at, finished_at)
+    SELECT ep.destination, :payload, 'application/json', :tenant, :event_type, 'delivered',
+           1, now(), now()
+    FROM ep
+    RETURNING id, destination
+)
+INSERT INTO {deliveries} (event_id, endpoint_id, destination)
+SELECT event.id, :endpoint_id::bigint, event.destination
+FROM event, (SELECT pg_advisory_xact_lock(:serial::int, 1)) AS l
+RETURNING id, event_id

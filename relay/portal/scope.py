@@ -19,3 +19,8 @@ class Scope:
     @classmethod
     def of(cls, access: PortalAccess, schema: str) -> Scope:
         return cls(access.tenant, access.token_id, access.write, schema)
+
+    def require_write(self) -> None:
+        """PermissionError unless the token may change things (a read-only one may not)."""
+        if not self.write:
+            raise PermissionError("this token may read, not change")
