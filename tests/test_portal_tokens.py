@@ -228,6 +228,8 @@ def test_the_key_comes_from_the_environment_and_its_absence_is_named(
 @pytest.mark.parametrize(
     "text",
     ["abc", "opk_", "opk_" + "A" * 42, "opk_" + pt._b64(b"x" * 31), f"{KEY},", "opk_!!!!"],
+    # Named: a random key in an id differs between xdist's workers.
+    ids=["no-prefix", "empty", "not-canonical", "31-bytes", "trailing-comma", "not-base64"],
 )
 def test_a_bad_key_is_refused_naming_which(text: str) -> None:
     with pytest.raises(OutboxValidationError) as e:
@@ -277,3 +279,15 @@ def test_any_changed_character_is_refused(data: st.DataObject) -> None:
     changed = token[:at] + char + token[at + 1 :]
     with pytest.raises(pt.PortalTokenRefused):
         verify(changed)
+
+
+def test_a_seal_holds_for_its_purpose_and_data_under_any_key() -> None:
+    keys = pt.PortalKeys.parse(KEY)
+    sig = keys.seal("selection", b"data")
+    assert keys.sealed("selection", b"data", sig)
+    assert not keys.sealed("selection", b"datb", sig)
+    assert not keys.sealed("other", b"data", sig)
+    assert not keys.sealed("selection", b"data", sig[:-1] + ("A" if sig[-1] != "A" else "B"))
+    assert not keys.sealed("selection", b"data", "é")
+    assert pt.PortalKeys.parse(f"{OLD},{KEY}").sealed("selection", b"data", sig)  # rotated
+    assert not pt.PortalKeys.parse(OLD).sealed("selection", b"data", sig)

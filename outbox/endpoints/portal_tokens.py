@@ -152,6 +152,24 @@ class PortalKeys:
         signed = f"{head}.{body}".encode("ascii")
         return f"{head}.{body}.{_b64(hmac.digest(key, signed, 'sha256'))}"
 
+    def seal(self, purpose: str, data: bytes) -> str:
+        """A signature of ``data`` for ``purpose`` (a preview's selection, handed to the
+        client and back), with the first key; never valid as a token's."""
+        return _b64(hmac.digest(self._signing[1], _sealed(purpose, data), "sha256"))
+
+    def sealed(self, purpose: str, data: bytes, signature: str) -> bool:
+        """Whether ``signature`` is :meth:`seal`'s, by any of the keys (one rotated in since
+        the seal was made included)."""
+        if not isinstance(signature, str) or not signature.isascii():
+            return False
+        wanted = signature.encode()
+        return any(
+            hmac.compare_digest(
+                wanted, _b64(hmac.digest(k, _sealed(purpose, data), "sha256")).encode()
+            )
+            for k in self._by_kid.values()
+        )
+
     def claims_of(self, token: str) -> dict[str, Any]:
         """The claims of a token signed by one of these keys (the header checked first)."""
         if not isinstance(token, str) or len(token) > MAX_TOKEN_BYTES:
@@ -181,6 +199,11 @@ class PortalKeys:
         if not isinstance(claims, dict):
             raise PortalTokenRefused("claims", "the claims are not a JSON object")
         return claims
+
+
+def _sealed(purpose: str, data: bytes) -> bytes:
+    # A context of its own: a seal is never a token's signature, nor one purpose's another's.
+    return b"outbox-portal seal\0" + purpose.encode() + b"\0" + data
 
 
 def _json(value: Mapping[str, Any]) -> bytes:

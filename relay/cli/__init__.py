@@ -30,6 +30,7 @@ COMMANDS = {
     "skip": "relay.cli.ops.changes:skip",
     "endpoints": "relay.cli.endpoints:endpoints",
     "ui": "relay.cli.ui:ui",
+    "portal": "relay.cli.portal:portal",
     "demo": "relay.cli.tools:demo",
     "bench": "relay.tools.bench.cli:bench",
 }

@@ -27,6 +27,9 @@ from relay.portal.reads import NotFound
 from relay.portal.scope import Scope
 
 MAX_WINDOW = 90 * 86400.0  # seconds: longer than any message log is kept
+# Endpoints a window of all the tenant's endpoints counts at most (its selection goes to the
+# client and back); beyond, a window names one endpoint.
+MAX_RANGE_ENDPOINTS = 50
 
 
 async def _lock(conn: asyncpg.Connection, scope: Scope, endpoint_id: int) -> Locked:
@@ -88,6 +91,11 @@ async def _endpoints(conn: asyncpg.Connection, scope: Scope, window: Window) -> 
         while True:
             page = await reads.endpoints(conn, scope, limit=reads.MAX_LIMIT, cursor=cursor)
             ids.extend(e.id for e in page.items)
+            if len(ids) > MAX_RANGE_ENDPOINTS:
+                raise ValueError(
+                    f"the tenant has more than {MAX_RANGE_ENDPOINTS} endpoints: name one "
+                    "(endpoint_id) to replay a window"
+                )
             if page.next_cursor is None:
                 break
             cursor = page.next_cursor
@@ -99,7 +107,9 @@ async def _endpoints(conn: asyncpg.Connection, scope: Scope, window: Window) -> 
 
 
 def _seconds(window: Window, ep: Locked) -> float:
-    """The window, no longer than the endpoint has been the tenant's."""
+    """The window, no longer than the endpoint has been the tenant's. Measured when it was
+    locked, it starts that many seconds before the replay's own clock: a few milliseconds
+    after the handover, so a message made within them is left out, never one made before."""
     if ep.tenant_for is None:
         return window.seconds
     return max(0.001, min(window.seconds, ep.tenant_for))

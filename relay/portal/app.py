@@ -1,0 +1,168 @@
+"""The tenant portal's ASGI app: :func:`build_portal`. Its gate verifies the token of every
+request but the OpenAPI document's, turns it into the request's :class:`Scope`, applies the
+tenant's rate limits and the body's size limit, and adds the security headers; a token that
+does not verify gets one answer whatever the reason (the reason goes to the log)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import structlog
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Send
+from starlette.types import Scope as AsgiScope
+
+from outbox.endpoints.portal_tokens import PortalKeys, PortalTokenRefused, verify_portal_token
+from relay.portal import api
+from relay.portal.changes import Policy
+from relay.portal.scope import Scope
+from relay.portal.state import Portal
+from relay.ui.security import HEADERS
+
+log = structlog.get_logger("relay.portal")
+
+MAX_BODY = 16 * 1024
+OPEN = ("/api/openapi.json",)
+
+ROUTES = [
+    Route("/api/openapi.json", api.openapi_json, methods=["GET"]),
+    Route("/api/endpoints", api.list_endpoints, methods=["GET"]),
+    Route("/api/endpoints", api.create_endpoint, methods=["POST"]),
+    Route("/api/endpoints/{id:int}", api.get_endpoint, methods=["GET"]),
+    Route("/api/endpoints/{id:int}", api.update_endpoint, methods=["PATCH"]),
+    Route("/api/endpoints/{id:int}", api.delete_endpoint, methods=["DELETE"]),
+    Route("/api/endpoints/{id:int}/disable", api.disable_endpoint, methods=["POST"]),
+    Route("/api/endpoints/{id:int}/enable", api.enable_endpoint, methods=["POST"]),
+    Route("/api/endpoints/{id:int}/rotate-secret", api.rotate_secret, methods=["POST"]),
+    Route("/api/endpoints/{id:int}/test", api.send_test, methods=["POST"]),
+    Route("/api/messages", api.list_messages, methods=["GET"]),
+    Route("/api/messages/{id:int}", api.get_message, methods=["GET"]),
+    Route("/api/messages/{id:int}/attempts", api.list_attempts, methods=["GET"]),
+    Route("/api/messages/{id:int}/replay", api.replay_message, methods=["POST"]),
+    Route("/api/replays", api.replay_range, methods=["POST"]),
+]
+
+
+def build_portal(
+    database_url: str, keys: PortalKeys, policy: Policy, *, schema: str = "public"
+) -> Starlette:
+    """The portal as an ASGI app, served under ``/portal`` (``outbox-relay portal``)."""
+    portal = Portal(database_url, schema, keys, policy)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await portal.close()
+
+    async def not_found(request: Request, exc: Exception) -> Any:
+        return api.problem(404, "Not found", "no such path")
+
+    async def not_allowed(request: Request, exc: Exception) -> Any:
+        return api.problem(405, "Method not allowed", "not a method of this path")
+
+    app = Starlette(
+        routes=ROUTES,
+        lifespan=lifespan,
+        middleware=[Middleware(_Gate, portal=portal)],
+        exception_handlers={404: not_found, 405: not_allowed},
+    )
+    app.state.portal = portal
+    return app
+
+
+class _Gate:
+    def __init__(self, app: ASGIApp, portal: Portal) -> None:
+        self.app = app
+        self.portal = portal
+
+    async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def headed(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                present = {k.lower() for k, _ in headers}
+                headers += [
+                    (k.encode(), v.encode())
+                    for k, v in HEADERS.items()
+                    if k.encode() not in present
+                ]
+                message["headers"] = headers
+            await send(message)
+
+        path = scope["path"][len(scope.get("root_path", "")) :] or "/"
+        if path in OPEN:
+            await self.app(scope, receive, headed)
+            return
+        request = Request(scope)
+        refused = self._refused(request, scope)
+        if refused is not None:
+            await refused(scope, receive, headed)
+            return
+        await self.app(scope, _capped(receive), headed)
+
+    def _refused(self, request: Request, scope: AsgiScope) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            return api.problem(413, "Too large", f"bodies here are at most {MAX_BODY} bytes")
+        who = self._scope(request)
+        if who is None:
+            return api.problem(
+                401,
+                "Unauthorized",
+                "send Authorization: Bearer <token>, a portal token of this outbox",
+                **{"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+        scope.setdefault("state", {})["portal_scope"] = who
+        wait = self.portal.limits.take(who.tenant)
+        if not wait and request.method != "GET":
+            wait = self.portal.write_limits.take(who.tenant)
+        if wait:
+            log.info("relay.portal.rate_limited", tenant=who.tenant, token_id=who.token_id)
+            return api.problem(
+                429,
+                "Too many requests",
+                "this tenant's requests are over the portal's rate: try again later",
+                **{"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+        return None
+
+    def _scope(self, request: Request) -> Scope | None:
+        kind, _, token = request.headers.get("authorization", "").partition(" ")
+        if kind.lower() != "bearer" or not token.strip():
+            log.info("relay.portal.token_refused", reason="none")
+            return None
+        try:
+            access = verify_portal_token(
+                token.strip(), key=self.portal.keys, schema=self.portal.schema
+            )
+        except PortalTokenRefused as exc:
+            log.info("relay.portal.token_refused", reason=exc.reason)
+            return None
+        return Scope.of(access, self.portal.schema)
+
+
+def _capped(receive: Receive) -> Receive:
+    """The body, refused past MAX_BODY when it came without a length (chunked)."""
+    seen = 0
+
+    async def wrapped() -> Any:
+        nonlocal seen
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > MAX_BODY:
+                raise api.Problem(413, "Too large", f"bodies here are at most {MAX_BODY} bytes")
+        return message
+
+    return wrapped
