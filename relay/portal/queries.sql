@@ -29,7 +29,8 @@ LIMIT :limit
 
 -- name: endpoint_counts
 -- params: tenant, endpoint_id
--- One endpoint's deliveries of the tenant by status (none if it is not the tenant's).
+-- One endpoint's deliveries of the tenant by status (none if it is not the tenant's): those
+-- the tenant's messages list shows.
 
 WITH mine AS (SELECT e.id, e.tenant_since FROM {endpoints} AS e WHERE e.tenant = :tenant)
 SELECT count(*) FILTER (WHERE d.status = 'pending') AS pending,
@@ -39,7 +40,8 @@ SELECT count(*) FILTER (WHERE d.status = 'pending') AS pending,
        count(*) FILTER (WHERE d.status = 'cancelled') AS cancelled
 FROM mine AS m JOIN {deliveries} AS d ON d.endpoint_id = m.id
     AND d.created_at >= coalesce(m.tenant_since, '-infinity')
-WHERE m.id = :endpoint_id::bigint
+LEFT JOIN {table} AS o ON o.id = d.event_id
+WHERE m.id = :endpoint_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
 
 -- name: messages
 -- params: tenant, before, limit, endpoint_id, status, event_type, since, until
