@@ -267,6 +267,40 @@ def portal_token(
     return PortalKeys.of(key).sign(claims)
 
 
+SESSION_HOURS = 12  # a portal session (the page's cookie) lasts at most this long
+
+
+def session_audience(schema: str) -> str:
+    """The audience of the portal page's own session tokens: a session cookie is no bearer
+    token of the API, nor a link's token a session."""
+    return f"outbox-portal-session:{audience(schema).partition(':')[2]}"
+
+
+def session_token(
+    access: PortalAccess,
+    *,
+    key: str | PortalKeys | None = None,
+    schema: str = "public",
+    now: datetime | None = None,
+) -> str:
+    """The portal page's session for a verified link token: the same tenant, rights and
+    token id, until the link's own expiry or SESSION_HOURS, whichever comes first."""
+    iat = int(_epoch(now))
+    exp = min(int(access.expires.timestamp()), iat + SESSION_HOURS * 3600)
+    if exp <= iat:
+        raise PortalTokenRefused("expired", "the token has expired: open a new link")
+    claims = {
+        "iss": ISSUER,
+        "aud": session_audience(schema),
+        "sub": access.tenant,
+        "scope": "read write" if access.write else "read",
+        "iat": iat,
+        "exp": exp,
+        "jti": access.token_id,
+    }
+    return PortalKeys.of(key).sign(claims)
+
+
 def portal_url(
     base_url: str,
     *,

@@ -14,12 +14,14 @@ import structlog
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.routing import Route
+from starlette.responses import RedirectResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Send
 from starlette.types import Scope as AsgiScope
 
 from outbox.endpoints.portal_tokens import PortalKeys, PortalTokenRefused, verify_portal_token
-from relay.portal import api
+from relay.portal import actions, api, pages, sessions
 from relay.portal.changes import Policy
 from relay.portal.scope import Scope
 from relay.portal.state import Portal
@@ -28,7 +30,9 @@ from relay.ui.security import HEADERS
 log = structlog.get_logger("relay.portal")
 
 MAX_BODY = 16 * 1024
-OPEN = ("/api/openapi.json",)
+# Served to anyone: the document (nothing of any tenant), the sign-in page and its form, the
+# stylesheet and script.
+OPEN = ("/api/openapi.json", "/", "/session", "/session/end")
 
 ROUTES = [
     Route("/api/openapi.json", api.openapi_json, methods=["GET"]),
@@ -46,6 +50,18 @@ ROUTES = [
     Route("/api/messages/{id:int}/attempts", api.list_attempts, methods=["GET"]),
     Route("/api/messages/{id:int}/replay", api.replay_message, methods=["POST"]),
     Route("/api/replays", api.replay_range, methods=["POST"]),
+    Route("/", pages.landing, methods=["GET"]),
+    Route("/session", actions.sign_in, methods=["POST"]),
+    Route("/session/end", actions.sign_out, methods=["POST"]),
+    Route("/endpoints", pages.guarded(pages.endpoints), methods=["GET"]),
+    Route("/endpoints/{id:int}", pages.guarded(pages.endpoint), methods=["GET"]),
+    Route("/messages", pages.guarded(pages.messages), methods=["GET"]),
+    Route("/messages/{id:int}", pages.guarded(pages.message), methods=["GET"]),
+    Route("/actions/{name}", actions.act, methods=["POST"]),
+    # The console's stylesheet, and the portal's script.
+    Mount(
+        "/static", app=StaticFiles(packages=[("relay.portal", "static"), ("relay.ui", "static")])
+    ),
 ]
 
 
@@ -101,21 +117,26 @@ class _Gate:
             await send(message)
 
         path = scope["path"][len(scope.get("root_path", "")) :] or "/"
-        if path in OPEN:
+        if path in OPEN or path.startswith("/static/"):
             await self.app(scope, receive, headed)
             return
         request = Request(scope)
-        refused = self._refused(request, scope)
+        refused = self._refused(request, scope, page=not path.startswith("/api/"))
         if refused is not None:
             await refused(scope, receive, headed)
             return
         await self.app(scope, _capped(receive), headed)
 
-    def _refused(self, request: Request, scope: AsgiScope) -> Any:
+    def _refused(self, request: Request, scope: AsgiScope, *, page: bool) -> Any:
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
             return api.problem(413, "Too large", f"bodies here are at most {MAX_BODY} bytes")
-        who = self._scope(request)
+        if page:
+            who = sessions.scope_of(request, self.portal.keys, self.portal.schema)
+            if who is None:  # not signed in, or the session ended: the sign-in page
+                return RedirectResponse(scope.get("root_path", "") + "/", 303)
+        else:
+            who = self._scope(request)
         if who is None:
             return api.problem(
                 401,

@@ -1,0 +1,134 @@
+"""The portal page's forms: each posts to ``/actions/{name}`` with the session's CSRF value,
+and calls the same changes and replays as the API (relay/portal/changes.py, replays.py). A
+new secret is shown on the answer to the form that made it, never in a URL."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from urllib.parse import parse_qs
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+
+from relay.ops.common import AdminError
+from relay.portal import changes, reads, replays, sessions
+from relay.portal.pages import render
+from relay.portal.scope import Scope
+from relay.portal.state import Portal
+
+log = structlog.get_logger("relay.portal")
+MAX_FIELD = 4096
+
+
+async def read_form(request: Request) -> dict[str, str]:
+    """An urlencoded form (the pages send no other), one value per field; NUL characters
+    (which PostgreSQL text cannot hold) removed. The gate caps the body's size."""
+    body = await request.body()
+    fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
+    return {k: v[-1].replace("\x00", "") for k, v in fields.items()}
+
+
+def _field(form: dict[str, str], name: str) -> str:
+    return form.get(name, "").strip()[:MAX_FIELD]
+
+
+def _id(form: dict[str, str], name: str) -> int:
+    text = _field(form, name)
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 2**63 - 1:
+        raise reads.NotFound(text)
+    return int(text)
+
+
+async def act(request: Request) -> Response:
+    portal: Portal = request.app.state.portal
+    scope: Scope = request.scope["state"]["portal_scope"]
+    name = request.path_params["name"]
+    form = await read_form(request)
+    why = sessions.refused(request, portal.keys, scope, form.get(sessions.CSRF_FIELD))
+    if why is not None:
+        return render(request, "notice.html", 403, title="Refused", text=why)
+    base = request.scope.get("root_path", "")
+    try:
+        async with portal.connection() as conn:
+            answer = await _run(name, form, conn, portal, scope, base)
+    except reads.NotFound:
+        return render(request, "notice.html", 404, title="Not found", text="no such object")
+    except PermissionError as exc:
+        return render(request, "notice.html", 403, title="Refused", text=str(exc))
+    except (changes.Refused, AdminError, ValueError) as exc:
+        return render(request, "notice.html", 400, title="Refused", text=str(exc))
+    log.info("relay.portal.action", tenant=scope.tenant, token_id=scope.token_id, action=name)
+    if isinstance(answer, str):
+        return RedirectResponse(base + answer, 303)
+    return render(request, "secret.html", endpoint=answer)
+
+
+async def _run(
+    name: str, form: dict[str, str], conn: object, portal: Portal, scope: Scope, base: str
+) -> object:
+    """The action: a path to go to next, or an endpoint whose new secret is shown."""
+    import asyncpg
+
+    assert isinstance(conn, asyncpg.Connection)
+    if name == "add":
+        types = [t.strip() for t in _field(form, "event_types").split(",") if t.strip()]
+        return await changes.create(
+            conn, scope, portal.policy, url=_field(form, "url"), event_types=types,
+            description=_field(form, "description"),
+        )  # fmt: skip
+    if name == "rotate":
+        return await changes.rotate_secret(conn, scope, _id(form, "endpoint"), timedelta(hours=24))
+    if name in ("disable", "enable", "delete", "test"):
+        endpoint_id = _id(form, "endpoint")
+        if name == "disable":
+            await changes.disable(conn, scope, endpoint_id, _field(form, "reason") or None)
+        elif name == "enable":
+            await changes.enable(conn, scope, endpoint_id)
+        elif name == "delete":
+            await changes.delete(conn, scope, endpoint_id)
+            return "/endpoints"
+        else:
+            sent = await changes.send_test(conn, scope, endpoint_id)
+            return f"/messages/{sent.delivery_id}"
+        return f"/endpoints/{endpoint_id}"
+    if name == "replay":
+        delivery_id = _id(form, "message")
+        await replays.replay_message(conn, scope, delivery_id)
+        return f"/messages/{delivery_id}"
+    raise reads.NotFound(name)
+
+
+async def sign_in(request: Request) -> Response:
+    """The link's token, posted once by portal.js (or pasted): a session cookie. Only from
+    the portal's own pages (a page elsewhere must not sign a browser in as another tenant)."""
+    portal: Portal = request.app.state.portal
+    site = request.headers.get("sec-fetch-site")
+    origin = request.headers.get("origin")
+    own = f"{request.url.scheme}://{request.headers.get('host', '')}"
+    if (site is not None and site != "same-origin") or (
+        site is None and origin is not None and origin != own
+    ):
+        return render(request, "notice.html", 403, title="Refused", text="request refused")
+    token = (await read_form(request)).get("token")
+    base = request.scope.get("root_path", "")
+    response = RedirectResponse(base + "/endpoints", 303)
+    try:
+        if not isinstance(token, str):
+            raise sessions.PortalTokenRefused("malformed", "no token")
+        access = sessions.start(response, request, portal.keys, portal.schema, token.strip())
+    except sessions.PortalTokenRefused as exc:
+        log.info("relay.portal.token_refused", reason=exc.reason)
+        return render(
+            request, "landing.html", 401,
+            refused="This link is not valid, or has expired: ask for a new one.",
+        )  # fmt: skip
+    log.info("relay.portal.signed_in", tenant=access.tenant, token_id=access.token_id)
+    return response
+
+
+async def sign_out(request: Request) -> Response:
+    base = request.scope.get("root_path", "")
+    response = RedirectResponse(base + "/", 303)
+    sessions.end(response, request)
+    return response

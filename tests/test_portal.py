@@ -1,0 +1,119 @@
+"""The tenant portal's pages in a browser (Debian's Chromium through Playwright, as the
+console's), with a running relay and a real receiver: a tenant opened by ``portal_url`` adds
+an endpoint, sends a test event and sees the attempt with the receiver's answer, replays a
+failed message and sees it delivered."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from playwright.async_api import Browser, Page, async_playwright
+
+from outbox.endpoints import portal_tokens as pt
+from tests.support.browser import chromium
+from tests.support.portal import Served, served_portal
+from tests.support.receiver import Receiver
+from tests.support.relays import running
+from tests.test_endpoint_delivery import endpoints_settings
+
+
+@pytest.fixture(scope="module")
+def chromium_path() -> str:
+    return chromium()
+
+
+@pytest.fixture
+async def browser(chromium_path: str) -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        b = await pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+@pytest.fixture
+async def portal(db_url: str) -> AsyncIterator[Served]:
+    async with served_portal(db_url) as p:
+        yield p
+
+
+async def opened(browser: Browser, portal: Served, tenant: str) -> tuple[Page, list[str]]:
+    """A page opened by the tenant's link; and the browser's errors (CSP ones too)."""
+    page = await browser.new_page()
+    errors: list[str] = []
+    page.on(
+        "console", lambda m: errors.append(f"{m.text} {m.location}") if m.type == "error" else None
+    )
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    link = pt.portal_url(portal.url, tenant=tenant, key=portal.keys)
+    await page.goto(link)
+    await page.wait_for_selector("h1:text-is('Endpoints')")
+    assert "#token" not in page.url  # taken out of the address bar
+    return page, errors
+
+
+async def reload_until(page: Page, selector: str, text: str, timeout: float = 30) -> None:
+    """Reload the page until ``selector`` shows ``text`` (the relay works meanwhile)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        found = await page.locator(selector).all_inner_texts()
+        if any(text in t for t in found):
+            return
+        assert time.monotonic() < deadline, (selector, text, found)
+        await asyncio.sleep(0.3)
+        await page.reload()
+
+
+async def test_a_tenant_adds_an_endpoint_tests_it_and_replays_a_failure(
+    db_url: str,
+    browser: Browser,
+    portal: Served,
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    receiver = make_receiver()
+    receiver.respond(200, body=b"thanks from the receiver")
+    settings = endpoints_settings(db_url, max_attempts=2)
+    async with running(settings):
+        page, errors = await opened(browser, portal, "acme")
+        await page.fill("#add input[name=url]", receiver.url)
+        await page.click("#add button")
+        secret = await page.inner_text("#secret")
+        assert secret.startswith("whsec_")
+        await page.click("#continue")
+        await page.click("#send-test button")
+        await page.wait_for_selector("h1:has-text('Message #')")
+        await reload_until(page, "#attempts pre", "thanks from the receiver")
+        await reload_until(page, "#status", "delivered")
+        # The receiver fails the next one: after its attempts the message is failed.
+        receiver.respond(500, body=b"receiver down")
+        await page.click("a:has-text('#')")  # back to the endpoint
+        await page.click("#send-test button")
+        await reload_until(page, "#status", "failed")
+        assert "receiver down" in " ".join(await page.locator("#attempts pre").all_inner_texts())
+        receiver.respond(200, body=b"back again")
+        await page.click("#replay button")
+        await reload_until(page, "#status", "delivered")
+        await reload_until(page, "#attempts pre", "back again")
+    assert errors == []
+
+
+async def test_another_tenants_pages_and_a_bad_link(browser: Browser, portal: Served) -> None:
+    async with portal.client("other") as c:
+        theirs = (await c.post("/endpoints", json={"url": "http://127.0.0.1:9/x"})).json()["id"]
+    page, errors = await opened(browser, portal, "acme")
+    response = await page.goto(f"{portal.url}/endpoints/{theirs}")
+    assert response is not None and response.status == 404
+    assert "127.0.0.1:9/x" not in await page.content()
+    stale = pt.portal_token(tenant="acme", key=pt.PortalKeys.parse(pt.new_portal_key()))
+    fresh = await browser.new_page()
+    await fresh.goto(f"{portal.url}/#token={stale}")
+    await fresh.wait_for_selector("#refused")
+    response = await fresh.goto(f"{portal.url}/endpoints")
+    assert response is not None and "Access token" in await fresh.content()  # signed out
+    # The one error: the 404 asked for.
+    assert len(errors) == 1 and f"/endpoints/{theirs}" in errors[0], errors

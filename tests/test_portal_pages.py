@@ -1,0 +1,91 @@
+"""The portal's pages without a browser: sign-in, the session cookie's attributes, the
+checks on every form (CSRF, Sec-Fetch-Site), and that a session and a link's token are not
+each other."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from outbox.endpoints import portal_tokens as pt
+from relay.portal import sessions
+from tests.support.portal import Served, served_portal
+
+
+@pytest.fixture
+async def portal(db_url: str) -> AsyncIterator[Served]:
+    async with served_portal(db_url) as p:
+        yield p
+
+
+async def signed_in(portal: Served, tenant: str = "acme") -> tuple[str, str]:
+    """The session cookie's value and the pages' CSRF value, signed in by a link's token."""
+    async with portal.client() as c:
+        r = await c.post(
+            f"{portal.url}/session",
+            data={"token": portal.token(tenant)},
+            headers={"sec-fetch-site": "same-origin"},
+        )
+    assert r.status_code == 303 and r.headers["location"].endswith("/portal/endpoints")
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "Secure" in cookie and "SameSite=strict" in cookie
+    assert "Path=/portal/" in cookie
+    value = cookie.split(";")[0].split("=", 1)[1]
+    access = pt.verify_portal_token(value, key=portal.keys, aud=pt.session_audience("public"))
+    scope = sessions.Scope.of(access, "public")
+    return value, sessions.csrf(portal.keys, scope)
+
+
+async def test_a_page_needs_a_session_and_carries_the_headers(portal: Served) -> None:
+    async with portal.client() as c:
+        r = await c.get(f"{portal.url}/endpoints")
+        assert r.status_code == 303 and r.headers["location"].endswith("/portal/")
+        landing = await c.get(f"{portal.url}/")
+        assert "Access token" in landing.text
+        assert "frame-ancestors 'none'" in landing.headers["content-security-policy"]
+        assert landing.headers["x-frame-options"] == "DENY"
+    value, _ = await signed_in(portal)
+    async with portal.client() as c:
+        r = await c.get(f"{portal.url}/endpoints", headers={"cookie": f"outbox_portal={value}"})
+        assert r.status_code == 200 and "Add an endpoint" in r.text
+
+
+async def test_sign_in_from_another_site_is_refused(portal: Served) -> None:
+    async with portal.client() as c:
+        for headers in ({"sec-fetch-site": "cross-site"}, {"origin": "https://evil.example"}):
+            r = await c.post(
+                f"{portal.url}/session", data={"token": portal.token("acme")}, headers=headers
+            )
+            assert r.status_code == 403 and "set-cookie" not in r.headers
+
+
+async def test_a_form_without_its_csrf_value_or_from_elsewhere_is_refused(portal: Served) -> None:
+    value, csrf = await signed_in(portal)
+    cookie = {"cookie": f"outbox_portal={value}"}
+    form = {"url": "http://127.0.0.1:9/in"}
+    same, cross = {**cookie, "sec-fetch-site": "same-origin"}, {**cookie, "sec-fetch-site": "x"}
+    with_csrf = {**form, "csrf": csrf}
+    async with portal.client() as c:
+        add = f"{portal.url}/actions/add"
+        r = await c.post(add, data=form, headers=same)
+        assert r.status_code == 403 and "CSRF" in r.text
+        r = await c.post(add, data=with_csrf, headers=cross)
+        assert r.status_code == 403
+        r = await c.post(add, data=with_csrf, headers=same)
+        assert r.status_code == 200 and "whsec_" in r.text  # the secret, once, on this answer
+        other, _ = await signed_in(portal, "other")
+        theirs = {"cookie": f"outbox_portal={other}", "sec-fetch-site": "same-origin"}
+        r = await c.post(add, data=with_csrf, headers=theirs)
+        assert r.status_code == 403  # another session's CSRF value
+
+
+async def test_a_session_is_no_bearer_token_and_a_link_token_no_session(portal: Served) -> None:
+    value, _ = await signed_in(portal)
+    async with portal.client() as c:
+        r = await c.get("/endpoints", headers={"authorization": f"Bearer {value}"})
+        assert r.status_code == 401
+        r = await c.get(
+            f"{portal.url}/endpoints", headers={"cookie": f"outbox_portal={portal.token('acme')}"}
+        )
+        assert r.status_code == 303  # back to sign-in
