@@ -117,3 +117,40 @@ async def test_another_tenants_pages_and_a_bad_link(browser: Browser, portal: Se
     assert response is not None and "Access token" in await fresh.content()  # signed out
     # The one error: the 404 asked for.
     assert len(errors) == 1 and f"/endpoints/{theirs}" in errors[0], errors
+
+
+@pytest.mark.parametrize("allowed", [True, False], ids=["embed-origin", "no-embed-origin"])
+async def test_the_portal_is_framed_by_the_embed_origins_only(
+    db_url: str, browser: Browser, allowed: bool
+) -> None:
+    """A page of another origin (another port) frames the portal's link: shown when that
+    origin is an embed origin, refused by the browser otherwise."""
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    from tests.support.asgi import serve
+
+    frame_src: list[str] = []
+
+    async def host(request: object) -> HTMLResponse:
+        return HTMLResponse(
+            f'<link rel="icon" href="data:,"><iframe id="portal" src="{frame_src[0]}"></iframe>'
+        )
+
+    async with serve(Starlette(routes=[Route("/", host)])) as host_url:
+        embed = (host_url,) if allowed else ()
+        async with served_portal(db_url, embed_origins=embed) as portal:
+            frame_src.append(f"{portal.url}/")
+            page = await browser.new_page()
+            errors: list[str] = []
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            await page.goto(host_url + "/")
+            frame = page.frame_locator("#portal")
+            if allowed:
+                await frame.locator("text=Access token").wait_for(timeout=15_000)
+                assert errors == []
+            else:
+                await page.wait_for_timeout(1500)
+                assert await frame.locator("text=Access token").count() == 0
+                assert any("frame-ancestors" in e for e in errors), errors

@@ -89,3 +89,28 @@ async def test_a_session_is_no_bearer_token_and_a_link_token_no_session(portal: 
             f"{portal.url}/endpoints", headers={"cookie": f"outbox_portal={portal.token('acme')}"}
         )
         assert r.status_code == 303  # back to sign-in
+
+
+async def test_embedding_opens_the_frame_to_the_embed_origins_and_the_cookie_to_frames(
+    db_url: str,
+) -> None:
+    import pytest as _pytest
+
+    from relay.portal.app import check_origins
+
+    origin = "https://app.example.com"
+    async with served_portal(db_url, embed_origins=(origin,)) as p, p.client() as c:
+        r = await c.get(f"{p.url}/")
+        assert f"frame-ancestors 'self' {origin}" in r.headers["content-security-policy"]
+        assert "x-frame-options" not in r.headers
+        r = await c.post(
+            f"{p.url}/session",
+            data={"token": p.token("acme")},
+            headers={"sec-fetch-site": "same-origin"},
+        )
+        assert r.status_code == 303, r.text
+        cookie = r.headers["set-cookie"]
+        assert "SameSite=none" in cookie and "Partitioned" in cookie and "Secure" in cookie
+    for bad in ("https://app.example.com/path", "*", "https://a.example https://b.example", "x"):
+        with _pytest.raises(ValueError, match="scheme, host and port"):
+            check_origins((bad,))

@@ -38,6 +38,14 @@ PREFIX = "/portal"
     help="Endpoints a tenant may have.",
 )
 @click.option(
+    "--embed-origin",
+    "embed_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="A site whose pages may frame the portal's (https://app.example.com; repeat). "
+    "Default: none may.",
+)
+@click.option(
     "--allow-private-networks",
     is_flag=True,
     help="Let tenants add endpoints on private or loopback networks (a test set-up only).",
@@ -50,6 +58,7 @@ def portal(
     key_file: str | None,
     destinations: tuple[str, ...],
     max_endpoints: int,
+    embed_origins: tuple[str, ...],
     allow_private_networks: bool,
 ) -> None:
     """Serve the tenant portal's API: each of your tenants (customers) manages its own

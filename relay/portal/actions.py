@@ -116,7 +116,10 @@ async def sign_in(request: Request) -> Response:
     try:
         if not isinstance(token, str):
             raise sessions.PortalTokenRefused("malformed", "no token")
-        access = sessions.start(response, request, portal.keys, portal.schema, token.strip())
+        access = sessions.start(
+            response, request, portal.keys, portal.schema, token.strip(),
+            framed=bool(portal.embed_origins),
+        )  # fmt: skip
     except sessions.PortalTokenRefused as exc:
         log.info("relay.portal.token_refused", reason=exc.reason)
         return render(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from relay.portal import actions, api, pages, sessions
 from relay.portal.changes import Policy
 from relay.portal.scope import Scope
 from relay.portal.state import Portal
-from relay.ui.security import HEADERS
+from relay.ui.security import CONTENT_SECURITY_POLICY, HEADERS
 
 log = structlog.get_logger("relay.portal")
 
@@ -66,10 +67,16 @@ ROUTES = [
 
 
 def build_portal(
-    database_url: str, keys: PortalKeys, policy: Policy, *, schema: str = "public"
+    database_url: str,
+    keys: PortalKeys,
+    policy: Policy,
+    *,
+    schema: str = "public",
+    embed_origins: tuple[str, ...] = (),
 ) -> Starlette:
-    """The portal as an ASGI app, served under ``/portal`` (``outbox-relay portal``)."""
-    portal = Portal(database_url, schema, keys, policy)
+    """The portal as an ASGI app, served under ``/portal`` (``outbox-relay portal``);
+    its pages may be framed by ``embed_origins`` (https://app.example.com) only."""
+    portal = Portal(database_url, schema, keys, policy, check_origins(embed_origins))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -94,10 +101,35 @@ def build_portal(
     return app
 
 
+def check_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
+    """Origins as a CSP source list takes them: scheme, host and an optional port, nothing
+    more (a path, a wildcard or a space would widen or break the policy)."""
+    for origin in origins:
+        if not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?", origin):
+            raise ValueError(
+                f"embed origin {origin!r}: give scheme, host and port only "
+                "(https://app.example.com)"
+            )
+    return tuple(origins)
+
+
+def headers_for(embed_origins: tuple[str, ...]) -> dict[str, str]:
+    """The console's headers; framed by the embed origins if any (and by no one else)."""
+    if not embed_origins:
+        return HEADERS
+    ancestors = "frame-ancestors 'self' " + " ".join(embed_origins)
+    headers = {k: v for k, v in HEADERS.items() if k != "x-frame-options"}
+    headers["content-security-policy"] = CONTENT_SECURITY_POLICY.replace(
+        "frame-ancestors 'none'", ancestors
+    )
+    return headers
+
+
 class _Gate:
     def __init__(self, app: ASGIApp, portal: Portal) -> None:
         self.app = app
         self.portal = portal
+        self.headers = headers_for(portal.embed_origins)
 
     async def __call__(self, scope: AsgiScope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,7 +142,7 @@ class _Gate:
                 present = {k.lower() for k, _ in headers}
                 headers += [
                     (k.encode(), v.encode())
-                    for k, v in HEADERS.items()
+                    for k, v in self.headers.items()
                     if k.encode() not in present
                 ]
                 message["headers"] = headers

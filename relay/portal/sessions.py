@@ -33,10 +33,18 @@ def cookie_name(root_path: str) -> str:
 
 
 def start(
-    response: Response, request: Request, keys: PortalKeys, schema: str, token: str
+    response: Response,
+    request: Request,
+    keys: PortalKeys,
+    schema: str,
+    token: str,
+    framed: bool = False,
 ) -> PortalAccess:
     """Sign in with a link's token: the session cookie set on ``response``; raises
-    PortalTokenRefused for a token that does not open the portal."""
+    PortalTokenRefused for a token that does not open the portal. ``framed`` (the portal may
+    be embedded in another site's page): SameSite=None and partitioned (CHIPS), since a
+    cross-site frame gets no SameSite=Strict cookie; the CSRF value and Sec-Fetch-Site then
+    carry the defence."""
     access = verify_portal_token(token, key=keys, schema=schema)
     base = request.scope.get("root_path", "")
     response.set_cookie(
@@ -45,9 +53,14 @@ def start(
         max_age=max(1, int(access.expires.timestamp() - time.time())),
         httponly=True,
         secure=True,  # browsers keep it on http://127.0.0.1 and localhost too
-        samesite="strict",
+        samesite="none" if framed else "strict",
         path=(base or "") + "/",
     )
+    if framed:
+        # Starlette writes Partitioned on Python 3.14 only: added to the header it wrote.
+        name, value = response.raw_headers[-1]
+        assert name == b"set-cookie"
+        response.raw_headers[-1] = (name, value + b"; Partitioned")
     return access
 
 

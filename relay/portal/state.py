@@ -28,6 +28,8 @@ class Portal:
     schema: str
     keys: PortalKeys
     policy: Policy
+    # Sites whose pages may frame the portal's (empty: none may).
+    embed_origins: tuple[str, ...] = ()
     limits: Limits = field(default_factory=lambda: Limits(DEFAULT_RATE))
     write_limits: Limits = field(default_factory=lambda: Limits(DEFAULT_WRITE_RATE))
     pool: asyncpg.Pool | None = None

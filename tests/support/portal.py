@@ -36,9 +36,12 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served_portal(db_url: str, policy: Policy | None = None) -> AsyncIterator[Served]:
+async def served_portal(
+    db_url: str, policy: Policy | None = None, embed_origins: tuple[str, ...] = ()
+) -> AsyncIterator[Served]:
     keys = pt.PortalKeys.parse(pt.new_portal_key())
-    inner = build_portal(db_url, keys, policy or Policy((DEST,), allow_private_networks=True))
+    policy = policy or Policy((DEST,), allow_private_networks=True)
+    inner = build_portal(db_url, keys, policy, embed_origins=embed_origins)
     app = Starlette(routes=[Mount("/portal", app=inner)])
     state: Portal = inner.state.portal
     try:
