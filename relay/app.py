@@ -88,6 +88,7 @@ class Relay:
         self.pauses: Pauses | None = None
         self._listener: Listener | None = None
         self.console: Any = None  # the console's ASGI app, when [ui] enabled = true
+        self.portal: Any = None  # the tenant portal's, when [portal] enabled = true
         self._mixed = MixedClaims(settings)  # relays claiming a destination another way
 
     # --- public -------------------------------------------------------------------------
@@ -187,7 +188,13 @@ class Relay:
         if self.settings.http.enabled:
             self.http = HttpServer(
                 self.settings.http,
-                build_app(self.metrics.registry, self.health, self.readiness, self._console_app()),
+                build_app(
+                    self.metrics.registry,
+                    self.health,
+                    self.readiness,
+                    self._console_app(),
+                    self._portal_app(),
+                ),
             )
             try:
                 await self.http.start()
@@ -316,6 +323,23 @@ class Relay:
                 "handed out again: the outbox sequence set back?); claiming them now",
             )
             self.wake()
+
+    def _portal_app(self) -> Any:
+        """The tenant portal, when [portal] enabled = true: served at /portal."""
+        p = self.settings.portal
+        if not p.enabled:
+            return None
+        from relay.portal.app import build_portal  # Starlette and Jinja2 only where used
+        from relay.portal.changes import Policy
+
+        self.portal = build_portal(
+            self.settings.database_url.get_secret_value(),
+            p.keys(),
+            Policy(self.settings.portal_destinations(), p.max_endpoints, p.allow_private_networks),
+            schema=self.settings.relay.db_schema,
+            embed_origins=tuple(p.embed_origins),
+        )
+        return self.portal
 
     def _console_app(self) -> Any:
         """The operator console, when [ui] enabled = true: served at /ui by the listener."""

@@ -96,7 +96,7 @@ async def test_embedding_opens_the_frame_to_the_embed_origins_and_the_cookie_to_
 ) -> None:
     import pytest as _pytest
 
-    from relay.portal.app import check_origins
+    from relay.config.portal import check_origins
 
     origin = "https://app.example.com"
     async with served_portal(db_url, embed_origins=(origin,)) as p, p.client() as c:

@@ -41,6 +41,7 @@ from relay.config.base import (
     Section,
 )
 from relay.config.environment import OurEnvironment
+from relay.config.portal import PortalSettings
 
 # Delivered rows are kept this long by default: long enough to answer "was event 123
 # delivered, and when?" (`outbox-relay show 123`) during an incident, short enough that even
@@ -291,6 +292,7 @@ class Settings(BaseSettings):
     relay: RelaySettings = RelaySettings()
     http: HttpSettings = HttpSettings()
     ui: UiSettings = UiSettings()
+    portal: PortalSettings = PortalSettings()
     destinations: dict[str, DestinationSettings] = Field(default_factory=dict)
 
     @classmethod
@@ -327,6 +329,35 @@ class Settings(BaseSettings):
                 "http.enabled = false turns off: enable both, or run `outbox-relay ui` apart"
             )
         return self
+
+    @model_validator(mode="after")
+    def _portal_has_destinations(self) -> Settings:
+        if not self.portal.enabled:
+            return self
+        if not self.http.enabled:
+            raise ValueError(
+                "portal.enabled = true serves the portal on the [http] listener, which "
+                "http.enabled = false turns off: enable both, or run `outbox-relay portal` apart"
+            )
+        offered = self.portal_destinations()
+        if not offered:
+            raise ValueError(
+                "portal.enabled = true needs an endpoints destination ([destinations.NAME] "
+                'kind = "endpoints") for tenants to add endpoints to'
+            )
+        return self
+
+    def portal_destinations(self) -> tuple[str, ...]:
+        """The endpoints destinations the portal offers (ValueError: one that is not)."""
+        kinds = {name: getattr(d, "kind", None) for name, d in self.destinations.items()}
+        named = self.portal.destinations or [n for n, k in kinds.items() if k == "endpoints"]
+        for name in named:
+            if kinds.get(name) != "endpoints":
+                raise ValueError(
+                    f"portal.destinations: {name!r} is not a destination of kind "
+                    '"endpoints" in [destinations]'
+                )
+        return tuple(named)
 
     @property
     def dsn(self) -> str:

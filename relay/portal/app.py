@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Send
 from starlette.types import Scope as AsgiScope
 
 from outbox.endpoints.portal_tokens import PortalKeys, PortalTokenRefused, verify_portal_token
+from relay.config.portal import check_origins
 from relay.portal import actions, api, pages, sessions
 from relay.portal.changes import Policy
 from relay.portal.scope import Scope
@@ -99,18 +99,6 @@ def build_portal(
     )
     app.state.portal = portal
     return app
-
-
-def check_origins(origins: tuple[str, ...]) -> tuple[str, ...]:
-    """Origins as a CSP source list takes them: scheme, host and an optional port, nothing
-    more (a path, a wildcard or a space would widen or break the policy)."""
-    for origin in origins:
-        if not re.fullmatch(r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?", origin):
-            raise ValueError(
-                f"embed origin {origin!r}: give scheme, host and port only "
-                "(https://app.example.com)"
-            )
-    return tuple(origins)
 
 
 def headers_for(embed_origins: tuple[str, ...]) -> dict[str, str]:

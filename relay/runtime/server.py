@@ -34,12 +34,18 @@ class HttpStartupError(Exception):
     """The listener cannot start (usually: the port is taken)."""
 
 
-# The operator console's place in the listener, with [ui] enabled = true.
+# The operator console's place in the listener, with [ui] enabled = true; the tenant
+# portal's, with [portal] enabled = true.
 CONSOLE_PREFIX = "/ui"
+PORTAL_PREFIX = "/portal"
 
 
 def build_app(
-    registry: CollectorRegistry, healthz: Probe, readyz: Probe, console: ASGIApp | None = None
+    registry: CollectorRegistry,
+    healthz: Probe,
+    readyz: Probe,
+    console: ASGIApp | None = None,
+    portal: ASGIApp | None = None,
 ) -> ASGIApp:
     metrics_app: ASGIApp = make_asgi_app(registry=registry)
     probes = {"/healthz": healthz, "/readyz": readyz}
@@ -51,14 +57,15 @@ def build_app(
         if path == "/metrics":
             await metrics_app(scope, receive, send)
             return
-        if console is not None and (path + "/").startswith(CONSOLE_PREFIX + "/"):
-            if path == CONSOLE_PREFIX:
-                await _redirect(send, CONSOLE_PREFIX + "/")
+        for prefix, mounted in ((CONSOLE_PREFIX, console), (PORTAL_PREFIX, portal)):
+            if mounted is not None and (path + "/").startswith(prefix + "/"):
+                if path == prefix:
+                    await _redirect(send, prefix + "/")
+                    return
+                # Mounted: it sees its prefix as root_path (Starlette's routing strips it).
+                root = scope.get("root_path", "") + prefix
+                await mounted({**scope, "root_path": root}, receive, send)
                 return
-            # Mounted: the console sees its prefix as root_path (Starlette's routing strips it).
-            root = scope.get("root_path", "") + CONSOLE_PREFIX
-            await console({**scope, "root_path": root}, receive, send)
-            return
         probe = probes.get(path)
         if probe is None:
             status, body = 404, {"error": f"no such path {path}; try /metrics /healthz /readyz"}

@@ -158,6 +158,13 @@ async def _close(
                 await console.state.console.close()
         except Exception as exc:
             log.warning("relay.console.close_failed", error=describe(exc))
+    portal = getattr(relay, "portal", None)
+    if portal is not None:
+        try:
+            async with asyncio.timeout(left(2.0)):
+                await portal.state.portal.close()
+        except Exception as exc:
+            log.warning("relay.portal.close_failed", error=describe(exc))
     # The ordered destinations it owns: another relay takes them over now (their rows in
     # flight are waited for), and the pool's close does not wait for that connection.
     await store.disown()
