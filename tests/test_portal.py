@@ -99,6 +99,22 @@ async def test_a_tenant_adds_an_endpoint_tests_it_and_replays_a_failure(
         await page.click("#replay button")
         await reload_until(page, "#status", "delivered")
         await reload_until(page, "#attempts pre", "back again")
+        # A window's replay: counted first, then sent exactly as counted.
+        receiver.respond(500, body=b"down again")
+        await page.click("a:has-text('#')")
+        await page.click("#send-test button")
+        await reload_until(page, "#status", "failed")
+        failed_at = page.url
+        receiver.respond(200, body=b"the window")
+        await page.click("nav >> text=Send again")
+        await page.select_option("#replay-window select[name=since]", "1h")
+        await page.check("#replay-window input[name=failed_only]")
+        await page.click("#replay-window button")
+        await page.wait_for_selector("h1:has-text('Send 1 message(s) again?')")
+        await page.click("#confirm button")
+        await page.wait_for_selector("#notice:has-text('1 message(s) will be sent again')")
+        await page.goto(failed_at)
+        await reload_until(page, "#status", "delivered")
     assert errors == []
 
 

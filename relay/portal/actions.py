@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from relay.ops.common import AdminError
+from relay.ops.selection import SelectionChanged
 from relay.portal import changes, reads, replays, sessions
 from relay.portal.pages import render
 from relay.portal.scope import Scope
@@ -51,11 +52,15 @@ async def act(request: Request) -> Response:
     base = request.scope.get("root_path", "")
     try:
         async with portal.connection() as conn:
+            if name in ("replay-count", "replay-window"):
+                return await _window(request, name, form, conn, portal, scope)
             answer = await _run(name, form, conn, portal, scope, base)
     except reads.NotFound:
         return render(request, "notice.html", 404, title="Not found", text="no such object")
     except PermissionError as exc:
         return render(request, "notice.html", 403, title="Refused", text=str(exc))
+    except (changes.Conflict, SelectionChanged) as exc:
+        return render(request, "notice.html", 409, title="Changed", text=str(exc))
     except (changes.Refused, AdminError, ValueError) as exc:
         return render(request, "notice.html", 400, title="Refused", text=str(exc))
     log.info("relay.portal.action", tenant=scope.tenant, token_id=scope.token_id, action=name)
@@ -97,6 +102,35 @@ async def _run(
         await replays.replay_message(conn, scope, delivery_id)
         return f"/messages/{delivery_id}"
     raise reads.NotFound(name)
+
+
+WINDOWS = {"1h": 3600.0, "24h": 86400.0, "7d": 7 * 86400.0, "30d": 30 * 86400.0}
+
+
+async def _window(
+    request: Request, name: str, form: dict[str, str], conn: object, portal: Portal, scope: Scope
+) -> Response:
+    """A window's replay from the page: counted first (replay-count: the preview, with the
+    count's sealed selection in the form), then sent exactly as counted (replay-window)."""
+    import asyncpg
+
+    assert isinstance(conn, asyncpg.Connection)
+    seconds = WINDOWS.get(_field(form, "since"))
+    if seconds is None:
+        raise ValueError("choose a window: " + ", ".join(WINDOWS))
+    endpoint = _id(form, "endpoint") if _field(form, "endpoint") else None
+    window = replays.Window(seconds, endpoint, _field(form, "failed_only") == "on")
+    if name == "replay-count":
+        counted = await replays.count(conn, scope, window)
+        sealed = replays.seal(portal.keys, scope, window, counted.selections)
+        return render(request, "replay_confirm.html", counted=counted, form=form, selection=sealed)
+    selections = replays.unseal(portal.keys, scope, window, _field(form, "selection"))
+    if selections is None:
+        raise ValueError("the count is not of this window: count again")
+    done = await replays.replay(conn, scope, window, selections)
+    sent = sum(r.replayed for r in done)
+    text = f"{sent} message(s) will be sent again, with the webhook-id each had."
+    return render(request, "notice.html", title="Sent again", text=text)
 
 
 async def sign_in(request: Request) -> Response:

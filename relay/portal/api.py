@@ -6,9 +6,7 @@ the tenant's own input."""
 from __future__ import annotations
 
 import base64
-import binascii
 import functools
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from datetime import datetime, timedelta
@@ -24,7 +22,7 @@ from outbox.endpoints import Endpoint as Registered
 from outbox.errors import describe
 from relay.db.store import UNAVAILABLE
 from relay.ops.common import AdminError
-from relay.ops.selection import Selection, SelectionChanged
+from relay.ops.selection import SelectionChanged
 from relay.portal import changes, reads, replays
 from relay.portal import schemas as s
 from relay.portal.openapi import MAX_ID, QUERIES, document
@@ -341,11 +339,13 @@ async def replay_range(r: Request, p: Portal, sc: Scope, c: asyncpg.Connection) 
     if asked.selection is None:
         counted = await replays.count(c, sc, window)
         per = [_replayed(e) for e in counted.per_endpoint]
-        sealed = _seal(p, sc, window, counted.selections)
+        sealed = replays.seal(p.keys, sc, window, counted.selections)
         return _answer(
             s.RangeReplay(done=False, total=counted.total, endpoints=per, selection=sealed)
         )
-    selections = _unseal(p, sc, window, asked.selection)
+    selections = replays.unseal(p.keys, sc, window, asked.selection)
+    if selections is None:
+        raise Problem(400, "Refused", "selection: not the count of this window: count again")
     done = await replays.replay(c, sc, window, selections)
     per = [_replayed(e) for e in done]
     total = sum(e.replayed for e in done)
@@ -360,42 +360,6 @@ def _replayed(e: Any) -> s.EndpointReplay:
         skipped_event_gone=e.skipped_event_gone,
         skipped_not_taken=e.skipped_not_taken,
     )
-
-
-def _purpose(scope: Scope, window: replays.Window) -> str:
-    w = window
-    return f"replay:{scope.schema}:{scope.tenant}:{w.seconds}:{w.endpoint_id}:{w.failed_only}"
-
-
-def _seal(
-    p: Portal, sc: Scope, window: replays.Window, selections: dict[int, tuple[float, Selection]]
-) -> str:
-    data = json.dumps(
-        {
-            str(eid): [sec, sel.rows, sel.max_id, sel.digest, sel.at.isoformat()]
-            for eid, (sec, sel) in selections.items()
-        },
-        sort_keys=True,
-    ).encode()
-    text = base64.urlsafe_b64encode(data).decode()
-    return f"{text}.{p.keys.seal(_purpose(sc, window), data)}"
-
-
-def _unseal(
-    p: Portal, sc: Scope, window: replays.Window, sealed: str
-) -> dict[int, tuple[float, Selection]]:
-    text, _, signature = sealed.partition(".")
-    try:
-        data = base64.urlsafe_b64decode(text.encode("ascii"))
-    except (ValueError, binascii.Error):
-        data = b""
-    if not data or not p.keys.sealed(_purpose(sc, window), data, signature):
-        raise Problem(400, "Refused", "selection: not the count of this window: count again")
-    raw = json.loads(data)
-    return {
-        int(eid): (sec, Selection(rows, max_id, digest, datetime.fromisoformat(at)))
-        for eid, (sec, rows, max_id, digest, at) in raw.items()
-    }
 
 
 async def openapi_json(request: Request) -> Response:

@@ -58,6 +58,7 @@ ROUTES = [
     Route("/endpoints/{id:int}", pages.guarded(pages.endpoint), methods=["GET"]),
     Route("/messages", pages.guarded(pages.messages), methods=["GET"]),
     Route("/messages/{id:int}", pages.guarded(pages.message), methods=["GET"]),
+    Route("/replay", pages.guarded(pages.replay), methods=["GET"]),
     Route("/actions/{name}", actions.act, methods=["POST"]),
     # The console's stylesheet, and the portal's script.
     Mount(

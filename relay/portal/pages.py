@@ -117,6 +117,14 @@ async def message(request: Request) -> Response:
     return render(request, "message.html", found=found, attempts=tried.items, payload=payload)
 
 
+async def replay(request: Request) -> Response:
+    """The form of a window's replay: the window, one endpoint or all, failed ones only."""
+    portal: Portal = request.app.state.portal
+    async with portal.connection() as conn:
+        page = await reads.endpoints(conn, _scope(request), limit=reads.MAX_LIMIT)
+    return render(request, "replay.html", endpoints=page.items)
+
+
 def _path_id(request: Request) -> int:
     value = int(request.path_params["id"])
     if not 1 <= value <= 2**63 - 1:

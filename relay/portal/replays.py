@@ -6,11 +6,16 @@ its messages, and of an endpoint handed over to it, only those made since."""
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 
 import asyncpg
 
+from outbox.endpoints.portal_tokens import PortalKeys
 from relay.db.queries.render import render_ops
 from relay.ops.replay import (
     ReplayedEndpoint,
@@ -152,3 +157,49 @@ async def replay(
             )
         )
     return done
+
+
+# --- a count's selections, to the client and back ----------------------------------------------
+
+
+def _purpose(scope: Scope, window: Window) -> str:
+    w = window
+    return f"replay:{scope.schema}:{scope.tenant}:{w.seconds}:{w.endpoint_id}:{w.failed_only}"
+
+
+def seal(
+    keys: PortalKeys,
+    scope: Scope,
+    window: Window,
+    selections: Mapping[int, tuple[float, Selection]],
+) -> str:
+    """A count's selections as text the client sends back to replay them, sealed with the
+    portal key for this tenant and window: a client can neither make one up nor take one to
+    another window (its clock, moved, would move the window before a handover)."""
+    data = json.dumps(
+        {
+            str(eid): [sec, sel.rows, sel.max_id, sel.digest, sel.at.isoformat()]
+            for eid, (sec, sel) in selections.items()
+        },
+        sort_keys=True,
+    ).encode()
+    text = base64.urlsafe_b64encode(data).decode()
+    return f"{text}.{keys.seal(_purpose(scope, window), data)}"
+
+
+def unseal(
+    keys: PortalKeys, scope: Scope, window: Window, sealed: str
+) -> dict[int, tuple[float, Selection]] | None:
+    """The selections :func:`seal` made for this tenant and window, or None."""
+    text, _, signature = sealed.partition(".")
+    try:
+        data = base64.urlsafe_b64decode(text.encode("ascii"))
+    except (ValueError, binascii.Error):
+        return None
+    if not data or not keys.sealed(_purpose(scope, window), data, signature):
+        return None
+    raw = json.loads(data)
+    return {
+        int(eid): (sec, Selection(rows, max_id, digest, datetime.fromisoformat(at)))
+        for eid, (sec, rows, max_id, digest, at) in raw.items()
+    }
