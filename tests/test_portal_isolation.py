@@ -148,12 +148,15 @@ async def setup(db_url: str) -> AsyncIterator[tuple[asyncpg.Connection, httpx.As
     inner.state.portal.limits = inner.state.portal.write_limits = Limits(Rate(1e6, 1e6))
     app = Starlette(routes=[Mount("/portal", app=inner)])
     token = pt.portal_token(tenant="a", key=keys)
+    access = pt.verify_portal_token(token, key=keys)
+    session = pt.session_token(access, key=keys)
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     transport = httpx.ASGITransport(app=app)
+    # The API with the bearer token; the pages (http://portal/portal/...) with the session.
     client = httpx.AsyncClient(
         transport=transport,
         base_url="http://portal/portal/api",
-        headers={"authorization": f"Bearer {token}"},
+        headers={"authorization": f"Bearer {token}", "cookie": f"outbox_portal={session}"},
     )
     try:
         yield conn, client
@@ -219,6 +222,14 @@ async def test_tenant_a_sees_and_changes_only_its_own(
             assert not any(f in r.text for f in foreign), r.text
             if did not in mine:
                 assert r.text == absent_message
+    # The pages, signed in as A, for every id: nothing of another tenant's either.
+    pages = ["/endpoints", "/messages", "/replay"]
+    pages += [f"/endpoints/{e}" for e in world.endpoints]
+    pages += [f"/messages/{d}" for d in world.deliveries]
+    for path in pages:
+        r = await client.get(f"http://portal/portal{path}")
+        assert r.status_code in (200, 404), (path, r.status_code)
+        assert not any(f in r.text for f in foreign), (path, r.text)
     # Changes with A's token, on every id: nothing but A's changes.
     before = await conn.fetchrow(SNAPSHOT, "a", list(mine))
     for eid in world.endpoints:
