@@ -4,6 +4,7 @@ portal. No database: a pure module (in [tool.mutmut])."""
 from __future__ import annotations
 
 import base64
+import hmac
 import json
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -291,3 +292,204 @@ def test_a_seal_holds_for_its_purpose_and_data_under_any_key() -> None:
     assert not keys.sealed("selection", b"data", "é")
     assert pt.PortalKeys.parse(f"{OLD},{KEY}").sealed("selection", b"data", sig)  # rotated
     assert not pt.PortalKeys.parse(OLD).sealed("selection", b"data", sig)
+
+
+# --- found by the review of the module (each failed before its fix) ----------------------
+
+
+def _signed(head: bytes, body: bytes, key: bytes | None = None) -> str:
+    """A token with these exact header and claims bytes, correctly signed with KEY."""
+    h, c = pt._b64(head), pt._b64(body)
+    mac = hmac.digest(key if key is not None else raw(KEY), f"{h}.{c}".encode(), "sha256")
+    return f"{h}.{c}.{pt._b64(mac)}"
+
+
+HEAD = json.dumps({"alg": "HS256", "kid": pt.key_id(raw(KEY)), "typ": "JWT"}).encode()
+
+
+# 1. Crash: a non-ASCII character in the claims part escapes as UnicodeEncodeError
+#    (portal_tokens.py:174 encodes parts[1] to ASCII before it is checked, outside any try).
+@pytest.mark.parametrize("bad", ["é", "\u0661", "\ud800", "\uff21"])
+def test_a_non_ascii_claims_part_is_refused_not_a_crash(bad: str) -> None:
+    head, body, sig = mint().split(".")
+    with pytest.raises(pt.PortalTokenRefused) as e:
+        verify(f"{head}.{body}{bad}.{sig}")
+    assert e.value.reason == "malformed"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_any_changed_character_of_any_alphabet_is_refused(data: st.DataObject) -> None:
+    token = mint()
+    at = data.draw(st.integers(0, len(token) - 1))
+    char = data.draw(st.characters().filter(lambda c: c != token[at]))
+    with pytest.raises(pt.PortalTokenRefused):
+        verify(token[:at] + char + token[at + 1 :])
+
+
+# 2. Duplicate members: json keeps the last, a first-wins reader of the same signed token
+#    (a gateway, an audit pipeline, another language's verifier) sees another tenant.
+@pytest.mark.parametrize(
+    ("head", "body"),
+    [
+        (HEAD, json.dumps(claims(sub="acme")).encode()[:-1] + b', "sub": "globex"}'),
+        (HEAD[:1] + b'"alg": "none", ' + HEAD[1:], json.dumps(claims()).encode()),
+    ],
+)
+def test_a_duplicate_member_is_refused(head: bytes, body: bytes) -> None:
+    with pytest.raises(pt.PortalTokenRefused):
+        verify(_signed(head, body))
+
+
+# 3. RFC 7515/7519: the header and claims are UTF-8; json.loads(bytes) also takes UTF-16/32
+#    and a UTF-8 BOM, so several byte strings of one header verify.
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32", "utf-8-sig"])
+def test_a_header_not_in_utf8_is_refused(encoding: str) -> None:
+    head = json.dumps(json.loads(HEAD)).encode(encoding)
+    with pytest.raises(pt.PortalTokenRefused):
+        verify(_signed(head, json.dumps(claims()).encode()))
+
+
+# 4. PortalKeys(...) takes an empty or short key that PortalKeys.parse refuses; with it,
+#    anyone mints a token (HMAC with the empty key).
+def test_portal_keys_refuses_a_short_key_however_it_is_made() -> None:
+    with pytest.raises(OutboxValidationError):
+        pt.PortalKeys([b""])
+
+
+# 5. portal_url: the rest of base_url is not checked.
+def test_a_base_url_with_a_query_is_refused_rather_than_changed() -> None:
+    # "…/portal?lang=de" made "…/portal?lang=de/#token=…": the query's value changed.
+    with pytest.raises(OutboxValidationError, match="plain"):
+        pt.portal_url("https://hooks.example.com/portal?lang=de", tenant="acme", key=KEY)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "https://hooks.example.com/portal\r\nSet-Cookie: a=b",  # header / mail injection
+        "https://hooks.example.com/por tal",
+        "https://hooks.example.com@evil.example/portal",  # userinfo: the host is evil.example
+        # Browsers go to evil.example; urlsplit says hooks.example.com.
+        "https://evil.example\\@hooks.example.com/portal",
+    ],
+)
+def test_a_base_url_that_is_not_one_plain_url_is_refused(bad: str) -> None:
+    with pytest.raises(OutboxValidationError):
+        pt.portal_url(bad, tenant="acme", key=KEY)
+
+
+# --- what mutation testing showed the tests above missed ---------------------------------
+
+
+def _signed_raw(body: bytes, compact: bool = False) -> str:
+    header = {"alg": "HS256", "kid": pt.key_id(raw(KEY)), "typ": "JWT"}
+    h = pt._b64(pt._json(header) if compact else json.dumps(header).encode())
+    c = pt._b64(body)
+    return f"{h}.{c}.{pt._b64(hmac.digest(raw(KEY), f'{h}.{c}'.encode(), 'sha256'))}"
+
+
+def test_portal_url_passes_read_only_ttl_and_schema_on() -> None:
+    url = pt.portal_url(
+        "https://h.example/p", tenant="acme", key=KEY, read_only=True, ttl=120, schema="billing"
+    )
+    access = pt.verify_portal_token(url.split("#token=")[1], key=KEY, schema="billing")
+    assert not access.write
+    assert access.expires <= datetime.now(UTC) + timedelta(seconds=121)
+    url = pt.portal_url("https://h.example/p", tenant="acme", key=KEY)
+    assert pt.verify_portal_token(url.split("#token=")[1], key=KEY).write
+
+
+@pytest.mark.parametrize("claim", ["iat", "exp", "nbf"])
+@pytest.mark.parametrize("kind", [float, str])
+def test_each_time_claim_must_be_an_integer(claim: str, kind: type) -> None:
+    c = claims(nbf=int(NOW.timestamp()))
+    c[claim] = kind(c[claim])
+    assert refused(forge(c)) == "claims"
+
+
+def test_lifetimes_of_one_second_and_of_exactly_seven_days_verify() -> None:
+    assert verify(mint(ttl=1)).expires == NOW + timedelta(seconds=1)
+    assert verify(mint(ttl=timedelta(days=7))).tenant == "acme"
+
+
+def test_the_leeway_boundaries_are_exact() -> None:
+    iat = int(NOW.timestamp())
+    assert refused(forge(claims(exp=iat + 600)), now=NOW + timedelta(seconds=660)) == "expired"
+    assert refused(forge(claims(iat=iat + 60, exp=iat + 660))) == "not_yet"
+    assert refused(forge(claims(nbf=iat + 60))) == "not_yet"
+
+
+@pytest.mark.parametrize(("n", "ok"), [(15, False), (16, True), (64, True), (65, False)])
+def test_jti_length_bounds(n: int, ok: bool) -> None:
+    token = forge(claims(jti="A" * n))
+    if ok:
+        assert verify(token).token_id == "A" * n
+    else:
+        assert refused(token) == "claims"
+
+
+@pytest.mark.parametrize("scope", ["read  write", "read\twrite", " read", "read\nwrite"])
+def test_scope_words_are_separated_by_one_space(scope: str) -> None:
+    assert refused(forge(claims(scope=scope))) == "claims"
+
+
+@pytest.mark.parametrize("kid", [["x"], {"a": 1}, 7, None])
+def test_a_kid_that_is_not_a_str_is_an_unknown_key(kid: Any) -> None:
+    body = pt._b64(json.dumps(claims()).encode())
+    head = pt._b64(json.dumps({"alg": "HS256", "kid": kid, "typ": "JWT"}).encode())
+    assert refused(f"{head}.{body}.AAAA") == "unknown_key"
+
+
+def test_signed_claims_that_are_not_a_json_object_are_refused_with_their_reason() -> None:
+    assert refused(_signed_raw(b"not json")) == "malformed"
+    assert refused(_signed_raw(b"[]")) == "claims"
+
+
+def test_a_naive_now_or_an_empty_schema_is_refused() -> None:
+    with pytest.raises(OutboxValidationError):
+        verify(mint(), now=datetime(2026, 12, 7, 12, 0))
+    with pytest.raises(OutboxValidationError):
+        mint(schema="")
+
+
+def test_key_id_is_a_fixed_function_of_the_key() -> None:
+    # Other languages compute it from docs/portal.md: pin it.
+    assert pt.key_id(bytes(32)) == "kfDGH-XW"
+
+
+def test_our_json_is_sorted_and_compact() -> None:
+    head, body, _ = mint().split(".")
+    assert (
+        pt._unb64(head) == b'{"alg":"HS256","kid":"%s","typ":"JWT"}' % pt.key_id(raw(KEY)).encode()
+    )
+    decoded = pt._unb64(body)
+    assert (
+        decoded == json.dumps(json.loads(decoded), sort_keys=True, separators=(",", ":")).encode()
+    )
+
+
+def test_new_portal_key_is_a_fresh_32_byte_key() -> None:
+    a, b = pt.new_portal_key(), pt.new_portal_key()
+    assert a.startswith("opk_") and len(raw(a)) == 32 and a != b
+
+
+def test_a_bad_key_error_names_the_key_and_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(OutboxValidationError) as e:
+        pt.PortalKeys.parse(f"{KEY},abc")
+    assert e.value.field == "key" and "key 2 " in str(e.value)
+    monkeypatch.setenv(pt.KEY_VARIABLE, "abc")
+    with pytest.raises(OutboxValidationError) as e:
+        pt.portal_token(tenant="acme")
+    assert e.value.field == pt.KEY_VARIABLE and "key 1 " in str(e.value)
+
+
+def test_a_token_of_at_most_max_token_bytes_is_read() -> None:
+    sizes = {}
+    for pad in range(2600, 3000):
+        for compact in (False, True):
+            body = json.dumps(claims()).encode()[:-1] + b" " * pad + b"}"
+            token = _signed_raw(body, compact)
+            sizes.setdefault(len(token), token)
+    assert verify(sizes[pt.MAX_TOKEN_BYTES]).tenant == "acme"
+    assert refused(sizes[pt.MAX_TOKEN_BYTES + 1]) == "malformed"

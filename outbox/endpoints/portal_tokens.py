@@ -109,6 +109,9 @@ class PortalKeys:
     def __init__(self, keys: list[bytes]) -> None:
         if not keys:
             raise PortalKeyMissing(_missing())
+        if any(len(k) < MIN_KEY_BYTES for k in keys):
+            # However the keys were made (an empty secret would let anyone mint a token).
+            raise OutboxValidationError("key", f"a portal key has fewer than {MIN_KEY_BYTES} bytes")
         self._signing = (key_id(keys[0]), keys[0])
         self._by_kid = {key_id(k): k for k in keys}
 
@@ -175,10 +178,10 @@ class PortalKeys:
         if not isinstance(token, str) or len(token) > MAX_TOKEN_BYTES:
             raise PortalTokenRefused("malformed", f"not a str of at most {MAX_TOKEN_BYTES} bytes")
         parts = token.split(".")
-        if len(parts) != 3:
-            raise PortalTokenRefused("malformed", "not three dot-separated parts")
+        if len(parts) != 3 or not all(_B64URL.fullmatch(p) for p in parts):
+            raise PortalTokenRefused("malformed", "not three dot-separated base64url parts")
         try:
-            header = json.loads(_unb64(parts[0]))
+            header = _strict_json(_unb64(parts[0]))
             signature = _unb64(parts[2])
         except (ValueError, RecursionError):
             raise PortalTokenRefused("malformed", "a part is not base64url JSON") from None
@@ -193,7 +196,7 @@ class PortalKeys:
         if not hmac.compare_digest(hmac.digest(key, signed, "sha256"), signature):
             raise PortalTokenRefused("signature", "the signature does not match")
         try:
-            claims = json.loads(_unb64(parts[1]))
+            claims = _strict_json(_unb64(parts[1]))
         except (ValueError, RecursionError):
             raise PortalTokenRefused("malformed", "the claims are not base64url JSON") from None
         if not isinstance(claims, dict):
@@ -204,6 +207,21 @@ class PortalKeys:
 def _sealed(purpose: str, data: bytes) -> bytes:
     # A context of its own: a seal is never a token's signature, nor one purpose's another's.
     return b"outbox-portal seal\0" + purpose.encode() + b"\0" + data
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        # Python keeps the last of two members, other readers the first: a token must mean
+        # one thing to every reader of it.
+        raise ValueError("a member given twice")
+    return found
+
+
+def _strict_json(raw: bytes) -> Any:
+    """JSON in UTF-8 only (json.loads would also take UTF-16, UTF-32 and a byte order mark:
+    several byte forms of one header), no member twice."""
+    return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
 
 
 def _json(value: Mapping[str, Any]) -> bytes:
@@ -318,13 +336,18 @@ def portal_url(
 
 
 def portal_link(base_url: str, token: str) -> str:
-    """``base_url`` (where the portal is served) with ``token`` in its fragment."""
-    if not isinstance(base_url, str) or not re.match(r"https?://[^/?#\s]+", base_url):
+    """``base_url`` (where the portal is served) with ``token`` in its fragment. The URL must
+    be one plain http(s) URL: no user info (``good@evil``), backslash, space, control
+    character, query or fragment, any of which could send the browser, and the fragment,
+    somewhere else."""
+    if not isinstance(base_url, str) or not re.fullmatch(
+        r"https?://[A-Za-z0-9.-]+(:[0-9]{1,5})?(/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?", base_url
+    ):
         raise OutboxValidationError(
-            "base_url", "must be an http(s) URL (where the portal is served)"
+            "base_url",
+            "must be one plain http(s) URL, host and path only (no user info, query, "
+            "fragment, space or backslash): where the portal is served",
         )
-    if "#" in base_url or any(c.isspace() for c in base_url):
-        raise OutboxValidationError("base_url", "must hold no fragment (#) and no space")
     return f"{base_url.rstrip('/')}/#token={token}"
 
 
