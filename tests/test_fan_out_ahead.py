@@ -17,6 +17,7 @@ from outbox import endpoint_secrets
 from outbox.dburl import to_asyncpg_dsn
 from relay.db.queries import deliveries as dq
 from relay.db.queries.render import render_ops
+from tests.test_endpoint_delivery import aengine  # noqa: F401  (fixture)
 from tests.test_held_snapshot_deliveries import _nodes
 
 DEST = "d"
@@ -50,8 +51,10 @@ async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
         await c.close()
 
 
-async def _ahead(conn: asyncpg.Connection, after: int, n: int = 5000) -> set[int]:
-    return set(await conn.fetchval(render_ops(dq.ENDPOINTS_AHEAD, "public"), DEST, after, n))
+async def _ahead(conn: asyncpg.Connection, after: int, n: int = 5000) -> set[int] | None:
+    """What DeliveryStore.ahead answers: the endpoints reached, or None if more wait."""
+    row = await conn.fetchrow(render_ops(dq.ENDPOINTS_AHEAD, "public"), DEST, after, n)
+    return None if row[0] >= n or row[1] >= n else set(row[2])
 
 
 async def test_the_look_reaches_the_endpoints_a_fan_out_would(
@@ -96,19 +99,21 @@ async def test_the_look_reaches_the_endpoints_a_fan_out_would(
             await round_.rollback()
 
 
-async def test_the_look_reads_at_most_its_count_of_fresh_events(
+async def test_the_look_reads_at_most_its_count_and_says_when_more_wait(
     conn: asyncpg.Connection,
 ) -> None:
-    """An event past the first ``n`` fresh ones is not read: the look costs the same whatever
-    the backlog (its bound, AHEAD_EVENTS, is what docs/webhooks.md promises)."""
+    """The look reads at most ``n`` events of each lane; when as many wait, it did not see
+    them all and says nothing (an event past them may be another tenant's: found by review,
+    a new endpoint's event 6,000 events behind a burst waited 22 s)."""
     secret = endpoint_secrets.generate()
     first = await conn.fetchval(ENDPOINT, DEST, "http://127.0.0.1:9/a", "a", [], True, secret)
     last = await conn.fetchval(ENDPOINT, DEST, "http://127.0.0.1:9/b", "b", [], True, secret)
     for _ in range(3):
         await conn.fetchval(EVENT, DEST, "a", None, 0, 0)
     await conn.fetchval(EVENT, DEST, "b", None, 0, 0)
-    assert await _ahead(conn, 0, 3) == {first}
-    assert await _ahead(conn, 0, 4) == {first, last}
+    assert await _ahead(conn, 0, 3) is None
+    assert await _ahead(conn, 0, 4) is None
+    assert await _ahead(conn, 0, 5) == {first, last}
 
 
 async def test_the_look_starts_after_the_last_event_fanned_out_and_matches_by_index(
@@ -178,3 +183,130 @@ async def test_a_failed_look_paces_nothing_until_it_may_look_again(db_url: str) 
         assert DEST not in source._ahead and DEST not in source._looking
         assert not source._paceable(DEST, {1}, time.monotonic())
         assert DEST not in source._looking  # not again at once
+
+
+# --- found by review (each failed before its fix) ----------------------------------------
+
+
+BURST = (
+    "INSERT INTO outbox (destination, payload, content_type, tenant) "
+    "SELECT $1, '{}', 'application/json', $2 FROM generate_series(1, $3)"
+)
+
+
+async def test_another_tenants_event_behind_more_than_the_look_reads_is_not_held(
+    db_url: str,
+    aengine: Any,  # noqa: F811
+    make_receiver: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new endpoint's event behind a burst longer than the look reads (AHEAD_EVENTS, 100
+    here): the look saw only the burst, and the pace held the event until the backlog ahead of
+    it was shorter than that (22 s behind 1,028 of the burst's events, found by review)."""
+    import time
+
+    from relay.sinks.endpoints import fan_outs
+    from tests.support.relays import running, wait_until
+    from tests.test_endpoint_delivery import (
+        DEST as DELIVERY_DEST,
+    )
+    from tests.test_endpoint_delivery import (
+        add_endpoint,
+        delivered_to,
+        endpoints_settings,
+        enqueue,
+        fetch,
+    )
+
+    monkeypatch.setattr(fan_outs, "AHEAD_EVENTS", 100)
+    a, r = make_receiver(), make_receiver()
+    a.respond(200, delay=0.02)
+    await add_endpoint(aengine, a.url, tenant="a")
+    async with running(endpoints_settings(db_url, max_concurrency=1)):
+        [first] = await enqueue(db_url, [{"tenant": "a", "payload": {}}])
+        await wait_until(lambda: delivered_to(a) == [first], what="a known fast")
+        await add_endpoint(aengine, r.url, tenant="r")
+        await fetch(db_url, BURST, DELIVERY_DEST, "a", 1100)
+        [new] = await enqueue(db_url, [{"tenant": "r", "payload": {"new": True}}])
+        started = time.monotonic()
+        await wait_until(lambda: new in delivered_to(r), timeout=60, what="r's new event")
+        took = time.monotonic() - started
+        sent_a = len(delivered_to(a))
+    assert took < 5.0, f"r's event took {took:.1f} s, behind {sent_a - 1} of a's events"
+
+
+async def test_a_slow_look_that_finds_a_waiting_endpoint_stops_the_pace(db_url: str) -> None:
+    """A look that takes longer than AHEAD_FOR was thrown away as stale, and the next one
+    paced while it ran: paced in 40 of 48 checks though the looks found an endpoint that
+    waits (found by review). What a look finds waiting stops the pace, whatever its age."""
+    import asyncio
+    import time
+
+    from tests.test_endpoint_source import served
+
+    async with served(db_url) as s:
+        source = s.source
+        source._enabled = {DEST: {1: False, 2: False}}
+
+        async def slow(destination: str, after: int, n: int) -> set[int]:
+            await asyncio.sleep(1.2)
+            return {1, 2}
+
+        source.store.ahead = slow  # type: ignore[method-assign]
+        paced: list[bool] = []
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:
+            paced.append(source._paceable(DEST, {1}, time.monotonic()))
+            await asyncio.sleep(0.05)
+        source.halt()
+    later = paced[len(paced) * 2 // 5 :]
+    assert not any(later), f"paced in {sum(later)} of {len(later)} checks after 2 was found"
+
+
+async def test_a_look_that_raises_another_error_paces_nothing_on_a_guess(db_url: str) -> None:
+    """Only the database's errors were caught: a bug's left no failure behind, so every check
+    started a new look and paced meanwhile (20 looks for 20 checks, found by review)."""
+    import asyncio
+    import time
+
+    from tests.test_endpoint_source import served
+
+    async with served(db_url) as s:
+        source = s.source
+        source._enabled = {DEST: {1: False, 2: False}}
+        calls = 0
+
+        async def broken(destination: str, after: int, n: int) -> set[int]:
+            nonlocal calls
+            calls += 1
+            raise RuntimeError("a bug")
+
+        source.store.ahead = broken  # type: ignore[method-assign]
+        paced = []
+        for _ in range(20):
+            paced.append(source._paceable(DEST, {1}, time.monotonic()))
+            await asyncio.sleep(0.01)
+    assert not any(paced[1:]) and calls == 1, (paced, calls)
+
+
+async def test_the_look_starts_after_the_last_fan_out_not_the_highest_ever(db_url: str) -> None:
+    """Ids handed out again (a restore, the sequence set back) are below the highest id ever
+    fanned out: a look from there saw no waiting event until new ids passed it (found by
+    review). It starts after the last fan-out's."""
+    from tests.test_endpoint_source import served
+
+    async with served(db_url) as s:
+        source = s.source
+        source._fanned_top[DEST] = 1000  # before the restore
+
+        async def fanned(*_: Any) -> tuple[dict[int, int], list[Any], float, float]:
+            return {3: 0, 5: 0}, [], 0.0, 0.0
+
+        source.store.fan_out_claiming = fanned  # type: ignore[method-assign]
+
+        class Event:
+            def __init__(self, i: int) -> None:
+                self.id, self.token, self.destination = i, 1, DEST
+
+        await source.fan_out([Event(3), Event(5)], "none")  # type: ignore[list-item]
+        assert source._fanned_top[DEST] == 5

@@ -629,9 +629,10 @@ WHERE e.enabled AND e.destination = ANY(:destinations::text[])
 -- The endpoints that the destination's next :n waiting events would reach, in the order the
 -- events' claim takes them (fresh ones after :after, the last event this relay fanned out, in
 -- outbox_fresh_idx; and those due again, in outbox_waiting_idx), matched as fan_out matches
--- them. An enabled endpoint that none of them reaches does
--- not keep the claim from being paced by the fast endpoints' room (FanOuts._paceable): none
--- of its events waits behind theirs. 10,000 endpoints registered, 10 matching: it reads the
+-- them, and how many of each lane it read: fewer than :n in both, it saw every event that
+-- waits, and only then may an enabled endpoint that none of them reaches be left out of what
+-- keeps the claim from being paced by the fast endpoints' room (FanOuts._paceable): none of
+-- its events waits behind theirs. 10,000 endpoints registered, 10 matching: it reads the
 -- events' few (tenant, type) pairs, and matches those.
 
 WITH fresh AS MATERIALIZED (
@@ -650,7 +651,8 @@ due AS MATERIALIZED (
 kinds AS (
     SELECT DISTINCT tenant, event_type FROM (SELECT * FROM fresh UNION ALL SELECT * FROM due) AS a
 )
-SELECT ARRAY(
+SELECT (SELECT count(*) FROM fresh)::int AS fresh, (SELECT count(*) FROM due)::int AS due,
+    ARRAY(
         SELECT DISTINCT e.id FROM kinds AS k
         CROSS JOIN LATERAL (
             SELECT e.id FROM {endpoints} AS e

@@ -38,14 +38,16 @@ PROBE_HOLD = 1.0
 # endpoint's new events wait longer than BACKLOG_HOLD for another's backlog.
 BACKLOG_HOLD = 1.0
 REHOLD_EVERY = 10.0
-# The look ahead (_look): how many of a destination's waiting events it reads (in each lane),
-# how often while the pace depends on it, and how long what it saw is used. An endpoint not
-# known here stops the pace only if one of those events would reach it: an event of a new one
-# waits at most about AHEAD_FOR behind another's paced backlog, unless more than AHEAD_EVENTS
-# events are ahead of it.
-AHEAD_EVENTS = 5000
+# The look ahead (_look): how many of a destination's waiting events it reads at most (in
+# each lane; with more waiting it tells nothing, and the pace is as without it), how often
+# while the pace depends on it, and how long what it saw is used. An endpoint not known here
+# stops the pace only if a waiting event would reach it: an event of a new one waits at most
+# about AHEAD_FOR behind another's paced backlog. A look that saw a waiting endpoint stops the
+# pace for AHEAD_KEPT, however long it took.
+AHEAD_EVENTS = 20_000
 AHEAD_EVERY = 0.5
 AHEAD_FOR = 1.0
+AHEAD_KEPT = 10.0
 
 
 class FanOuts(Attempts):
@@ -97,7 +99,9 @@ class FanOuts(Attempts):
             self.stats["claimed"] += len(items)
             self.stats["sent_at_fan_out"] += len(items)
             self.adopt(items)
-        self._fanned_top[destination] = max(self._fanned_top.get(destination, 0), *by_id)
+        # The last fan-out's highest id, not the highest ever: ids handed out again (a
+        # restore, the sequence set back) are read by the next look after the next fan-out.
+        self._fanned_top[destination] = max(by_id)
         return matched
 
     def _look_soon(self, destination: str) -> bool:
@@ -106,6 +110,8 @@ class FanOuts(Attempts):
         Returns whether one is under way (started less than AHEAD_FOR ago): the events are
         paced meanwhile (a claim or two, for the milliseconds it takes)."""
         now = time.monotonic()
+        if self._halted:
+            return False  # the relay stops: no new task
         task = self._looking.get(destination)
         if task is not None:
             return now - self._look_started[destination] < AHEAD_FOR
@@ -123,14 +129,24 @@ class FanOuts(Attempts):
         try:
             after = self._fanned_top.get(destination, 0)
             reach = await self.store.ahead(destination, after, AHEAD_EVENTS)
-        except DB_ERRORS as exc:
+        except asyncio.CancelledError:
+            self._looking.pop(destination, None)
+            raise
+        except Exception as exc:  # the database's, or a bug: no pace on a guess either way
+            self._ahead.pop(destination, None)
+            self._looking.pop(destination, None)
+            self._look_failed[destination] = time.monotonic()
+            if isinstance(exc, DB_ERRORS):
+                log.warning("relay.endpoints.ahead_read_failed", error=describe(exc))
+            else:
+                log.exception("relay.endpoints.ahead_read_failed", error=describe(exc))
+            return
+        self._looking.pop(destination, None)
+        if reach is None:  # more waiting than it reads: it tells nothing
             self._ahead.pop(destination, None)
             self._look_failed[destination] = time.monotonic()
-            log.warning("relay.endpoints.ahead_read_failed", error=describe(exc))
         else:
             self._ahead[destination] = (started, reach)
-        finally:
-            del self._looking[destination]
         self._recheck_room()  # held back until the look said whom the events reach
 
     def fan_out_fits(self, destination: str, limit: int, claiming: bool = True) -> int | None:
@@ -179,13 +195,19 @@ class FanOuts(Attempts):
         if enabled is None:
             return False
         look = self._ahead.get(destination)
-        if look is not None and now - look[0] < AHEAD_FOR:
-            if now - look[0] >= AHEAD_EVERY:
-                self._look_soon(destination)  # kept fresh while it is used
+        if look is not None and now - look[0] < AHEAD_KEPT:
             # Reached, and not read as enabled yet: a new one, not known here either.
-            return not any(
+            waits = any(
                 e not in fast and self._would_wait(e, enabled.get(e, False)) for e in look[1]
             )
+            if waits:  # whatever the look's age: it found one
+                if now - look[0] >= AHEAD_EVERY:
+                    self._look_soon(destination)
+                return False
+            if now - look[0] < AHEAD_FOR:
+                if now - look[0] >= AHEAD_EVERY:
+                    self._look_soon(destination)  # kept fresh while it is used
+                return True
         for endpoint, limited in enabled.items():
             if endpoint not in fast and self._would_wait(endpoint, limited):
                 # Whether the next events reach it is not known: paced only while a look

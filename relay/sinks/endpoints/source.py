@@ -262,6 +262,7 @@ class DeliverySource(FanOuts, Health):
         self._halted = True
         for task in self._looking.values():
             task.cancel()  # a look ahead: nothing is paced any more
+        self._looking.clear()  # a task cancelled before it ran never clears itself
 
     async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
         # Halted, the rows still queued (claimed ahead of the endpoint's free slots) are not

@@ -126,12 +126,15 @@ class DeliveryStore:
             out[r[1]][r[0]] = r[2]
         return out
 
-    async def ahead(self, destination: str, after: int, n: int) -> set[int]:
-        """The endpoints that ``destination``'s next waiting events would reach: at most ``n``
-        of each lane read, the fresh ones after ``after`` (ENDPOINTS_AHEAD)."""
+    async def ahead(self, destination: str, after: int, n: int) -> set[int] | None:
+        """The endpoints that ``destination``'s waiting events would reach, the fresh ones
+        after ``after`` (ENDPOINTS_AHEAD); None if more than ``n`` wait in a lane (not every
+        one was read)."""
         self.store.statements["endpoints_ahead"] += 1
-        found = await self.store.call("fetchval", queries.ENDPOINTS_AHEAD, destination, after, n)
-        return set(found)
+        row = await self.store.call("fetchrow", queries.ENDPOINTS_AHEAD, destination, after, n)
+        if row[0] >= n or row[1] >= n:
+            return None
+        return set(row[2])
 
     async def settle(self, wait: bool = True) -> None:
         """Put back what fan-outs whose answer was lost claimed (FAN_OUT_SETTLE), if any is
