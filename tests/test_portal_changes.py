@@ -15,7 +15,6 @@ import pytest
 from cryptography.fernet import Fernet
 
 from outbox.dburl import to_asyncpg_dsn
-from relay.ops.common import AdminError
 from relay.ops.selection import SelectionChanged
 from relay.portal import changes, reads, replays
 from relay.portal.scope import Scope
@@ -99,7 +98,7 @@ async def test_an_endpoint_is_added_for_the_tenant_with_the_operators_rules(
     listed = await reads.endpoints(conn, A)
     assert [e.id for e in listed.items] == [made.id]
     strict = changes.Policy((DEST,))
-    with pytest.raises(AdminError, match="private"):
+    with pytest.raises(changes.Refused, match="public addresses"):
         await changes.create(conn, A, strict, url=URL)  # loopback: not for tenants by default
     with pytest.raises(changes.Refused, match="destination"):
         await changes.create(conn, A, LOCAL, url=URL, destination="kafka-orders")

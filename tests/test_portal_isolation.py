@@ -38,6 +38,7 @@ class World:
     deliveries: dict[int, tuple[int, str, bool, bool]]  # id: endpoint, event tenant, before, kept
     marks: dict[int, int]  # delivery id: its number in the payload and answer ("payload-3x")
     urls: dict[int, int]  # endpoint id: its number in its url and description ("url-1x")
+    handed: set[int]  # endpoints whose tenant was changed
 
     def foreign(self, tenant: str, mine: set[int]) -> list[str]:
         """The texts of what is not ``tenant``'s to see: endpoints not its own now, the
@@ -81,7 +82,7 @@ async def build(conn: asyncpg.Connection, eps: list[Any], dels: list[Any]) -> Wo
         )  # fmt: skip
         ids.append(eid)
         handed.append(to if to != tenant else None)
-    world = World({}, {}, {}, {eid: n for n, eid in enumerate(ids)})
+    world = World({}, {}, {}, {eid: n for n, eid in enumerate(ids)}, set())
     for before in (True, False):
         for n, (ep, event_tenant, status, made_before, gone) in enumerate(dels):
             if made_before != before:
@@ -113,6 +114,7 @@ async def build(conn: asyncpg.Connection, eps: list[Any], dels: list[Any]) -> Wo
                     await conn.execute(
                         "UPDATE outbox_endpoints SET tenant = $2 WHERE id = $1", eid, to
                     )
+                    world.handed.add(eid)
     for eid, (tenant, to) in zip(ids, eps, strict=True):
         world.endpoints[eid] = to if to is not None and to != tenant else tenant
     # The before-deliveries of endpoints never handed over are theirs as any other.
@@ -124,11 +126,15 @@ async def build(conn: asyncpg.Connection, eps: list[Any], dels: list[Any]) -> Wo
 
 
 def visible(world: World, tenant: str) -> set[int]:
-    """The model: the messages ``tenant`` may see."""
+    """The model: the messages ``tenant`` may see: to its endpoints, made since each became
+    its own, of its own events; of events retention deleted, only on an endpoint never handed
+    over (only the event would say whose the message was)."""
     return {
         did
         for did, (eid, event_tenant, before, kept) in world.deliveries.items()
-        if world.endpoints[eid] == tenant and not before and (event_tenant == tenant or not kept)
+        if world.endpoints[eid] == tenant
+        and not before
+        and ((kept and event_tenant == tenant) or (not kept and eid not in world.handed))
     }
 
 

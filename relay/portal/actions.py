@@ -11,6 +11,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
+from outbox.endpoints import portal_tokens as pt
 from relay.ops.common import AdminError
 from relay.ops.selection import SelectionChanged
 from relay.portal import changes, reads, replays, sessions
@@ -144,14 +145,24 @@ async def sign_in(request: Request) -> Response:
         site is None and origin is not None and origin != own
     ):
         return render(request, "notice.html", 403, title="Refused", text="request refused")
-    token = (await read_form(request)).get("token")
+    form = await read_form(request)
+    token = form.get("token")
     base = request.scope.get("root_path", "")
     response = RedirectResponse(base + "/endpoints", 303)
     try:
         if not isinstance(token, str):
             raise sessions.PortalTokenRefused("malformed", "no token")
+        token = token.strip()
+        current = sessions.scope_of(request, portal.keys, portal.schema)
+        if current is not None and form.get("replace") != "yes":
+            # Signed in already: a link opened from elsewhere (a page of another site can
+            # send the browser to one of its own tenant's links) must not swap the tenant
+            # under the person's feet without their say (found by review).
+            asked = pt.verify_portal_token(token, key=portal.keys, schema=portal.schema)
+            if asked.tenant != current.tenant or asked.write != current.write:
+                return render(request, "switch.html", asked=asked, current=current, token=token)
         access = sessions.start(
-            response, request, portal.keys, portal.schema, token.strip(),
+            response, request, portal.keys, portal.schema, token,
             framed=bool(portal.embed_origins),
         )  # fmt: skip
     except sessions.PortalTokenRefused as exc:

@@ -104,7 +104,7 @@ def operation(name: str) -> Callable[[Handler], Callable[[Request], Awaitable[Re
                     status=refused.status_code,
                 )
                 return refused
-            if request.method != "GET":
+            if request.method not in ("GET", "HEAD"):
                 log.info(
                     "relay.portal.action",
                     tenant=scope.tenant,

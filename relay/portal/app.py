@@ -138,20 +138,34 @@ class _Gate:
             await send(message)
 
         path = scope["path"][len(scope.get("root_path", "")) :] or "/"
-        if path in OPEN or path.startswith("/static/"):
-            await self.app(scope, receive, headed)
-            return
         request = Request(scope)
-        refused = self._refused(request, scope, page=not path.startswith("/api/"))
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            # Every path's, the open ones' too (a sign-in form is read whole).
+            too_large = api.problem(413, "Too large", f"bodies here are at most {MAX_BODY} bytes")
+            await too_large(scope, receive, headed)
+            return
+        refused = None
+        if not (path in OPEN or path.startswith("/static/")):
+            refused = self._refused(request, scope, page=not path.startswith("/api/"))
         if refused is not None:
             await refused(scope, receive, headed)
             return
-        await self.app(scope, _capped(receive), headed)
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await headed(message)
+
+        try:
+            await self.app(scope, _capped(receive), tracked)
+        except api.Problem as exc:  # a body without a length, past the limit, read by a page
+            if started:
+                raise
+            await api.problem(exc.status, exc.title, exc.detail)(scope, receive, headed)
 
     def _refused(self, request: Request, scope: AsgiScope, *, page: bool) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
-            return api.problem(413, "Too large", f"bodies here are at most {MAX_BODY} bytes")
         if page:
             who = sessions.scope_of(request, self.portal.keys, self.portal.schema)
             if who is None:  # not signed in, or the session ended: the sign-in page
@@ -167,7 +181,7 @@ class _Gate:
             )
         scope.setdefault("state", {})["portal_scope"] = who
         wait = self.portal.limits.take(who.tenant)
-        if not wait and request.method != "GET":
+        if not wait and request.method not in ("GET", "HEAD"):
             wait = self.portal.write_limits.take(who.tenant)
         if wait:
             log.info("relay.portal.rate_limited", tenant=who.tenant, token_id=who.token_id)

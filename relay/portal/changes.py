@@ -19,7 +19,8 @@ import asyncpg
 from relay.db.queries import serial_key
 from relay.db.queries.render import render_ops
 from relay.ops import queries as ops_queries
-from relay.ops.endpoints import library
+from relay.ops.common import AdminError
+from relay.ops.endpoints import Action, library
 from relay.portal import queries as q
 from relay.portal.reads import NotFound
 from relay.portal.scope import Scope
@@ -73,6 +74,22 @@ class Locked:
 
 
 Work = Callable[["Endpoints", "AsyncConnection", Locked], Awaitable[T]]
+# What a tenant is told of a URL the library refused: not the library's words, which say
+# what the portal host resolves a name to and name the operator's settings (found by review).
+URL_REFUSED = (
+    "url: not a URL the portal sends to: it must be an http(s) URL whose host resolves to "
+    "public addresses only"
+)
+
+
+async def _library(conn: asyncpg.Connection, schema: str, work: Action[T]) -> tuple[T, bool]:
+    """relay.ops.endpoints.library, a refused URL told in the portal's own words."""
+    try:
+        return await library(conn, schema, work)
+    except AdminError as exc:
+        if getattr(exc.__cause__, "field", None) == "url":
+            raise Refused(URL_REFUSED) from None
+        raise
 
 
 async def _guarded(conn: asyncpg.Connection, scope: Scope, endpoint_id: int, work: Work[T]) -> T:
@@ -88,7 +105,7 @@ async def _guarded(conn: asyncpg.Connection, scope: Scope, endpoint_id: int, wor
                 raise NotFound(endpoint_id)
             return await work(e, c, Locked(**dict(row)))
 
-    done, _ = await library(conn, scope.schema, run)
+    done, _ = await _library(conn, scope.schema, run)
     return done
 
 
@@ -126,7 +143,7 @@ async def create(
                 check_dns=True,
             )
 
-    made, _ = await library(conn, scope.schema, run)
+    made, _ = await _library(conn, scope.schema, run)
     return made
 
 

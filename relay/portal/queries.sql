@@ -9,7 +9,11 @@
 -- delivery or an attempt goes through mine, made since the endpoint became the tenant's; an
 -- event is read only where its own tenant is :tenant. So an endpoint without a tenant (it
 -- takes every tenant's events: the operator's) is no tenant's here, and an endpoint handed
--- from one tenant to another shows the new one nothing of what the old one was sent.
+-- from one tenant to another shows the new one nothing of what the old one was sent. A
+-- delivery whose event retention deleted is shown only on an endpoint never handed over: a
+-- fan-out that read the endpoint as the old tenant's while the handover was being made
+-- writes its delivery after tenant_since (found by review), and only the event says whose it
+-- is.
 --
 -- Pages are newest first by id, below :before (a cursor: relay/portal/cursors.py), :limit
 -- rows; never OFFSET, never a count of the whole log.
@@ -41,7 +45,7 @@ SELECT count(*) FILTER (WHERE d.status = 'pending') AS pending,
 FROM mine AS m JOIN {deliveries} AS d ON d.endpoint_id = m.id
     AND d.created_at >= coalesce(m.tenant_since, '-infinity')
 LEFT JOIN {table} AS o ON o.id = d.event_id
-WHERE m.id = :endpoint_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
+WHERE m.id = :endpoint_id::bigint AND (o.tenant = :tenant OR (o.id IS NULL AND m.tenant_since IS NULL))
 
 -- name: messages
 -- params: tenant, before, limit, endpoint_id, status, event_type, since, until
@@ -61,12 +65,15 @@ CROSS JOIN LATERAL (
     LEFT JOIN {table} AS o ON o.id = d.event_id
     WHERE d.endpoint_id = m.id AND d.id < :before::bigint
       AND d.created_at >= coalesce(m.tenant_since, '-infinity')
-      AND (o.id IS NULL OR o.tenant = :tenant)
+      AND (o.tenant = :tenant OR (o.id IS NULL AND m.tenant_since IS NULL))
       AND (:status::text IS NULL OR d.status = :status::text)
       AND (:event_type::text IS NULL OR o.event_type = :event_type::text)
       AND (:since::timestamptz IS NULL OR d.created_at >= :since::timestamptz)
       AND (:until::timestamptz IS NULL OR d.created_at < :until::timestamptz)
-    ORDER BY d.id DESC
+    -- By the index's whole key: outbox_deliveries_endpoint_idx read backwards from :before,
+    -- one endpoint's entries only, whatever the filters (a status filter planned a scan of
+    -- every tenant's deliveries: found by review).
+    ORDER BY d.endpoint_id DESC, d.id DESC
     LIMIT :limit
 ) AS d
 WHERE :endpoint_id::bigint IS NULL OR m.id = :endpoint_id::bigint
@@ -85,7 +92,7 @@ FROM mine AS m
 JOIN {deliveries} AS d ON d.endpoint_id = m.id
     AND d.created_at >= coalesce(m.tenant_since, '-infinity')
 LEFT JOIN {table} AS o ON o.id = d.event_id
-WHERE d.id = :delivery_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
+WHERE d.id = :delivery_id::bigint AND (o.tenant = :tenant OR (o.id IS NULL AND m.tenant_since IS NULL))
 
 -- name: attempts
 -- params: tenant, delivery_id, before, limit
@@ -98,7 +105,7 @@ JOIN {deliveries} AS d ON d.endpoint_id = m.id
     AND d.created_at >= coalesce(m.tenant_since, '-infinity')
 LEFT JOIN {table} AS o ON o.id = d.event_id
 JOIN {attempts} AS a ON a.event_id = d.event_id AND a.delivery_id = d.id
-WHERE d.id = :delivery_id::bigint AND (o.id IS NULL OR o.tenant = :tenant)
+WHERE d.id = :delivery_id::bigint AND (o.tenant = :tenant OR (o.id IS NULL AND m.tenant_since IS NULL))
   AND a.id < :before::bigint
 ORDER BY a.id DESC
 LIMIT :limit

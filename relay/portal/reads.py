@@ -143,6 +143,8 @@ async def endpoints(
 
 async def endpoint(conn: asyncpg.Connection, scope: Scope, endpoint_id: int) -> EndpointView:
     """One of the tenant's endpoints, with its deliveries counted by status."""
+    if not 1 <= endpoint_id < cursors.FIRST:
+        raise NotFound(endpoint_id)  # (the highest id would overflow below)
     sql = render_ops(q.ENDPOINTS, scope.schema)
     # The page below endpoint_id + 1, one row: it, if it is the tenant's.
     rows = await conn.fetch(sql, scope.tenant, endpoint_id + 1, 1)
