@@ -114,3 +114,48 @@ async def test_embedding_opens_the_frame_to_the_embed_origins_and_the_cookie_to_
     for bad in ("https://app.example.com/path", "*", "https://a.example https://b.example", "x"):
         with _pytest.raises(ValueError, match="scheme, host and port"):
             check_origins((bad,))
+
+
+async def test_an_answer_shows_its_hidden_characters_and_no_markup(
+    db_url: str, portal: Served
+) -> None:
+    """A receiver's answer is shown as text: a bidi override or an escape sequence written out
+    (it could reorder or hide what the page says), markup escaped."""
+    import asyncpg
+
+    from outbox.dburl import to_asyncpg_dsn
+
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        ep = await conn.fetchval(
+            "INSERT INTO outbox_endpoints (destination, url, tenant, secret)"
+            " VALUES ('d', 'http://127.0.0.1:9/', 'acme', 'whsec_x') RETURNING id"
+        )
+        event = await conn.fetchval(
+            "INSERT INTO outbox (destination, payload, content_type, tenant, status)"
+            " VALUES ('d', '{}', 'application/json', 'acme', 'delivered') RETURNING id"
+        )
+        delivery = await conn.fetchval(
+            "INSERT INTO outbox_deliveries (event_id, endpoint_id, destination)"
+            " VALUES ($1, $2, 'd') RETURNING id",
+            event,
+            ep,
+        )
+        await conn.execute(
+            "INSERT INTO outbox_attempts (delivery_id, event_id, endpoint_id, http_status,"
+            " response) VALUES ($1, $2, $3, 500, $4)",
+            delivery,
+            event,
+            ep,
+            "paid\u202e<script>alert(1)</script>\x1b[31m",
+        )
+    finally:
+        await conn.close()
+    value, _ = await signed_in(portal)
+    async with portal.client() as c:
+        r = await c.get(
+            f"{portal.url}/messages/{delivery}", headers={"cookie": f"outbox_portal={value}"}
+        )
+    assert r.status_code == 200
+    assert "\\u202e" in r.text and "\\x1b" in r.text
+    assert "\u202e" not in r.text and "\x1b" not in r.text and "<script>alert" not in r.text

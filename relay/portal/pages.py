@@ -5,6 +5,7 @@ session's scope; each form posts to an action (relay/portal/actions.py)."""
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,31 @@ TEMPLATES = Environment(
     lstrip_blocks=True,
 )
 TEMPLATES.filters["age"] = age
+
+
+def visible(text: str | None) -> str:
+    r"""A receiver's answer (or a payload) as text, every character that a page would act on
+    or not show written as its escape (````, ``‮``: a control, a bidi override, a
+    zero-width one), so that an answer cannot hide or reorder what the page shows; line
+    breaks and tabs kept. Autoescaping still applies to what is left."""
+    if not text:
+        return ""
+    out = []
+    for ch in text:
+        if ch in "\n\t":
+            out.append(ch)
+        elif (
+            ord(ch) < 32
+            or 127 <= ord(ch) < 160
+            or unicodedata.category(ch) in ("Cf", "Cs", "Zl", "Zp")
+        ):
+            out.append(f"\\x{ord(ch):02x}" if ord(ch) < 256 else f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+TEMPLATES.filters["visible"] = visible
 
 
 def render(request: Request, name: str, code: int = 200, **context: Any) -> HTMLResponse:
