@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -17,6 +16,7 @@ from outbox import endpoint_secrets
 from outbox.dburl import to_asyncpg_dsn
 from relay.db.queries import deliveries as dq
 from relay.db.queries.render import render_ops
+from tests.support.fan_outs import conn_fixture  # noqa: F401  (the conn fixture)
 from tests.test_endpoint_delivery import aengine  # noqa: F401  (fixture)
 from tests.test_held_snapshot_deliveries import _nodes
 
@@ -40,15 +40,6 @@ REACHED = (
     " AND (cardinality(e.event_types) = 0 OR o.event_type = ANY(e.event_types))"
     " WHERE o.id = ANY($1::bigint[])"
 )
-
-
-@pytest.fixture
-async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    c = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def _ahead(conn: asyncpg.Connection, after: int, n: int = 5000) -> set[int] | None:

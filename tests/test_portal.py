@@ -8,29 +8,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 
 import pytest
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page
 
 from outbox.endpoints import portal_tokens as pt
-from tests.support.browser import chromium
 from tests.support.portal import Served, served_portal
 from tests.support.receiver import Receiver
 from tests.support.relays import running
+from tests.test_console import (
+    browser,  # noqa: F401  (the fixture)
+    chromium_path,  # noqa: F401  (fixture)
+)
 from tests.test_endpoint_delivery import endpoints_settings
-
-
-@pytest.fixture(scope="module")
-def chromium_path() -> str:
-    return chromium()
-
-
-@pytest.fixture
-async def browser(chromium_path: str) -> AsyncIterator[Browser]:
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            await b.close()
 
 
 @pytest.fixture
@@ -39,7 +27,11 @@ async def portal(db_url: str) -> AsyncIterator[Served]:
         yield p
 
 
-async def opened(browser: Browser, portal: Served, tenant: str) -> tuple[Page, list[str]]:
+async def opened(
+    browser: Browser,  # noqa: F811
+    portal: Served,
+    tenant: str,
+) -> tuple[Page, list[str]]:
     """A page opened by the tenant's link; and the browser's errors (CSP ones too)."""
     page = await browser.new_page()
     errors: list[str] = []
@@ -71,7 +63,7 @@ async def reload_until(page: Page, selector: str, text: str, timeout: float = 30
 
 async def test_a_tenant_adds_an_endpoint_tests_it_and_replays_a_failure(
     db_url: str,
-    browser: Browser,
+    browser: Browser,  # noqa: F811
     portal: Served,
     make_receiver: Callable[..., Receiver],
 ) -> None:
@@ -118,7 +110,10 @@ async def test_a_tenant_adds_an_endpoint_tests_it_and_replays_a_failure(
     assert errors == []
 
 
-async def test_another_tenants_pages_and_a_bad_link(browser: Browser, portal: Served) -> None:
+async def test_another_tenants_pages_and_a_bad_link(
+    browser: Browser,  # noqa: F811
+    portal: Served,
+) -> None:
     async with portal.client("other") as c:
         theirs = (await c.post("/endpoints", json={"url": "http://127.0.0.1:9/x"})).json()["id"]
     page, errors = await opened(browser, portal, "acme")
@@ -137,7 +132,9 @@ async def test_another_tenants_pages_and_a_bad_link(browser: Browser, portal: Se
 
 @pytest.mark.parametrize("allowed", [True, False], ids=["embed-origin", "no-embed-origin"])
 async def test_the_portal_is_framed_by_the_embed_origins_only(
-    db_url: str, browser: Browser, allowed: bool
+    db_url: str,
+    browser: Browser,  # noqa: F811
+    allowed: bool,
 ) -> None:
     """A page of another origin (another port) frames the portal's link: shown when that
     origin is an embed origin, refused by the browser otherwise."""

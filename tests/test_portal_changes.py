@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -14,10 +14,10 @@ import asyncpg
 import pytest
 from cryptography.fernet import Fernet
 
-from outbox.dburl import to_asyncpg_dsn
 from relay.ops.selection import SelectionChanged
 from relay.portal import changes, reads, replays
 from relay.portal.scope import Scope
+from tests.support.fan_outs import conn_fixture  # noqa: F401  (the conn fixture)
 from tests.support.receiver import Receiver
 from tests.support.relays import running, wait_until
 from tests.test_endpoint_delivery import DEST, delivered_to, endpoints_settings
@@ -33,15 +33,6 @@ SNAPSHOT = (
     " (SELECT json_agg(d ORDER BY id) FROM outbox_deliveries d),"
     " (SELECT count(*) FROM outbox)"
 )
-
-
-@pytest.fixture
-async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    c = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def failed_message(conn: asyncpg.Connection, endpoint_id: int, tenant: str) -> int:

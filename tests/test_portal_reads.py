@@ -5,18 +5,17 @@ every tenant, or of what an endpoint was sent before it became the tenant's."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
 import pytest
 
-from outbox.dburl import to_asyncpg_dsn
 from relay.db.queries.render import render_ops
 from relay.portal import cursors, reads
 from relay.portal import queries as q
 from relay.portal.scope import Scope
+from tests.support.fan_outs import conn_fixture  # noqa: F401  (the conn fixture)
 from tests.test_held_snapshot_deliveries import _nodes
 
 A = Scope("a", "tok-a", True, "public")
@@ -38,15 +37,6 @@ ATTEMPT = (
     "INSERT INTO outbox_attempts (delivery_id, event_id, endpoint_id, http_status, response)"
     " VALUES ($1, $2, $3, $4, $5) RETURNING id"
 )
-
-
-@pytest.fixture
-async def conn(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    c = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield c
-    finally:
-        await c.close()
 
 
 async def endpoint(conn: asyncpg.Connection, tenant: str | None, n: int = 0) -> int:
