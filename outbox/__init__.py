@@ -19,10 +19,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from outbox import catalog as catalog
     from outbox import django as django
     from outbox import endpoints as endpoints
     from outbox import inbox as inbox
-    from outbox.errors import OutboxError, OutboxValidationError
+    from outbox.errors import EventSchemaError, OutboxError, OutboxValidationError
     from outbox.message import DEFAULT_MAX_PAYLOAD_BYTES
     from outbox.schema import (
         define_outbox_table,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 # Each public name, and the module that defines it.
 _HOMES = {
     "DEFAULT_MAX_PAYLOAD_BYTES": "outbox.message",
+    "EventSchemaError": "outbox.errors",
     "EventSpec": "outbox.writer",
     "Outbox": "outbox.writer",
     "OutboxError": "outbox.errors",
@@ -66,6 +68,7 @@ _HOMES = {
 
 __all__ = [
     "DEFAULT_MAX_PAYLOAD_BYTES",
+    "EventSchemaError",
     "EventSpec",
     "Outbox",
     "OutboxError",
@@ -85,8 +88,9 @@ __all__ = [
 ]
 assert sorted(__all__) == sorted(_HOMES)
 
-# Modules reached as attributes: outbox.endpoints.create(...), outbox.inbox.mark(...).
-_SUBMODULES = frozenset({"endpoints", "inbox", "django"})
+# Modules reached as attributes: outbox.endpoints.create(...), outbox.inbox.mark(...),
+# outbox.catalog.use(...) (its validator, jsonschema-rs, loads only when a type checks).
+_SUBMODULES = frozenset({"catalog", "endpoints", "inbox", "django"})
 
 # Those that need an optional extra (outbox.django: Django). Without it they are no attribute,
 # so dir() and inspect, which try every name, keep working; the message names the extra.

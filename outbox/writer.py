@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypedDict
 
 from sqlalchemy import TextClause, text
 from sqlalchemy.engine import Connection
@@ -54,20 +54,36 @@ class EventSpec(TypedDict, total=False):
     tenant: str | None
 
 
+class EventCheck(Protocol):
+    """What ``Outbox(catalog=...)`` takes: ``outbox.catalog.Catalog`` is one. Named by its
+    method only, so that enqueuing without a catalog never loads the catalog's modules (nor
+    its validator): pyproject.toml's import rules hold writer.py to that."""
+
+    def check(self, message: NewMessage, payload: Payload) -> None:
+        """Raise an ``OutboxValidationError`` to refuse ``message`` (built from ``payload``)."""
+
+
 class Outbox:
     """An outbox in one schema. The module-level functions use ``Outbox()`` (schema public).
 
     ``max_payload_bytes`` refuses events that the broker or endpoint would refuse later.
+    ``catalog`` checks each typed event against its declared type before any SQL
+    (``outbox.catalog.use`` sets it for the module-level functions).
     """
 
     def __init__(
-        self, schema: str = "public", *, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+        self,
+        schema: str = "public",
+        *,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        catalog: EventCheck | None = None,
     ) -> None:
         if max_payload_bytes <= 0:
             raise ValueError("max_payload_bytes must be positive")
         queries.check_schema(schema)
         self.schema = schema
         self.max_payload_bytes = max_payload_bytes
+        self.catalog = catalog
         table = queries.qualified_table(schema)
         # (unlabelled, labelled): events without event_type and tenant use statements that
         # name only the columns every migrated outbox has (see queries.ENQUEUE_LABELLED_SA).
@@ -112,7 +128,7 @@ class Outbox:
     ) -> NewMessage:
         if trace and (headers is None or isinstance(headers, Mapping)):
             headers = tracing.with_trace_headers(headers, trace)
-        return build_message(
+        m = build_message(
             destination=destination,
             payload=payload,
             key=key,
@@ -123,6 +139,11 @@ class Outbox:
             tenant=tenant,
             max_payload_bytes=self.max_payload_bytes,
         )
+        # After build_message (its refusals keep their wording, and the row is storable) and
+        # before any SQL: a refusal here leaves the caller's transaction as it was.
+        if self.catalog is not None:
+            self.catalog.check(m, payload)
+        return m
 
     def _messages(self, events: Iterable[EventSpec]) -> list[NewMessage]:
         out = []
@@ -131,7 +152,7 @@ class Outbox:
             try:
                 out.append(self._message(**_spec_kwargs(ev), trace=trace))
             except OutboxValidationError as exc:
-                raise OutboxValidationError(f"events[{i}].{exc.field}", exc.message) from exc
+                raise exc.at(f"events[{i}]") from exc
         return out
 
     def _one(

@@ -35,6 +35,16 @@ BREAKS = {
         "outbox/errors.py",
         "def _later() -> None:\n    import relay.obs.scrub  # a function-level import counts\n",
     ),
+    "enqueue-without-catalog": (
+        "enqueue never loads the catalog",
+        "outbox/writer.py",
+        "def _later() -> None:\n    from outbox.catalog import validation  # even lazily\n",
+    ),
+    "enqueue-without-catalog-validator": (
+        "enqueue never loads the catalog",
+        "outbox/message.py",
+        "import jsonschema_rs",
+    ),
     "sinks-apart": (
         "the kafka and webhook sinks never import the endpoints sink",
         "relay/sinks/webhook/client.py",

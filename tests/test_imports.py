@@ -39,6 +39,36 @@ def test_importing_the_library_loads_sqlalchemy_only_when_used() -> None:
     assert {"sqlalchemy", "outbox.writer"} <= used
 
 
+def test_enqueue_without_a_catalog_loads_neither_its_validator_nor_pydantic(db_url: str) -> None:
+    """An application that declares no catalog pays nothing for one (pyproject.toml's
+    enqueue-without-catalog rule says the same of the code)."""
+    url = "postgresql+psycopg://" + db_url.partition("://")[2]
+    modules = imported(
+        "import sqlalchemy as sa\n"
+        "import outbox\n"
+        f"engine = sa.create_engine({url!r})\n"
+        "with engine.begin() as conn:\n"
+        "    outbox.enqueue_sync(conn, destination='orders', payload={'id': 1},\n"
+        "                        event_type='order.created')\n"
+    )
+    assert "outbox.writer" in modules
+    loaded = sorted(m for m in modules if m.split(".")[0] in ("jsonschema_rs", "pydantic"))
+    assert not loaded, loaded
+    assert "outbox.catalog" not in modules
+
+
+def test_a_catalog_loads_its_validator_only_when_a_type_checks() -> None:
+    declare = (
+        "from outbox.catalog import Catalog, EventType\n"
+        "from outbox.message import build_message\n"
+        "c = Catalog(validate='{mode}')\n"
+        "c.add(EventType.from_schema('t', {{'type': 'object'}}, destinations=['d']))\n"
+        "c.check(build_message(destination='d', payload={{}}, event_type='t'), {{}})\n"
+    )
+    assert "jsonschema_rs" not in imported(declare.format(mode="off"))
+    assert "jsonschema_rs" in imported(declare.format(mode="reject"))
+
+
 def test_type_checkers_still_catch_a_misspelt_outbox_name(tmp_path: Path) -> None:
     """The lazy names stay visible to mypy as what they are: a typo is an error, not Any."""
     snippet = tmp_path / "uses_outbox.py"

@@ -17,7 +17,9 @@ psycopg2, and Django's query logging and test assertions see it. No ``on_commit`
 needed: the event is a row of the transaction, invisible to the relay until it commits.
 
 Settings: ``OUTBOX_SCHEMA`` (default ``"public"``) and ``OUTBOX_MAX_PAYLOAD_BYTES`` (default
-1,000,000), as ``outbox.Outbox(schema, max_payload_bytes=...)`` takes them.
+1,000,000), as ``outbox.Outbox(schema, max_payload_bytes=...)`` takes them; ``OUTBOX_CATALOG``
+(default none), the event catalog that checks typed events: a ``Catalog``, or a spec,
+``"shop.events:catalog"`` or the path of a catalog's ``.json`` export (``load_catalog``).
 """
 
 from __future__ import annotations
@@ -95,12 +97,22 @@ def _outbox() -> Outbox:
     return _configured(
         getattr(settings, "OUTBOX_SCHEMA", "public"),
         getattr(settings, "OUTBOX_MAX_PAYLOAD_BYTES", DEFAULT_MAX_PAYLOAD_BYTES),
+        getattr(settings, "OUTBOX_CATALOG", None),
     )
 
 
 @lru_cache(maxsize=8)
-def _configured(schema: str, max_payload_bytes: int) -> Outbox:
+def _configured(schema: str, max_payload_bytes: int, catalog: object = None) -> Outbox:
     try:
-        return Outbox(schema, max_payload_bytes=max_payload_bytes)
+        box = Outbox(schema, max_payload_bytes=max_payload_bytes)
     except ValueError as exc:
         raise ImproperlyConfigured(f"OUTBOX_SCHEMA / OUTBOX_MAX_PAYLOAD_BYTES: {exc}") from exc
+    if catalog is not None:
+        # Loaded on the first enqueue, not at import: the catalog's module may import models.
+        from outbox.catalog import Catalog, CatalogError, load_catalog
+
+        try:
+            box.catalog = catalog if isinstance(catalog, Catalog) else load_catalog(str(catalog))
+        except CatalogError as exc:
+            raise ImproperlyConfigured(f"OUTBOX_CATALOG: {exc}") from exc
+    return box

@@ -177,3 +177,33 @@ def test_outbox_migrate_and_the_schema_setting(settings: Any) -> None:
     with transaction.atomic():
         event_id = enqueue(destination="orders", payload=b"x")
     assert committed("events.outbox") == [event_id] and committed() == []
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_catalog_refusal_leaves_the_atomic_block_usable(settings: Any) -> None:
+    """OUTBOX_CATALOG: an event its type refuses raises before any SQL, and the block goes on
+    to commit the order and a valid event, as if the refused one had never been tried."""
+    from outbox import EventSchemaError
+
+    settings.OUTBOX_CATALOG = "orders.events:catalog"
+    with transaction.atomic():
+        order = Order.objects.create(total=Decimal("5.00"))
+        with pytest.raises(EventSchemaError) as err:
+            enqueue(destination="orders", payload={"id": "one"}, event_type="order.created")
+        assert err.value.field == "payload.id" and err.value.keyword == "type"
+        with pytest.raises(EventSchemaError, match=r"events\[1\]\.payload\.extra"):
+            enqueue_many(
+                [
+                    {"destination": "orders", "payload": {"id": 1}, "event_type": "order.created"},
+                    {
+                        "destination": "orders",
+                        "payload": {"id": 1, "extra": 2},
+                        "event_type": "order.created",
+                    },
+                ]
+            )
+        kept = enqueue(destination="orders", payload={"id": order.pk}, event_type="order.created")
+    assert committed("orders_order") == [order.pk] and committed() == [kept]
+    settings.OUTBOX_CATALOG = None
+    with transaction.atomic():  # without the setting, nothing is checked
+        enqueue(destination="orders", payload={"id": "one"}, event_type="order.created")
