@@ -497,3 +497,52 @@ def test_listing_the_commands_loads_neither_sqlalchemy_nor_the_relay() -> None:
     heavy = sorted(m for m in modules if m.split(".")[0] in HEAVY or m.startswith(HEAVY))
     assert not heavy, heavy
     assert "outbox.endpoints" not in modules
+
+
+# --- the event catalog's word on --event-type ------------------------------------------------
+
+
+def test_add_and_update_warn_of_a_type_the_catalog_lacks(db_url: str, tmp_path: Path) -> None:
+    from outbox.catalog import Catalog, EventType
+
+    catalog = Catalog()
+    catalog.add(EventType.from_schema("invoice.paid", {"type": "object"}, destinations=["orders"]))
+    path = tmp_path / "catalog.json"
+    path.write_text(json.dumps(catalog.export()))
+    spec = ["--catalog", str(path)]
+    res = cli(
+        db_url,
+        "add",
+        "orders",
+        LOCAL,
+        "--allow-private-networks",
+        "--event-type",
+        "invoice.payed",
+        *spec,
+    )
+    assert res.exit_code == 0, res.output  # a warning, not a refusal: the endpoint is added
+    assert (
+        "warning: event type 'invoice.payed' is not in the catalog; did you mean 'invoice.paid'?"
+        in res.stderr
+    )
+    [(endpoint_id, types)] = sql(db_url, "SELECT id, event_types FROM outbox_endpoints")
+    assert types == ["invoice.payed"]
+    res = cli(db_url, "update", str(endpoint_id), "--event-type", "invoice.paid", *spec)
+    assert res.exit_code == 0, res.output
+    assert "warning" not in res.stderr
+    res = cli(
+        db_url,
+        "add",
+        "orders",
+        LOCAL,
+        "--allow-private-networks",
+        "--event-type",
+        "x",
+        "--catalog",
+        "nowhere:c",
+    )
+    assert res.exit_code == 0, res.output
+    assert "cannot load the catalog 'nowhere:c'" in res.stderr and "not checked" in res.stderr
+    # Without a catalog nothing is said.
+    res = cli(db_url, "add", "orders", LOCAL, "--allow-private-networks", "--event-type", "x")
+    assert res.exit_code == 0 and "warning: event type" not in res.stderr

@@ -39,6 +39,9 @@ _EXAMPLE_TIME = "2025-01-01T12:00:00.000000Z"
 Json = dict[str, Any]
 
 
+CATALOG_EXTENSION = "x-outbox-catalog"
+
+
 def build(
     catalog: Mapping[str, Any],
     settings: Settings,
@@ -80,6 +83,14 @@ def build(
         "channels": channels,
         "operations": operations,
         "components": components,
+        # The catalog itself, exactly: `catalog check --against` compares releases on it (the
+        # document's schemas are rewritten for AsyncAPI and lose what the export says). A
+        # string: parsers resolve every $ref of a document, and the export's point elsewhere.
+        CATALOG_EXTENSION: json.dumps(
+            {**catalog, "types": [{**t, "destinations": sorted(t["destinations"])} for t in types]},
+            sort_keys=True,
+            ensure_ascii=False,
+        ),
     }
     if servers:
         document["servers"] = servers

@@ -31,6 +31,7 @@ COMMANDS = {
     "endpoints": "relay.cli.endpoints:endpoints",
     "ui": "relay.cli.ui:ui",
     "portal": "relay.cli.portal:portal",
+    "catalog": "relay.cli.catalog:catalog",
     "demo": "relay.cli.tools:demo",
     "bench": "relay.tools.bench.cli:bench",
 }

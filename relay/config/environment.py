@@ -54,6 +54,15 @@ DEPRECATED_SCHEMA_VARIABLE = "OUTBOX_RELAY_SCHEMA"
 # False while they read the schema or load a configuration.
 log_schema_deprecation: ContextVar[bool] = ContextVar("log_schema_deprecation", default=True)
 
+# Whether the configuration is being read to document it (`outbox-relay catalog asyncapi`,
+# `catalog check`), not to run it: in CI, beside no database, with no webhook secret in the
+# environment. A `secret_env` that is not set then stands for a placeholder secret; nothing of
+# it reaches the document, and nothing else is relaxed.
+documenting: ContextVar[bool] = ContextVar("documenting", default=False)
+
+# The placeholder: a well-formed whsec_ secret of zero bytes that signs nothing anyone uses.
+PLACEHOLDER_SECRET = "whsec_" + "A" * 43 + "="
+
 
 def schema_deprecation(environ: Mapping[str, str] | None = None) -> str | None:
     """What to tell someone who set OUTBOX_RELAY_SCHEMA (still read, for now), or None."""

@@ -40,6 +40,7 @@ from relay.config.base import (
     Duration,
     Section,
 )
+from relay.config.catalog import CatalogSettings
 from relay.config.environment import OurEnvironment
 from relay.config.portal import PortalSettings
 
@@ -293,6 +294,7 @@ class Settings(BaseSettings):
     http: HttpSettings = HttpSettings()
     ui: UiSettings = UiSettings()
     portal: PortalSettings = PortalSettings()
+    catalog: CatalogSettings = CatalogSettings()
     destinations: dict[str, DestinationSettings] = Field(default_factory=dict)
 
     @classmethod

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from relay.cli import terminal
+from relay.cli.endpoints.catalog import warn_event_types
 from relay.cli.endpoints.options import (
     ENDPOINT_ID,
     RATE_LIMIT,
@@ -57,6 +58,15 @@ ARGV_WARNING = (
     "visible to other users while the command runs: prefer --secret-file.",
 )
 @secret_file_option
+@click.option(
+    "--catalog",
+    "catalog_spec",
+    envvar="OUTBOX_CATALOG_SOURCE",
+    show_envvar=True,
+    metavar="SPEC",
+    help="The event catalog (module:attr or catalog.json) to check --event-type against: a "
+    "type it does not declare is a warning, not a refusal.",
+)
 @url_check_options
 def add(
     database_url: str,
@@ -72,6 +82,7 @@ def add(
     secret_file: str | None,
     allow_private_networks: bool,
     no_dns_check: bool,
+    catalog_spec: str | None,
 ) -> None:
     """Register an endpoint; prints its secret.
 
@@ -82,6 +93,7 @@ def add(
     if secret is not None:
         echo(ARGV_WARNING, err=True)
     secret = secret if secret is not None else secret_file
+    warn_event_types(catalog_spec, destination, event_types)
     new = ops.Registration(
         destination=destination,
         url=url,
@@ -185,6 +197,15 @@ def show(
 @click.option("--rate-limit", type=RATE_LIMIT, metavar="N", help="At most N requests a second.")
 @click.option("--no-rate-limit", is_flag=True, help="No rate limit.")
 @click.option("--description", help="A note for people (empty to clear it).")
+@click.option(
+    "--catalog",
+    "catalog_spec",
+    envvar="OUTBOX_CATALOG_SOURCE",
+    show_envvar=True,
+    metavar="SPEC",
+    help="The event catalog (module:attr or catalog.json) to check --event-type against: a "
+    "type it does not declare is a warning, not a refusal.",
+)
 @url_check_options
 def update(
     database_url: str,
@@ -193,11 +214,13 @@ def update(
     endpoint_id: int,
     allow_private_networks: bool,
     no_dns_check: bool,
+    catalog_spec: str | None,
     **options: Any,
 ) -> None:
     """Change an endpoint's settings.
 
     Only what is given changes in endpoint ID; the rest stays as it is."""
+    warn_event_types(catalog_spec, None, tuple(options.get("event_types") or ()))
     changed = changes(**options)
     updated = with_db(
         database_url,

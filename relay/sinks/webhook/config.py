@@ -14,6 +14,7 @@ from outbox.webhooks.signing import decode_secret
 from outbox.webhooks.urls import check_url
 from relay.cloudevents import HTTP_ATTRIBUTE_HEADERS
 from relay.config.base import MAX_SECONDS, Backoff, DestinationSettings, Section, package_version
+from relay.config.environment import PLACEHOLDER_SECRET, documenting
 
 # webhook-id is the row id, unique in one outbox only: a prefix (the service's name) makes it
 # unique across the outboxes a receiver consumes. Short (it is in every header and every
@@ -279,6 +280,8 @@ class WebhookDestination(WebhookRequestSettings):
             raise ValueError("set either secrets or secret_env, not both")
         var = data["secret_env"]
         value = os.environ.get(var) if isinstance(var, str) else None
+        if (not value or not value.strip()) and documenting.get():
+            value = PLACEHOLDER_SECRET
         if not value or not value.strip():
             raise ValueError(
                 f"secret_env names the environment variable {var!r}, which is not set "
