@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 
 def bench(*args: str, admin: str) -> dict[str, Any]:
     res = subprocess.run(
@@ -123,6 +125,10 @@ def test_enqueue_and_history(pg_admin_url: str) -> None:
     )
     e = out["enqueue"]
     assert e["enqueue_many_rows"] == 3000 and e["tx_with_event_ms"] > 0
+    # The catalog's phases (#31): each wrote its rows, and the check alone was timed.
+    assert e["enqueue_many_typed_rows"] == e["enqueue_many_validated_rows"] == 3000
+    assert e["tx_with_validated_event_ms"] > 0 and e["tx_with_typed_event_ms"] > 0
+    assert 0 < e["validate_200b_us_p50"] <= e["validate_200b_us_p99"]
     out = bench("history", "--rows", "20000", "--rounds", "10", admin=pg_admin_url)
     h = out["history"]
     assert h["delivered_rows"] == 20000 and h["empty_p50_ms"] > 0 and h["history_p50_ms"] > 0
@@ -371,3 +377,20 @@ def test_console_pages_over_a_small_and_an_estimated_outbox(pg_admin_url: str) -
     c = out["console"]
     assert c["delivered_estimated"] is True and abs(c["delivered_error_pct"]) < 5
     assert c["failed_shown"] == c["rows failed"]
+
+
+def test_the_enqueue_bench_validates_what_it_times() -> None:
+    """The validated phases time a check that passes, of a schema that refuses (else they
+    would time a lookup)."""
+    from outbox.errors import EventSchemaError
+    from outbox.message import build_message
+    from relay.tools.bench.enqueue import TYPE, bench_catalog, body
+
+    for size in (200, 10_000):
+        catalog, event = bench_catalog(size, "reject"), body(size)
+        assert abs(len(json.dumps(event)) - size) < 200
+        message = build_message(destination="bench", payload=event, event_type=TYPE)
+        catalog.check(message, event)
+        wrong = {**event, "currency": "JPY"}
+        with pytest.raises(EventSchemaError, match="currency"):
+            catalog.check(build_message(destination="bench", payload=wrong, event_type=TYPE), wrong)
