@@ -63,61 +63,30 @@ def body(payload: int) -> dict[str, Any]:
     return {**start, "pad": "x" * max(0, payload - 160)}
 
 
+Writer = tuple[Callable[..., Awaitable[Any]], dict[str, Any]]
+
+
+def writers(payload: int, many: bool) -> dict[str, Writer]:
+    """The phases: an untyped event, a typed one with validation off, and on (reject)."""
+    typed = {"event_type": TYPE}
+    out: dict[str, Writer] = {"": (outbox.enqueue_many if many else outbox.enqueue, {})}
+    for label, mode in (("typed_", "off"), ("validated_", "reject")):
+        box = Outbox(catalog=bench_catalog(payload, mode))
+        out[label] = (box.enqueue_many if many else box.enqueue, typed)
+    return out
+
+
 async def enqueue(
     db_url: str, *, transactions: int, bulk_rows: int, chunk: int, payload: int
 ) -> dict[str, Any]:
     event = body(payload)
-    writers = {
-        "with_event": (outbox.enqueue, {}),
-        "with_typed_event": (
-            Outbox(catalog=bench_catalog(payload, "off")).enqueue,
-            {"event_type": TYPE},
-        ),
-        "with_validated_event": (
-            Outbox(catalog=bench_catalog(payload, "reject")).enqueue,
-            {"event_type": TYPE},
-        ),
-    }
     conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
     try:
         await conn.execute(BUSINESS)
-
-        async def txs(write: Callable[..., Awaitable[Any]] | None, extra: dict[str, Any]) -> float:
-            started = time.perf_counter()
-            for i in range(transactions):
-                async with conn.transaction():
-                    order = await conn.fetchval(ORDER, i)
-                    if write is not None:
-                        await write(
-                            conn, destination=DESTINATION, key=str(order), payload=event, **extra
-                        )
-            return time.perf_counter() - started
-
-        for write, extra in writers.values():
-            await txs(write, extra)  # warm up: prepared statements, caches, the validator
-        times: dict[str, list[float]] = {"without_event": [], **{k: [] for k in writers}}
-        for _ in range(ROUNDS):
-            times["without_event"].append(await txs(None, {}))
-            for name, (write, extra) in writers.items():
-                times[name].append(await txs(write, extra))
+        times = await _transactions(conn, transactions, event, writers(payload, many=False))
         bulk = {
-            "": await _bulk(conn, outbox.enqueue_many, event, bulk_rows, chunk, {}),
-            "typed_": await _bulk(
-                conn,
-                Outbox(catalog=bench_catalog(payload, "off")).enqueue_many,
-                event,
-                bulk_rows,
-                chunk,
-                {"event_type": TYPE},
-            ),
-            "validated_": await _bulk(
-                conn,
-                Outbox(catalog=bench_catalog(payload, "reject")).enqueue_many,
-                event,
-                bulk_rows,
-                chunk,
-                {"event_type": TYPE},
-            ),
+            prefix: await _bulk(conn, write, event, bulk_rows, chunk, extra)
+            for prefix, (write, extra) in writers(payload, many=True).items()
         }
     finally:
         await conn.close()
@@ -134,6 +103,34 @@ async def enqueue(
         out[f"enqueue_many_{prefix}rows_per_s"] = round(rows / seconds, 1)
     out.update(validation_cost())
     return out
+
+
+async def _transactions(
+    conn: asyncpg.Connection, n: int, event: dict[str, Any], phases: dict[str, Writer]
+) -> dict[str, list[float]]:
+    """Seconds of ``n`` application transactions per phase (and without an event), ROUNDS
+    times, interleaved."""
+
+    async def txs(write: Callable[..., Awaitable[Any]] | None, extra: dict[str, Any]) -> float:
+        started = time.perf_counter()
+        for i in range(n):
+            async with conn.transaction():
+                order = await conn.fetchval(ORDER, i)
+                if write is not None:
+                    await write(
+                        conn, destination=DESTINATION, key=str(order), payload=event, **extra
+                    )
+        return time.perf_counter() - started
+
+    named = {f"with_{p}event" if p else "with_event": w for p, w in phases.items()}
+    for write, extra in named.values():
+        await txs(write, extra)  # warm up: prepared statements, caches, the validator
+    times: dict[str, list[float]] = {"without_event": [], **{k: [] for k in named}}
+    for _ in range(ROUNDS):
+        times["without_event"].append(await txs(None, {}))
+        for name, (write, extra) in named.items():
+            times[name].append(await txs(write, extra))
+    return times
 
 
 async def _bulk(
