@@ -20,6 +20,7 @@ import structlog
 
 from outbox.errors import describe
 from relay.breaker import Breaker, State
+from relay.catalog.view import CatalogView, load_view
 from relay.config import Settings
 from relay.config.base import package_version
 from relay.db.store import Store
@@ -89,6 +90,9 @@ class Relay:
         self._listener: Listener | None = None
         self.console: Any = None  # the console's ASGI app, when [ui] enabled = true
         self.portal: Any = None  # the tenant portal's, when [portal] enabled = true
+        # The event catalog the console and the portal show, loaded with the first of them.
+        self._catalog: CatalogView | None = None
+        self._catalog_loaded = False
         self._mixed = MixedClaims(settings)  # relays claiming a destination another way
 
     # --- public -------------------------------------------------------------------------
@@ -338,6 +342,7 @@ class Relay:
             Policy(self.settings.portal_destinations(), p.max_endpoints, p.allow_private_networks),
             schema=self.settings.relay.db_schema,
             embed_origins=tuple(p.embed_origins),
+            catalog=self._catalog_view(),
         )
         return self.portal
 
@@ -356,8 +361,18 @@ class Relay:
             read_only=ui.read_only,
             operators=operators,
             snapshot_warning=self.settings.relay.snapshot_warning,
+            catalog=self._catalog_view(),
         )
         return self.console
+
+    def _catalog_view(self) -> CatalogView | None:
+        """The event catalog of [catalog] source for the console and the portal, loaded once
+        (None without one). One that fails to load is logged and shown so on their pages;
+        delivery never waits on it."""
+        if not self._catalog_loaded:
+            self._catalog = load_view(None, self.settings)
+            self._catalog_loaded = True
+        return self._catalog
 
     def _log_started(self) -> None:
         rs = self.settings.relay

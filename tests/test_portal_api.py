@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -12,7 +13,9 @@ from openapi_spec_validator import validate
 from structlog.testing import capture_logs
 
 from outbox.endpoints import portal_tokens as pt
+from relay.catalog.view import load_view
 from relay.portal.limits import Limits, Rate
+from tests.support import catalogs
 from tests.support.portal import Served, served_portal
 
 URL = "http://127.0.0.1:9/in"
@@ -26,13 +29,22 @@ async def portal(db_url: str) -> AsyncIterator[Served]:
         yield p
 
 
+@pytest.fixture
+async def with_catalog(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
+    """The portal on the catalog's endpoints destination, with the catalog."""
+    view = load_view(catalogs.write_export(tmp_path), None)
+    async with served_portal(db_url, catalog=view) as p:
+        p.state.write_limits = p.state.limits = Limits(Rate(per_second=1000, burst=1000))
+        yield p
+
+
 async def test_the_document_is_valid_openapi_and_served_without_a_token(portal: Served) -> None:
     async with portal.client() as c:
         r = await c.get("/openapi.json")
     assert r.status_code == 200
     doc = r.json()
     validate(doc)
-    assert doc["openapi"] == "3.1.0" and len(doc["paths"]) == 11
+    assert doc["openapi"] == "3.1.0" and len(doc["paths"]) == 12
     assert (
         r.headers["x-frame-options"] == "DENY"
         and "default-src 'none'" in r.headers["content-security-policy"]
@@ -174,6 +186,71 @@ async def test_an_unknown_path_or_method_is_a_problem(portal: Served) -> None:
         assert (await c.get("/nothing")).status_code == 404
         r = await c.put("/endpoints")
         assert r.status_code == 405
+
+
+async def test_the_event_types_are_those_of_the_portals_destinations(
+    with_catalog: Served,
+) -> None:
+    answers = []
+    for tenant, read_only in (("a", False), ("b", True)):
+        async with with_catalog.client(tenant, read_only=read_only) as c:
+            r = await c.get("/event-types")
+            assert r.status_code == 200
+            answers.append(r.json())
+    assert answers[0] == answers[1]  # the same for every tenant: nothing of theirs in it
+    items = answers[0]["items"]
+    # stock.moved is carried by Kafka only: never offered to a tenant.
+    assert [t["name"] for t in items] == ["invoice.paid", "order.created"]
+    declared = {t["name"]: t for t in catalogs.shop_catalog().export()["types"]}
+    for t in items:
+        assert set(t) == {"name", "version", "description", "deprecated", "schema", "examples"}
+        assert t["schema"] == declared[t["name"]]["schema"]
+        assert t["examples"] == declared[t["name"]]["examples"]
+        assert t["version"] == declared[t["name"]]["version"]
+    assert items[0]["deprecated"] is True and items[1]["version"] == 3
+    assert items[1]["description"].startswith("An order was placed <script>")  # JSON: as is
+    async with with_catalog.client() as c:
+        assert (await c.get("/event-types")).status_code == 401
+
+
+async def test_with_a_catalog_an_unknown_event_type_is_refused_by_name(
+    with_catalog: Served,
+) -> None:
+    async with with_catalog.client("a") as c:
+        r = await c.post("/endpoints", json={"url": URL, "event_types": ["invoice.payed"]})
+        assert r.status_code == 400 and r.headers["content-type"] == "application/problem+json"
+        detail = r.json()["detail"]
+        assert "'invoice.payed'" in detail and "did you mean 'invoice.paid'" in detail
+        r = await c.post("/endpoints", json={"url": URL, "event_types": ["stock.moved"]})
+        assert r.status_code == 400 and "'stock.moved'" in r.json()["detail"]  # Kafka's only
+        assert (await c.get("/endpoints")).json()["items"] == []  # nothing made
+        types = ["order.created", "invoice.paid"]
+        r = await c.post("/endpoints", json={"url": URL, "event_types": types})
+        assert r.status_code == 201 and r.json()["event_types"] == types
+        ep = r.json()["id"]
+        r = await c.patch(f"/endpoints/{ep}", json={"event_types": ["order.created", "nope"]})
+        assert r.status_code == 400 and "'nope'" in r.json()["detail"]
+        assert (await c.get(f"/endpoints/{ep}")).json()["event_types"] == types  # unchanged
+        r = await c.patch(f"/endpoints/{ep}", json={"event_types": []})  # every type
+        assert r.status_code == 200 and r.json()["event_types"] == []
+
+
+async def test_without_a_catalog_no_type_is_listed_and_any_is_taken(portal: Served) -> None:
+    async with portal.client("a") as c:
+        assert (await c.get("/event-types")).json() == {"items": []}
+        r = await c.post("/endpoints", json={"url": URL, "event_types": ["anything.goes"]})
+        assert r.status_code == 201 and r.json()["event_types"] == ["anything.goes"]
+        r = await c.patch(f"/endpoints/{r.json()['id']}", json={"event_types": ["x.y"]})
+        assert r.status_code == 200
+
+
+async def test_a_catalog_that_failed_to_load_changes_nothing(db_url: str) -> None:
+    view = load_view("no_such_catalog_module_31:catalog", None)
+    assert view is not None and not view.available
+    async with served_portal(db_url, catalog=view) as p, p.client("a") as c:
+        assert (await c.get("/event-types")).json() == {"items": []}
+        r = await c.post("/endpoints", json={"url": URL, "event_types": ["anything.goes"]})
+        assert r.status_code == 201
 
 
 def test_the_portal_is_a_command(tmp_path: object) -> None:

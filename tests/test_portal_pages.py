@@ -5,11 +5,14 @@ each other."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from outbox.endpoints import portal_tokens as pt
+from relay.catalog.view import load_view
 from relay.portal import sessions
+from tests.support import catalogs
 from tests.support.portal import Served, served_portal
 
 
@@ -159,3 +162,49 @@ async def test_an_answer_shows_its_hidden_characters_and_no_markup(
     assert r.status_code == 200
     assert "\\u202e" in r.text and "\\x1b" in r.text
     assert "\u202e" not in r.text and "\x1b" not in r.text and "<script>alert" not in r.text
+
+
+async def test_the_event_types_page_and_the_add_forms_choices(db_url: str, tmp_path: Path) -> None:
+    view = load_view(catalogs.write_export(tmp_path), None)
+    async with served_portal(db_url, catalog=view) as portal:
+        value, csrf = await signed_in(portal)
+        same = {"cookie": f"outbox_portal={value}", "sec-fetch-site": "same-origin"}
+        async with portal.client() as c:
+            r = await c.get(f"{portal.url}/event-types", headers=same)
+            assert r.status_code == 200
+            page = r.text
+            assert 'data-type="order.created"' in page and 'data-type="invoice.paid"' in page
+            assert "stock.moved" not in page  # carried by Kafka only
+            # The descriptions through visible(): escaped, the bidi override written out.
+            assert "<script>alert" not in page and "&lt;script&gt;alert(" in page
+            assert "\u202e" not in page and "\\u202e" in page
+            assert "&lt;/pre&gt;&lt;b&gt;bold" in page  # an example, as text
+            assert 'href="/portal/event-types">Event types</a>' in page  # in the navigation
+            form = (await c.get(f"{portal.url}/endpoints", headers=same)).text
+            boxes = form[form.index('id="event-type-choices"') : form.index("</fieldset>")]
+            assert boxes.count('type="checkbox" name="event_type"') == 2
+            assert "<legend>" in boxes and 'value="invoice.paid"' in boxes
+            add = f"{portal.url}/actions/add"
+            url = "http://127.0.0.1:9/in"
+            chosen = {"url": url, "csrf": csrf, "event_type": ["order.created", "invoice.paid"]}
+            r = await c.post(add, data=chosen, headers=same)
+            assert r.status_code == 200 and "whsec_" in r.text
+            typo = {"url": url, "csrf": csrf, "event_type": "nope"}
+            r = await c.post(add, data=typo, headers=same)
+            assert r.status_code == 400 and "&#39;nope&#39;" in r.text
+        async with portal.client("acme") as api:
+            [made] = (await api.get("/endpoints")).json()["items"]
+            assert made["event_types"] == ["order.created", "invoice.paid"]
+            held = await api.post("/endpoints", json={"url": "http://127.0.0.1:9/in"})
+        # An endpoint naming a type the catalog lacks (made before it, or by the operator).
+        async with portal.state.connection() as conn:
+            await conn.execute(
+                "UPDATE outbox_endpoints SET event_types = '{order.created,invoice.payed}'"
+                " WHERE id = $1",
+                held.json()["id"],
+            )
+        async with portal.client() as c:
+            r = await c.get(f"{portal.url}/endpoints/{held.json()['id']}", headers=same)
+            assert 'id="unknown-types"' in r.text and "not listed: invoice.payed<" in r.text
+            r = await c.get(f"{portal.url}/endpoints/{made['id']}", headers=same)
+            assert 'id="unknown-types"' not in r.text

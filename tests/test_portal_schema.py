@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,7 +15,9 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
 
+from relay.catalog.view import CatalogView, load_view
 from relay.portal.openapi import document
+from tests.support import catalogs
 from tests.support.portal import served_portal
 
 schema = schemathesis.openapi.from_dict(document())
@@ -34,9 +37,11 @@ CHECKS = [
 
 
 class Background:
-    """The portal served from a thread of its own (schemathesis calls it synchronously)."""
+    """The portal served from a thread of its own (schemathesis calls it synchronously), with
+    an event catalog: its types listed, the others refused."""
 
-    def __init__(self, db_url: str) -> None:
+    def __init__(self, db_url: str, catalog: CatalogView | None) -> None:
+        self.catalog = catalog
         self.ready = threading.Event()
         self.stop = threading.Event()
         self.url = ""
@@ -52,7 +57,7 @@ class Background:
             self.ready.set()
 
     async def _serve(self, db_url: str) -> None:
-        async with served_portal(db_url) as p:
+        async with served_portal(db_url, catalog=self.catalog) as p:
             from relay.portal.limits import Limits, Rate
 
             p.state.limits = p.state.write_limits = Limits(Rate(10_000, 10_000))
@@ -66,8 +71,8 @@ class Background:
 
 
 @pytest.fixture
-def portal(db_url: str) -> Iterator[Background]:
-    bg = Background(db_url)
+def portal(db_url: str, tmp_path: Path) -> Iterator[Background]:
+    bg = Background(db_url, load_view(catalogs.write_export(tmp_path), None))
     bg.thread.start()
     assert bg.ready.wait(30), "the portal did not start"
     if bg.failed is not None:

@@ -19,6 +19,7 @@ from relay.cli.render import echo, echo_lines
 
 if TYPE_CHECKING:
     from outbox.catalog import Catalog
+    from relay.catalog.view import CatalogView
     from relay.config.settings import Settings
 
 SOURCE_VARIABLE = "OUTBOX_CATALOG_SOURCE"
@@ -27,7 +28,7 @@ SOURCE_VARIABLE = "OUTBOX_CATALOG_SOURCE"
 # and nothing connects to it.
 _NO_DATABASE = "postgresql://documenting@localhost/none"
 
-_catalog_option = click.option(
+catalog_option = click.option(
     "--catalog",
     "spec",
     envvar=SOURCE_VARIABLE,
@@ -60,7 +61,7 @@ def catalog() -> None:
 
 
 @catalog.command(short_help="Write the catalog as JSON, for a relay without the app's code.")
-@_catalog_option
+@catalog_option
 @_config_option
 @_output_option
 def export(spec: str | None, config: Path | None, output: Path | None) -> None:
@@ -72,7 +73,7 @@ def export(spec: str | None, config: Path | None, output: Path | None) -> None:
 
 
 @catalog.command(short_help="Write the AsyncAPI 3.0 document of the catalog and the relay.")
-@_catalog_option
+@catalog_option
 @_config_option
 @_output_option
 def asyncapi(spec: str | None, config: Path | None, output: Path | None) -> None:
@@ -96,7 +97,7 @@ def asyncapi(spec: str | None, config: Path | None, output: Path | None) -> None
 
 
 @catalog.command(short_help="Check the catalog, and compare it with a previous release's.")
-@_catalog_option
+@catalog_option
 @_config_option
 @click.option(
     "--against",
@@ -199,6 +200,18 @@ def _settings(config: Path) -> Settings:
 
     with _documenting():
         return _load_config(config, _NO_DATABASE)
+
+
+def served_catalog(spec: str | None) -> CatalogView | None:
+    """For ``ui`` and ``portal``: the catalog of ``--catalog``, else the ``[catalog] source``
+    of ``--config`` (None: neither names one), with the AsyncAPI document of ``--config`` as
+    ``catalog asyncapi`` makes it. One that fails to load is logged, not fatal, as in the
+    relay (relay.catalog.view.load_view)."""
+    from relay.catalog.view import load_view
+
+    config = click.get_current_context().params.get("config")
+    settings = _settings(config) if config is not None else None
+    return load_view(spec, settings)
 
 
 def _catalog(spec: str | None, settings: Settings | None) -> Catalog:

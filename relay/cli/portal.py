@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from relay.cli.catalog import catalog_option, served_catalog
 from relay.cli.endpoints.portal import _read_key_file
 from relay.cli.options import database_options
 from relay.cli.render import echo
@@ -50,6 +51,7 @@ PREFIX = "/portal"
     is_flag=True,
     help="Let tenants add endpoints on private or loopback networks (a test set-up only).",
 )
+@catalog_option
 def portal(
     database_url: str,
     schema: str,
@@ -60,11 +62,13 @@ def portal(
     max_endpoints: int,
     embed_origins: tuple[str, ...],
     allow_private_networks: bool,
+    spec: str | None,
 ) -> None:
     """Serve the tenant portal's API: each of your tenants (customers) manages its own
     endpoints, reads what was sent to them and replays it, with a token your application
     mints (`endpoints portal-token`, outbox.endpoints.portal_token). Its OpenAPI document is
-    at /portal/api/openapi.json."""
+    at /portal/api/openapi.json. With --catalog, tenants see the event types of your catalog
+    on those destinations, and may subscribe to no other."""
     import uvicorn
     from starlette.applications import Starlette
     from starlette.routing import Mount
@@ -86,8 +90,7 @@ def portal(
         raise click.UsageError(str(exc)) from None
     configure()
     policy = Policy(destinations, max_endpoints, allow_private_networks)
-    app = Starlette(
-        routes=[Mount(PREFIX, app=build_portal(database_url, keys, policy, schema=schema))]
-    )
+    served = build_portal(database_url, keys, policy, schema=schema, catalog=served_catalog(spec))
+    app = Starlette(routes=[Mount(PREFIX, app=served)])
     echo(f"tenant portal API on http://{host}:{port}{PREFIX}/api/ for schema {schema!r}", err=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", server_header=False)

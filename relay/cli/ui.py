@@ -6,6 +6,7 @@ import os
 
 import click
 
+from relay.cli.catalog import catalog_option, served_catalog
 from relay.cli.options import database_options, snapshot_warning_option
 from relay.cli.render import echo
 from relay.obs import scrub
@@ -30,6 +31,7 @@ from relay.obs import scrub
 )
 @click.option("--read-only", is_flag=True, help="Show everything, refuse every action.")
 @snapshot_warning_option
+@catalog_option
 def ui(
     database_url: str,
     schema: str,
@@ -39,10 +41,11 @@ def ui(
     operators_file: str | None,
     read_only: bool,
     snapshot_warning: float,
+    spec: str | None,
 ) -> None:
-    """Serve the operator console: destinations, rows, endpoints, blocked keys, and the
-    actions of the operations commands. Every request needs the token (OUTBOX_UI_TOKEN), or
-    an operator's own (OUTBOX_UI_OPERATORS)."""
+    """Serve the operator console: destinations, rows, endpoints, blocked keys, the event
+    catalog (--catalog), and the actions of the operations commands. Every request needs the
+    token (OUTBOX_UI_TOKEN), or an operator's own (OUTBOX_UI_OPERATORS)."""
     import uvicorn
 
     from relay.config.tokens import TOKEN_VARIABLE, TokenError, load_operators, load_token
@@ -71,6 +74,7 @@ def ui(
         read_only=read_only,
         operators=operators,
         snapshot_warning=snapshot_warning,
+        catalog=served_catalog(spec),
     )
     mode = " (read-only)" if read_only else ""
     echo(f"console{mode} on http://{host}:{port}/ for schema {schema!r}", err=True)

@@ -23,12 +23,20 @@ log = structlog.get_logger("relay.portal")
 MAX_FIELD = 4096
 
 
+# Fields a form may repeat (the add form's event type checkboxes): their values joined by a
+# line break, which no event type holds (outbox.message refuses control characters).
+REPEATED = frozenset({"event_type"})
+
+
 async def read_form(request: Request) -> dict[str, str]:
-    """An urlencoded form (the pages send no other), one value per field; NUL characters
-    (which PostgreSQL text cannot hold) removed. The gate caps the body's size."""
+    """An urlencoded form (the pages send no other), one value per field but those in
+    REPEATED; NUL characters (which PostgreSQL text cannot hold) removed. The gate caps the
+    body's size."""
     body = await request.body()
     fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True)
-    return {k: v[-1].replace("\x00", "") for k, v in fields.items()}
+    return {
+        k: ("\n".join(v) if k in REPEATED else v[-1]).replace("\x00", "") for k, v in fields.items()
+    }
 
 
 def _field(form: dict[str, str], name: str) -> str:
@@ -78,7 +86,9 @@ async def _run(
 
     assert isinstance(conn, asyncpg.Connection)
     if name == "add":
-        types = [t.strip() for t in _field(form, "event_types").split(",") if t.strip()]
+        typed = _field(form, "event_types").split(",")  # the field without a catalog
+        chosen = form.get("event_type", "").split("\n")  # the catalog's checkboxes
+        types = [t.strip() for t in (*typed, *chosen) if t.strip()]
         return await changes.create(
             conn, scope, portal.policy, url=_field(form, "url"), event_types=types,
             description=_field(form, "description"),

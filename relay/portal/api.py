@@ -49,7 +49,7 @@ def problem(status: int, title: str, detail: str, **headers: str) -> Response:
 
 
 def _answer(model: BaseModel, status: int = 200) -> Response:
-    return JSONResponse(model.model_dump(mode="json"), status_code=status)
+    return JSONResponse(model.model_dump(mode="json", by_alias=True), status_code=status)
 
 
 def _refusal(exc: Exception) -> Response | None:
@@ -360,6 +360,22 @@ def _replayed(e: Any) -> s.EndpointReplay:
         skipped_event_gone=e.skipped_event_gone,
         skipped_not_taken=e.skipped_not_taken,
     )
+
+
+# --- event types ------------------------------------------------------------------------------
+
+
+@operation("listEventTypes")
+async def list_event_types(r: Request, p: Portal, sc: Scope, c: asyncpg.Connection) -> Response:
+    """The catalog's types on the portal's destinations: the same for every tenant."""
+    items = [
+        s.EventTypeOut.model_validate(
+            {k: t.get(k) for k in ("name", "version", "description", "deprecated", "schema")}
+            | {"examples": list(t.get("examples") or [])}
+        )
+        for t in p.event_types()
+    ]
+    return _answer(s.EventTypeList(items=items))
 
 
 async def openapi_json(request: Request) -> Response:

@@ -6,9 +6,10 @@ does not verify gets one answer whatever the reason (the reason goes to the log)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from starlette.applications import Starlette
@@ -27,6 +28,9 @@ from relay.portal.changes import Policy
 from relay.portal.scope import Scope
 from relay.portal.state import Portal
 from relay.ui.security import CONTENT_SECURITY_POLICY, HEADERS
+
+if TYPE_CHECKING:
+    from relay.catalog.view import CatalogView
 
 log = structlog.get_logger("relay.portal")
 
@@ -51,6 +55,7 @@ ROUTES = [
     Route("/api/messages/{id:int}/attempts", api.list_attempts, methods=["GET"]),
     Route("/api/messages/{id:int}/replay", api.replay_message, methods=["POST"]),
     Route("/api/replays", api.replay_range, methods=["POST"]),
+    Route("/api/event-types", api.list_event_types, methods=["GET"]),
     Route("/", pages.landing, methods=["GET"]),
     Route("/session", actions.sign_in, methods=["POST"]),
     Route("/session/end", actions.sign_out, methods=["POST"]),
@@ -59,6 +64,7 @@ ROUTES = [
     Route("/messages", pages.guarded(pages.messages), methods=["GET"]),
     Route("/messages/{id:int}", pages.guarded(pages.message), methods=["GET"]),
     Route("/replay", pages.guarded(pages.replay), methods=["GET"]),
+    Route("/event-types", pages.guarded(pages.event_types), methods=["GET"]),
     Route("/actions/{name}", actions.act, methods=["POST"]),
     # The console's stylesheet, and the portal's script.
     Mount(
@@ -74,10 +80,17 @@ def build_portal(
     *,
     schema: str = "public",
     embed_origins: tuple[str, ...] = (),
+    catalog: CatalogView | None = None,
 ) -> Starlette:
     """The portal as an ASGI app, served under ``/portal`` (``outbox-relay portal``);
-    its pages may be framed by ``embed_origins`` (https://app.example.com) only."""
-    portal = Portal(database_url, schema, keys, policy, check_origins(embed_origins))
+    its pages may be framed by ``embed_origins`` (https://app.example.com) only. With an
+    event ``catalog`` (relay.catalog.view.load_view) it lists the types tenants may
+    subscribe to and refuses others; without one (or one that failed to load), any type."""
+    if catalog is not None and catalog.available:
+        policy = dataclasses.replace(policy, types=catalog.declared())
+    portal = Portal(
+        database_url, schema, keys, policy, check_origins(embed_origins), catalog=catalog
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

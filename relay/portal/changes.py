@@ -8,8 +8,9 @@ it), the secret's generation, encryption and rotation window."""
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -47,12 +48,31 @@ class Conflict(Refused):
 @dataclass(frozen=True, slots=True)
 class Policy:
     """What the operator lets tenants do: the ``endpoints`` destinations they may add
-    endpoints to (the first is the default), at most ``max_endpoints`` each, and whether an
-    endpoint may be on a private network (a test set-up's loopback receivers)."""
+    endpoints to (the first is the default), at most ``max_endpoints`` each, whether an
+    endpoint may be on a private network (a test set-up's loopback receivers), and, with an
+    event catalog, the event types it declares per destination (``types``; None: no catalog,
+    any type is taken)."""
 
     destinations: tuple[str, ...]
     max_endpoints: int = 50
     allow_private_networks: bool = False
+    types: Mapping[str, frozenset[str]] | None = None
+
+    def check_types(self, destination: str, asked: Sequence[str]) -> None:
+        """Refused, naming it, for the first of ``asked`` the catalog does not declare for
+        ``destination``: a tenant cannot tell a typo from a type to come, so it is told now
+        rather than left waiting for events that never match."""
+        if self.types is None:
+            return
+        known = self.types.get(destination, frozenset())
+        for name in asked:
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise Refused(
+                    f"event_types: {name!r} is not an event type of this destination "
+                    f"(GET /event-types lists them){hint}"
+                )
 
     def destination(self, asked: str | None) -> str:
         if not self.destinations:
@@ -123,6 +143,7 @@ async def create(
     """Add an endpoint for the tenant; it carries its new secret (shown once)."""
     scope.require_write()
     dest = policy.destination(destination)
+    policy.check_types(dest, event_types)
 
     async def run(e: Endpoints, c: AsyncConnection) -> Endpoint:
         async with c.begin():
@@ -160,7 +181,9 @@ async def update(
     if not set(changes) <= UPDATABLE:
         raise Refused(f"only {', '.join(sorted(UPDATABLE))} can be changed")
 
-    async def run(e: Endpoints, c: AsyncConnection, _: Locked) -> Endpoint:
+    async def run(e: Endpoints, c: AsyncConnection, ep: Locked) -> Endpoint:
+        if changes.get("event_types"):
+            policy.check_types(ep.destination, changes["event_types"])
         return await e.update(
             c,
             endpoint_id,

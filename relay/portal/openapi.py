@@ -77,6 +77,9 @@ OPS = (
     Op("post", "/replays", "replayRange",
        "Count the messages of a window (no selection), or send exactly those counted.",
        (200, s.RangeReplay), body=s.ReplayIn),
+    Op("get", "/event-types", "listEventTypes",
+       "The event types an endpoint may subscribe to, with their schemas (the operator's "
+       "event catalog; empty without one).", (200, s.EventTypeList)),
 )  # fmt: skip
 
 QUERY: dict[str, dict[str, Any]] = {

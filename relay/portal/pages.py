@@ -5,6 +5,7 @@ session's scope; each form posts to an action (relay/portal/actions.py)."""
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -106,7 +107,13 @@ async def endpoints(request: Request) -> Response:
         page = await reads.endpoints(
             conn, _scope(request), cursor=request.query_params.get("cursor")
         )
-    return render(request, "endpoints.html", page=page, destinations=portal.policy.destinations)
+    return render(
+        request,
+        "endpoints.html",
+        page=page,
+        destinations=portal.policy.destinations,
+        offered=portal.event_types(),
+    )
 
 
 async def endpoint(request: Request) -> Response:
@@ -117,7 +124,24 @@ async def endpoint(request: Request) -> Response:
         recent = await reads.messages(
             conn, _scope(request), reads.MessageFilters(endpoint_id=endpoint_id), limit=20
         )
-    return render(request, "endpoint.html", endpoint=found, messages=recent)
+    known = (portal.policy.types or {}).get(found.destination, frozenset())
+    unknown = [t for t in found.event_types if t not in known] if portal.policy.types else []
+    return render(request, "endpoint.html", endpoint=found, messages=recent, unknown=unknown)
+
+
+async def event_types(request: Request) -> Response:
+    """The event types an endpoint may subscribe to, with their schemas and examples: the
+    operator's catalog, the same for every tenant."""
+    portal: Portal = request.app.state.portal
+    shown = [
+        {
+            **t,
+            "schema_text": json.dumps(t.get("schema"), indent=2, ensure_ascii=False),
+            "example_texts": [json.dumps(e, indent=2, ensure_ascii=False) for e in t["examples"]],
+        }
+        for t in portal.event_types()
+    ]
+    return render(request, "event_types.html", types=shown, catalog=portal.catalog is not None)
 
 
 async def messages(request: Request) -> Response:

@@ -5,7 +5,7 @@ sent) and are the source of the OpenAPI document (relay/portal/openapi.py)."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -184,6 +184,22 @@ class RangeReplay(Out):
     total: int
     endpoints: list[EndpointReplay]
     selection: str | None
+
+
+class EventTypeOut(Out):
+    """An event type of the catalog: what its events hold (``schema``, a JSON Schema)."""
+
+    name: str
+    version: int
+    description: str | None
+    deprecated: bool
+    # "schema" on the wire: as a field name it would hide pydantic's BaseModel.schema.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    examples: list[Any]
+
+
+class EventTypeList(Out):
+    items: list[EventTypeOut]
 
 
 class Problem(Out):

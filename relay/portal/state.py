@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
@@ -15,6 +16,9 @@ from outbox.endpoints.portal_tokens import PortalKeys
 from relay.db.session import SESSION_SETTINGS
 from relay.portal.changes import Policy
 from relay.portal.limits import Limits, Rate
+
+if TYPE_CHECKING:
+    from relay.catalog.view import CatalogView
 
 # A tenant's statement is cut short rather than left to load the database.
 STATEMENT_TIMEOUT_MS = 10_000
@@ -30,6 +34,9 @@ class Portal:
     policy: Policy
     # Sites whose pages may frame the portal's (empty: none may).
     embed_origins: tuple[str, ...] = ()
+    # The event catalog (None: none configured); its types on the policy's destinations are
+    # the ones offered to tenants.
+    catalog: CatalogView | None = None
     limits: Limits = field(default_factory=lambda: Limits(DEFAULT_RATE))
     write_limits: Limits = field(default_factory=lambda: Limits(DEFAULT_WRITE_RATE))
     pool: asyncpg.Pool | None = None
@@ -57,3 +64,11 @@ class Portal:
         pool, self.pool = self.pool, None
         if pool is not None:
             await pool.close()
+
+    def event_types(self) -> list[dict[str, Any]]:
+        """The catalog's types carried by the destinations tenants add endpoints to (never a
+        type that only Kafka or a webhook of the operator carries); the same for every
+        tenant. Empty without a catalog, or with one that could not be loaded."""
+        if self.catalog is None or not self.catalog.available:
+            return []
+        return self.catalog.for_destinations(self.policy.destinations)

@@ -14,7 +14,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import structlog
@@ -33,8 +33,12 @@ from relay.db.store import UNAVAILABLE
 from relay.ops.common import AdminError
 from relay.ops.text import age
 from relay.ui import actions, pages
+from relay.ui import catalog as catalog_pages
 from relay.ui.security import COOKIE, HEADERS, MAX_FORM_BYTES, Guard
 from relay.ui.state import Console
+
+if TYPE_CHECKING:
+    from relay.catalog.view import CatalogView
 
 log = structlog.get_logger("relay.console")
 
@@ -49,12 +53,14 @@ def build_console(
     read_only: bool = False,
     operators: Mapping[str, str] | None = None,
     snapshot_warning: float = DEFAULT_SNAPSHOT_WARNING,
+    catalog: CatalogView | None = None,
 ) -> Starlette:
     """The console as an ASGI app, for the holders of ``token`` or, with ``operators``
     (name: token), for each operator under their own name (the shared token is then not
     accepted); the pages name a snapshot holding back VACUUM past ``snapshot_warning``
-    seconds. It opens a small pool of its own on first use (its statements never take the
-    relay's connections) and closes it with its lifespan or ``app.state.console.close()``."""
+    seconds, and show ``catalog`` (relay.catalog.view.load_view) at /catalog. It opens a
+    small pool of its own on first use (its statements never take the relay's connections)
+    and closes it with its lifespan or ``app.state.console.close()``."""
     console = Console(
         database_url,
         schema,
@@ -62,6 +68,7 @@ def build_console(
         read_only,
         _templates(),
         snapshot_warning=snapshot_warning,
+        catalog=catalog,
     )
 
     @contextlib.asynccontextmanager
@@ -94,6 +101,8 @@ ROUTES = [
     Route("/rows/{id:int}", pages.row),
     Route("/endpoints", pages.endpoints),
     Route("/blocked", pages.blocked),
+    Route("/catalog", catalog_pages.catalog),
+    Route("/catalog/asyncapi.json", catalog_pages.asyncapi_json),
     Route("/actions/{name}", actions.act, methods=["POST"]),
     Mount("/static", app=StaticFiles(directory=STATIC), name="static"),
 ]

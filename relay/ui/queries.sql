@@ -53,3 +53,17 @@ SELECT destination FROM {endpoints} WHERE id = :endpoint_id
 
 -- name: server_now
 SELECT now()
+
+-- name: catalog_endpoints
+-- The endpoints by the event types they name, for the catalog's page, in one read of the
+-- endpoints table: a row per destination and type named, with how many endpoints name it
+-- (enabled ones apart) and the first ids; endpoints that name none (they take every type of
+-- their destination) counted under a NULL event_type.
+
+SELECT e.destination, t.event_type, count(*) AS endpoints,
+       count(*) FILTER (WHERE e.enabled) AS enabled,
+       (array_agg(e.id ORDER BY e.id))[1:20] AS ids
+FROM {endpoints} AS e
+LEFT JOIN LATERAL unnest(e.event_types) AS t(event_type) ON true
+GROUP BY e.destination, t.event_type
+ORDER BY e.destination, t.event_type

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from jinja2 import Environment
@@ -19,6 +19,9 @@ from outbox.dburl import to_asyncpg_dsn
 from relay.db.session import SESSION_SETTINGS
 from relay.db.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 from relay.ui.security import CSRF_FIELD, Caller, Guard
+
+if TYPE_CHECKING:
+    from relay.catalog.view import CatalogView
 
 # Statements of the console are cut short rather than left to load the database.
 STATEMENT_TIMEOUT_MS = 10_000
@@ -35,6 +38,8 @@ class Console:
     templates: Environment
     # Seconds past which the snapshot holding back VACUUM is named on the pages.
     snapshot_warning: float = DEFAULT_SNAPSHOT_WARNING
+    # The event catalog (relay/ui/catalog.py): None when none is configured.
+    catalog: CatalogView | None = None
     pool: asyncpg.Pool | None = None
     _opening: asyncio.Lock = field(default_factory=asyncio.Lock)
 

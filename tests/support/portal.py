@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 from starlette.applications import Starlette
@@ -15,6 +16,9 @@ from relay.portal.app import build_portal
 from relay.portal.changes import Policy
 from relay.portal.state import Portal
 from tests.support.asgi import serve
+
+if TYPE_CHECKING:
+    from relay.catalog.view import CatalogView
 
 DEST = "customer-events"  # tests/test_endpoint_delivery.py's destination
 
@@ -37,11 +41,14 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def served_portal(
-    db_url: str, policy: Policy | None = None, embed_origins: tuple[str, ...] = ()
+    db_url: str,
+    policy: Policy | None = None,
+    embed_origins: tuple[str, ...] = (),
+    catalog: CatalogView | None = None,
 ) -> AsyncIterator[Served]:
     keys = pt.PortalKeys.parse(pt.new_portal_key())
     policy = policy or Policy((DEST,), allow_private_networks=True)
-    inner = build_portal(db_url, keys, policy, embed_origins=embed_origins)
+    inner = build_portal(db_url, keys, policy, embed_origins=embed_origins, catalog=catalog)
     app = Starlette(routes=[Mount("/portal", app=inner)])
     state: Portal = inner.state.portal
     try:
