@@ -241,3 +241,16 @@ def test_type_warnings() -> None:
     assert type_warnings(CATALOG, None, ("invoice.paid", "order.legacy")) == [
         "event type 'order.legacy' is deprecated"
     ]
+
+
+def test_run_check_loads_the_catalog_source(app: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CATALOG_TEST_UNSET_SECRET", "whsec_" + "A" * 43 + "=")
+    base = CONFIG + '[catalog]\nsource = "{}"\n'
+    (app / "relay.toml").write_text(base.format("shop_events:catalog"))
+    res = CliRunner().invoke(main, ["run", "--check", "--config", "relay.toml"])
+    assert res.exit_code == 0, res.output
+    assert "warning: catalog: destination 'orders' carries 2 types" in res.stderr
+    (app / "relay.toml").write_text(base.format("shop_events:missing"))
+    res = CliRunner().invoke(main, ["run", "--check", "--config", "relay.toml"])
+    assert res.exit_code == 2, res.output
+    assert "catalog.source 'shop_events:missing' does not load" in res.stderr

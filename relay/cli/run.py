@@ -93,6 +93,7 @@ def run(config: Path | None, check: bool) -> None:
     if check:
         for name in unknown:
             echo(f"outbox-relay: warning: {name} is not a setting; it is ignored", err=True)
+        _check_catalog(settings)
         echo(
             f"configuration OK: {len(settings.destinations)} destination(s), "
             f"schema {settings.relay.db_schema!r}"
@@ -134,6 +135,27 @@ def _check_sink_environment(settings: Settings) -> None:
         except OutboxError as exc:
             echo(f"outbox-relay: {scrub.scrub(str(exc))}", err=True)
             sys.exit(2)
+
+
+def _check_catalog(settings: Settings) -> None:
+    """``[catalog] source`` loads (exit 2 naming why, else the relay's console and portal would
+    start without it), and what ``catalog check`` says of it, as warnings."""
+    if settings.catalog.source is None:
+        return
+    from outbox.catalog import load_catalog
+    from relay.catalog.checks import problems
+
+    try:
+        exported = load_catalog(settings.catalog.source).export()
+    except Exception as exc:  # the application's module may raise anything
+        echo(
+            f"outbox-relay: catalog.source {settings.catalog.source!r} does not load: "
+            f"{type(exc).__name__}: {scrub.scrub(str(exc))}",
+            err=True,
+        )
+        sys.exit(2)
+    for _, text in problems(exported, settings):
+        echo(f"outbox-relay: warning: catalog: {text}", err=True)
 
 
 async def _run(settings: Settings) -> int:
