@@ -87,7 +87,7 @@ def build(
         # document's schemas are rewritten for AsyncAPI and lose what the export says). A
         # string: parsers resolve every $ref of a document, and the export's point elsewhere.
         CATALOG_EXTENSION: json.dumps(
-            {**catalog, "types": [{**t, "destinations": sorted(t["destinations"])} for t in types]},
+            {**catalog, "types": [_published(t) for t in types]},
             sort_keys=True,
             ensure_ascii=False,
         ),
@@ -95,6 +95,18 @@ def build(
     if servers:
         document["servers"] = servers
     return document
+
+
+# What the embedded catalog leaves out: where each type was declared (a path of the machine
+# that built the document, a module name) and the application's validation modes.
+_PRIVATE = ("origin", "validate")
+
+
+def _published(t: Mapping[str, Any]) -> Json:
+    return {
+        **{k: v for k, v in t.items() if k not in _PRIVATE},
+        "destinations": sorted(t["destinations"]),
+    }
 
 
 def render(document: Mapping[str, Any]) -> str:
@@ -154,7 +166,7 @@ def _kafka_server(kafka: KafkaSettings, host: str | None, schemes: Json) -> Json
     protocol = kafka.security_protocol
     server: Json = {
         "host": host or first,
-        "protocol": "kafka" if protocol == "PLAINTEXT" else "kafka-secure",
+        "protocol": "kafka-secure" if protocol in ("SSL", "SASL_SSL") else "kafka",
         "description": f"The Kafka cluster (security protocol {protocol}).",
     }
     mechanism = kafka.sasl_mechanism

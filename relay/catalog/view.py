@@ -18,8 +18,12 @@ from urllib.parse import urlsplit
 import structlog
 
 from relay.config.settings import Settings
+from relay.obs import scrub
 
 log = structlog.get_logger("relay.catalog")
+
+# How long the relay's start waits for the application's catalog module to load.
+LOAD_SECONDS = 10.0
 
 Json = dict[str, Any]
 
@@ -88,14 +92,18 @@ class CatalogView:
                 from relay.catalog.asyncapi import build, render
 
                 options = self.settings.catalog
-                self._document = render(
-                    build(
-                        self.export,
-                        self.settings,
-                        kafka_host=options.kafka_host,
-                        webhook_paths=options.webhook_paths,
+                try:
+                    self._document = render(
+                        build(
+                            self.export,
+                            self.settings,
+                            kafka_host=options.kafka_host,
+                            webhook_paths=options.webhook_paths,
+                        )
                     )
-                )
+                except ValueError as exc:  # a hand-edited export the document cannot say
+                    self.error = f"no AsyncAPI document: {exc}"
+                    return None
             return self._document
 
 
@@ -108,11 +116,11 @@ def load_view(spec: str | None, settings: Settings | None) -> CatalogView | None
     if spec is None:
         return None
     try:
-        from outbox.catalog import load_catalog
-
-        export = load_catalog(spec).export()
-    except Exception as exc:  # the application's module may raise anything
-        reason = _reason(exc)
+        export = _load_within(spec, LOAD_SECONDS)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # the application's module may raise anything, exit too
+        reason = scrub.scrub(_reason(exc))
         log.error(
             "relay.catalog.unavailable",
             spec=spec,
@@ -122,6 +130,31 @@ def load_view(spec: str | None, settings: Settings | None) -> CatalogView | None
         )
         return CatalogView(spec, {"types": []}, settings, error=reason)
     return CatalogView(spec, export, settings)
+
+
+def _load_within(spec: str, seconds: float) -> Mapping[str, Any]:
+    """The export of the catalog ``spec`` names, loaded in a thread of its own: a module that
+    hangs at import (a connection without a timeout) holds the relay's start ``seconds`` at
+    most, then is left behind (a daemon thread: it never holds the relay's exit either)."""
+    from outbox.catalog import load_catalog
+
+    done: list[Mapping[str, Any]] = []
+    failed: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            done.append(load_catalog(spec).export())
+        except BaseException as exc:  # given to the caller, which says what it was
+            failed.append(exc)
+
+    thread = threading.Thread(target=load, name="outbox-relay-catalog", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if failed:
+        raise failed[0]
+    if not done:
+        raise TimeoutError(f"the catalog did not load within {seconds:g} s (its module hangs?)")
+    return done[0]
 
 
 def _reason(exc: BaseException) -> str:

@@ -123,7 +123,8 @@ def check(
     name CloudEvents refuses, a channel carrying several types no header tells apart), then,
     with --against, every change from the previous release: BREAKING where old events no
     longer fit the new schema or new events the old one (a tolerant reader ignores new
-    optional fields and enum values). Exits 3 if a breaking change is not --allow'ed."""
+    optional fields and enum values). Exits 3 if a breaking change is not --allow'ed, 1 if the
+    catalog has a problem (1 wins: fix the catalog first), 0 otherwise."""
     from relay.catalog.checks import problems
     from relay.catalog.documents import read_previous
 
@@ -149,7 +150,7 @@ def check(
         echo(json.dumps(out, indent=2, sort_keys=True))
     else:
         for level, text in notes:
-            echo_lines(f"{level.upper()} {text}", err=level == "warning")
+            echo_lines(f"{level.upper()} {text}", err=True)
         for c in sorted(changes):
             mark = " (allowed)" if c.verdict == "breaking" and c.type in allowed else ""
             echo_lines(f"{c}{mark}")

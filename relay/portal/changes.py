@@ -65,9 +65,11 @@ class Policy:
         if self.types is None:
             return
         known = self.types.get(destination, frozenset())
+        # A hint names only what GET /event-types lists (the portal's destinations' types).
+        listed = known if destination in self.destinations else frozenset()
         for name in asked:
             if name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1)
+                close = difflib.get_close_matches(name, sorted(listed), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise Refused(
                     f"event_types: {name!r} is not an event type of this destination "

@@ -3,7 +3,11 @@ refusal (an endpoint may be registered ahead of the release that declares its ty
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 from relay.cli.render import echo_lines
+from relay.obs import scrub
 
 
 def warn_event_types(
@@ -18,11 +22,13 @@ def warn_event_types(
     from relay.catalog.checks import type_warnings
 
     try:
-        exported = load_catalog(spec).export()
+        # What the application's module prints at import must not reach --json's stdout.
+        with contextlib.redirect_stdout(sys.stderr):
+            exported = load_catalog(spec).export()
     except Exception as exc:  # the application's module may raise anything
         echo_lines(
             f"outbox-relay: warning: cannot load the catalog {spec!r} ({type(exc).__name__}: "
-            f"{exc}); event types not checked",
+            f"{scrub.scrub(str(exc))}); event types not checked",
             err=True,
         )
         return

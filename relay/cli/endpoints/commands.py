@@ -61,8 +61,6 @@ ARGV_WARNING = (
 @click.option(
     "--catalog",
     "catalog_spec",
-    envvar="OUTBOX_CATALOG_SOURCE",
-    show_envvar=True,
     metavar="SPEC",
     help="The event catalog (module:attr or catalog.json) to check --event-type against: a "
     "type it does not declare is a warning, not a refusal.",
@@ -200,8 +198,6 @@ def show(
 @click.option(
     "--catalog",
     "catalog_spec",
-    envvar="OUTBOX_CATALOG_SOURCE",
-    show_envvar=True,
     metavar="SPEC",
     help="The event catalog (module:attr or catalog.json) to check --event-type against: a "
     "type it does not declare is a warning, not a refusal.",
