@@ -1,4 +1,5 @@
-"""The relay side of the event catalog (#31) as a hostile review found it: each test failed before its fix (the two guards excepted, said so)."""
+"""The relay side of the event catalog (#31) as a hostile review found it: each test failed
+before its fix (the two guards excepted, said so)."""
 
 from __future__ import annotations
 
