@@ -11,7 +11,10 @@
     outbox.catalog.use(catalog)  # or Outbox(catalog=catalog), or Django's OUTBOX_CATALOG
 
 Validation needs jsonschema-rs (``pip install 'outbox-relay[catalog]'``), loaded on a type's
-first checked event; a catalog whose types are all ``off`` never loads it.
+first checked event. Where it is installed it also checks each schema as it is declared or
+loaded; declaring examples needs it whatever the mode (each is checked against its schema:
+consumers copy them). A catalog whose types are all ``off`` and declare no example runs
+without it.
 """
 
 from __future__ import annotations

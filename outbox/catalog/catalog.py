@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -32,7 +33,8 @@ class Catalog:
 
     ``validate`` is the mode of the types that name none: ``reject`` refuses an event that
     does not match its type (an ``EventSchemaError`` before any SQL), ``warn`` stores it and
-    logs ``outbox.catalog.invalid`` (at most once a minute per type, field and keyword),
+    logs ``outbox.catalog.invalid`` (at most once a minute per type, field and keyword, every
+    index of a list counting as one field),
     ``off`` checks nothing. ``unknown`` is what an ``event_type`` the catalog does not
     declare gets; an event without ``event_type`` is never checked."""
 
@@ -56,6 +58,9 @@ class Catalog:
         self._types: dict[str, EventType] = {}
         # Compiled on a type's first checked event, once (a race compiles twice, harmlessly).
         self._validators: dict[str, jsonschema_rs.Validator] = {}
+        # Types whose schema does not compile (a catalog loaded without jsonschema-rs, say):
+        # in warn mode their events go through, the type logged once.
+        self._broken: set[str] = set()
         self._warnings = _Throttle(WARN_EVERY_S, time.monotonic)
 
     # --- declaring --------------------------------------------------------------------------
@@ -131,7 +136,8 @@ class Catalog:
 
     @classmethod
     def load(cls, source: Mapping[str, Any] | str | Path) -> Catalog:
-        """A catalog from its export: a mapping, or the path of its JSON file."""
+        """A catalog from its export: a mapping, or the path of its JSON file. Each type is
+        checked as its declaration was."""
         data: Any = source
         if not isinstance(source, Mapping):
             try:
@@ -140,6 +146,8 @@ class Catalog:
                 raise CatalogError(f"catalog {str(source)!r} cannot be read ({exc})") from None
             except ValueError as exc:
                 raise CatalogError(f"catalog {str(source)!r} is not JSON ({exc})") from None
+            except RecursionError:
+                raise CatalogError(f"catalog {str(source)!r} is nested too deeply") from None
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
             raise CatalogError(f"not a catalog export: expected format {FORMAT!r}")
         expected = {"format", "title", "version", "validate", "unknown", "types"}
@@ -205,25 +213,47 @@ class Catalog:
         if message.destination not in t.destinations:
             listed = ", ".join(repr(d) for d in t.destinations)
             return refusal("destination", f"is not one of the type's ({listed})", "destinations")
-        if t.key is not None and message.key is None:
+        if t.key is not None and not (message.key or "").strip():
             return refusal("key", f"is required: {t.key}", "key")
         if not _is_json_type(message.content_type):
             return refusal("content_type", "is not JSON", "content_type")
         from outbox.catalog import validation
 
-        validator = self._validators.get(t.name)
+        validator = self._validator(t)
         if validator is None:
-            validator = self._validators[t.name] = validation.compile_schema(t.schema, t.name)
+            return None
         found = validation.payload_problem(validator, payload, message.payload)
         if found is None:
             return None
         return refusal("payload" + found.field, found.message, found.keyword, found.path)
 
+    def _validator(self, t: EventType) -> jsonschema_rs.Validator | None:
+        """The type's validator, compiled once; None for a type in warn mode whose schema does
+        not compile (logged ``outbox.catalog.broken`` once): warn never fails the write."""
+        from outbox.catalog import validation
+
+        validator = self._validators.get(t.name)
+        if validator is not None or t.name in self._broken:
+            return validator
+        try:
+            validator = self._validators[t.name] = validation.compile_schema(t.schema, t.name)
+        except CatalogError as exc:
+            if (t.validate or self.validate) != "warn":
+                raise
+            self._broken.add(t.name)
+            log.error(
+                "outbox.catalog.broken event_type=%s version=%s error=%s", t.name, t.version, exc
+            )
+            return None
+        return validator
+
     def _warn(self, problem: EventSchemaError, destination: str) -> None:
         name = (
             "outbox.catalog.unknown" if problem.keyword == "unknown" else "outbox.catalog.invalid"
         )
-        suppressed = self._warnings.allow((problem.event_type, problem.field, problem.keyword))
+        # Per rule, not per place: every index of a list is the same rule.
+        rule = _INDEX.sub("[]", problem.field)
+        suppressed = self._warnings.allow((problem.event_type, rule, problem.keyword))
         if suppressed is None:
             return
         log.warning(
@@ -238,12 +268,18 @@ class Catalog:
         )
 
 
-class _Throttle:
-    """At most one line per subject every ``every`` seconds, with the count held back since."""
+_INDEX = re.compile(r"\[\d+\]")
 
-    def __init__(self, every: float, clock: Callable[[], float]) -> None:
+
+class _Throttle:
+    """At most one line per subject every ``every`` seconds, with the count held back since.
+    Subjects not seen for ``every`` seconds are forgotten (with their count), once there are
+    ``keep`` of them, so that the table does not grow with the life of the process."""
+
+    def __init__(self, every: float, clock: Callable[[], float], keep: int = 1024) -> None:
         self.every = every
         self.clock = clock
+        self.keep = keep
         self._lock = threading.Lock()
         self._last: dict[tuple[str, ...], float] = {}
         self._held: dict[tuple[str, ...], int] = {}
@@ -256,5 +292,12 @@ class _Throttle:
             if last is not None and now - last < self.every:
                 self._held[subject] = self._held.get(subject, 0) + 1
                 return None
+            if len(self._last) >= self.keep:
+                self._forget(now)
             self._last[subject] = now
             return self._held.pop(subject, 0)
+
+    def _forget(self, now: float) -> None:
+        for old in [s for s, last in self._last.items() if now - last >= self.every]:
+            del self._last[old]
+            self._held.pop(old, None)

@@ -2,7 +2,7 @@
 
 ``module:attr`` names a ``Catalog`` or a callable taking no argument that returns one (``attr``
 may be dotted); the working directory comes first on ``sys.path``, as for ``python -m``. A
-``.json`` path is read by ``Catalog.load``, with no application code and no pydantic.
+``.json`` path (any case) is read by ``Catalog.load``, with no application code and no pydantic.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from outbox.errors import CatalogError
 def load_catalog(spec: str) -> Catalog:
     if not isinstance(spec, str) or not spec.strip():
         raise CatalogError(f"a catalog spec is 'module:attr' or a .json path, got {spec!r}")
-    if spec.endswith(".json"):
+    if spec.lower().endswith(".json"):
         return Catalog.load(spec)
     module_name, colon, attr = spec.partition(":")
     if not colon or not module_name or not attr:
@@ -29,9 +29,10 @@ def load_catalog(spec: str) -> Catalog:
     try:
         found: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
-            raise
-        raise CatalogError(f"catalog {spec!r}: no module {exc.name!r}") from None
+        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
+            raise CatalogError(f"catalog {spec!r}: no module {exc.name!r}") from None
+        # The module is there; something it imports is not.
+        raise CatalogError(f"catalog {spec!r}: importing {module_name} failed ({exc})") from exc
     for part in attr.split("."):
         try:
             found = getattr(found, part)

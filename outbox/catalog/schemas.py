@@ -18,6 +18,7 @@ from urllib.parse import quote, unquote, urlsplit
 
 Dialect = Literal["draft-07", "2020-12"]
 JSONObject = dict[str, Any]
+MAX_SCHEMA_BYTES = 1 << 20
 
 _DIALECTS: dict[str, Dialect] = {
     "http://json-schema.org/draft-07/schema": "draft-07",
@@ -134,10 +135,19 @@ def resolve(schema: Any, segments: tuple[str, ...]) -> Any:
 
 
 def read_json(path: Path) -> Any:
+    """A schema file's JSON: a regular file (a device or a FIFO would never end), at most
+    ``MAX_SCHEMA_BYTES``."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        if path.exists() and not path.is_file():
+            raise SchemaProblem(str(path), "is not a regular file")
+        with path.open("rb") as file:
+            data = file.read(MAX_SCHEMA_BYTES + 1)
     except OSError as exc:
         raise SchemaProblem(str(path), f"cannot be read ({exc.strerror})") from None
+    if len(data) > MAX_SCHEMA_BYTES:
+        raise SchemaProblem(str(path), f"is larger than {MAX_SCHEMA_BYTES} bytes")
+    try:
+        return json.loads(data.decode("utf-8"))
     except ValueError as exc:
         raise SchemaProblem(str(path), f"is not JSON ({exc})") from None
 
@@ -160,10 +170,12 @@ def dialect(schema: Mapping[str, Any]) -> Dialect:
 
 class _Bundler:
     """Copies each file a ``$ref`` names into the root's definitions, once, rewriting the
-    references (the root's and the files') to point there."""
+    references (the root's and the files') to point there. Only files in ``folder`` (the root
+    schema's) or below are read: a schema is published, the files beside it are not all."""
 
-    def __init__(self, root: JSONObject, defs: str, kind: Dialect) -> None:
+    def __init__(self, root: JSONObject, defs: str, kind: Dialect, folder: Path | None) -> None:
         self.root = root
+        self.folder = folder.resolve() if folder is not None else None
         self.defs = defs
         self.kind = kind
         self.placed: dict[Path, str] = {}
@@ -192,9 +204,16 @@ class _Bundler:
             raise SchemaProblem(where, f"$ref {ref!r} names an anchor: use a JSON pointer")
         if not path:
             return _ref(prefix + _segments(fragment)) if prefix else ref
-        if base is None:
+        if base is None or self.folder is None:
             raise SchemaProblem(where, f"$ref {ref!r} names a file, but the schema has no folder")
-        name = self._place((base / unquote(path)).resolve(), where)
+        if Path(unquote(path)).is_absolute():
+            raise SchemaProblem(
+                where, f"$ref {ref!r} is absolute: name a file relative to this one"
+            )
+        file = (base / unquote(path)).resolve()
+        if not file.is_relative_to(self.folder):
+            raise SchemaProblem(where, f"$ref {ref!r} leaves the schema's folder ({self.folder})")
+        name = self._place(file, where)
         return _ref((self.defs, name, *_segments(fragment)))
 
     def _place(self, file: Path, where: str) -> str:
@@ -227,11 +246,11 @@ class _Bundler:
 
 
 def bundle(schema: Mapping[str, Any], base: Path | None, kind: Dialect) -> JSONObject:
-    """A copy of ``schema`` with every relative file reference read (from ``base``, the
-    folder of the file that refers) into its definitions; remote references refused."""
+    """A copy of ``schema`` with every relative file reference read (from ``base``, the root
+    schema's folder, or below it) into its definitions; remote references refused."""
     root: JSONObject = copy.deepcopy(dict(schema))
     defs = "$defs" if kind == "2020-12" else "definitions"
-    bundler = _Bundler(root, defs, kind)
+    bundler = _Bundler(root, defs, kind, base)
     bundler.rewrite(root, base, ())
     if bundler.added:
         root[defs] = {**root.get(defs, {}), **bundler.added}

@@ -171,20 +171,26 @@ class EventType:
 
     @classmethod
     def load(cls, data: Mapping[str, Any]) -> EventType:
-        """A type from its export (no application code, no pydantic, no validator)."""
+        """A type from its export (no application code, no pydantic), checked as a declaration
+        is (jsonschema-rs, where installed, checks its schema and examples)."""
         name = data.get("name") if isinstance(data, Mapping) else None
         if not isinstance(data, Mapping) or set(data) != EXPORT_KEYS:
             got = sorted(data) if isinstance(data, Mapping) else type(data).__name__
             raise CatalogError(
                 f"event type {name!r} in the export: expected keys {sorted(EXPORT_KEYS)}, got {got}"
             )
-        fields = copy.deepcopy(dict(data))
-        for name_ in ("schema", "portable", "definitions"):
-            if not isinstance(fields[name_], dict):
-                raise CatalogError(f"event type {name!r} in the export: {name_} is no object")
-        fields["destinations"] = tuple(_strings(fields["destinations"]))
-        fields["examples"] = tuple(fields["examples"] or ())
-        return cls(**fields)
+        try:
+            fields = copy.deepcopy(dict(data))
+            fields["destinations"] = tuple(_strings(fields["destinations"]))
+            if not isinstance(fields["examples"], list):
+                raise CatalogError(f"event type {name!r} in the export: examples is no list")
+            fields["examples"] = _json_values(str(name), tuple(fields["examples"]))
+            loaded = cls(**fields)
+            _check_schema(loaded.name, loaded.schema)
+        except RecursionError:
+            raise CatalogError(f"event type {name!r} in the export: nested too deeply") from None
+        _check_compiled(loaded, loading=True)
+        return loaded
 
 
 EXPORT_KEYS = frozenset(
@@ -228,6 +234,11 @@ def _problem(t: EventType) -> str | None:
         return "description must be a str or None"
     if not isinstance(t.deprecated, bool):
         return "deprecated must be a bool"
+    if not isinstance(t.origin, str):
+        return "origin must be a str"
+    for name in ("schema", "portable", "definitions"):
+        if not isinstance(getattr(t, name), dict):
+            return f"{name} must be a JSON object"
     return None
 
 
@@ -244,10 +255,12 @@ def _declare(
     try:
         kind = schemas.dialect(declared)
         schema = schemas.bundle(declared, base, kind)
-        schemas.check(schema, kind)
+        _check_schema(name, schema)
         portable, definitions = schemas.portable(schema, kind)
     except SchemaProblem as exc:
         raise CatalogError(f"event type {name!r}: {exc.what} (at {exc.pointer})") from None
+    except RecursionError:
+        raise CatalogError(f"event type {name!r}: the schema is nested too deeply") from None
     if description is None and isinstance(schema.get("description"), str):
         description = schema["description"]
     event_type = EventType(
@@ -260,8 +273,7 @@ def _declare(
         origin=origin,
         **fields,
     )
-    if event_type.examples:
-        _check_examples(event_type)
+    _check_compiled(event_type, loading=False)
     return event_type
 
 
@@ -272,15 +284,36 @@ def _json_values(name: str, examples: tuple[Any, ...]) -> tuple[Any, ...]:
         raise CatalogError(f"event type {name!r}: an example is not JSON ({exc})") from None
 
 
-def _check_examples(event_type: EventType) -> None:
-    """Examples are what consumers copy: each must be valid, whatever the mode."""
+def _check_schema(name: str, schema: JSONObject) -> None:
+    """What the portable form cannot carry, or carry with the same meaning, refused."""
+    try:
+        schemas.check(schema, schemas.dialect(schema))
+    except SchemaProblem as exc:
+        raise CatalogError(f"event type {name!r}: {exc.what} (at {exc.pointer})") from None
+
+
+def _check_compiled(event_type: EventType, *, loading: bool) -> None:
+    """The schema against its dialect's metaschema and each example against the schema, by
+    jsonschema-rs. Without it, an export loads as it is, but examples cannot be declared:
+    they are what consumers copy, so each must be valid, whatever the mode."""
     from outbox.catalog import validation
 
-    validator = validation.compile_schema(event_type.schema, event_type.name)
+    name = event_type.name
+    if not validation.installed():
+        if event_type.examples and not loading:
+            raise CatalogError(
+                f"event type {name!r}: declaring examples needs jsonschema-rs, which checks "
+                "them against the schema: pip install 'outbox-relay[catalog]'"
+            )
+        return
+    validation.check_schema(event_type.schema, name)
+    if not event_type.examples:
+        return
+    validator = validation.compile_schema(event_type.schema, name)
     for i, example in enumerate(event_type.examples):
         problem = validation.first_problem(validator, example)
         if problem is not None:
             raise CatalogError(
-                f"event type {event_type.name!r}: examples[{i}]{problem.field} "
+                f"event type {name!r}: examples[{i}]{problem.field} "
                 f"{problem.message} ({problem.keyword})"
             )
