@@ -5,6 +5,7 @@ webhook secrets, on a catalog module of an application's own (written to a tempo
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,36 @@ def test_run_check_loads_the_catalog_source(app: Path, monkeypatch: pytest.Monke
     res = CliRunner().invoke(main, ["run", "--check", "--config", "relay.toml"])
     assert res.exit_code == 2, res.output
     assert "catalog.source 'shop_events:missing' does not load" in res.stderr
+
+
+def test_check_against_the_previous_release(app: Path) -> None:
+    """The previous release's document committed, then a required field added: exit 3 and the
+    change named; --allow lets it through; --json counts it; a catalog problem besides wins."""
+    assert _previous(app, as_asyncapi=True).exists()
+    (app / "shop_events.py").write_text(
+        textwrap.dedent(APP).replace("    invoice_id: int", "    invoice_id: int\n    paid_at: str")
+    )
+    sys.modules.pop("shop_events", None)  # the next release: a new process would import it anew
+    args = ("check", "--config", "relay.toml", "--catalog", "shop_events:catalog")
+    res = run(*args, "--against", "previous.json")
+    assert res.exit_code == 3, res.output
+    assert "BREAKING invoice.paid payload.paid_at: required field added" in res.stdout
+    res = run(*args, "--against", "previous.json", "--allow", "invoice.paid")
+    assert res.exit_code == 0, res.output
+    assert "(allowed)" in res.stdout
+    res = run(*args, "--against", "previous.json", "--json")
+    assert res.exit_code == 3
+    out = json.loads(res.stdout)
+    assert out["breaking"] == 1
+    assert [c["path"] for c in out["changes"] if c["verdict"] == "breaking"] == ["payload.paid_at"]
+    (app / "relay.toml").write_text(CONFIG.replace("[destinations.hooks]", "[destinations.other]"))
+    res = run(*args, "--against", "previous.json")
+    assert res.exit_code == 1, res.output  # the catalog's own problem first
+    assert "BREAKING" in res.stdout
+
+
+def test_check_against_itself_is_no_change(app: Path) -> None:
+    _previous(app, as_asyncapi=False)
+    res = run("check", "--catalog", "shop_events:catalog", "--against", "previous.json")
+    assert res.exit_code == 0, res.output
+    assert res.stdout == "no change against previous.json\n"

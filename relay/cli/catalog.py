@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from relay.cli.options import EXIT_CONDITION
-from relay.cli.render import echo, echo_lines
+from relay.cli.render import echo, echo_json, echo_lines
 
 if TYPE_CHECKING:
     from outbox.catalog import Catalog
@@ -133,7 +133,7 @@ def check(
     notes = problems(found, settings)
     changes: list[Any] = []
     if against is not None:
-        from outbox.catalog.compat import compare  # type: ignore[import-untyped,unused-ignore]
+        from outbox.catalog.compat import compare
 
         try:
             previous = read_previous(against)
@@ -147,7 +147,7 @@ def check(
             "changes": [_change_json(c, allowed) for c in sorted(changes)],
             "breaking": len(breaking),
         }
-        echo(json.dumps(out, indent=2, sort_keys=True))
+        echo_json(out)
     else:
         for level, text in notes:
             echo_lines(f"{level.upper()} {text}", err=True)
