@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from relay.cli.options import EXIT_CONDITION
-from relay.cli.render import echo, echo_json, echo_lines
+from relay.cli.render import echo, echo_exact, echo_json, echo_lines
 
 if TYPE_CHECKING:
     from outbox.catalog import Catalog
@@ -175,7 +175,7 @@ def _change_json(c: Any, allowed: tuple[str, ...]) -> dict[str, Any]:
 
 def _write(text: str, output: Path | None) -> None:
     if output is None:
-        click.echo(text, nl=False)
+        echo_exact(text.removesuffix("\n"))  # JSON for another program: exactly as written
         return
     try:
         output.write_text(text, encoding="utf-8")
