@@ -8,6 +8,7 @@ reader, who ignores unknown fields and enum values)."""
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]
@@ -1206,15 +1207,26 @@ def values(schema: Any, definitions: dict[str, Any]) -> st.SearchStrategy[Any]:
     if kinds == "string":
         return st.text("ab€", max_size=node.get("maxLength", 6))
     if kinds == "object":
-        props = node.get("properties", {})
-        need = set(node.get("required", ()))
+        props, need = _patterned(node, definitions), set(node.get("required", ()))
         return st.fixed_dictionaries(
-            {n: values(s, definitions) for n, s in props.items() if n in need},
-            optional={n: values(s, definitions) for n, s in props.items() if n not in need},
+            {n: s for n, s in props.items() if n in need},
+            optional={n: s for n, s in props.items() if n not in need},
         )
     if kinds == "array":
         return st.lists(values(node["items"], definitions), max_size=node.get("maxItems", 3))
     return st.booleans() if kinds == "boolean" else st.none()
+
+
+def _patterned(node: dict[str, Any], definitions: dict[str, Any]) -> dict[str, Any]:
+    """The values of an object's fields: those it lists, kept to what a pattern matching the
+    name admits too, and a field its pattern ``^z`` admits that it does not list."""
+    props = {n: values(s, definitions) for n, s in node.get("properties", {}).items()}
+    for pattern, schema in node.get("patternProperties", {}).items():
+        fits = document(schema, definitions)
+        for name in [n for n in props if re.search(pattern, n)]:
+            props[name] = props[name].filter(lambda v, fits=fits: valid(fits, v))
+        props.setdefault(pattern.removeprefix("^"), values(schema, definitions))
+    return props
 
 
 def document(schema: Any, definitions: dict[str, Any]) -> dict[str, Any]:
@@ -1288,6 +1300,9 @@ EDITS = (
     "maxItems",
     "describe",
     "title",
+    "add under a pattern",
+    "null a reference",
+    "unnull a reference",
 )
 
 
@@ -1297,8 +1312,12 @@ def _edits(node: dict[str, Any]) -> list[str]:
     kind = node.get("type")
     if kind == "object":
         edits += ["add optional", "add required", "close", "open"]
+        if "z" not in node["properties"] and "patternProperties" not in node:
+            edits += ["add under a pattern"]
         if node["properties"]:
             edits += ["remove", "deprecate and remove", "deprecate", "require", "unrequire"]
+        if any("$ref" in s for s in node["properties"].values()):
+            edits += ["null a reference", "unnull a reference"]
     if "enum" in node:
         edits += ["widen enum", "narrow enum"]
     if "const" in node:
@@ -1318,7 +1337,9 @@ def _edit(draw: st.DrawFn, how: str, old: dict[str, Any], new: dict[str, Any]) -
     """Apply an edit to ``new`` (and, to deprecate a field first, to ``old``)."""
     props, required = new.get("properties", {}), list(new.get("required", []))
     name = draw(st.sampled_from(sorted(props))) if props else ""
-    if how in ("add optional", "add required"):
+    if how in ("add under a pattern", "null a reference", "unnull a reference"):
+        _edit_more(draw, how, old, new)
+    elif how in ("add optional", "add required"):
         name = draw(st.sampled_from([f for f in (*FIELDS, "z") if f not in props]))
         props[name] = draw(leaves())
         if how == "add required":
@@ -1352,6 +1373,20 @@ def _edit(draw: st.DrawFn, how: str, old: dict[str, Any], new: dict[str, Any]) -
         new[how] = new.get(how, new.get("minimum", 0)) + draw(st.sampled_from([-1, 1, 2]))
     else:
         new[how if how != "describe" else "description"] = draw(st.sampled_from(["new", "other"]))
+
+
+def _edit_more(draw: st.DrawFn, how: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """An optional field added that a pattern of the old object already matched; a
+    reference made nullable (pydantic's ``X | None``), or the reverse."""
+    if how == "add under a pattern":
+        old["patternProperties"] = {"^z": draw(leaves())}
+        new["patternProperties"] = copy.deepcopy(old["patternProperties"])
+        new["properties"]["z"] = draw(leaves())
+        return
+    refs = sorted(n for n, s in new["properties"].items() if "$ref" in s)
+    name = draw(st.sampled_from(refs))
+    side = new if how == "null a reference" else old
+    side["properties"][name] = {"anyOf": [side["properties"][name], {"type": "null"}]}
 
 
 @st.composite

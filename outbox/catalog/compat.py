@@ -26,7 +26,8 @@ class Change:
     """One difference between two releases of a catalog.
 
     ``path`` is where in the type it lies: ``payload`` and below (``payload.lines[].sku``),
-    ``destinations``, ``key``, ``description``, ``examples``, or empty for the whole type.
+    ``destinations``, ``key``, ``content_type``, ``version``, ``description``, ``examples``,
+    or empty for the whole type.
     ``rule`` names the row of §6 that judged it (``required-added``, ``enum-widened``,
     ``cannot-judge``, ...)."""
 
@@ -48,7 +49,8 @@ class Change:
 def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
     """Every change from ``old`` to ``new`` (both ``Catalog.export()`` dicts), sorted; an
     empty list when they promise the same. Raises ``ValueError`` for a dict that is not an
-    export of this format (an AsyncAPI document is read into one by the command first)."""
+    export of this format (an AsyncAPI document is read into one by the command first), or
+    for a schema nested too deeply to compare."""
     before, after = _types(old, "old"), _types(new, "new")
     changes: list[Change] = []
     for name in sorted(before.keys() | after.keys()):
@@ -58,7 +60,11 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[Change]:
         elif now is None:
             changes.append(_removed(name, was))
         else:
-            changes += _type_changes(name, was, now)
+            try:
+                changes += _type_changes(name, was, now)
+            except RecursionError:
+                # Schemas nested (not referenced) deeper than Python's stack.
+                raise ValueError(f"the schema of {name} is nested too deeply to compare") from None
     return sorted(changes)
 
 
@@ -80,12 +86,24 @@ def _removed(name: str, was: Mapping[str, Any]) -> Change:
 
 
 def _type_changes(name: str, was: Mapping[str, Any], now: Mapping[str, Any]) -> list[Change]:
-    found = [*_lifecycle(was, now), *_destinations(was, now), *_key(was, now)]
+    found = [*_lifecycle(was, now), *_destinations(was, now), *_key(was, now), *_labels(was, now)]
     for key in ("description", "examples"):
         if canon(was.get(key)) != canon(now.get(key)):
             found.append(Finding(key, "annotation", "safe", f"{key} changed"))
     found += schema_changes(was, now)
     return [Change(name, *f) for f in found]
+
+
+def _labels(was: Mapping[str, Any], now: Mapping[str, Any]) -> list[Finding]:
+    found = []
+    before, after = was.get("content_type"), now.get("content_type")
+    if before != after:
+        detail = f"content type {canon(before)} → {canon(after)} (readers of it parse it so)"
+        found.append(Finding("content_type", "content-type-changed", "breaking", detail))
+    if canon(was.get("version")) != canon(now.get("version")):
+        detail = f"version {canon(was.get('version'))} → {canon(now.get('version'))}"
+        found.append(Finding("version", "version-changed", "safe", detail))
+    return found
 
 
 def _lifecycle(was: Mapping[str, Any], now: Mapping[str, Any]) -> list[Finding]:

@@ -8,6 +8,8 @@ its kin, a keyword unknown to the rules) is breaking when it differs, and named.
 
 from __future__ import annotations
 
+import re
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
@@ -16,6 +18,7 @@ from outbox.catalog.compat_schema import (
     Side,
     canon,
     is_annotation,
+    keyword,
     show,
     type_set,
     values,
@@ -66,6 +69,11 @@ _JUDGED = frozenset(
 _OLD_MAY_FAIL = "old events may not fit"
 _NEW_MAY_FAIL = "old readers' storage may not fit new events"
 _CANNOT_JUDGE = "cannot judge: no subset test; --allow if intended"
+# Pairs of schemas one type's comparison may look at: shared definitions are compared once
+# per pair, so only a schema built to be costly gets near it.
+WORK_LIMIT = 20_000
+# A bound's value that bounds nothing: the same as leaving it out.
+_NO_BOUND = {"minLength": "0", "minItems": "0", "minProperties": "0", "uniqueItems": "false"}
 
 
 class Finding(NamedTuple):
@@ -81,56 +89,87 @@ def schema_changes(old_type: Mapping[str, Any], new_type: Mapping[str, Any]) -> 
         Side(old_type.get("portable", {}), old_type.get("definitions") or {}),
         Side(new_type.get("portable", {}), new_type.get("definitions") or {}),
     )
-    walk.node(walk.old.root, walk.new.root, "payload", frozenset())
+    walk.node(walk.old.root, walk.new.root, "payload")
+    walk.run()
     return walk.found
 
 
 def member(path: str, name: str) -> str:
     """A field's path: ``payload.lines``, or ``payload["a.b"]`` for a name that is not an
-    identifier (as an ``EventSchemaError`` names it)."""
-    return f"{path}.{name}" if name.isidentifier() else f"{path}[{canon(name)}]"
+    ASCII identifier (as an ``EventSchemaError`` names it; a look-alike letter shows)."""
+    plain = name.isascii() and name.isidentifier()
+    return f"{path}.{name}" if plain else f"{path}[{canon(name)}]"
 
 
-Stack = frozenset[tuple[tuple[str, ...] | str, tuple[str, ...] | str]]
+@dataclass
+class _Budget:
+    left: int = WORK_LIMIT
+    spent: bool = False
 
 
 @dataclass
 class _Walk:
+    """A comparison, breadth first from a queue rather than by recursion, so a long chain of
+    references costs no stack. A pair reached through a reference is compared once, by what
+    its two sides hold (not by the references' names: ``Node`` and ``Node | None`` differ):
+    that ends a cycle, and a definition shared by many fields is not compared once a path."""
+
     old: Side
     new: Side
     found: list[Finding] = field(default_factory=list)
+    budget: _Budget = field(default_factory=_Budget)
+    seen: set[tuple[str, str]] = field(default_factory=set)
+    queue: deque[tuple[Any, Any, str]] = field(default_factory=deque)
 
     def add(self, path: str, rule: str, verdict: Verdict, detail: str) -> None:
         self.found.append(Finding(path, rule, verdict, detail))
 
-    def node(self, old_schema: Any, new_schema: Any, path: str, stack: Stack) -> None:
+    def node(self, old_schema: Any, new_schema: Any, path: str) -> None:
+        self.queue.append((old_schema, new_schema, path))
+
+    def inner(self) -> _Walk:
+        """A walk of its own (a combinator's branches), on the same budget."""
+        return _Walk(self.old, self.new, budget=self.budget)
+
+    def run(self) -> None:
+        while self.queue:
+            old_schema, new_schema, path = self.queue.popleft()
+            if self.budget.left <= 0:
+                if not self.budget.spent:
+                    detail = f"more than {WORK_LIMIT} schemas to compare ({_CANNOT_JUDGE})"
+                    self.add(path, "cannot-judge", "breaking", detail)
+                self.budget.spent = True
+                self.queue.clear()
+                return
+            self.budget.left -= 1
+            self._compare(old_schema, new_schema, path)
+
+    def _compare(self, old_schema: Any, new_schema: Any, path: str) -> None:
         old, old_refs = self.old.resolve(old_schema)
         new, new_refs = self.new.resolve(new_schema)
         if old_refs or new_refs:
-            # A side without references is named by its content, so a recursive definition
-            # against a tree written out (or against nothing) stops only where that tree ends.
-            pair = (old_refs or canon(old), new_refs or canon(new))
-            if pair in stack:
-                return  # a cycle: this pair is being compared further up
-            stack = stack | {pair}
+            pair = (canon(old), canon(new))
+            if pair in self.seen:
+                return  # compared already, or being compared: its findings are there
+            self.seen.add(pair)
         for rule in _RULES:
-            rule(self, old, new, path, stack)
+            rule(self, old, new, path)
 
 
-Rule = Callable[[_Walk, dict[str, Any], dict[str, Any], str, Stack], None]
+Rule = Callable[[_Walk, dict[str, Any], dict[str, Any], str], None]
 
 
-def _annotations(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Stack) -> None:
+def _annotations(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     for key in sorted(k for k in old.keys() | new.keys() if is_annotation(k)):
         if key not in new:
-            w.add(path, "annotation", "safe", f"{key} removed")
+            w.add(path, "annotation", "safe", f"{keyword(key)} removed")
         elif key not in old:
-            w.add(path, "annotation", "safe", f"{key} added")
+            w.add(path, "annotation", "safe", f"{keyword(key)} added")
         elif canon(old[key]) != canon(new[key]):
-            w.add(path, "annotation", "safe", f"{key} changed")
+            w.add(path, "annotation", "safe", f"{keyword(key)} changed")
 
 
-def _types(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Stack) -> None:
+def _types(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     before, after = type_set(old), type_set(new)
     if before == after:
         return
@@ -145,7 +184,7 @@ def _types(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Sta
     w.add(path, "type-changed", "breaking", f"type {shown[0]} → {shown[1]} ({why})")
 
 
-def _enums(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Stack) -> None:
+def _enums(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     before, after = values(old), values(new)
     if before is None and after is None:
         return
@@ -166,17 +205,23 @@ def _enums(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Sta
         w.add(path, "enum-widened", "safe", f"{word} gains {show(gained)} (tolerant reader)")
 
 
-def _bounds(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Stack) -> None:
+def _bounds(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     for key in (*MAXIMA, *MINIMA, "multipleOf", "pattern", "format", "uniqueItems"):
-        before, after = old.get(key), new.get(key)
+        before, after = _bound(old, key), _bound(new, key)
         if canon(before) == canon(after):
             continue
         way = _direction(key, before, after)
         why = {"tightened": _OLD_MAY_FAIL, "loosened": _NEW_MAY_FAIL}.get(
             way, f"{_OLD_MAY_FAIL}; {_NEW_MAY_FAIL}"
         )
-        shown = [canon(v) if v is not None else "none" for v in (before, after)]
+        written = (old.get(key), new.get(key))
+        shown = [canon(v) if v is not None else "none" for v in written]
         w.add(path, f"bound-{way}", "breaking", f"{key} {shown[0]} → {shown[1]} ({why})")
+
+
+def _bound(node: dict[str, Any], key: str) -> Any:
+    value = node.get(key)
+    return None if value is not None and _NO_BOUND.get(key) == canon(value) else value
 
 
 def _direction(key: str, before: Any, after: Any) -> str:
@@ -212,19 +257,22 @@ def _extra(node: dict[str, Any]) -> Any | None:
     return None if extra is True or extra is False or extra == {} else extra
 
 
-def _fields(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, stack: Stack) -> None:
+def _fields(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     old_props, new_props = _properties(old), _properties(new)
     old_req, new_req = _required(old), _required(new)
     for name in sorted(old_props.keys() | new_props.keys() | old_req | new_req):
         at = member(path, name)
         if name not in old_props and name not in old_req:
-            _added(w, old, name in new_req, at)
-            if _extra(old) is not None:
-                w.node(old["additionalProperties"], new_props.get(name, {}), at, stack)
+            governing = _governing(w, old, name, at)
+            _added(w, old, name, name in new_req, governing is None, at)
+            for schema in governing or ():
+                w.node(schema, new_props.get(name, {}), at)
         elif name not in new_props and name not in new_req:
-            _removed(w, old_props.get(name, {}), name in old_req, _closed(new), at)
-            if _extra(new) is not None:
-                w.node(old_props.get(name, {}), new["additionalProperties"], at, stack)
+            governing = _governing(w, new, name, at)
+            closed = _closed(new) and governing is None
+            _removed(w, old_props.get(name, {}), name in old_req, closed, at)
+            for schema in governing or ():
+                w.node(old_props.get(name, {}), schema, at)
         else:
             if name in old_req and name not in new_req:
                 w.add(
@@ -234,7 +282,7 @@ def _fields(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, stack
                 w.add(
                     at, "optional-to-required", "breaking", "now required (old events may lack it)"
                 )
-            w.node(old_props.get(name, {}), new_props.get(name, {}), at, stack)
+            w.node(old_props.get(name, {}), new_props.get(name, {}), at)
 
 
 def _properties(node: dict[str, Any]) -> dict[str, Any]:
@@ -247,10 +295,66 @@ def _required(node: dict[str, Any]) -> set[str]:
     return {str(n) for n in required} if isinstance(required, list) else set()
 
 
-def _added(w: _Walk, old: dict[str, Any], required: bool, at: str) -> None:
+def _governing(w: _Walk, node: dict[str, Any], name: str, at: str) -> list[Any] | None:
+    """The schemas a field ``node`` does not list must fit: those of the patterns its name
+    matches (unanchored, as JSON Schema's), else the additional properties' (then None when
+    they are free or refused)."""
+    patterns = node.get("patternProperties")
+    matched = []
+    for pattern, schema in patterns.items() if isinstance(patterns, Mapping) else ():
+        try:
+            hit = re.search(str(pattern), name) is not None
+        except re.error:
+            detail = f"pattern {canon(pattern)} unreadable here ({_CANNOT_JUDGE})"
+            w.add(at, "cannot-judge", "breaking", detail)
+            continue
+        if hit:
+            matched.append(schema)
+    if matched:
+        return matched
+    extra = _extra(node)
+    return None if extra is None else [extra]
+
+
+def _name_fits(w: _Walk, node: dict[str, Any], name: str) -> bool | None:
+    """Whether ``name`` fits the node's ``propertyNames``; None when no rule here can tell."""
+    if "propertyNames" not in node:
+        return True
+    names = w.old.resolve(node["propertyNames"])[0]
+    if any(k not in _NAME_KEYWORDS and not is_annotation(k) for k in names):
+        return None
+    types, listed = type_set(names), values(names)
+    try:
+        pattern = re.search(str(names["pattern"]), name) if "pattern" in names else True
+    except re.error:
+        return None
+    shortest, longest = names.get("minLength", 0), names.get("maxLength", len(name))
+    if not (_number(shortest) and _number(longest)):
+        return None
+    return (
+        (types is None or "string" in types)
+        and (listed is None or canon(name) in {canon(v) for v in listed})
+        and bool(pattern)
+        and shortest <= len(name) <= longest
+    )
+
+
+_NAME_KEYWORDS = frozenset({"type", "enum", "const", "pattern", "minLength", "maxLength"})
+
+
+def _added(
+    w: _Walk, old: dict[str, Any], name: str, required: bool, unmatched: bool, at: str
+) -> None:
+    fits = _name_fits(w, old, name)
     if required:
         w.add(at, "required-added", "breaking", "required field added (old events lack it)")
-    elif _closed(old):
+    elif fits is None:
+        detail = f"the old propertyNames may refuse the name ({_CANNOT_JUDGE})"
+        w.add(at, "cannot-judge", "breaking", detail)
+    elif not fits:
+        detail = "optional field added whose name the old propertyNames refuses"
+        w.add(at, "optional-added", "breaking", detail)
+    elif unmatched and _closed(old):
         detail = "optional field added to a closed object (additionalProperties: false)"
         w.add(at, "optional-added", "breaking", detail)
     else:
@@ -271,12 +375,12 @@ def _removed(w: _Walk, schema: Any, required: bool, closed: bool, at: str) -> No
     w.add(at, "field-removed", "breaking", detail)
 
 
-def _additional(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, s: Stack) -> None:
+def _additional(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     before, after = _extra(old), _extra(new)
     if _closed(old) == _closed(new) and before is None and after is None:
         return
     if not _closed(old) and not _closed(new):
-        w.node(before or {}, after or {}, f"{path}.*", s)
+        w.node(before or {}, after or {}, f"{path}.*")
         return
     shown = [
         "false" if _closed(n) else "a schema" if e is not None else "true"
@@ -295,30 +399,31 @@ def _sequence(node: dict[str, Any]) -> tuple[list[Any], Any]:
     return [], items
 
 
-def _items(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, stack: Stack) -> None:
+def _items(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     if not {"items", "additionalItems"} & (old.keys() | new.keys()):
         return
     (old_lead, old_rest), (new_lead, new_rest) = _sequence(old), _sequence(new)
     for i in range(max(len(old_lead), len(new_lead))):
         before = old_lead[i] if i < len(old_lead) else old_rest
         after = new_lead[i] if i < len(new_lead) else new_rest
-        w.node(before, after, f"{path}[{i}]", stack)
-    w.node(old_rest, new_rest, f"{path}[]", stack)
+        w.node(before, after, f"{path}[{i}]")
+    w.node(old_rest, new_rest, f"{path}[]")
 
 
-def _combinators(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, s: Stack) -> None:
+def _combinators(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     for key in COMBINATORS:
         if key not in old and key not in new:
             continue
-        inner = _Walk(w.old, w.new)
-        alike = _alike(inner, key, old.get(key), new.get(key), path, s)
+        inner = w.inner()
+        alike = _alike(inner, key, old.get(key), new.get(key), path)
+        inner.run()
         if not alike or any(f.rule != "annotation" for f in inner.found):
             w.add(path, "cannot-judge", "breaking", f"{key} differs ({_CANNOT_JUDGE})")
         else:
             w.found.extend(inner.found)  # a description inside a branch: safe as anywhere
 
 
-def _alike(w: _Walk, key: str, before: Any, after: Any, path: str, stack: Stack) -> bool:
+def _alike(w: _Walk, key: str, before: Any, after: Any, path: str) -> bool:
     """Whether a combinator's two values have the same shape, comparing the schemas they hold
     into ``w``: branch by branch, pattern by pattern, or the one schema."""
     if before is None or after is None:
@@ -328,29 +433,29 @@ def _alike(w: _Walk, key: str, before: Any, after: Any, path: str, stack: Stack)
             return canon(before) == canon(after)
         if before.keys() != after.keys():
             return False
-        return all(_same(w, before[k], after[k], path, stack) for k in sorted(before))
+        return all(_same(w, before[k], after[k], path) for k in sorted(before))
     if key in ("allOf", "anyOf", "oneOf"):
         if not (isinstance(before, list) and isinstance(after, list)):
             return canon(before) == canon(after)
         if len(before) != len(after):
             return False
-        return all(_same(w, b, a, path, stack) for b, a in zip(before, after, strict=True))
-    return _same(w, before, after, path, stack)
+        return all(_same(w, b, a, path) for b, a in zip(before, after, strict=True))
+    return _same(w, before, after, path)
 
 
-def _same(w: _Walk, before: Any, after: Any, path: str, stack: Stack) -> bool:
+def _same(w: _Walk, before: Any, after: Any, path: str) -> bool:
     if isinstance(before, list) or isinstance(after, list):
         return canon(before) == canon(after)  # a dependency's list of names
-    w.node(before, after, path, stack)
+    w.node(before, after, path)
     return True
 
 
-def _unjudged(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str, _: Stack) -> None:
+def _unjudged(w: _Walk, old: dict[str, Any], new: dict[str, Any], path: str) -> None:
     for key in sorted(old.keys() | new.keys()):
         if key in _JUDGED or is_annotation(key):
             continue
         if canon(old.get(key)) != canon(new.get(key)):
-            w.add(path, "cannot-judge", "breaking", f"{key} differs ({_CANNOT_JUDGE})")
+            w.add(path, "cannot-judge", "breaking", f"{keyword(key)} differs ({_CANNOT_JUDGE})")
 
 
 _RULES: tuple[Rule, ...] = (

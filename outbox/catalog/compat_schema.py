@@ -5,8 +5,10 @@ the rules in ``compat_rules`` compare meaning rather than spelling."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 from urllib.parse import unquote
 
@@ -33,6 +35,15 @@ _APPLIES_TO_ALL = frozenset({"enum", "const", "allOf", "anyOf", "oneOf", "not", 
 
 def is_annotation(keyword: str) -> bool:
     return keyword in ANNOTATIONS or keyword.startswith("x-")
+
+
+_PLAIN_KEYWORD = re.compile(r"[A-Za-z$][A-Za-z0-9_$-]*")
+
+
+def keyword(name: str) -> str:
+    """A keyword's name for a change's detail: as it is when plain, else quoted as JSON (a
+    line break or a look-alike letter in it shows)."""
+    return name if _PLAIN_KEYWORD.fullmatch(name) else canon(name)
 
 
 def canon(value: Any) -> str:
@@ -67,19 +78,22 @@ def json_type(value: Any) -> str:
 
 
 def type_set(node: Mapping[str, Any]) -> frozenset[str] | None:
-    """The types a node admits, None for any: its ``type``, else those of its ``enum`` or
-    ``const`` values (an untyped enum of strings admits strings only). "integer" is dropped
-    beside "number", which holds it."""
+    """The types a node admits, None for any: those of its ``type`` its ``enum`` or ``const``
+    values have (an untyped enum of strings admits strings only, and so does one typed
+    ``["string", "null"]``). "integer" is dropped beside "number", which holds it."""
     declared = node.get("type")
+    listed = values(node)
+    found: set[str] | None = None
     if isinstance(declared, str):
         found = {declared}
     elif isinstance(declared, list):
         found = {str(t) for t in declared}
-    elif "const" in node:
-        found = {json_type(node["const"])}
-    elif isinstance(node.get("enum"), list):
-        found = {json_type(v) for v in node["enum"]}
-    else:
+    if listed is not None:
+        kinds = {json_type(v) for v in listed}
+        if found is not None:
+            kinds = {k for k in kinds if k in found or (k == "integer" and "number" in found)}
+        found = kinds
+    if found is None:
         return None
     if "number" in found:
         found.discard("integer")
@@ -116,7 +130,7 @@ class Side:
         nowhere, which is then compared as written."""
         if not ref.startswith("#"):
             return None
-        found: Any = {**as_node(self.root), "definitions": dict(self.definitions)}
+        found: Any = self._document
         pointer = unquote(ref[1:])
         if not pointer:
             return self.root
@@ -131,6 +145,11 @@ class Side:
             else:
                 return None
         return found
+
+    @cached_property
+    def _document(self) -> dict[str, Any]:
+        # Built once: a copy per reference followed is quadratic in a long chain.
+        return {**as_node(self.root), "definitions": dict(self.definitions)}
 
     def resolve(
         self, schema: Any, seen: tuple[str, ...] = ()

@@ -139,7 +139,10 @@ def check(
             previous = read_previous(against)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="'--against'") from None
-        changes = compare(previous, found)
+        try:
+            changes = compare(previous, found)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     breaking = [c for c in changes if c.verdict == "breaking" and c.type not in allowed]
     if as_json:
         out = {
@@ -153,7 +156,7 @@ def check(
             echo_lines(f"{level.upper()} {text}", err=True)
         for c in sorted(changes):
             mark = " (allowed)" if c.verdict == "breaking" and c.type in allowed else ""
-            echo_lines(f"{c}{mark}")
+            echo(f"{c}{mark}")  # one line: a line break in a name the schema gave is escaped
         if not changes and against is not None:
             echo(f"no change against {against}")
     if any(level == "error" for level, _ in notes):
