@@ -657,9 +657,9 @@ async def test_screenshots_of_the_overview_and_a_row(
     await page.set_viewport_size({"width": 1280, "height": 680})
     await page.reload()
     await page.wait_for_selector(".chart[data-delivered] canvas", timeout=10_000)
-    await page.wait_for_function(
-        "document.querySelectorAll('.chart[data-delivered] canvas').length >= 2"
-    )
+    # A locator, not wait_for_function: its string predicate is polled through eval, which the
+    # console's CSP refuses whenever the second chart is not drawn at the first look.
+    await page.locator(".chart[data-delivered] canvas").nth(1).wait_for(timeout=10_000)
     assert await page.locator("[data-total=failed]").inner_text() == "5"
     await page.screenshot(path=str(target / "console-overview.png"), full_page=True)
     await page.goto(f"{console_url}/rows/{failed_id}")
