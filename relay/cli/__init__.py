@@ -33,6 +33,7 @@ COMMANDS = {
     "portal": "relay.cli.portal:portal",
     "catalog": "relay.cli.catalog:catalog",
     "demo": "relay.cli.tools:demo",
+    "init": "relay.cli.init:init",
     "bench": "relay.tools.bench.cli:bench",
 }
 
