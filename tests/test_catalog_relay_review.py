@@ -5,29 +5,22 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from relay.catalog.documents import read_previous
 from relay.catalog.view import load_view
-from relay.portal.limits import Limits, Rate
 from tests.support import catalogs
-from tests.support.portal import Served, served_portal
+from tests.support.portal import Served
+from tests.test_portal_api import with_catalog  # noqa: F401 - the portal with the catalog
 
 URL = "http://127.0.0.1:9/in"
 
 
-@pytest.fixture
-async def with_catalog(db_url: str, tmp_path: Path) -> AsyncIterator[Served]:
-    view = load_view(catalogs.write_export(tmp_path), None)
-    async with served_portal(db_url, catalog=view) as p:
-        p.state.write_limits = p.state.limits = Limits(Rate(per_second=1000, burst=1000))
-        yield p
-
-
-async def test_another_tenants_endpoint_is_404_whatever_the_types(with_catalog: Served) -> None:
+async def test_another_tenants_endpoint_is_404_whatever_the_types(
+    with_catalog: Served,  # noqa: F811
+) -> None:
     # (passes at HEAD: the lock comes before check_types; kept as a guard)
     async with with_catalog.client("a") as a:
         r = await a.post("/endpoints", json={"url": URL, "event_types": ["order.created"]})
