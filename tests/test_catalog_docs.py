@@ -4,54 +4,14 @@ with the output the page shows. A broken example fails here."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.markdown import Block, blocks
+from tests.support.doc_runner import run_page
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "catalog.md"
-
-
-def run_page(page: Path, workdir: Path, db_url: str) -> list[tuple[Block, str]]:
-    """Every block of ``page`` done as it says, in ``workdir``; each run block with its output.
-    Raises AssertionError naming the block that failed or printed something else."""
-    env = {
-        **os.environ,
-        "DATABASE_URL": db_url,
-        "PYTHONPATH": str(workdir) + os.pathsep + str(ROOT),
-        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"],
-    }
-    env.pop("OUTBOX_CATALOG_SOURCE", None)
-    done: list[tuple[Block, str]] = []
-    for b in blocks(page):
-        if b.file is not None:
-            target = workdir / b.file
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(b.code)
-        elif b.directive == "run":
-            argv = (
-                [sys.executable, "-c", b.code]
-                if b.lang == "python"
-                else ["bash", "-euo", "pipefail", "-c", b.code]
-            )
-            res = subprocess.run(
-                argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=120
-            )
-            assert res.returncode == 0, (
-                f"{page.name}:{b.line} exited {res.returncode}:\n{res.stdout}{res.stderr}"
-            )
-            done.append((b, res.stdout))
-        elif b.directive == "output":
-            assert done, f"{page.name}:{b.line}: an output block with no run before it"
-            assert done[-1][1] == b.code, (
-                f"{page.name}:{b.line}: the example printed\n{done[-1][1]}"
-            )
-    return done
 
 
 def test_the_catalog_page_runs(db_url: str, tmp_path: Path) -> None:

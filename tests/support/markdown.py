@@ -1,7 +1,9 @@
 """The code blocks of a Markdown page and what the page says to do with each: an HTML comment on
 the line before a block, `<!-- file: PATH -->` (write it there), `<!-- run -->` (run it) or
-`<!-- output -->` (what the run before it prints). A block with none is a fragment, shown only.
-The page stays the source: tests run what readers read."""
+`<!-- output -->` (what the run before it prints) or `<!-- fragment -->` (shown only, checked as
+far as it can be without running it: tests/support/doc_checks.py; `<!-- fragment: syntax -->`
+for one that names what only its reader has, a file of theirs: checked only to parse). The page
+stays the source: tests run what readers read."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _BLOCK = re.compile(
-    r"(?:^<!--\s*(?P<directive>file:\s*\S+|run|output)\s*-->\n)?"
+    r"(?:^<!--\s*(?P<directive>file:\s*\S+|run|output|fragment(?::\s*syntax)?)\s*-->\n)?"
     r"^```(?P<lang>[\w+-]*)[^\n]*\n(?P<code>.*?)^```\s*$",
     re.M | re.S,
 )
@@ -19,7 +21,7 @@ _BLOCK = re.compile(
 @dataclass(frozen=True)
 class Block:
     lang: str
-    directive: str | None  # "run", "output", "file: PATH" or None (a fragment)
+    directive: str | None  # "run", "output", "fragment", "file: PATH" or None (unmarked)
     code: str
     line: int  # where the block starts in the page, for messages
 
