@@ -32,7 +32,7 @@ from relay.db.snapshots import DEFAULT_WARNING as DEFAULT_SNAPSHOT_WARNING
 from relay.db.store import UNAVAILABLE
 from relay.ops.common import AdminError
 from relay.ops.text import age
-from relay.ui import actions, pages
+from relay.ui import actions, ago, pages
 from relay.ui import catalog as catalog_pages
 from relay.ui.security import COOKIE, HEADERS, MAX_FORM_BYTES, Guard
 from relay.ui.state import Console
@@ -118,6 +118,9 @@ def _templates() -> Environment:
     # The oldest pending row's age at a glance: one unit (8m, 3h).
     templates.filters["age"] = functools.partial(age, coarse=True)
     templates.filters["short"] = pages.short
+    # Every time shown: "3 min ago", the exact time on hover (relay/ui/ago.py).
+    templates.filters["when"] = ago.time_tag
+    templates.globals["server_now"] = ago.now_exact
     return templates
 
 
