@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta, timezone
+import re
+from datetime import UTC, date, datetime, timedelta, timezone
 
 import pytest
 from jinja2 import Environment
@@ -116,3 +117,32 @@ def test_the_filter_is_not_escaped_again_in_an_autoescaping_template() -> None:
         t=datetime.now(UTC) - timedelta(hours=2), none=None
     )
     assert html.startswith('<time class="ago" datetime="') and ">2 h ago</time> / never" in html
+
+
+# --- after a hostile review (#32) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("when", "shown"),
+    [
+        # Past what a datetime holds once moved to UTC: shown as it is, not a 500.
+        ("9999-12-31T23:59:59-01:00", "9999-12-31T23:59:59-01:00"),
+        ("0001-01-01T00:30:00+01:00", "0001-01-01T00:30:00+01:00"),
+        (
+            datetime(9999, 12, 31, 23, 0, tzinfo=timezone(timedelta(hours=-2))),
+            "9999-12-31 23:00:00-02:00",
+        ),
+        # What is no datetime at all (a date, a number) is no time either.
+        (date(2025, 3, 1), "2025-03-01"),
+        (1740830400, "1740830400"),
+    ],
+)
+def test_what_cannot_be_a_time_in_utc_is_shown_as_it_is(when: object, shown: str) -> None:
+    assert ago.time_tag(when, now=NOW) == shown  # type: ignore[arg-type]
+    assert ago.relative(when, NOW) == "-"  # type: ignore[arg-type]
+
+
+def test_the_largest_times_postgresql_sends_are_read() -> None:
+    # asyncpg's 'infinity' is datetime.max in UTC: far ahead, not an error.
+    assert re.fullmatch(r"in 79\d\d years", ago.relative(datetime.max.replace(tzinfo=UTC), NOW))
+    assert ago.exact(datetime.min.replace(tzinfo=UTC)) == "0001-01-01T00:00:00Z"

@@ -151,3 +151,21 @@ async def test_an_empty_hour_says_so_and_the_chart_comes_with_deliveries(
     await note.wait_for(timeout=10_000)
     assert await note.inner_text() == "No deliveries to emails in the last hour"
     assert not [e for e in errors if "Content Security Policy" in e or "Refused" in e], errors
+
+
+async def test_deliveries_without_the_chart_script_are_said_not_left_blank(
+    db_url: str, console_url: str, browser: Browser
+) -> None:
+    await sql(
+        db_url,
+        "INSERT INTO outbox (destination, payload, status, created_at, delivered_at, finished_at)"
+        " SELECT 'orders', '\\x00', 'delivered', now() - interval '3 min',"
+        " now() - interval '2 min', now() FROM generate_series(1, 3)",
+    )
+    page, _ = await signed_in(browser, console_url)
+    # A proxy or a blocker that drops the vendored script: the rest of the page still works.
+    await page.route("**/static/uPlot.iife.min.js", lambda route: route.abort())
+    await page.reload()
+    note = page.locator(".chart").first.locator(".chart-note")
+    await note.wait_for(timeout=10_000)
+    assert (await note.inner_text()).startswith("3 delivered in the last hour; the chart could not")

@@ -137,7 +137,7 @@ def test_a_python_fragment_is_checked(code: str, problem: str) -> None:
 def test_a_sound_python_fragment_passes() -> None:
     code = (
         "import outbox\nfrom outbox import Outbox\nfrom some_package_not_here import thing\n"
-        "outbox = Outbox(schema='events')\noutbox.anything_of_an_instance\n"
+        "outbox = Outbox(schema='events')\noutbox.schema\n"
         "await Outbox().enqueue(s, destination='d', payload={})\n"
     )
     assert doc_checks.check_python(code, "p:1") == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import secrets
+import sys
 
 import click
 
@@ -30,9 +31,11 @@ schema = "public"         # where `outbox-relay migrate` made the outbox table
 batch_size = 500          # rows per claim
 max_in_flight = 2000      # rows claimed and not yet recorded, at most
 retention = "1h"          # how long delivered rows are kept (0: deleted as recorded)
-max_attempts = 25         # then a row is failed: `outbox-relay retry` sends it again
+max_attempts = 25         # then a row is failed (`outbox-relay retry` sends it again); of
+                          # Kafka destinations: webhook and endpoints ones have their own, 10
 
-[relay.backoff]           # delay before retry n: min(max, base * factor ** (n - 1)), +- jitter
+[relay.backoff]           # delay before retry n: min(max, base * factor ** (n - 1)), +- jitter;
+                          # of Kafka destinations (webhooks': the Standard Webhooks schedule)
 base = 1.0
 factor = 2.0
 max = 600.0
@@ -71,14 +74,17 @@ kind = "endpoints"
 # enabled = true
 """
 
+# Printed, not written: a file made by the shell's `>` is readable by every user under the usual
+# umask, and this one holds a signing secret.
 NEXT = """\
 Next:
-  1. Edit the URLs in relay.toml (database_url, or export OUTBOX_DATABASE_URL; bootstrap_servers;
+  1. chmod 600 relay.toml                           # it holds a webhook signing secret
+  2. Edit the URLs in relay.toml (database_url, or export OUTBOX_DATABASE_URL; bootstrap_servers;
      the billing url), and drop the destinations you do not need.
-  2. outbox-relay migrate --config relay.toml        # the outbox table, in your database
-  3. Give the relay a role of its own (docs/deploying.md#the-database-roles).
-  4. outbox-relay run --config relay.toml --check    # validates the file, changes nothing
-  5. outbox-relay run --config relay.toml"""
+  3. outbox-relay migrate --config relay.toml        # the outbox table, in your database
+  4. Give the relay a role of its own (docs/deploying.md#the-database-roles).
+  5. outbox-relay run --config relay.toml --check    # validates the file, changes nothing
+  6. outbox-relay run --config relay.toml"""
 
 
 def starter() -> str:
@@ -94,4 +100,6 @@ def init() -> None:
 
         outbox-relay init > relay.toml"""
     echo_exact(starter().removesuffix("\n"))
+    if sys.stdout.isatty():  # shown, not kept: its secret is made anew by the next run
+        echo_lines("To keep it: outbox-relay init > relay.toml", err=True)
     echo_lines(NEXT, err=True)

@@ -21,16 +21,21 @@ JUST_NOW_S = 5
 
 
 def parse(when: datetime | str | None) -> datetime | None:
-    """``when`` as an aware datetime (naive ones as UTC); None for None or a text that is no
-    ISO 8601 time."""
+    """``when`` as an aware datetime in UTC (naive ones taken as UTC); None for None, a text
+    that is no ISO 8601 time, anything else that is no datetime, and a time that UTC cannot
+    hold (year 9999 behind it, year 1 ahead of it)."""
     if isinstance(when, str):
         try:
             when = datetime.fromisoformat(when)
         except ValueError:
             return None
-    if when is None:
+    if not isinstance(when, datetime):  # None, or a date or a number a template was given
         return None
-    return when if when.tzinfo is not None else when.replace(tzinfo=UTC)
+    try:
+        # In UTC now, as exact() writes it: a time near year 1 or 9999 in another zone may not be.
+        return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).astimezone(UTC)
+    except OverflowError:
+        return None
 
 
 def exact(when: datetime) -> str:

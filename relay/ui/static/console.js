@@ -63,8 +63,12 @@
           el._plot.setData(cols);
           return;
         }
+        // Deliveries to show and no way to draw them: a blank frame would read as "none".
+        if (typeof uPlot === "undefined") {
+          note(el, delivered + " delivered in the last hour; the chart could not be drawn (its script did not load).");
+          return;
+        }
         el.textContent = "";
-        if (typeof uPlot === "undefined") return;
         el._plot = new uPlot(options(kind, Math.max(el.clientWidth, 300)), cols, el);
       })
       .catch((err) => {
