@@ -15,7 +15,7 @@ from pydantic_settings import SettingsError
 
 from outbox.dburl import url_secrets
 from relay.config.base import Backoff, ConfigError
-from relay.config.environment import schema_from_environment
+from relay.config.environment import reading_environment, schema_from_environment
 from relay.config.errors import echoable_fields, format_errors
 from relay.config.settings import HttpSettings, RelaySettings, Settings
 from relay.obs import scrub
@@ -87,8 +87,12 @@ def top_level_keys() -> list[str]:
     return list(settings_model().model_fields)
 
 
-def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
-    """Read ``path`` (TOML) if given, apply environment overrides, validate."""
+def load_settings(
+    path: Path | str | None = None, *, environment: bool = True, **overrides: Any
+) -> Settings:
+    """Read ``path`` (TOML) if given, apply environment overrides, validate. Without
+    ``environment``, no OUTBOX_* variable is read: the file and ``overrides`` are the whole
+    configuration (for a tool's relay of its own, like the demo's)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -101,7 +105,7 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"config file {p} is not valid TOML: {exc}") from exc
     data.update(overrides)
-    schema = schema_from_environment()
+    schema = schema_from_environment() if environment else None
     if schema is not None and isinstance(data.get("relay", {}), dict):
         in_file = data.get("relay", {}).get("schema")
         if in_file is not None and in_file != schema:
@@ -121,8 +125,13 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
     if private:
         bad = "\n".join(f"  {k}: unknown key (check its spelling and section)" for k in private)
         raise ConfigError(scrub.hide(f"invalid configuration{where}:\n{bad}", found))
+    return _validate(data, where, found, environment)
+
+
+def _validate(data: dict[str, Any], where: str, found: set[str], environment: bool) -> Settings:
+    reading = reading_environment.set(environment)
     try:
-        settings = settings_model()(**data)
+        return settings_model()(**data)
     except ValidationError as exc:
         message = f"invalid configuration{where}:\n{_explain(exc)}"
         raise ConfigError(scrub.hide(message, found)) from None
@@ -131,7 +140,8 @@ def load_settings(path: Path | str | None = None, **overrides: Any) -> Settings:
         # Its text names the field, never the value.
         message = f"invalid configuration in the environment: {exc}"
         raise ConfigError(scrub.hide(message, found)) from None
-    return settings
+    finally:
+        reading_environment.reset(reading)
 
 
 def settings_secrets(s: Settings) -> set[str]:

@@ -188,3 +188,41 @@ def test_variables_the_configuration_names_are_not_reported(tmp_path: Path) -> N
     res = check(toml, tmp_path, OUTBOX_BILLING_SECRET=WHSEC, OUTBOX_FAULT_REPORT="/tmp/x.json")
     assert res.returncode == 0, res.stderr
     assert "not a setting" not in res.stderr
+
+
+def test_a_tools_own_configuration_reads_no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variables win over a configuration, but not over a tool's relay of its own (the
+    demo's): ``environment=False`` reads none, the schema's included."""
+    from relay.settings import load_settings
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://app@db/production")
+    monkeypatch.setenv("OUTBOX_KAFKA_BOOTSTRAP_SERVERS", "kafka.prod:9092")
+    monkeypatch.setenv("OUTBOX_SCHEMA", "theirs")
+    own = {"database_url": "postgresql://x@h/demo", "kafka": {"bootstrap_servers": "h:1"}}
+    assert load_settings(None, **own).database_url.get_secret_value().endswith("/production")
+    settings = load_settings(None, environment=False, **own)
+    assert settings.database_url.get_secret_value() == "postgresql://x@h/demo"
+    assert settings.section("kafka").bootstrap_servers == "h:1"
+    assert settings.relay.schema_ == "public"
+    # Read again by the next load: the setting is per call.
+    assert load_settings(None, **own).section("kafka").bootstrap_servers == "kafka.prod:9092"
+
+
+def test_the_benchmarks_relays_read_no_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's relay is its own, on its scratch database, as the demo's is: a shell's
+    OUTBOX_DATABASE_URL must not point it at that shell's application's outbox."""
+    from relay.tools.bench import drain, fanout_setup
+
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://app@db/production")
+    monkeypatch.setenv("OUTBOX_SCHEMA", "theirs")
+    monkeypatch.setenv("OUTBOX_RELAY_BATCH_SIZE", "7")
+    scratch = "postgresql://x@h/outbox_bench_1"
+    for settings in (
+        drain.relay_settings(scratch, 100, None),
+        fanout_setup.relay_settings(
+            scratch, batch_size=100, max_concurrency=4, endpoints=2, shutdown=5
+        ),
+    ):
+        assert settings.database_url.get_secret_value() == scratch
+        assert settings.relay.schema_ == "public"
+        assert settings.relay.batch_size == 100

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -51,3 +52,63 @@ def test_sigterm_cancels_a_tools_run_and_its_clean_up_runs(choice: loop.Choice) 
     assert cleaned == ["scratch dropped"]
     # The handler is gone with the run: SIGTERM is the process's own again.
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# A tool whose clean-up takes a moment, signalled again while it runs: it prints what
+# finished. Run in a process of its own, where a KeyboardInterrupt cannot stop the test run.
+_SIGNALLED_TWICE = """
+import asyncio, os, signal, sys
+from relay.runtime import loop
+
+async def tool():
+    try:
+        os.kill(os.getpid(), SIG)
+        await asyncio.sleep(30)
+    finally:
+        os.kill(os.getpid(), SIG)  # pressed again while cleaning up
+        await asyncio.sleep(0.3)
+        print("scratch dropped", flush=True)
+
+try:
+    loop.run(tool(), sys.argv[1], sigterm_cancels=True)
+except loop.Terminated:
+    print("terminated", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("choice", ["auto", "asyncio"])
+@pytest.mark.parametrize(("name", "said"), [("SIGINT", "interrupted"), ("SIGTERM", "terminated")])
+def test_a_second_signal_lets_a_tools_clean_up_finish(
+    choice: loop.Choice, name: str, said: str
+) -> None:
+    code = _SIGNALLED_TWICE.replace("SIG)", f"signal.{name})")
+    done = subprocess.run(
+        [sys.executable, "-c", code, choice], capture_output=True, text=True, timeout=30
+    )
+    assert done.stdout.splitlines() == ["scratch dropped", said], done.stdout + done.stderr
+
+
+def test_a_tool_started_with_ctrl_c_ignored_goes_on_ignoring_it() -> None:
+    """A shell script's background job inherits SIGINT ignored: the tool keeps it so."""
+    code = """
+import asyncio, os, signal, sys
+from relay.runtime import loop
+
+async def tool():
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.sleep(0.3)
+    return "finished"
+
+print(loop.run(tool(), "auto", sigterm_cancels=True), flush=True)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert done.stdout == "finished\n", done.stdout + done.stderr

@@ -120,7 +120,7 @@ def _load_config(path: Path, database_url: str | None) -> Settings:
     from relay.settings import load_settings
 
     # An explicit URL stands in for one the file leaves to the environment.
-    overrides = {"database_url": database_url} if database_url else {}
+    overrides: dict[str, Any] = {"database_url": database_url} if database_url else {}
     token = log_schema_deprecation.set(False)  # the command says it on stderr
     try:
         settings = load_settings(path, **overrides)

@@ -29,10 +29,19 @@ def is_service_link(name: str, value: str | None) -> bool:
     return name.endswith("_PORT") and bool(value and _LINK_VALUE.match(value.strip()))
 
 
+# Whether a configuration being loaded reads OUTBOX_* variables at all (load_settings'
+# ``environment``). A tool that builds the whole configuration of a relay of its own (the demo)
+# reads none: the variables of the shell it runs in name that shell's application's database and
+# broker, and they override what a configuration says.
+reading_environment: ContextVar[bool] = ContextVar("reading_environment", default=True)
+
+
 class OurEnvironment(EnvSettingsSource):
     """The environment, without Kubernetes' service-link variables."""
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
+        if not reading_environment.get():
+            return {}
         env = super()._load_env_vars()
         return {k: v for k, v in env.items() if not is_service_link(k.upper(), v)}
 

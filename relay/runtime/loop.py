@@ -43,37 +43,58 @@ def loop_factory(choice: Choice) -> Callable[[], asyncio.AbstractEventLoop] | No
 def run(main: Coroutine[Any, Any, T], choice: Choice, *, sigterm_cancels: bool = False) -> T:
     """Run ``main`` on the chosen loop. With ``sigterm_cancels``, SIGTERM cancels it as Ctrl-C
     does, so its ``finally`` blocks run (a tool's scratch database and broker go with it),
-    and Terminated is raised: by default SIGTERM kills the process where it stands."""
+    and Terminated is raised: by default SIGTERM kills the process where it stands. Then a
+    signal after the first (Ctrl-C pressed again, a second SIGTERM) does not interrupt that
+    clean-up; Ctrl-C still ends in KeyboardInterrupt once it is done."""
     try:
         factory = loop_factory(choice)
     except LoopUnavailable:
         main.close()
         raise
+    # Ctrl-C is taken over where asyncio.Runner would take it: not where SIGINT is ignored
+    # (a background job of a shell script inherits that, and must go on ignoring it).
+    signals = [signal.SIGTERM]
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signals.append(signal.SIGINT)
     with asyncio.Runner(loop_factory=factory) as runner:
         if not sigterm_cancels:
             return runner.run(main)
-        return runner.run(_cancelled_by_sigterm(main))
+        try:
+            return runner.run(_cancelled_by_signals(main, signals))
+        except _Interrupted:
+            pass
+    raise KeyboardInterrupt
 
 
-async def _cancelled_by_sigterm(main: Coroutine[Any, Any, T]) -> T:
+class _Interrupted(Exception):
+    """Ctrl-C cancelled the run; KeyboardInterrupt once the loop is closed."""
+
+
+async def _cancelled_by_signals(main: Coroutine[Any, Any, T], signals: list[signal.Signals]) -> T:
     loop = asyncio.get_running_loop()
     task = asyncio.ensure_future(main)
-    terminated = False
+    first: list[signal.Signals] = []
 
-    def on_sigterm() -> None:
-        nonlocal terminated
-        terminated = True
-        task.cancel()
+    def on_signal(signum: signal.Signals) -> None:
+        # Once only: asyncio's own Ctrl-C handler raises KeyboardInterrupt at the second,
+        # wherever the clean-up the first one started stands (a scratch database left behind).
+        if not first:
+            first.append(signum)
+            task.cancel()
 
-    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    for signum in signals:
+        loop.add_signal_handler(signum, on_signal, signum)
     try:
         return await task
     except asyncio.CancelledError:
-        if terminated:
+        if first == [signal.SIGTERM]:
             raise Terminated from None
+        if first == [signal.SIGINT]:
+            raise _Interrupted from None
         raise
     finally:
-        loop.remove_signal_handler(signal.SIGTERM)
+        for signum in signals:
+            loop.remove_signal_handler(signum)
 
 
 def name() -> str:

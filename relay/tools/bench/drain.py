@@ -47,8 +47,10 @@ def relay_settings(
     retention: float | None = None,
     claims: str = "auto",
 ) -> Any:
+    # The benchmark's relay is its own: the shell's OUTBOX_* variables name another outbox.
     return load_settings(
         None,
+        environment=False,
         database_url=db_url,
         log_level="warning",
         relay={

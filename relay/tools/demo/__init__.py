@@ -88,7 +88,7 @@ async def _demo(db_url: str, bootstrap: str, count: int, topic: str, receiver: R
         f"registered {len(registered)} endpoints at runtime, as `outbox-relay endpoints add` "
         "does: " + ", ".join(f"{e.id} for tenant {e.tenant} at {e.path}" for e in registered)
     )
-    placed = await place_orders(db_url, count)
+    placed = await place_orders(db_url, count, run=_name(db_url))
     click.echo(
         f"placed {count} order{'' if count == 1 else 's'}, each with its 3 events (kafka, "
         "webhook, endpoints) in the same transaction, and 1 more that rolled back"
@@ -105,7 +105,9 @@ async def _demo(db_url: str, bootstrap: str, count: int, topic: str, receiver: R
     timeout = DELIVERY_TIMEOUT_S + count / 100
     done, attempts = await _relay(settings, db_url, placed, refused, timeout)
     elapsed = time.monotonic() - started
-    seen = await kafka.read_topic(bootstrap, topic, len(placed.kafka), timeout=timeout)
+    seen = await kafka.read_topic(
+        bootstrap, topic, len(placed.kafka), timeout=timeout, run=_name(db_url)
+    )
     reports = [
         kafka.report(seen, placed, topic),
         webhooks.report(receiver, placed, f"{id_prefix}{refused}", attempts, id_prefix),
@@ -124,6 +126,9 @@ async def _demo(db_url: str, bootstrap: str, count: int, topic: str, receiver: R
 def _settings(db_url: str, bootstrap: str, topic: str, receiver: Receiver) -> Settings:
     return load_settings(
         None,
+        # The demo's relay is the demo's alone: the shell's OUTBOX_* variables name that
+        # shell's application's database and broker, and would win over what is set here.
+        environment=False,
         database_url=db_url,
         # The in-memory demo broker rejects aiokafka's idempotent producer; real deployments
         # keep the default (idempotent, acks=all).
@@ -179,11 +184,14 @@ def _next_steps(db_url: str, keep: bool) -> None:
         )
         return
     token = secrets.token_urlsafe(18)
+    # The schema named, so that an OUTBOX_SCHEMA or OUTBOX_CONFIG of the shell's application
+    # does not send the commands to another schema.
+    at = f"--database-url {url} --schema {SCHEMA}"
     click.echo(
         f"kept scratch database {_name(db_url)}: its events, deliveries and endpoints are in\n"
-        f"  outbox-relay status --database-url {url}\n"
-        f"  outbox-relay endpoints list --database-url {url}\n"
-        f"and in the console: OUTBOX_UI_TOKEN={token} outbox-relay ui --database-url {url}\n"
+        f"  outbox-relay status {at}\n"
+        f"  outbox-relay endpoints list {at}\n"
+        f"and in the console: OUTBOX_UI_TOKEN={token} outbox-relay ui {at}\n"
         f"  then open http://127.0.0.1:8089/ and sign in with that token"
     )
 

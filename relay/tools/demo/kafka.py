@@ -13,7 +13,7 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.errors import KafkaError
 
 from relay.tools.demo.errors import DemoError
-from relay.tools.demo.orders import EVENT_TYPE, Placed
+from relay.tools.demo.orders import EVENT_TYPE, RUN_HEADER, Placed
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,12 @@ async def check_broker(bootstrap: str) -> None:
         await client.close()
 
 
-async def read_topic(bootstrap: str, topic: str, want: int, timeout: float) -> list[Message]:
-    """The topic's messages from its beginning, read without a consumer group (which would
-    take seconds to join), until ``want`` arrived or ``timeout``."""
+async def read_topic(
+    bootstrap: str, topic: str, want: int, timeout: float, run: str
+) -> list[Message]:
+    """The messages of demo run ``run`` on the topic, read from its beginning without a
+    consumer group (which would take seconds to join), until ``want`` arrived or ``timeout``.
+    Other messages (an earlier run's, on a broker of one's own) are passed over."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
     seen: list[Message] = []
     try:
@@ -60,13 +63,17 @@ async def read_topic(bootstrap: str, topic: str, want: int, timeout: float) -> l
             await consumer.topics()
             parts = consumer.partitions_for_topic(topic)
             await asyncio.sleep(0.05)
-        tps = [TopicPartition(topic, p) for p in sorted(parts or [])]
+        if not parts:  # nothing was ever written to it
+            return []
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         while len(seen) < want and time.monotonic() < deadline:
             for records in (await consumer.getmany(timeout_ms=200)).values():
                 for r in records:
                     h = dict(r.headers)
+                    if h.get(RUN_HEADER) != run.encode():
+                        continue
                     seen.append(
                         Message(int(h["outbox-id"]), (r.key or b"").decode(), r.value.decode())
                     )

@@ -45,7 +45,12 @@ class Placed:
         return len(self.kafka) + len(self.webhook) + sum(map(len, self.endpoints.values()))
 
 
-def events(order_id: int, tenant: str, total: Decimal) -> list[EventSpec]:
+# The Kafka header naming the demo run (its scratch database) that wrote a message: a broker of
+# one's own keeps earlier runs' messages on the topic, with the same outbox ids.
+RUN_HEADER = "demo-run"
+
+
+def events(order_id: int, tenant: str, total: Decimal, run: str) -> list[EventSpec]:
     """An order's events: the same fact for the three uses."""
     payload = {"type": EVENT_TYPE, "order_id": order_id, "total": str(total)}
     return [
@@ -53,7 +58,7 @@ def events(order_id: int, tenant: str, total: Decimal) -> list[EventSpec]:
             "destination": KAFKA,
             "key": str(order_id),
             "payload": payload,
-            "headers": {"event-type": EVENT_TYPE},
+            "headers": {"event-type": EVENT_TYPE, RUN_HEADER: run},
         },
         {"destination": WEBHOOK, "key": str(order_id), "payload": payload},
         {
@@ -66,9 +71,10 @@ def events(order_id: int, tenant: str, total: Decimal) -> list[EventSpec]:
     ]
 
 
-async def place_orders(db_url: str, count: int) -> Placed:
+async def place_orders(db_url: str, count: int, run: str) -> Placed:
     """``count`` orders, each with its events in the same transaction, then one more whose
-    transaction fails after enqueueing: neither the order nor its events survive."""
+    transaction fails after enqueueing: neither the order nor its events survive. ``run``
+    names this run in the Kafka events' headers."""
     engine = create_async_engine(to_sqlalchemy_async_url(db_url))
     placed = Placed([], [], {t: [] for t in TENANTS})
     try:
@@ -81,7 +87,7 @@ async def place_orders(db_url: str, count: int) -> Placed:
                 insert = await session.execute(text(INSERT_ORDER), {"c": tenant, "t": total})
                 order_id = insert.scalar_one()
                 to_kafka, to_webhook, to_endpoints = await outbox.enqueue_many(
-                    session, events(order_id, tenant, total)
+                    session, events(order_id, tenant, total, run)
                 )
             placed.kafka.append(to_kafka)
             placed.webhook.append(to_webhook)
@@ -89,7 +95,7 @@ async def place_orders(db_url: str, count: int) -> Placed:
         with contextlib.suppress(RuntimeError):
             async with AsyncSession(engine) as session, session.begin():
                 await session.execute(text(INSERT_ROLLED_BACK_ORDER))
-                await outbox.enqueue_many(session, events(0, TENANTS[0], Decimal(1)))
+                await outbox.enqueue_many(session, events(0, TENANTS[0], Decimal(1), run))
                 raise RuntimeError("payment declined")
     finally:
         await engine.dispose()

@@ -41,20 +41,27 @@ def report(
     verified = [a for a in arrivals if a.payload is not None]
     delivered = sorted(a.webhook_id for a in arrivals if a.status == 204)
     tries = [a for a in arrivals if a.webhook_id == refused]
+    retried = [a.status for a in tries] == [503, 204]
     ok = (
         len(verified) == len(arrivals)
         and delivered == sorted(f"{id_prefix}{i}" for i in placed.webhook)
-        and [a.status for a in tries] == [503, 204]
+        and retried
         and attempts == 2
     )
     lines = [
         f"webhook: {len(arrivals)} signed requests to {PATH}, {len(verified)} verified; "
         f"{len(delivered)}/{len(placed.webhook)} events delivered ({'OK' if ok else 'MISMATCH'})"
     ]
-    if len(tries) >= 2:
+    if retried:
         lines.append(
             f"  webhook-id {refused}: answered 503 at its first attempt, redelivered "
             f"{tries[1].at - tries[0].at:.1f} s later with the same webhook-id "
             f"(attempts={attempts})"
+        )
+    else:
+        # Said as it happened: the retry line above only for the retry it describes.
+        answered = ", ".join(str(a.status) for a in tries) or "nothing"
+        lines.append(
+            f"  webhook-id {refused}: answered {answered} (attempts={attempts}), not 503 then 204"
         )
     return lines, ok
