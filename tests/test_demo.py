@@ -10,6 +10,7 @@ import datetime as dt
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tomllib
@@ -71,6 +72,7 @@ def kept(pg_admin_url: str, kafka_bootstrap: str) -> Iterator[tuple[str, str, st
         "--topic",
         topic,
         "--keep",
+        "--no-console",
     )
     name = created(res.stdout)
     try:
@@ -239,7 +241,7 @@ def test_with_the_callers_schema_variable_the_demo_runs_and_its_commands_find_it
     env = {"OUTBOX_SCHEMA": "theirs"}
     topic = f"demo-{uuid.uuid4().hex[:8]}"
     args = ["--database-url", pg_admin_url, "--bootstrap", kafka_bootstrap, "--topic", topic]
-    res = demo(*args, "--count", "2", "--keep", env=env)
+    res = demo(*args, "--count", "2", "--keep", "--no-console", env=env)
     name = created(res.stdout)
     try:
         assert res.returncode == 0, res.stdout + res.stderr
@@ -336,3 +338,61 @@ def test_the_receiver_accepts_only_its_secrets_signature_of_the_body_sent() -> N
     answers, arrivals = asyncio.run(_answers(webhooks.new_secret()))
     assert answers == [401, 401, 401, 503, 204], answers
     assert [a.payload is not None for a in arrivals] == [False, False, False, True, True]
+
+
+def test_kept_the_demo_serves_the_console_on_its_database_until_ctrl_c(
+    pg_admin_url: str, kafka_bootstrap: str
+) -> None:
+    """`--keep` ends with the console served on the demo's database: signed in with the token
+    it prints, the overview shows the three destinations; Ctrl-C stops it, exit 0, and the
+    database stays, with the command that serves it again."""
+    topic = f"demo-{uuid.uuid4().hex[:8]}"
+    code = "import sys; from relay.cli import main; sys.argv[0] = 'outbox-relay'; main()"
+    args = ["--database-url", pg_admin_url, "--bootstrap", kafka_bootstrap, "--topic", topic]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, "demo", *args, "--count", "2", "--keep"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    name = None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("console: "):
+                break
+        out = "".join(lines)
+        name = created(out)
+        served = re.match(
+            r"console: (http://127\.0\.0\.1:\d+/) \(sign in with the token (\S+)\)", lines[-1]
+        )
+        assert served, out
+        url, token = served[1], served[2]
+        with httpx.Client(base_url=url, timeout=10) as client:
+            assert client.get("/", headers={"accept": "text/html"}).status_code in (303, 401)
+            login = client.post("/login", data={"token": token, "next": "/"})
+            assert login.status_code == 303, login.text
+            client.cookies.set("__Host-outbox_console", login.cookies["__Host-outbox_console"])
+            page = client.get("/", headers={"accept": "text/html"})
+            assert page.status_code == 200
+            for destination in ("orders", "billing", "customer-events"):
+                assert destination in page.text
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out + rest + err
+        assert re.search(
+            r"^console stopped; serve it again with: OUTBOX_UI_TOKEN=\S+ outbox-relay ui ",
+            rest,
+            re.M,
+        ), rest
+        assert name and rows(
+            pg.with_database(pg_admin_url, name), "SELECT count(*) FROM outbox"
+        ) == [(6,)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if name:
+            pg.drop_database(pg_admin_url, name)

@@ -106,7 +106,15 @@ def test_the_installed_package_migrates_runs_the_demo_and_reports(
     assert empty == "the outbox in schema 'public' is empty\n"
 
     done = outbox_relay(
-        venv_bin, tmp_path, "demo", "--database-url", pg_admin_url, "--count", "5", "--keep"
+        venv_bin,
+        tmp_path,
+        "demo",
+        "--database-url",
+        pg_admin_url,
+        "--count",
+        "5",
+        "--keep",
+        "--no-console",
     )
     kept = re.search(r"^kept scratch database (\w+): ", done.stdout, re.M)
     try:

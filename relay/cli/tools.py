@@ -31,11 +31,20 @@ from relay.cli.options import register_url
 @click.option(
     "--keep",
     is_flag=True,
-    help="Keep the scratch database afterwards, to look at it with the operations commands or "
-    "the console (the demo prints how).",
+    help="Keep the scratch database afterwards and serve the console on it until Ctrl-C (the "
+    "demo prints the operations commands that look at it too).",
+)
+@click.option(
+    "--console/--no-console",
+    default=True,
+    show_default=True,
+    help="With --keep: serve the console on the kept database until Ctrl-C (--no-console: "
+    "print the command that does).",
 )
 @click.option("--topic", default="orders", show_default=True, help="Kafka topic to relay to.")
-def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic: str) -> None:
+def demo(
+    database_url: str, bootstrap: str | None, count: int, keep: bool, console: bool, topic: str
+) -> None:
     """Relay real events end to end on this machine, to the three kinds of destination: a
     Kafka topic, a webhook, and endpoints registered at runtime (a scratch database, a local
     broker and local receivers, all removed afterwards)."""
@@ -48,7 +57,9 @@ def demo(database_url: str, bootstrap: str | None, count: int, keep: bool, topic
 
     try:
         # The relay's own default loop (uvloop where installed), as `run` uses.
-        sys.exit(run_tool(run_demo(database_url, bootstrap, count, keep, topic), "auto", "demo"))
+        sys.exit(
+            run_tool(run_demo(database_url, bootstrap, count, keep, topic, console), "auto", "demo")
+        )
     except (OSError, LocalBrokerError, DemoError, ConfigError) as exc:
         raise click.ClickException(f"demo failed: {exc}") from exc
     except asyncpg.PostgresError as exc:

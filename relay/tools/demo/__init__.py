@@ -24,6 +24,7 @@ from relay.app import Relay
 from relay.config.settings import Settings
 from relay.obs.logs import configure
 from relay.settings import load_settings
+from relay.tools.demo import console as serving
 from relay.tools.demo import endpoints, kafka, progress, webhooks
 from relay.tools.demo.errors import DemoError
 from relay.tools.demo.orders import ENDPOINTS, KAFKA, WEBHOOK, Placed, place_orders
@@ -40,8 +41,27 @@ DELIVERY_TIMEOUT_S = 20.0
 
 
 async def run_demo(
-    admin_url: str, bootstrap: str | None, count: int, keep: bool, topic: str = "orders"
+    admin_url: str,
+    bootstrap: str | None,
+    count: int,
+    keep: bool,
+    topic: str = "orders",
+    console: bool = True,
 ) -> int:
+    """The demo; with ``keep`` (and ``console``), then the console on its database until
+    Ctrl-C, once the broker and the receiver are gone."""
+    ok, db_url = await _run(admin_url, bootstrap, count, keep, topic)
+    if keep:
+        token = secrets.token_urlsafe(18)
+        again = _next_steps(db_url, token, console)
+        if console:
+            await serving.serve(db_url, SCHEMA, token, again)
+    return 0 if ok else 1
+
+
+async def _run(
+    admin_url: str, bootstrap: str | None, count: int, keep: bool, topic: str
+) -> tuple[bool, str]:
     await _check_database(admin_url)
     broker = None if bootstrap else LocalBroker()
     if broker is not None:
@@ -60,8 +80,12 @@ async def run_demo(
                 "request's signature with the standardwebhooks library"
             )
             ok = await _demo(db_url, bootstrap, count, topic, receiver)
-            _next_steps(db_url, keep)
-            return 0 if ok else 1
+            if not keep:
+                click.echo(
+                    f"dropping scratch database {_name(db_url)}; `outbox-relay demo --keep` "
+                    "keeps it and serves the console on it"
+                )
+            return ok, db_url
     finally:
         if broker is not None:
             broker.stop()
@@ -175,25 +199,21 @@ async def _relay(
     return done, tried
 
 
-def _next_steps(db_url: str, keep: bool) -> None:
-    url = redact(db_url)
-    if not keep:
-        click.echo(
-            f"dropping scratch database {_name(db_url)}; `outbox-relay demo --keep` keeps it, "
-            "to look at it with `outbox-relay status`, `endpoints list` or the console (`ui`)"
-        )
-        return
-    token = secrets.token_urlsafe(18)
+def _next_steps(db_url: str, token: str, console: bool) -> str:
+    """Says where the kept database is and how to look at it; returns the command that
+    serves the console on it."""
     # The schema named, so that an OUTBOX_SCHEMA or OUTBOX_CONFIG of the shell's application
     # does not send the commands to another schema.
-    at = f"--database-url {url} --schema {SCHEMA}"
+    at = f"--database-url {redact(db_url)} --schema {SCHEMA}"
+    again = f"OUTBOX_UI_TOKEN={token} outbox-relay ui {at}"
     click.echo(
         f"kept scratch database {_name(db_url)}: its events, deliveries and endpoints are in\n"
         f"  outbox-relay status {at}\n"
-        f"  outbox-relay endpoints list {at}\n"
-        f"and in the console: OUTBOX_UI_TOKEN={token} outbox-relay ui {at}\n"
-        f"  then open http://127.0.0.1:8089/ and sign in with that token"
+        f"  outbox-relay endpoints list {at}"
     )
+    if not console:
+        click.echo(f"and in the console: {again}\n  then open http://127.0.0.1:8089/")
+    return again
 
 
 def _name(db_url: str) -> str:

@@ -100,7 +100,7 @@ class Receiver:
         await send({"type": "http.response.body", "body": b""})
 
 
-class _Server(uvicorn.Server):
+class QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # The demo handles signals itself (relay.tools.stopping): SIGTERM cancels it, and
@@ -135,7 +135,7 @@ async def receiving() -> AsyncIterator[Receiver]:
         log_level="warning",
         access_log=False,
     )
-    server = _Server(config)
+    server = QuietServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

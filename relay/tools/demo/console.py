@@ -1,0 +1,63 @@
+"""The console on the demo's kept database (`outbox-relay demo --keep`): served until Ctrl-C
+(or SIGTERM), so that what the demo did can be looked at page by page: the three
+destinations, the retried event with its two attempts, the endpoints and their message log.
+The database stays afterwards; the demo says how to serve the console on it again."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import click
+import uvicorn
+
+from relay.tools.demo.receiver import QuietServer
+
+HOST = "127.0.0.1"
+# `outbox-relay ui`'s port, where it is free: the address the docs name.
+PORT = 8089
+
+
+def bind(host: str = HOST, port: int = PORT) -> socket.socket:
+    """A listening socket on ``port`` or, taken, on a free one."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.bind((host, 0))
+    return sock
+
+
+async def serve(db_url: str, schema: str, token: str, again: str) -> None:
+    """Serve the console on ``db_url`` until the demo is interrupted; ``again`` is the command
+    that serves it later."""
+    from relay.ui.app import build_console
+
+    app = build_console(db_url, token, schema=schema)
+    sock = bind()
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(
+        app, lifespan="on", log_config=None, log_level="warning", server_header=False
+    )
+    server = QuietServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if task.done():
+                await task
+                raise OSError("the console stopped before it started")
+            await asyncio.sleep(0.01)
+        click.echo(
+            f"console: http://{HOST}:{port}/ (sign in with the token {token}); "
+            "Ctrl-C stops it, the database stays"
+        )
+        # A stop asked for (Ctrl-C, SIGTERM) is the end of the demo, not a failure of it.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        sock.close()
+    click.echo(f"console stopped; serve it again with: {again}")
