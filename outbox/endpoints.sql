@@ -96,12 +96,15 @@ last_success_at, created_at, updated_at
 -- Enabling an endpoint sends everything queued for it: its pending deliveries (kept, with
 -- their events, while it was disabled) become due now, whatever backoff they were waiting out
 -- when it was disabled. Only when it was disabled: enabling an enabled endpoint changes
--- nothing. One UPDATE of its backlog, through the deliveries' claim index.
+-- nothing. One UPDATE of its backlog not yet due, read from the claim's waiting lane
+-- (outbox_deliveries_waiting_idx), which holds all of it: a delivery of the fresh lane was due
+-- when it was written (run_after <= created_at).
 -- params: id
 
 WITH due AS (
     UPDATE {deliveries} AS d SET run_after = now()
-    WHERE d.endpoint_id = CAST(:id AS bigint) AND d.status = 'pending' AND d.run_after > now()
+    WHERE d.endpoint_id = CAST(:id AS bigint) AND d.run_after > now()
+      AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
       AND EXISTS (SELECT 1 FROM {endpoints} AS e WHERE e.id = CAST(:id AS bigint)
                   AND NOT e.enabled)
 )

@@ -774,14 +774,21 @@ def test_status_without_endpoints_adds_nothing_to_the_text(db_url: str) -> None:
     assert "endpoints" not in out and "orders" in out
 
 
-def test_status_counts_pending_deliveries_from_the_claim_index(db_url: str) -> None:
+def test_status_counts_pending_deliveries_from_the_claims_lanes(db_url: str) -> None:
+    """Pending deliveries are counted from the claim's two lanes (migration 0018), which
+    together hold each one once (migration 0020 dropped the index of all of them): never
+    from the table, nor from the index of an endpoint's whole history. Half of them fresh,
+    half due again (claimed before), and the lowest id of either lane gives the age."""
     eps = [endpoint(db_url) for _ in range(3)]
     sql(
         db_url,
         """
-        INSERT INTO outbox_deliveries (event_id, endpoint_id, destination, status, finished_at)
+        INSERT INTO outbox_deliveries (event_id, endpoint_id, destination, status, finished_at,
+                                       claims, created_at, run_after)
         SELECT g, %s, %s, CASE WHEN g %% 100 = 0 THEN 'pending' ELSE 'delivered' END,
-               CASE WHEN g %% 100 = 0 THEN NULL ELSE now() END
+               CASE WHEN g %% 100 = 0 THEN NULL ELSE now() END,
+               CASE WHEN g %% 200 = 100 THEN 1 ELSE 0 END,
+               now() - (20001 - g) * interval '1 second', now() - (20001 - g) * interval '1 second'
         FROM generate_series(1, 20000) AS g
         """,
         eps[0],
@@ -790,8 +797,28 @@ def test_status_counts_pending_deliveries_from_the_claim_index(db_url: str) -> N
     sql(db_url, "ANALYZE outbox_deliveries")
     statement = render_ops(queries.STATUS_ENDPOINTS, "public").replace("$1", "50")
     [(plan,)] = sql(db_url, "EXPLAIN (FORMAT JSON) " + statement)
-    assert "outbox_deliveries_claim_idx" in json.dumps(plan)
-    assert cli_json(db_url, "status")["endpoints"][0]["pending"] == 200
+    used = {(n.get("Node Type"), n.get("Relation Name"), n.get("Index Name")) for n in nodes(plan)}
+    assert {i for _, _, i in used} >= {
+        "outbox_deliveries_fresh_idx",
+        "outbox_deliveries_waiting_idx",
+    }, used
+    assert "outbox_deliveries_endpoint_idx" not in {i for _, _, i in used}, used
+    assert ("Seq Scan", "outbox_deliveries", None) not in used, used
+    [row, *_] = cli_json(db_url, "status")["endpoints"]
+    assert row["pending"] == 200
+    # The oldest pending delivery (g = 100, about 19,900 s old) waits: claimed before.
+    assert 19_850 < row["oldest_pending_age_s"] < 20_000, row
+
+
+def nodes(plan: Any) -> list[dict[str, Any]]:
+    """Every node of an EXPLAIN (FORMAT JSON) plan, its subplans and CTEs included."""
+    stack = [plan[0]["Plan"] if isinstance(plan, list) else plan]
+    found = []
+    while stack:
+        node = stack.pop()
+        found.append(node)
+        stack.extend(node.get("Plans", []))
+    return found
 
 
 def test_status_fails_on_an_enabled_endpoints_old_pending_delivery(db_url: str) -> None:

@@ -362,15 +362,25 @@ ORDER BY event_id, at, id
 -- name: status_endpoints
 -- params: limit
 -- `status`: the endpoints, those that need a look first (pending deliveries, failing or
--- disabled), at most :limit. Pending deliveries are counted from the claim index alone (their
--- count and lowest id per endpoint, an index-only scan of outbox_deliveries_claim_idx), and
--- the age of the oldest is read from that one row; the last HTTP status is the newest attempt's
--- (outbox_attempts_endpoint_idx). total and needing_attention count every endpoint.
+-- disabled), at most :limit. Pending deliveries are counted from the claim's two lanes alone
+-- (their count and lowest id per endpoint, an index-only scan of outbox_deliveries_fresh_idx
+-- and one of outbox_deliveries_waiting_idx: together they hold every pending delivery, once),
+-- and the age of the oldest is read from that one row; the last HTTP status is the newest
+-- attempt's (outbox_attempts_endpoint_idx). total and needing_attention count every endpoint.
 
 WITH waiting AS (
-    SELECT endpoint_id, count(*) AS pending, min(id) AS oldest_id
-    FROM {deliveries}
-    WHERE status = 'pending'
+    SELECT endpoint_id, sum(n)::bigint AS pending, min(oldest_id) AS oldest_id
+    FROM (
+        SELECT endpoint_id, count(*) AS n, min(id) AS oldest_id
+        FROM {deliveries}
+        WHERE status = 'pending' AND claims = 0 AND NOT replay AND run_after <= created_at
+        GROUP BY endpoint_id
+        UNION ALL
+        SELECT endpoint_id, count(*), min(id)
+        FROM {deliveries}
+        WHERE status = 'pending' AND (claims <> 0 OR replay OR run_after > created_at)
+        GROUP BY endpoint_id
+    ) AS lanes
     GROUP BY endpoint_id
 ),
 listed AS (

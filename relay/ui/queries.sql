@@ -30,13 +30,20 @@ ORDER BY 1
 -- params: destination, limit, after_id
 -- A page of endpoints with their health, never their secrets; the URL is shown by origin
 -- only. By keyset: those after id :after_id (0 for the first page), through the primary key.
+-- Each one's pending deliveries are counted in the claim's two lanes, which together hold
+-- every one of them once (outbox_deliveries_fresh_idx, outbox_deliveries_waiting_idx).
 
 SELECT e.id, e.destination, e.url, e.tenant, e.event_types, e.rate_limit, e.description,
        e.enabled, e.disabled_reason, e.failing_since, e.last_success_at,
        CASE WHEN (to_jsonb(e) ->> 'circuit_open_until')::timestamptz > now()
             THEN (to_jsonb(e) ->> 'circuit_open_until')::timestamptz END AS circuit_open_until,
        (SELECT count(*) FROM {deliveries} AS d
-        WHERE d.endpoint_id = e.id AND d.status = 'pending') AS pending
+        WHERE d.endpoint_id = e.id
+          AND d.status = 'pending' AND d.claims = 0 AND NOT d.replay AND d.run_after <= d.created_at)
+       + (SELECT count(*) FROM {deliveries} AS d
+          WHERE d.endpoint_id = e.id
+            AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at))
+           AS pending
 FROM {endpoints} AS e
 WHERE (:destination::text IS NULL OR e.destination = :destination::text) AND e.id > :after_id::bigint
 ORDER BY e.id

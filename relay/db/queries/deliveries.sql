@@ -411,11 +411,14 @@ picked AS (
     UNION ALL
     SELECT id, endpoint_id, true FROM ahead
 ),
-stale AS (
+stale AS MATERIALIZED (
     -- Endpoints met on the walk that are gone, or whose first pending delivery of either
     -- lane is of another destination than theirs (moved with SQL): a probe of each lane.
     -- Only when the claim did not fill its batch: the walk was then read to its end anyway,
     -- where a full batch stops it early (read here, every claim would walk :scan endpoints).
+    -- MATERIALIZED: folded into strays, the planner read every walked endpoint's lanes whole
+    -- before it looked whether the endpoint was stale (under a held snapshot, the dead entry
+    -- of every delivery claimed since: tests/test_held_snapshot_deliveries.py).
     SELECT eps.endpoint_id, x.destination
     FROM eps LEFT JOIN {endpoints} AS x ON x.id = eps.endpoint_id
     WHERE :sweep AND (SELECT count(*) FROM picked) < :batch
@@ -431,15 +434,30 @@ stale AS (
                      AND d.status = 'pending' AND (d.claims <> 0 OR d.replay OR d.run_after > d.created_at)
                    ORDER BY d.run_after, d.id LIMIT 1)])) IS TRUE)
 ),
+strays AS (
+    -- Each stale endpoint's pending deliveries of another destination than its own (all of
+    -- them, if it is gone), read from both lanes (which together hold every pending delivery)
+    -- by the endpoint: without a stale endpoint nothing is read.
+    SELECT l.id, s.destination
+    FROM stale AS s
+    CROSS JOIN LATERAL (
+        SELECT f.id, f.destination FROM {deliveries} AS f
+        WHERE f.endpoint_id = s.endpoint_id
+          AND f.status = 'pending' AND f.claims = 0 AND NOT f.replay AND f.run_after <= f.created_at
+        UNION ALL
+        SELECT w.id, w.destination FROM {deliveries} AS w
+        WHERE w.endpoint_id = s.endpoint_id
+          AND w.status = 'pending' AND (w.claims <> 0 OR w.replay OR w.run_after > w.created_at)
+    ) AS l
+    WHERE s.destination IS NULL OR s.destination <> l.destination
+),
 orphans AS (
     -- Skipped if locked (a replay of its event in an application's open transaction): the
     -- claim holds the in-flight lock, and a wait here would hold up every claim and fan-out.
-    -- The next sweep takes it.
-    SELECT d.id, s.destination FROM {deliveries} AS d JOIN stale AS s ON s.endpoint_id = d.endpoint_id
-    -- Uncorrelated, so evaluated once: without a stale endpoint nothing below is read.
-    WHERE EXISTS (SELECT 1 FROM stale)
-      AND d.status = 'pending' AND (s.destination IS NULL OR s.destination <> d.destination)
-    FOR UPDATE OF d SKIP LOCKED
+    -- The next sweep takes it. Found by id (the primary key), as locked below.
+    SELECT d.id FROM {deliveries} AS d
+    WHERE d.id = ANY(ARRAY(SELECT id FROM strays)) AND (d.status = 'pending') IS TRUE
+    FOR UPDATE SKIP LOCKED
 ),
 orphaned AS (
     UPDATE {deliveries} AS d
@@ -448,8 +466,8 @@ orphaned AS (
                           THEN 'endpoint ' || d.endpoint_id || ' was deleted'
                           ELSE 'endpoint ' || d.endpoint_id || ' moved to destination '
                                || quote_literal(s.destination) END
-    FROM orphans AS s
-    WHERE d.id = s.id AND d.status = 'pending'
+    FROM strays AS s
+    WHERE d.id = ANY(ARRAY(SELECT id FROM orphans)) AND d.id = s.id AND d.status = 'pending'
     RETURNING d.id
 ),
 locked AS (

@@ -124,12 +124,23 @@ WHERE d.id = doomed.id AND d.status IN ('delivered', 'failed', 'cancelled')
 
 -- name: purge_attempts
 -- params: older_than, batch
--- The message log's: attempts older than :older_than seconds, :batch at a time.
+-- The message log's: attempts older than :older_than seconds, at most :batch at a time, read
+-- by id from the lowest (the primary key; no index of `at`, migration 0020). Ids are handed out
+-- in the order attempts are logged and `at` is the time of the statement that logged them, so
+-- the lowest ids are the oldest attempts; the batch ends before the first one not yet old
+-- enough. An attempt logged by a statement that began before another's but drew its id after
+-- it (a few milliseconds; a clock set back) waits for that one to age out, one run at most.
+-- The rows are deleted by id (= ANY): joined to the batch, the planner read the whole log.
 
-WITH doomed AS (
-    SELECT id FROM {attempts}
-    WHERE at < now() - make_interval(secs => :older_than)
-    ORDER BY at
+WITH head AS MATERIALIZED (
+    SELECT id, at FROM {attempts}
+    ORDER BY id
     LIMIT :batch
+),
+young AS MATERIALIZED (
+    SELECT min(id) AS id FROM head WHERE NOT (at < now() - make_interval(secs => :older_than))
 )
-DELETE FROM {attempts} AS a USING doomed WHERE a.id = doomed.id
+DELETE FROM {attempts} AS a
+WHERE a.id = ANY(ARRAY(
+    SELECT h.id FROM head AS h
+    WHERE h.id < coalesce((SELECT id FROM young), h.id + 1)))

@@ -1,0 +1,28 @@
+-- outbox-relay: no transaction
+-- Two indexes fewer on the endpoints' hot path (issue #29: every index entry a delivery writes
+-- is PostgreSQL CPU; docs/design/fanout-pipeline.md, "I. Index diet").
+--
+-- outbox_deliveries_claim_idx: the claim's two lanes of migration 0018 hold exactly its rows
+-- (outbox_deliveries_fresh_idx and outbox_deliveries_waiting_idx: their predicates split the
+-- pending deliveries in two), and every statement of this release that counts or reads an
+-- endpoint's pending deliveries reads them from the lanes (`status`, the console, enabling an
+-- endpoint, the claim's sweep). A delivery written pending, retried, reaped or released wrote
+-- an entry here and one in a lane; one is enough. Relays of a release before 0018 claim
+-- through this index: a relay of such a release still running would read an endpoint's
+-- deliveries through outbox_deliveries_endpoint_idx, every one it ever had, at each claim.
+-- Roll every relay to a release with the lanes before running this migration.
+--
+-- outbox_attempts_at_idx: retention of the message log walks the attempts by id from the
+-- lowest (relay/db/queries/retention.sql, purge_attempts): ids are handed out in the order
+-- the attempts are logged, and `at` is the time of the statement that logged them, so the
+-- oldest attempts are the lowest ids. One entry fewer per attempt logged.
+--
+-- outbox_deliveries_lease_idx stays: the reaper's bounded pass reads it from the lease ends
+-- of its bound, a few entries; read from outbox_deliveries_in_flight_idx (by endpoint first)
+-- it would read every entry of that index, and under a held snapshot the dead running version
+-- of every delivery recorded since (tests/test_held_snapshot_deliveries.py).
+--
+-- Dropped CONCURRENTLY: fan-outs, claims and outcomes are never blocked. Each statement can run
+-- again after an interruption. Runs with search_path set to the target schema.
+DROP INDEX CONCURRENTLY IF EXISTS outbox_deliveries_claim_idx;
+DROP INDEX CONCURRENTLY IF EXISTS outbox_attempts_at_idx;
