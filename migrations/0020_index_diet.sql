@@ -10,7 +10,10 @@
 -- an entry here and one in a lane; one is enough. Relays of a release before 0018 claim
 -- through this index: a relay of such a release still running would read an endpoint's
 -- deliveries through outbox_deliveries_endpoint_idx, every one it ever had, at each claim.
--- Roll every relay to a release with the lanes before running this migration.
+-- Releases with the lanes (0018, 0019) still count pending deliveries through it (`status`,
+-- the console), cancel a deleted endpoint's through it, and sort the whole message log at each
+-- retention batch without outbox_attempts_at_idx. Roll every relay, and wherever `status` and
+-- `ui` run, to this migration's release before running it (docs/deploying.md).
 --
 -- outbox_attempts_at_idx: retention of the message log walks the attempts by id from the
 -- lowest (relay/db/queries/retention.sql, purge_attempts): ids are handed out in the order

@@ -17,8 +17,10 @@ from sqlalchemy import create_engine, text
 from outbox import queries as outbox_queries
 from outbox.dburl import to_asyncpg_dsn
 from outbox.migrate import load_migrations
+from relay.db.pool import create_pool
 from relay.db.queries import DELIVERY_CLAIM, PURGE_ATTEMPTS
 from relay.db.queries.render import render_ops
+from relay.db.retention import Retention
 from relay.sinks.endpoints.fairness import UNCAPPED
 from relay.ui import queries as ui_queries
 from tests.support.lanes import lane_args
@@ -112,22 +114,48 @@ async def _log(conn: asyncpg.Connection, ages: list[str]) -> list[int]:
     ]
 
 
-async def test_the_message_logs_retention_deletes_its_oldest_attempts_by_id(
+async def test_the_message_logs_retention_deletes_the_old_attempts_of_its_batch_by_id(
     conn: asyncpg.Connection,
 ) -> None:
-    """The oldest attempts first, :batch at a time, up to the first one not old enough: one
-    logged after it but older (a statement that began first and drew its id later) waits for
-    it to age out, and nothing younger than the retention is ever deleted."""
+    """The lowest ids first, :batch at a time: of those, every attempt old enough goes and
+    every one not yet old enough stays (one logged before another but older, by a statement
+    that began first and drew its id later, is not held back by it), and nothing younger than
+    the retention is ever deleted. The statement says how many it deleted and examined."""
     sql = render_ops(PURGE_ATTEMPTS, "public")
     ids = await _log(conn, ["3 hours", "3 hours", "2 hours", "10 minutes", "2 hours", "1 hour"])
-    assert await conn.execute(sql, 3600.0 * 1.5, 1) == "DELETE 1"
-    assert await conn.execute(sql, 3600.0 * 1.5, 5) == "DELETE 2"
-    # The next is 10 minutes old: it ends the batch, though the one after it is old enough.
-    assert await conn.execute(sql, 3600.0 * 1.5, 5) == "DELETE 0"
+    assert tuple(await conn.fetchrow(sql, 3600.0 * 1.5, 1)) == (1, 1)
+    # The 10-minute-old one stays; the 2-hour-old one logged after it goes.
+    assert tuple(await conn.fetchrow(sql, 3600.0 * 1.5, 5)) == (3, 5)
+    assert tuple(await conn.fetchrow(sql, 3600.0 * 1.5, 5)) == (0, 2)
     left = [r[0] for r in await conn.fetch("SELECT id FROM outbox_attempts ORDER BY id")]
-    assert left == ids[3:]
-    assert await conn.execute(sql, 300.0, 5) == "DELETE 3"  # once it is old enough, all go
-    assert await conn.execute(sql, 0.0, 5) == "DELETE 0"  # an empty log
+    assert left == [ids[3], ids[5]]
+    assert tuple(await conn.fetchrow(sql, 300.0, 5)) == (2, 2)  # once old enough, all go
+    assert tuple(await conn.fetchrow(sql, 0.0, 5)) == (0, 0)  # an empty log
+
+
+async def test_an_attempt_logged_under_a_clock_set_ahead_holds_back_no_other(
+    db_url: str, conn: asyncpg.Connection
+) -> None:
+    """The server's clock was a day ahead when one attempt was logged, then set right: its
+    `at` is a day in the future, below the ids of everything logged since. Retention keeps it
+    (its age is unknown), and one run deletes every attempt past the retention behind it,
+    batch after batch. Stopping at the first attempt not old enough, retention deleted
+    nothing for a day (a year, had the clock been a year ahead) while the log grew."""
+    [future] = await _log(conn, ["-1 day"])
+    await _log(conn, ["3 hours"] * 25)
+    pool = await create_pool(to_asyncpg_dsn(db_url), RELAY, 1)
+    try:
+        retention = Retention(pool, "public")
+        for _ in range(10):  # bounded: a run is a few batches of 10
+            batch = await retention.batch(86400.0, 3600.0, 10, None)
+            assert batch is not None
+            if not batch.more:
+                break
+        else:
+            raise AssertionError("retention did not end its run")
+    finally:
+        await pool.close()
+    assert [r[0] for r in await conn.fetch("SELECT id FROM outbox_attempts")] == [future]
 
 
 async def test_the_message_logs_retention_reads_a_batch_by_the_primary_key(

@@ -124,12 +124,16 @@ WHERE d.id = doomed.id AND d.status IN ('delivered', 'failed', 'cancelled')
 
 -- name: purge_attempts
 -- params: older_than, batch
--- The message log's: attempts older than :older_than seconds, at most :batch at a time, read
--- by id from the lowest (the primary key; no index of `at`, migration 0020). Ids are handed out
--- in the order attempts are logged and `at` is the time of the statement that logged them, so
--- the lowest ids are the oldest attempts; the batch ends before the first one not yet old
--- enough. An attempt logged by a statement that began before another's but drew its id after
--- it (a few milliseconds; a clock set back) waits for that one to age out, one run at most.
+-- The message log's: of the :batch attempts with the lowest ids (the primary key; no index of
+-- `at`, migration 0020), those older than :older_than seconds. Ids are handed out in the order
+-- attempts are logged and `at` is the time of the statement that logged them, so the lowest
+-- ids are the oldest attempts, but not all of them: one logged by a statement that began
+-- before another's and drew its id after it is older than the one below it, and one logged
+-- while the server's clock was ahead (set right since) is younger than every one above it,
+-- for as long as the clock was ahead. Each attempt of the batch is judged by its own `at`, so
+-- one not yet old enough holds back none of those past it: stopping at it, retention deleted
+-- nothing for a day after a clock a day ahead, while the log grew. Returns how many it deleted
+-- and how many it examined (:batch: there may be more; a run goes on while it deletes some).
 -- The rows are deleted by id (= ANY): joined to the batch, the planner read the whole log.
 
 WITH head AS MATERIALIZED (
@@ -137,10 +141,11 @@ WITH head AS MATERIALIZED (
     ORDER BY id
     LIMIT :batch
 ),
-young AS MATERIALIZED (
-    SELECT min(id) AS id FROM head WHERE NOT (at < now() - make_interval(secs => :older_than))
+gone AS (
+    DELETE FROM {attempts} AS a
+    WHERE a.id = ANY(ARRAY(
+        SELECT h.id FROM head AS h
+        WHERE h.at < now() - make_interval(secs => :older_than)))
+    RETURNING 1
 )
-DELETE FROM {attempts} AS a
-WHERE a.id = ANY(ARRAY(
-    SELECT h.id FROM head AS h
-    WHERE h.id < coalesce((SELECT id FROM young), h.id + 1)))
+SELECT (SELECT count(*) FROM gone)::int AS deleted, (SELECT count(*) FROM head)::int AS examined

@@ -22,6 +22,9 @@ PORT = 8089
 def bind(host: str = HOST, port: int = PORT) -> socket.socket:
     """A listening socket on ``port`` or, taken, on a free one."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # As uvicorn binds `outbox-relay ui`'s: the connections a console stopped a moment ago
+    # closed (a minute of TIME_WAIT each) do not keep the next one from the port.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError:
@@ -29,14 +32,17 @@ def bind(host: str = HOST, port: int = PORT) -> socket.socket:
     return sock
 
 
-async def serve(db_url: str, schema: str, token: str, again: str) -> None:
-    """Serve the console on ``db_url`` until the demo is interrupted; ``again`` is the command
-    that serves it later."""
+async def serve(db_url: str, schema: str, token: str, again: str, port: int = PORT) -> None:
+    """Serve the console on ``db_url`` until the demo is interrupted, on ``port`` where it is
+    free; ``again`` is the command that serves it later."""
     from relay.ui.app import build_console
 
     app = build_console(db_url, token, schema=schema)
-    sock = bind()
+    sock = bind(port=port)
     port = sock.getsockname()[1]
+    if port != PORT:
+        # `ui` would serve it on the port that was taken: the command names this one.
+        again = f"{again} --port {port}"
     config = uvicorn.Config(
         app, lifespan="on", log_config=None, log_level="warning", server_header=False
     )
