@@ -29,6 +29,7 @@ from relay.tools.demo.orders import Placed
 from relay.tools.demo.receiver import Arrival, Receiver, receiving
 from tests.support import pg
 from tests.support.kafka import consume, outbox_id
+from tests.support.signals import ctrl_c_default
 from tests.webhook_helpers import closed_port
 
 COUNT = 7  # orders: 4 for tenant acme (the 1st, 3rd, …), 3 for globex
@@ -354,6 +355,7 @@ def test_kept_the_demo_serves_the_console_on_its_database_until_ctrl_c(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=ctrl_c_default,  # the test presses Ctrl-C
     )
     assert proc.stdout is not None
     lines: list[str] = []
@@ -393,6 +395,6 @@ def test_kept_the_demo_serves_the_console_on_its_database_until_ctrl_c(
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()  # and its pipes closed
         if name:
             pg.drop_database(pg_admin_url, name)

@@ -17,7 +17,11 @@ from tests.support.markdown import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 # Pages with a test of their own, which runs them and checks what their runs did.
-OWN_TEST = {"docs/catalog.md": "tests/test_catalog_docs.py"}
+OWN_TEST = {
+    "docs/catalog.md": "tests/test_catalog_docs.py",
+    "docs/cloudevents.md": "tests/test_cloudevents_docs.py",
+    "docs/consumers.md": "tests/test_consumers_docs.py",
+}
 PAGES = sorted(
     p.relative_to(ROOT).as_posix()
     for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from relay.runtime import loop
+from tests.support.signals import ctrl_c_default
 
 
 async def _kind() -> str:
@@ -47,12 +48,15 @@ def test_sigterm_cancels_a_tools_run_and_its_clean_up_runs(choice: loop.Choice) 
         finally:
             cleaned.append("scratch dropped")
 
+    # What Ctrl-C does here before the run: Python's handler, or ignored in a suite run in the
+    # background (tests/support/signals.py).
+    ctrl_c = signal.getsignal(signal.SIGINT)
     with pytest.raises(loop.Terminated):
         loop.run(tool(), choice, sigterm_cancels=True)
     assert cleaned == ["scratch dropped"]
-    # The handler is gone with the run: SIGTERM is the process's own again.
+    # The handlers are gone with the run: SIGTERM and Ctrl-C are the process's own again.
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is ctrl_c
 
 
 # A tool whose clean-up takes a moment, signalled again while it runs: it prints what
@@ -86,7 +90,11 @@ def test_a_second_signal_lets_a_tools_clean_up_finish(
 ) -> None:
     code = _SIGNALLED_TWICE.replace("SIG)", f"signal.{name})")
     done = subprocess.run(
-        [sys.executable, "-c", code, choice], capture_output=True, text=True, timeout=30
+        [sys.executable, "-c", code, choice],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=ctrl_c_default,
     )
     assert done.stdout.splitlines() == ["scratch dropped", said], done.stdout + done.stderr
 

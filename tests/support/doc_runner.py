@@ -55,15 +55,7 @@ def run_page(
     """Every block of ``page`` done as it says, in ``workdir``; each run block with its output.
     Raises AssertionError naming the block that failed, printed something else, or is a
     fragment that names what does not exist."""
-    # Not the caller's OUTBOX_* settings: the environment wins over a page's file and flags,
-    # so a developer's OUTBOX_SCHEMA or OUTBOX_DATABASE_URL would change what the page does.
-    full = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
-        "DATABASE_URL": db_url,
-        "PYTHONPATH": str(workdir) + os.pathsep + str(ROOT),
-        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"],
-        **(env or {}),
-    }
+    full = environment(workdir, db_url, env)
     done: list[tuple[Block, str]] = []
     problems = unmarked(page)
     for b in blocks(page):
@@ -86,6 +78,20 @@ def run_page(
             )
     assert not problems, "\n".join(problems)
     return done
+
+
+def environment(workdir: Path, db_url: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a page's commands run with: this checkout's `python` and `outbox-relay` first on
+    the `PATH`, the page's folder and this checkout importable, `DATABASE_URL`, and ``env``."""
+    # Not the caller's OUTBOX_* settings: the environment wins over a page's file and flags,
+    # so a developer's OUTBOX_SCHEMA or OUTBOX_DATABASE_URL would change what the page does.
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+        "DATABASE_URL": db_url,
+        "PYTHONPATH": str(workdir) + os.pathsep + str(ROOT),
+        "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"],
+        **(env or {}),
+    }
 
 
 def printed(shown: str, out: str) -> bool:
