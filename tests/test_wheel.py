@@ -191,3 +191,17 @@ def test_the_installed_console_serves_its_pages_and_files(
         proc.terminate()
         _, err = proc.communicate(timeout=10)
     assert proc.returncode in (0, -15), err.decode()
+
+
+def test_the_installed_package_writes_a_starter_that_passes_run_check(
+    venv_bin: Path, tmp_path: Path
+) -> None:
+    """`outbox-relay init > relay.toml` from the wheel, outside the repository: edited in its
+    URLs only (as tests/test_init.py edits them), the installed relay accepts it."""
+    from tests.test_init import _edited
+
+    started = outbox_relay(venv_bin, tmp_path, "init")
+    (tmp_path / "relay.toml").write_text(_edited(ok(started)))
+    assert "outbox-relay run --config relay.toml --check" in started.stderr, started.stderr
+    checked = ok(outbox_relay(venv_bin, tmp_path, "run", "--check", "--config", "relay.toml"))
+    assert "configuration OK: 3 destination(s)" in checked, checked
