@@ -14,7 +14,6 @@ median and p95 per page, the fill's time and the table's size. Every page must a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import socket
@@ -106,23 +105,12 @@ def _bound_socket() -> socket.socket:
 @contextlib.asynccontextmanager
 async def served(app: Any) -> AsyncIterator[str]:
     """``app`` served by uvicorn on a loopback port, on this event loop."""
-    import uvicorn
+    from relay.tools import serving  # uvicorn only for the runs that serve the console
 
     sock = _bound_socket()
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                await task  # raises what stopped it
-                raise RuntimeError("the console's server stopped before it started")
-            await asyncio.sleep(0.01)
+    async with serving.served(app, sock, "the console's server", lifespan="on"):
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
-        sock.close()
 
 
 async def _timed(

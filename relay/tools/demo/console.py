@@ -10,9 +10,8 @@ import contextlib
 import socket
 
 import click
-import uvicorn
 
-from relay.tools.demo.receiver import QuietServer
+from relay.tools.serving import served
 
 HOST = "127.0.0.1"
 # `outbox-relay ui`'s port, where it is free: the address the docs name.
@@ -43,17 +42,7 @@ async def serve(db_url: str, schema: str, token: str, again: str, port: int = PO
     if port != PORT:
         # `ui` would serve it on the port that was taken: the command names this one.
         again = f"{again} --port {port}"
-    config = uvicorn.Config(
-        app, lifespan="on", log_config=None, log_level="warning", server_header=False
-    )
-    server = QuietServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                await task
-                raise OSError("the console stopped before it started")
-            await asyncio.sleep(0.01)
+    async with served(app, sock, "the console", lifespan="on", server_header=False) as task:
         click.echo(
             f"console: http://{HOST}:{port}/ (sign in with the token {token}); "
             "Ctrl-C stops it, the database stays"
@@ -61,9 +50,4 @@ async def serve(db_url: str, schema: str, token: str, again: str, port: int = PO
         # A stop asked for (Ctrl-C, SIGTERM) is the end of the demo, not a failure of it.
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(task)
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(task, 5)
-        sock.close()
     click.echo(f"console stopped; serve it again with: {again}")

@@ -12,17 +12,15 @@ Served by uvicorn, which the console already brings: no other server to install.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
-
 from relay.tools.demo.errors import DemoError
+from relay.tools.serving import served
 
 Message = dict[str, Any]
 # Checks a request's signature (secret, body, headers): returns its payload, or raises.
@@ -100,14 +98,6 @@ class Receiver:
         await send({"type": "http.response.body", "body": b""})
 
 
-class QuietServer(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # The demo handles signals itself (relay.tools.stopping): SIGTERM cancels it, and
-        # this server stops with everything else it started.
-        yield
-
-
 def _standard_webhooks() -> Verify:
     """The reference library's check, as a receiver of ours would call it."""
     try:
@@ -127,25 +117,12 @@ async def receiving() -> AsyncIterator[Receiver]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     receiver.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    config = uvicorn.Config(
+    async with served(
         receiver,
+        sock,
+        "the demo's webhook receiver",
         interface="asgi3",
         lifespan="off",
-        log_config=None,
-        log_level="warning",
         access_log=False,
-    )
-    server = QuietServer(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            if task.done():
-                await task  # raises what stopped it
-                raise OSError("the demo's webhook receiver stopped before it started")
-            await asyncio.sleep(0.01)
+    ):
         yield receiver
-    finally:
-        server.should_exit = True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(task, 5)
-        sock.close()
