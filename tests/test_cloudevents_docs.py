@@ -43,7 +43,7 @@ from tests.support.doc_programs import (
     substitute,
     wait_for,
 )
-from tests.support.doc_runner import environment, run_page
+from tests.support.doc_runner import broken_copy, environment, run_page
 from tests.support.markdown import Block, blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,11 +163,6 @@ def test_the_webhook_example_runs(empty_db_url: str, tmp_path: Path) -> None:
 def test_a_broken_example_fails(
     empty_db_url: str, tmp_path: Path, old: str, new: str, failure: str
 ) -> None:
-    text = PAGE.read_text()
-    assert old in text, f"the page no longer shows {old!r}: pick another example to break"
-    broken = tmp_path / PAGE.name
-    broken.write_text(text.replace(old, new))
-    work = tmp_path / "work"
-    work.mkdir()
+    broken, work = broken_copy(PAGE, tmp_path, old, new)
     with pytest.raises(AssertionError, match=failure):
         compare(*walk(broken, work, empty_db_url))

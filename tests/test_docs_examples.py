@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import doc_checks
-from tests.support.doc_runner import printed, run_page, unmarked
+from tests.support.doc_runner import broken_copy, printed, run_page, unmarked
 from tests.support.markdown import blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,29 +49,21 @@ def test_the_pages_with_a_test_of_their_own_have_one() -> None:
 # --- the checks fail on what is broken ----------------------------------------------------------
 
 
-def _copy(page: str, tmp_path: Path, old: str, new: str) -> Path:
-    text = (ROOT / page).read_text()
-    assert old in text, f"{page} no longer shows {old!r}: pick another example to break"
-    out = tmp_path / Path(page).name
-    out.write_text(text.replace(old, new, 1))
-    return out
-
-
 def test_a_wrong_function_name_in_the_usage_page_fails(db_url: str, tmp_path: Path) -> None:
-    broken = _copy("docs/usage.md", tmp_path, "outbox.enqueue(", "outbox.enqueue_one(")
-    work = tmp_path / "work"
-    work.mkdir()
+    usage = ROOT / "docs/usage.md"
+    broken, work = broken_copy(usage, tmp_path, "outbox.enqueue(", "outbox.enqueue_one(", 1)
     # The page's run fails on it (the traceback names it), before its fragments are checked.
     with pytest.raises(AssertionError, match=r"(?s)usage\.md:\d+ exited 1:.*'enqueue_one'"):
         run_page(broken, work, db_url)
 
 
 def test_a_wrong_function_name_in_a_fragment_fails(tmp_path: Path) -> None:
-    broken = _copy("README.md", tmp_path, "outbox.enqueue(", "outbox.enqueue_one(")
+    readme = ROOT / "README.md"
+    broken, work = broken_copy(readme, tmp_path, "outbox.enqueue(", "outbox.enqueue_one(", 1)
     with pytest.raises(
         AssertionError, match=r"README\.md:\d+: `outbox\.enqueue_one`: no such name"
     ):
-        run_page(broken, tmp_path, "postgresql://docs@localhost/unused")
+        run_page(broken, work, "postgresql://docs@localhost/unused")
 
 
 def test_a_broken_run_example_fails(db_url: str, tmp_path: Path) -> None:

@@ -142,3 +142,18 @@ def _run(page: Path, b: Block, workdir: Path, env: Mapping[str, str]) -> str:
         f"{page.name}:{b.line} exited {res.returncode}:\n{res.stdout}{res.stderr}"
     )
     return res.stdout
+
+
+def broken_copy(
+    page: Path, tmp_path: Path, old: str, new: str, count: int = -1
+) -> tuple[Path, Path]:
+    """``page`` broken on purpose, to show that the suite fails on it: ``old`` replaced by
+    ``new`` (every time, or ``count`` times), written in ``tmp_path``; and an empty working
+    folder beside it for the broken page's files."""
+    text = page.read_text()
+    assert old in text, f"{page.name} no longer shows {old!r}: pick another example to break"
+    broken = tmp_path / page.name
+    broken.write_text(text.replace(old, new, count))
+    work = tmp_path / "work"
+    work.mkdir()
+    return broken, work
