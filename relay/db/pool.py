@@ -13,6 +13,11 @@ import asyncpg
 from relay.db.errors import SESSION_STALE, is_plain_sql_error
 from relay.db.session import SESSION_SETTINGS
 
+# asyncpg prepares a statement once a connection and keeps it, but by default only up to 15 KB
+# of text: the delivery claim (16 KB) was parsed and analysed again at every call. Every
+# statement of relay/db/queries is shorter than this (tests/test_statement_plans.py).
+STATEMENT_CACHE_BYTES = 64 * 1024
+
 # How the store's parts run a statement on the pool: ``call(method, sql, *args)`` runs the
 # connection's ``method`` ("fetch", "fetchval", …) in a connection of its own (Store._call).
 Call = Callable[..., Awaitable[Any]]
@@ -70,6 +75,7 @@ async def create_pool(
         max_size=size,
         command_timeout=command_timeout,
         reset=_no_reset,
+        max_cacheable_statement_size=STATEMENT_CACHE_BYTES,
         server_settings={
             "application_name": f"outbox-relay:{relay_id}"[:63],
             # A plan cached while the table was empty turns into a seq scan + sort once it
