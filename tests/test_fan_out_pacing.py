@@ -106,28 +106,45 @@ async def test_one_endpoints_backlog_holds_back_another_tenants_new_event_a_seco
     assert took < within and left, (took, len(left))
 
 
-async def test_finished_deliveries_still_wake_the_claim_now_and_then(db_url: str) -> None:
+async def test_finished_deliveries_look_now_and_then_and_claim_what_another_relay_left(
+    db_url: str,
+) -> None:
     """A finished delivery of an endpoint with nothing known to wait wakes no claim (they cost
-    1-3 ms and find nothing, deliveries being sent at their fan-out); but another relay may
-    have written deliveries of it pending, which would then wait for the poll (found by
-    review): the claim is woken every LOOK_EVERY all the same."""
+    5 ms of planning and find nothing, deliveries being sent at their fan-out); but another
+    relay may have written deliveries of it pending, which would then wait for the poll
+    (found by review): every LOOK_EVERY a look (a few index probes) reads what was written
+    since, and only what it finds wakes the claim."""
     async with served(db_url) as s:
         woken: list[float] = []
         s.source.on_due = lambda: woken.append(time.monotonic())
-        s.source.store.lanes.floors = {}  # read: nothing waits
+        await s.source.store._read_floors()  # read: nothing waits
         s.source._wake_soon(claim=False)
         await asyncio.sleep(WAKE_COALESCE * 3)
-        assert len(woken) == 1  # the first look
+        assert woken == []  # looked: nothing pending
+        assert s.source.store.store.statements["delivery_look"] == 1
         s.source._wake_soon(claim=False)
         await asyncio.sleep(WAKE_COALESCE * 3)
-        assert len(woken) == 1  # not again before LOOK_EVERY
+        assert s.source.store.store.statements["delivery_look"] == 1  # not before LOOK_EVERY
+        # Another relay's fan-out could send nothing at once: its delivery waits, pending.
+        [event] = await enqueue(db_url, [{"payload": {}}])
+        await fetch(db_url, OTHERS_PENDING, event)
         await asyncio.sleep(LOOK_EVERY)
         s.source._wake_soon(claim=False)
         await asyncio.sleep(WAKE_COALESCE * 3)
-        assert len(woken) == 2
-        s.source._wake_soon(claim=True)  # something of theirs waits: at once
+        assert len(woken) == 1 and s.source.store.store.statements["delivery_look"] == 2
+        s.source._wake_soon(claim=True)  # something of theirs waits: at once, no look
         await asyncio.sleep(WAKE_COALESCE * 3)
-        assert len(woken) == 3
+        assert len(woken) == 2 and s.source.store.store.statements["delivery_look"] == 2
+
+
+# A delivery of the event to a new endpoint, as another relay's fan-out writes one pending.
+OTHERS_PENDING = (
+    "WITH e AS (INSERT INTO outbox_endpoints (destination, url, secret)"
+    " VALUES ('" + DEST + "', 'http://127.0.0.1:9/', 'whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw')"
+    " RETURNING id)"
+    " INSERT INTO outbox_deliveries (event_id, endpoint_id, destination)"
+    " SELECT $1, e.id, '" + DEST + "' FROM e"
+)
 
 
 @pytest.mark.parametrize("other", ["rate-limited", "new"])

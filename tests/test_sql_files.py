@@ -350,6 +350,21 @@ def test_the_claims_pieces_are_written_alike() -> None:
     assert q.CLAIM_ORDERED.count("(SELECT o.key, o.id, o.status, o.run_after, ") == 8
 
 
+def test_the_look_reads_past_seen_as_the_delivery_claim_does() -> None:
+    """DELIVERY_LOOK stands in for a claim that would find nothing: its read of the fresh
+    deliveries past :seen, and the ids' epoch, are the claim's and the floors' own."""
+    q = relay_queries
+
+    def unbound(sql: str) -> str:
+        return re.sub(r"\$\d+", "$", sql)
+
+    look = unbound(q.DELIVERY_LOOK)
+    read = look[look.index("past AS MATERIALIZED (") : look.index("\nSELECT DISTINCT")]
+    assert len(read) > 1000 and read + ",\n" in unbound(q.DELIVERY_CLAIM)
+    epoch = look[look.index("(SELECT pg_relation_filenode(") :].rstrip()
+    assert epoch in q.DELIVERY_FLOORS and epoch in q.DELIVERY_CLAIM
+
+
 def test_the_lease_fences_are_written_alike() -> None:
     q = relay_queries
     # The events' heartbeat and release and the deliveries', alike but for the table.

@@ -45,6 +45,7 @@ from relay.db.queries.deliveries import DELIVERY_CLAIM as DELIVERY_CLAIM
 from relay.db.queries.deliveries import DELIVERY_CLAIM_LOCK as DELIVERY_CLAIM_LOCK
 from relay.db.queries.deliveries import DELIVERY_FLOORS as DELIVERY_FLOORS
 from relay.db.queries.deliveries import DELIVERY_HEARTBEAT as DELIVERY_HEARTBEAT
+from relay.db.queries.deliveries import DELIVERY_LOOK as DELIVERY_LOOK
 from relay.db.queries.deliveries import DELIVERY_REAP as DELIVERY_REAP
 from relay.db.queries.deliveries import DELIVERY_RECORD as DELIVERY_RECORD
 from relay.db.queries.deliveries import DELIVERY_RELEASE as DELIVERY_RELEASE

@@ -96,6 +96,9 @@ class DeliverySource(FanOuts, Health):
         self._look_started: dict[str, float] = {}
         self._look_failed: dict[str, float] = {}
         self._fanned_top: dict[str, int] = {}
+        # The look for deliveries another relay wrote pending (_look_for_others), while under
+        # way.
+        self._look_task: asyncio.Task[None] | None = None
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
@@ -115,6 +118,26 @@ class DeliverySource(FanOuts, Health):
     def wake(self) -> None:
         self._due = True
         self.on_due()
+
+    def _look_for_others(self) -> None:
+        """Look for fresh deliveries another relay wrote pending (DeliveryStore.look), in a
+        task of its own, and claim if it finds some, or cannot tell."""
+        if self._halted or self._look_task is not None:
+            return
+        self._look_task = asyncio.get_running_loop().create_task(self._looking_for_others())
+
+    async def _looking_for_others(self) -> None:
+        try:
+            found = await self.store.look()
+        except DB_ERRORS:
+            found = True  # the claim tries, and says what is wrong
+        except Exception:
+            log.exception("relay.endpoints.look_failed")
+            found = True
+        finally:
+            self._look_task = None
+        if found:
+            self.wake()
 
     def endpoints_changed(self) -> None:
         """An endpoint was added, changed or enabled (a NOTIFY): read them again, and claim."""
@@ -263,6 +286,9 @@ class DeliverySource(FanOuts, Health):
         for task in self._looking.values():
             task.cancel()  # a look ahead: nothing is paced any more
         self._looking.clear()  # a task cancelled before it ran never clears itself
+        if self._look_task is not None:
+            self._look_task.cancel()  # nothing is claimed any more
+            self._look_task = None
 
     async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
         # Halted, the rows still queued (claimed ahead of the endpoint's free slots) are not

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -219,18 +219,49 @@ class DeliveryStore:
                 if r[0] >= 0:
                     self._held[r[0]] = (r[2], r[5], until)
             next_floors = ((r[2], r[1]) for r in rows if r[0] == -2)
-            seen, top = (int(x) for x in marker[9].split(":"))
-            self.behind = seen < top
-            if not self.lanes.claimed(next_floors, seen, marker[10], given):
-                log.warning(
-                    "relay.endpoints.floors_reset",
-                    reason="the deliveries' ids were handed out again (a TRUNCATE … RESTART "
-                    "IDENTITY, a restore, a failover, a restart), or the newest deliveries "
-                    "were deleted: the claim's floors are read again",
-                )
+            self._read_on(next_floors, marker[9], marker[10], given)
         claimed = [claimed_row(r, until, started) for r in rows if r[0] >= 0]
         self.swept = bool(marker[7])
         return claimed, marker[2], marker[1]
+
+    async def look(self) -> bool:
+        """Whether a claim would find fresh deliveries pending that no floor of this relay's
+        tells of (another relay's fan-out wrote them: DELIVERY_LOOK). Finding none, ``seen``
+        moves on as the claim's would; True also while the floors are not read, or when the
+        look read a chunk short of the highest id (the claim reads on)."""
+        async with self._claiming:
+            if self.lanes.floors is None:
+                return True
+            given = (dict(self.lanes.floors), self.lanes.epoch)
+            self.store.statements["delivery_look"] += 1
+            rows = await self.store.call(
+                "fetch", queries.DELIVERY_LOOK, self.lanes.seen, FOUND_CHUNK
+            )
+            if len(rows) > 1:
+                return True  # some found: the claim reads them (from the same :seen)
+            return not self._read_on((), rows[0][1], rows[0][2], given) or self.behind
+
+    def _read_on(
+        self,
+        floors: Iterable[tuple[int, int | None]],
+        seen_top: str,
+        epoch: str,
+        given: tuple[dict[int, int], str | None],
+    ) -> bool:
+        """After a claim or a look: the floors it gave, how far it read (``seen_top``,
+        "seen:top") and the ids' epoch kept (Floors.claimed). False when the floors are to be
+        read again (ids handed out again)."""
+        seen, top = (int(x) for x in seen_top.split(":"))
+        self.behind = seen < top
+        if self.lanes.claimed(floors, seen, epoch, given):
+            return True
+        log.warning(
+            "relay.endpoints.floors_reset",
+            reason="the deliveries' ids were handed out again (a TRUNCATE … RESTART "
+            "IDENTITY, a restore, a failover, a restart), or the newest deliveries "
+            "were deleted: the claim's floors are read again",
+        )
+        return False
 
     async def check_floors(self) -> None:
         """The floors checked whole (DELIVERY_FLOORS) when CHECK_EVERY has passed since the
