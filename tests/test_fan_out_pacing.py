@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+import uvloop
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from relay.sinks.endpoints.base import LOOK_EVERY, WAKE_COALESCE
@@ -135,6 +136,24 @@ async def test_finished_deliveries_look_now_and_then_and_claim_what_another_rela
         s.source._wake_soon(claim=True)  # something of theirs waits: at once, no look
         await asyncio.sleep(WAKE_COALESCE * 3)
         assert len(woken) == 2 and s.source.store.store.statements["delivery_look"] == 2
+
+
+def test_a_recheck_due_at_once_can_be_asked_for_again_under_uvloop(db_url: str) -> None:
+    """uvloop hands a call due at once a handle without when(): asking for a recheck again
+    before it ran raised AttributeError, in a finished delivery's wake-up (the events' claim,
+    held back, then waited for the poll) or in the events' claim itself (found by `bench
+    fanout --scenario steady`, which fell 15 s behind)."""
+
+    async def main() -> None:
+        async with served(db_url) as s:
+            now = time.monotonic()
+            s.source._recheck_room_at(now - 1)  # due at once
+            s.source._recheck_room_at(now + 5)  # asked again before it ran: kept
+            s.source._recheck_room_at(now - 2)
+            await asyncio.sleep(0.05)
+            assert s.source._recheck is None  # it ran
+
+    uvloop.run(main())
 
 
 # A delivery of the event to a new endpoint, as another relay's fan-out writes one pending.

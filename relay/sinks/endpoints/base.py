@@ -77,7 +77,8 @@ class DeliveriesBase:
         # The relay's claim of events held back for want of room (EndpointsSink.claim_limit):
         # on_room (the relay's wake-up) is called once deliveries have left.
         self.held_back: set[str] = set()  # destinations
-        self._recheck: asyncio.TimerHandle | None = None  # _recheck_room_at
+        self._recheck: asyncio.Handle | None = None  # _recheck_room_at
+        self._recheck_at = float("inf")  # when it is due (monotonic)
         self._claim_wanted = False
         self._looked = float("-inf")  # when a finished delivery last woke the claim
         self.on_room: Callable[[], None] = lambda: None
@@ -143,7 +144,9 @@ class DeliveriesBase:
     def _recheck_room_at(self, at: float) -> None:
         """Look again at ``at`` (monotonic) whether the events' claim may take more: a hold
         that ends then is not seen by finished deliveries if none is in flight."""
-        if self._recheck is not None and self._recheck.when() <= at:
+        # When it is due is kept here, in this clock: uvloop hands a handle without when()
+        # for a call due at once, and its loop.time() is not time.monotonic().
+        if self._recheck is not None and self._recheck_at <= at:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -151,7 +154,8 @@ class DeliveriesBase:
             return
         if self._recheck is not None:
             self._recheck.cancel()
-        self._recheck = loop.call_at(loop.time() + max(0.0, at - time.monotonic()), self._rechecked)
+        self._recheck_at = at
+        self._recheck = loop.call_later(max(0.0, at - time.monotonic()), self._rechecked)
 
     def _rechecked(self) -> None:
         self._recheck = None
