@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -52,6 +52,18 @@ class Record:
     key: str | None = None
     # Already written by the sink (Outcome.recorded): record() counts it as applied.
     written: bool = False
+
+
+R = TypeVar("R", bound=Record)
+
+
+def in_id_order(records: Sequence[R]) -> list[R]:
+    """Outcomes in the order of their rows' ids. Every statement that writes rows this relay
+    holds (records, heartbeats, releases, which run beside each other) takes them in id
+    order, so that two over the same rows lock them in the same order: a record and a
+    heartbeat, each in the order its rows came, deadlocked (`bench fanout --scenario
+    steady`, the relay behind, rows held past a third of their lease)."""
+    return sorted(records, key=lambda r: r.id)
 
 
 class Store:
@@ -191,6 +203,7 @@ class Store:
         """Write outcomes; returns the (id, token) pairs written (the others are no longer
         this relay's under the claim the outcome belongs to). Records a sink already wrote
         are counted as written, not sent again."""
+        records = in_id_order(records)
         if any(r.written for r in records):
             done = {(r.id, r.token) for r in records if r.written}
             rest = [r for r in records if not r.written]
@@ -251,6 +264,7 @@ class Store:
     async def heartbeat(self, leases: Sequence[tuple[int, int]]) -> set[int]:
         """Extend the leases of (id, token) pairs; returns the ids still held. Rows of batch
         leases (negative tokens) are held while their batch is: one row per batch renewed."""
+        leases = sorted(leases)  # in id order: see in_id_order
         held: set[int] = set()
         batched = [(i, t) for i, t in leases if t < 0]
         if batched:
@@ -446,6 +460,7 @@ class Store:
 
     async def release(self, leases: Sequence[tuple[int, int]]) -> None:
         """Put (id, token) pairs back to pending, unattempted."""
+        leases = sorted(leases)  # in id order: see in_id_order
         for sql, pairs in (
             (self.batches.release, [(i, t) for i, t in leases if t < 0]),
             (self._release, [(i, t) for i, t in leases if t >= 0]),

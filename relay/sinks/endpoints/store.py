@@ -14,7 +14,7 @@ import structlog
 from outbox.errors import describe
 from relay.db import queries
 from relay.db.pool import connection
-from relay.db.store import DB_ERRORS, Store
+from relay.db.store import DB_ERRORS, Store, in_id_order
 from relay.sinks.endpoints.fairness import UNCAPPED
 from relay.sinks.endpoints.lanes import FOUND_CHUNK, Floors
 from relay.sinks.endpoints.rows import (
@@ -354,6 +354,7 @@ class DeliveryStore:
     async def record(self, records: Sequence[DeliveryRecord]) -> set[tuple[int, int]]:
         """Write outcomes and log attempts; the (id, token) pairs recorded (the others were no
         longer this relay's under their claim)."""
+        records = in_id_order(records)
         self.store.statements["delivery_record"] += 1
         rows = await self.store.call(
             "fetch",
@@ -378,6 +379,7 @@ class DeliveryStore:
 
     async def heartbeat(self, held: Sequence[tuple[int, int]]) -> set[int]:
         """Extend the leases of (id, token) pairs; the ids still held."""
+        held = sorted(held)  # in id order: see in_id_order
         self.store.statements["delivery_heartbeat"] += 1
         until = time.monotonic() + self.store.lease  # before the statement, as a claim's
         rows = await self.store.call(
@@ -406,6 +408,7 @@ class DeliveryStore:
 
     async def release(self, held: Sequence[tuple[int, int]]) -> None:
         """Put (id, token) pairs back to pending, unattempted."""
+        held = sorted(held)  # in id order: see in_id_order
         self.store.statements["delivery_release"] += 1
         await self.store.call(
             "execute",
