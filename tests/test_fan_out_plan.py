@@ -33,35 +33,12 @@ FAST = 8
 BACKLOG = 3000  # events whose delivery to the slow endpoint waits
 
 
-# FAN_OUT runs with either plan: one kept a connection (generic: in a fan-out that claims,
-# FAN_OUT_LOCK's transaction), or one made for each call (custom: one that claims nothing).
-PLANS = pytest.mark.parametrize("plan_mode", ["force_generic_plan", "force_custom_plan"])
-# FAN_OUT's parameters' types: EXPLAIN EXECUTE takes no parameters, only values written out.
-TYPES = ["bigint[]", "int[]", "text", "text", "int", "bigint[]", "int[]", "bigint[]", "float8"]
-
-
-def _literal(value: object, sql_type: str) -> str:
-    """``value`` (an int, float, str, or list of ints) written out as a ``sql_type``."""
-    if isinstance(value, list):
-        text = "{" + ",".join(str(int(v)) for v in value) + "}"
-    else:
-        text = str(value)
-    return "'" + text.replace("'", "''") + "'::" + sql_type
-
-
 async def _fan_out_plan(
-    store: DeliveryStore,
-    conn: asyncpg.Connection,
-    held: list[tuple[int, int]],
-    room: list[int],
-    plan_mode: str = "force_custom_plan",
+    store: DeliveryStore, conn: asyncpg.Connection, held: list[tuple[int, int]], room: list[int]
 ) -> dict[str, Any]:
     """FAN_OUT's plan (EXPLAIN ANALYZE, rolled back) for the events ``held``, claiming 16 of
-    each ``room`` endpoint's deliveries as it writes them, planned as ``plan_mode`` says
-    (the generic plan is made from the statistics as they are, as a relay's first fan-out
-    that claims makes it)."""
-    await conn.execute("PREPARE fan_out_probe AS " + render_ops(dq.FAN_OUT, "public"))
-    await conn.execute(f"SET plan_cache_mode = {plan_mode}")
+    each ``room`` endpoint's deliveries as it writes them."""
+    sql = "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + render_ops(dq.FAN_OUT, "public")
     args = [
         [i for i, _ in held],
         [t for _, t in held],
@@ -73,16 +50,12 @@ async def _fan_out_plan(
         [store.lanes.seen] * len(room),
         30.0,
     ]
-    values = ", ".join(_literal(v, t) for v, t in zip(args, TYPES, strict=True))
-    sql = f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE fan_out_probe({values})"
     try:
         async with conn.transaction():
-            raw = await conn.fetchval(sql)
+            raw = await conn.fetchval(sql, *args)
             raise _RollBack((json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"])
     except _RollBack as r:
         return r.plan
-    finally:
-        await conn.execute("DEALLOCATE fan_out_probe; RESET plan_cache_mode")
 
 
 def _index_reads(plan: dict[str, Any]) -> dict[str, tuple[int, int]]:
@@ -122,14 +95,13 @@ async def setup(db_url: str) -> AsyncIterator[tuple[DeliveryStore, asyncpg.Conne
         await conn.close()
 
 
-@PLANS
 async def test_the_fast_endpoints_lanes_are_read_by_endpoint_not_whole(
-    setup: tuple[DeliveryStore, asyncpg.Connection, list[int]], plan_mode: str
+    setup: tuple[DeliveryStore, asyncpg.Connection, list[int]],
 ) -> None:
     store, conn, fast = setup
     await add_events(conn, 10)
     held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, RELAY))
-    plan = await _fan_out_plan(store, conn, held, fast, plan_mode)
+    plan = await _fan_out_plan(store, conn, held, fast)
     read = _index_reads(plan)
     fresh = read.get("outbox_deliveries_fresh_idx", (0, 0))[0]
     # At most the first entry of each fast endpoint (none of theirs waits), never the slow
@@ -142,9 +114,8 @@ async def test_the_fast_endpoints_lanes_are_read_by_endpoint_not_whole(
     assert sent == 0  # rolled back: nothing was claimed for good
 
 
-@PLANS
 async def test_only_the_endpoints_a_fan_out_writes_to_are_looked_at(
-    setup: tuple[DeliveryStore, asyncpg.Connection, list[int]], plan_mode: str
+    setup: tuple[DeliveryStore, asyncpg.Connection, list[int]],
 ) -> None:
     """The relay passes every fast endpoint it knows as room (10,000 registered, as many in
     the scale bench): FAN_OUT probes the lanes of those its events match, not of all."""
@@ -152,7 +123,7 @@ async def test_only_the_endpoints_a_fan_out_writes_to_are_looked_at(
     others = await register(conn, [f"http://127.0.0.1:{10000 + i}/" for i in range(300)], "else")
     await add_events(conn, 10)
     held = sorted((r[0], r[1]) for r in await conn.fetch(PROBE_CLAIM_ALL, RELAY))
-    plan = await _fan_out_plan(store, conn, held, fast + others, plan_mode)
+    plan = await _fan_out_plan(store, conn, held, fast + others)
     scans = {name: loops for name, (_, loops) in _index_reads(plan).items()}
     # Four probes of each of the 8 matched endpoints at most (two of the in-flight index, one
     # of each lane), none of the 300 others.

@@ -22,15 +22,8 @@
 -- The statements after it write leases from statement_timestamp(), not now(): now() is the
 -- transaction's start, before the wait, and a wait longer than the lease would write them
 -- expired.
--- It also lets FAN_OUT, in its transaction, keep one plan a connection (the pool plans every
--- statement anew: relay/db/pool.py): FAN_OUT reads every table by the ids it is given or
--- through subplans probed by endpoint (OFFSET 0), a plan that no value of its parameters
--- changes; planned at each call, it took 1.5 ms a statement to plan against 8 to run, in
--- `bench fanout --scenario drain` (tests/test_fan_out_plan.py checks that plan too, made from
--- the statistics of empty tables as a new deployment's first fan-out makes it).
 WITH fan_outs AS MATERIALIZED (SELECT pg_advisory_xact_lock(:serial::int, 1))
-SELECT pg_advisory_xact_lock(:serial::int, 2), set_config('plan_cache_mode', 'force_generic_plan', true)
-FROM fan_outs
+SELECT pg_advisory_xact_lock(:serial::int, 2) FROM fan_outs
 
 -- name: delivery_claim_lock
 -- params: serial
