@@ -84,3 +84,41 @@ async def test_a_write_of_held_deliveries_locks_them_in_id_order(
     finally:
         await other.close()
         await probe.close()
+
+
+async def test_a_fan_out_locks_the_events_it_records_in_id_order(
+    db_url: str,
+    conn: asyncpg.Connection,  # noqa: F811
+    store: DeliveryStore,  # noqa: F811
+) -> None:
+    """FAN_OUT is the events' record of an endpoints destination: it runs beside the events'
+    heartbeat (in id order), and must take their rows in the same order, whatever order the
+    batch came in (the events' claim returns them by run_after, the time their producer's
+    transaction began, not by id)."""
+    await add_events(conn, 700)
+    await conn.execute("ANALYZE outbox")
+    held = await _hold(conn, "lanes")
+    low, high = held[10], held[500]
+    other = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    probe = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("SELECT 1 FROM outbox WHERE id = $1 FOR UPDATE", high[0])
+        task = asyncio.create_task(store.fan_out([high, low], "none"))
+        for _ in range(100):
+            waiting = await probe.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            )
+            if waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert waiting, "the fan-out never waited for the event held"
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await probe.execute("SELECT 1 FROM outbox WHERE id = $1 FOR UPDATE NOWAIT", low[0])
+        await tx.rollback()
+        assert set(await asyncio.wait_for(task, 10)) == {low[0], high[0]}
+    finally:
+        await other.close()
+        await probe.close()

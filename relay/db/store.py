@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncpg
 
@@ -26,6 +26,7 @@ from relay.db.errors import DB_ERRORS as DB_ERRORS
 from relay.db.errors import UNAVAILABLE as UNAVAILABLE
 from relay.db.errors import is_plain_sql_error as is_plain_sql_error
 from relay.db.gauges import PendingGauges
+from relay.db.order import in_id_order as in_id_order
 from relay.db.owned import OwnedLane
 from relay.db.owner import Owner, absorb
 from relay.db.pool import connection
@@ -52,18 +53,6 @@ class Record:
     key: str | None = None
     # Already written by the sink (Outcome.recorded): record() counts it as applied.
     written: bool = False
-
-
-R = TypeVar("R", bound=Record)
-
-
-def in_id_order(records: Sequence[R]) -> list[R]:
-    """Outcomes in the order of their rows' ids. Every statement that writes rows this relay
-    holds (records, heartbeats, releases, which run beside each other) takes them in id
-    order, so that two over the same rows lock them in the same order: a record and a
-    heartbeat, each in the order its rows came, deadlocked (`bench fanout --scenario
-    steady`, the relay behind, rows held past a third of their lease)."""
-    return sorted(records, key=lambda r: r.id)
 
 
 class Store:

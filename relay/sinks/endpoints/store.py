@@ -77,6 +77,8 @@ class DeliveryStore:
         recorded; the deliveries claimed (FAN_OUT's rows of endpoints -1); the end of their
         lease and the time just before the statement (monotonic)."""
         self.store.statements["fan_out"] += 1
+        # In id order (see in_id_order): FAN_OUT records the events, beside their heartbeat.
+        events = sorted(events)
         given: Mapping[int, int] = {}
         try:
             # One at a time, and never beside settle(): the rows it claims are held here
