@@ -8,9 +8,11 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import asyncpg
 import pytest
 import uvloop
 from sqlalchemy.ext.asyncio import AsyncEngine
+from structlog.testing import capture_logs
 
 from relay.sinks.endpoints.base import LOOK_EVERY, WAKE_COALESCE
 from tests.support.receiver import Receiver
@@ -156,6 +158,41 @@ def test_a_recheck_due_at_once_can_be_asked_for_again_under_uvloop(db_url: str) 
     uvloop.run(main())
 
 
+async def test_a_look_that_fails_claims_instead_and_says_so_once(db_url: str) -> None:
+    """A look the database refuses runs the claim it stands in for (which backs off and says
+    what is wrong), and is logged once while it keeps failing, not ten times a second; a
+    look under way when the relay halts is cancelled, and none starts after."""
+    async with served(db_url) as s:
+        woken: list[float] = []
+        s.source.on_due = lambda: woken.append(time.monotonic())
+
+        async def refused() -> bool:
+            raise asyncpg.PostgresConnectionError("the server closed the connection")
+
+        s.source.store.look = refused  # type: ignore[method-assign]
+        with capture_logs() as logs:
+            for _ in range(3):
+                s.source._look_for_others()
+                await asyncio.sleep(WAKE_COALESCE)
+        assert len(woken) == 3
+        said = [e for e in logs if e["event"] == "relay.endpoints.look_failed"]
+        assert len(said) == 1 and "closed the connection" in said[0]["error"], logs
+
+        async def slow() -> bool:
+            await asyncio.sleep(30)
+            return True
+
+        s.source.store.look = slow  # type: ignore[method-assign]
+        s.source._look_for_others()
+        task = s.source._look_task
+        assert task is not None
+        s.source.halt()
+        await asyncio.sleep(0)
+        assert task.cancelled() and s.source._look_task is None
+        s.source._look_for_others()
+        assert s.source._look_task is None and len(woken) == 3
+
+
 # A delivery of the event to a new endpoint, as another relay's fan-out writes one pending.
 OTHERS_PENDING = (
     "WITH e AS (INSERT INTO outbox_endpoints (destination, url, secret)"
@@ -265,6 +302,39 @@ async def test_the_probe_hold_ends_without_waiting_for_the_poll(
         await wait_until(lambda: t_event in delivered_to(r), timeout=30, what="t's event")
         took = time.monotonic() - started
     assert took < 3.0, f"t's event took {took:.1f} s: held after the probe until the poll"
+
+
+async def test_a_retry_is_sent_when_it_comes_due_not_at_the_poll(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """A delivery answered 503 is due again 0.3 s later (its backoff): the relay claims it
+    then. Finished deliveries used to run a claim every 0.1 s, which found it; they now look
+    for fresh deliveries only (DELIVERY_LOOK), and with nothing else under way nothing but the
+    poll (10 s here) would claim it (found by review)."""
+    from tests.support.relays import settings
+
+    r = make_receiver()
+    r.respond(503, times=1)
+    await add_endpoint(aengine, r.url)
+    d = {
+        "kind": "endpoints",
+        "allow_private_networks": True,
+        "backoff": {"schedule": [0.3], "jitter": 0},
+        "max_attempts": 4,
+        "circuit": {"threshold": 50},
+    }
+    s = settings(
+        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
+    )
+    async with running(s):
+        [event] = await enqueue(db_url, [{"payload": {}}])
+        await wait_until(lambda: len(r.requests) >= 1, timeout=30, what="the first attempt")
+        first = r.requests[0].at
+        await wait_until(lambda: event in delivered_to(r), timeout=30, what="the retry")
+    took = r.requests[1].at - first
+    assert 0.3 <= took < 1.5, f"the retry came {took:.1f} s after the first attempt"
 
 
 FILLER = (

@@ -97,8 +97,13 @@ class DeliverySource(FanOuts, Health):
         self._look_failed: dict[str, float] = {}
         self._fanned_top: dict[str, int] = {}
         # The look for deliveries another relay wrote pending (_look_for_others), while under
-        # way.
+        # way, and whether the last one failed.
         self._look_task: asyncio.Task[None] | None = None
+        self._look_failing = False
+        # The claim woken when the first retry this relay wrote comes due (_claim_when_due),
+        # and when (monotonic).
+        self._retry_timer: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._retry_at = float("inf")
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
@@ -129,15 +134,40 @@ class DeliverySource(FanOuts, Health):
     async def _looking_for_others(self) -> None:
         try:
             found = await self.store.look()
-        except DB_ERRORS:
-            found = True  # the claim tries, and says what is wrong
+        except DB_ERRORS as exc:
+            # The claim it stands in for is run instead (and says what is wrong with the
+            # database, if that is it); said once, not at every look while it lasts.
+            if not self._look_failing:
+                log.warning("relay.endpoints.look_failed", error=describe(exc))
+            self._look_failing = found = True
         except Exception:
             log.exception("relay.endpoints.look_failed")
-            found = True
+            self._look_failing = found = True
+        else:
+            self._look_failing = False
         finally:
             self._look_task = None
         if found:
             self.wake()
+
+    def _claim_when_due(self, delays: Iterable[float]) -> None:
+        """Claim when the first of the retries just written (``delays``: seconds until each
+        comes due) is due: nothing else may wake the claim before the poll, and the looks
+        read only fresh deliveries."""
+        soonest = min((d for d in delays if d > 0), default=None)
+        if soonest is None or self._halted:
+            return
+        at = time.monotonic() + soonest
+        if self._retry_timer is not None:
+            if self._retry_at <= at:
+                return
+            self._retry_timer.cancel()
+        self._retry_at = at
+        self._retry_timer = asyncio.get_running_loop().call_later(soonest, self._retry_due)
+
+    def _retry_due(self) -> None:
+        self._retry_timer = None
+        self.wake()
 
     def endpoints_changed(self) -> None:
         """An endpoint was added, changed or enabled (a NOTIFY): read them again, and claim."""
@@ -289,6 +319,9 @@ class DeliverySource(FanOuts, Health):
         if self._look_task is not None:
             self._look_task.cancel()  # nothing is claimed any more
             self._look_task = None
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+            self._retry_timer = None
 
     async def _worker(self, queue: deque[tuple[Claimed, EndpointState]], emit: Emit) -> None:
         # Halted, the rows still queued (claimed ahead of the endpoint's free slots) are not
@@ -343,6 +376,7 @@ class DeliverySource(FanOuts, Health):
                 for r in records
             )
         )
+        self._claim_when_due(r.delay for r in records if r.status == "pending")
         try:
             await self._write_health()
         except Exception as exc:  # the outcomes are written: a bug here must not undo them
