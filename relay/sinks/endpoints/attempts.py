@@ -168,7 +168,9 @@ class Attempts(DeliveriesBase):
         """Keep for `status` when the request opened or closed its endpoint's circuit."""
         now_state = breaker.state
         if now_state is State.OPEN and was is not State.OPEN:
-            self._circuits[endpoint_id] = breaker.retry_in()
+            self._circuits[endpoint_id] = probe_in = breaker.retry_in()
+            # The claims leave its deliveries out until then: one claims them at the probe.
+            self._claim_at(time.monotonic() + probe_in)
         elif now_state is State.CLOSED and was is not State.CLOSED:
             self._circuits[endpoint_id] = None
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from outbox.endpoint_secrets import SecretBox
 from relay.obs.metrics import Metrics
 from relay.sinks.endpoints.config import EndpointsDestination
+from relay.sinks.endpoints.retries import DueRetries
 from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.webhook.requests import RequestPath
 
@@ -81,6 +82,13 @@ class DeliveriesBase:
         self._recheck_at = float("inf")  # when it is due (monotonic)
         self._claim_wanted = False
         self._looked = float("-inf")  # when a finished delivery last woke the claim
+        # The retries this relay wrote, and the claim woken as they come due (_claim_at): at
+        # most every LOOK_EVERY, when it last was, and when it is due next (monotonic).
+        self.retries = DueRetries(poll_interval)
+        self._retry_timer: asyncio.Handle | None = None
+        self._retry_fired = float("-inf")
+        self._retry_at = float("inf")
+        self._room_claimed = float("-inf")  # when _retry_has_room last claimed
         self.on_room: Callable[[], None] = lambda: None
         self.ahead = CLAIM_AHEAD
         self._limits = {name: d.max_attempts for name, d in self.destinations.items()}
@@ -133,6 +141,61 @@ class DeliveriesBase:
         """Claim the deliveries another relay may have written pending (DeliverySource looks
         for them first, and claims only if it finds some)."""
         self.wake()
+
+    def retries_written(self, retries: Iterable[tuple[int, int, float]]) -> None:
+        """Retries just written: (delivery id, endpoint id, seconds until due; less than 0:
+        due now, in its place). The claim is woken as they come due: nothing else may wake it
+        before the poll (the looks read only fresh deliveries); and one its endpoint had no
+        room for then is claimed again as the endpoint's deliveries finish (_retry_has_room)."""
+        now = time.monotonic()
+        self.retries.wrote((i, e, now + max(0.0, delay)) for i, e, delay in retries)
+        self._arm_retries()
+
+    def _retry_has_room(self, endpoints: Iterable[int]) -> bool:
+        """Whether to claim as deliveries of ``endpoints`` are recorded: a retry this relay
+        wrote of one came due and is not claimed yet (its request slots were taken, the claim
+        counted them held until now). Ten times a second at most (another relay may have
+        claimed it; this one cannot tell until it forgets it, a poll interval after it came
+        due): a claim asked for sooner is made then."""
+        now = time.monotonic()
+        if not any(self.retries.waiting(e, now) for e in endpoints):
+            return False
+        if now - self._room_claimed < LOOK_EVERY:
+            at = self._room_claimed + LOOK_EVERY
+            if self._retry_timer is None or self._retry_at > at:
+                self._claim_at(at)
+            return False
+        self._room_claimed = now
+        return True
+
+    def _claim_at(self, at: float) -> None:
+        """Wake the claim at ``at`` (monotonic): when an open circuit's probe is due, or a
+        claim _retry_has_room asked for too soon after the last."""
+        self.retries.wake_at(at)
+        self._arm_retries()
+
+    def _arm_retries(self) -> None:
+        """The claim's wake-up at the next retry due, LOOK_EVERY after the last at the
+        earliest: a dead endpoint's retries, each due at its own time (jitter), wake a claim
+        ten times a second at most, each taking every one due by then."""
+        due = self.retries.next_due()
+        if due is None or self._halted:
+            return
+        at = max(due, self._retry_fired + LOOK_EVERY)
+        if self._retry_timer is not None:
+            if self._retry_at <= at:
+                return
+            self._retry_timer.cancel()
+        self._retry_at = at
+        delay = max(0.0, at - time.monotonic())
+        self._retry_timer = asyncio.get_running_loop().call_later(delay, self._retries_due)
+
+    def _retries_due(self) -> None:
+        self._retry_timer = None
+        self._retry_fired = now = time.monotonic()
+        self.retries.came_due(now)
+        self.wake()
+        self._arm_retries()
 
     def _recheck_room(self) -> None:
         """The events' claim took fewer than it could (for want of room, or held): wake it

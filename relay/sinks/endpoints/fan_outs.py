@@ -283,7 +283,7 @@ class FanOuts(Attempts):
         """Whether a delivery of ``endpoint`` may wait for a claim: it has a floor (a fresh
         one pending), the claim has not read every delivery written, or the floors are not
         read yet. (Deliveries due again wake the claim when they are written pending, when
-        reaped, or come due at its poll.)"""
+        reaped, when this relay's come due (DueRetries), or at its poll.)"""
         floors = self.store.lanes.floors
         return floors is None or self.store.behind or endpoint in floors
 
@@ -314,6 +314,7 @@ class FanOuts(Attempts):
         """Count a claimed delivery in its endpoint's hand (the next plan sees it); a row
         whose endpoint this code cannot even read (a bug) is kept to be recorded as a crash."""
         key = (c.id, c.token)
+        self.retries.claimed(c.id)
         try:
             state = self._state(c)
         except Exception as exc:

@@ -100,10 +100,6 @@ class DeliverySource(FanOuts, Health):
         # way, and whether the last one failed.
         self._look_task: asyncio.Task[None] | None = None
         self._look_failing = False
-        # The claim woken when the first retry this relay wrote comes due (_claim_when_due),
-        # and when (monotonic).
-        self._retry_timer: asyncio.TimerHandle | asyncio.Handle | None = None
-        self._retry_at = float("inf")
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
@@ -149,25 +145,6 @@ class DeliverySource(FanOuts, Health):
             self._look_task = None
         if found:
             self.wake()
-
-    def _claim_when_due(self, delays: Iterable[float]) -> None:
-        """Claim when the first of the retries just written (``delays``: seconds until each
-        comes due) is due: nothing else may wake the claim before the poll, and the looks
-        read only fresh deliveries."""
-        soonest = min((d for d in delays if d > 0), default=None)
-        if soonest is None or self._halted:
-            return
-        at = time.monotonic() + soonest
-        if self._retry_timer is not None:
-            if self._retry_at <= at:
-                return
-            self._retry_timer.cancel()
-        self._retry_at = at
-        self._retry_timer = asyncio.get_running_loop().call_later(soonest, self._retry_due)
-
-    def _retry_due(self) -> None:
-        self._retry_timer = None
-        self.wake()
 
     def endpoints_changed(self) -> None:
         """An endpoint was added, changed or enabled (a NOTIFY): read them again, and claim."""
@@ -375,8 +352,13 @@ class DeliverySource(FanOuts, Health):
                 _delivery(r).status == "pending" or self._waits(_delivery(r).endpoint_id)
                 for r in records
             )
+            or self._retry_has_room({_delivery(r).endpoint_id for r in records})
         )
-        self._claim_when_due(r.delay for r in records if r.status == "pending")
+        self.retries_written(
+            (r.id, r.endpoint_id, r.delay)
+            for r in map(_delivery, records)
+            if r.status == "pending" and (r.id, r.token) in written
+        )
         try:
             await self._write_health()
         except Exception as exc:  # the outcomes are written: a bug here must not undo them
