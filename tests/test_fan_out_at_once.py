@@ -6,6 +6,7 @@ relay's claims, under the in-flight lock."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -402,3 +403,46 @@ async def test_a_fan_out_whose_answer_was_lost_fails_no_delivery_unsent(
         await wait_until(lambda: delivered_to(receiver) == [first, second], timeout=4, what="sent")
     [d] = await fetch(db_url, "SELECT * FROM outbox_deliveries WHERE event_id = $1", second)
     assert (d["status"], d["attempts"]) == ("delivered", 1), dict(d)
+
+
+async def test_what_a_lost_fan_out_claimed_is_sent_once_put_back_not_at_the_poll(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Put back (claimed once: the waiting lane), the deliveries of a fan-out whose answer
+    was lost are not what the looks for fresh deliveries read; nothing claimed them before
+    the poll, 10 s here (found by review)."""
+    from tests.support.relays import settings
+
+    lost: list[object] = []
+    real = DeliveryStore._after
+
+    async def after(self: DeliveryStore, lock: str, *args: object) -> object:
+        rows = await real(self, lock, *args)
+        if lock == queries.FAN_OUT_LOCK and not lost:
+            lost.append(rows)
+            raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle")
+        return rows
+
+    monkeypatch.setattr(DeliveryStore, "_after", after)
+    await add_endpoint(aengine, receiver.url)
+    d = {
+        "kind": "endpoints",
+        "allow_private_networks": True,
+        "backoff": {"schedule": [0.3], "jitter": 0},
+        "circuit": {"threshold": 50},
+    }
+    s = settings(
+        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
+    )
+    async with running(s):
+        [first] = await enqueue(db_url, [{"payload": {"n": 0}}])
+        await wait_until(lambda: delivered_to(receiver) == [first], timeout=15, what="known fast")
+        [second] = await enqueue(db_url, [{"payload": {"n": 1}}])
+        await wait_until(lambda: lost, timeout=15, what="a fan-out that sends at once")
+        put_back = time.monotonic()
+        await wait_until(lambda: second in delivered_to(receiver), timeout=15, what="sent")
+        took = time.monotonic() - put_back
+    assert took < 3.0, f"sent {took:.1f} s after its fan-out's answer was lost"

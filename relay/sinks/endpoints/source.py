@@ -72,6 +72,7 @@ class DeliverySource(FanOuts, Health):
             secret_box=secret_box,
         )
         self.store: DeliveryStore = store
+        store.on_put_back = self.wake  # claimed again at once, not at the poll
         self._due = True
         # Called when the source comes due, so the claimer claims it now (Claimer.wake).
         self.on_due: Callable[[], None] = _nothing

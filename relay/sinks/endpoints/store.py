@@ -50,8 +50,9 @@ class DeliveryStore:
         # lost at a heartbeat, or its lease ends.
         self._held: dict[int, tuple[int, int, float]] = {}  # id: endpoint, token, until
         # The events of fan-outs whose answer was lost, while what they claimed is not put
-        # back (settle).
+        # back (settle); and what settle calls once it put some back (the source's wake).
         self._unsettled: list[list[int]] = []
+        self.on_put_back: Callable[[], None] = lambda: None
 
     @property
     def relay_id(self) -> str:
@@ -165,6 +166,8 @@ class DeliveryStore:
             self._unsettled.pop(0)
             if rows:
                 log.info("relay.endpoints.fan_out_settled", deliveries=len(rows))
+                # Put back claimed once: the looks for fresh deliveries do not see them.
+                self.on_put_back()
 
     async def _after(self, lock: str, method: str, sql: str, *args: Any) -> tuple[Any, float]:
         """``sql`` in a transaction that takes ``lock`` (the in-flight lock: FAN_OUT_LOCK or
