@@ -31,7 +31,11 @@ async def aengine(db_url: str) -> AsyncIterator[AsyncEngine]:
     await engine.dispose()
 
 
-def endpoints_settings(db_url: str, **dest: Any) -> Any:
+# The relay's settings where only the poll could end a wait: a test that a wait ends sooner.
+SLOW_POLL = {"poll_interval": 10, "lease": 5}
+
+
+def endpoints_settings(db_url: str, relay: dict[str, Any] | None = None, **dest: Any) -> Any:
     d: dict[str, Any] = {
         "kind": "endpoints",
         "allow_private_networks": True,
@@ -44,7 +48,7 @@ def endpoints_settings(db_url: str, **dest: Any) -> Any:
         db_url,
         "127.0.0.1:9",
         destinations={DEST: d},
-        relay={"poll_interval": 0.2, "lease": 5},
+        relay=relay or {"poll_interval": 0.2, "lease": 5},
     )
 
 

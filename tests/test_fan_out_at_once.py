@@ -37,6 +37,7 @@ from tests.support.receiver import Receiver
 from tests.support.relays import running, wait_until
 from tests.test_delivery_lanes import ROOM, _claim_all, _hold
 from tests.test_endpoint_delivery import (
+    SLOW_POLL,
     add_endpoint,
     aengine,  # noqa: F401  (fixture)
     delivered_to,
@@ -372,17 +373,9 @@ async def test_rows_claimed_after_waiting_for_the_in_flight_lock_are_not_born_ex
     assert len(rows) == len(sent) + len(claimed) and all(r["live"] for r in rows), rows
 
 
-async def test_a_fan_out_whose_answer_was_lost_fails_no_delivery_unsent(
-    db_url: str,
-    aengine: AsyncEngine,  # noqa: F811
-    receiver: Receiver,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """FAN_OUT commits and its answer is lost (a connection reset after the COMMIT): the
-    sink retries the events, which are recorded already. The deliveries it claimed are
-    running under this relay's lease, held by nothing: the reaper took them back after the
-    lease counting an attempt, and with max_attempts 1 failed one never sent (found by
-    review). The relay puts them back, unattempted, at once."""
+def _lose_the_first_fan_out_answer(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The first fan-out that claims commits, and its answer is lost (the connection closed
+    after the COMMIT); the list returned holds its rows once it was."""
     lost: list[object] = []
     real = DeliveryStore._after
 
@@ -394,6 +387,21 @@ async def test_a_fan_out_whose_answer_was_lost_fails_no_delivery_unsent(
         return rows
 
     monkeypatch.setattr(DeliveryStore, "_after", after)
+    return lost
+
+
+async def test_a_fan_out_whose_answer_was_lost_fails_no_delivery_unsent(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    receiver: Receiver,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FAN_OUT commits and its answer is lost (a connection reset after the COMMIT): the
+    sink retries the events, which are recorded already. The deliveries it claimed are
+    running under this relay's lease, held by nothing: the reaper took them back after the
+    lease counting an attempt, and with max_attempts 1 failed one never sent (found by
+    review). The relay puts them back, unattempted, at once."""
+    lost = _lose_the_first_fan_out_answer(monkeypatch)
     await add_endpoint(aengine, receiver.url)
     async with running(endpoints_settings(db_url, max_attempts=1)):
         [first] = await enqueue(db_url, [{"payload": {"n": 0}}])
@@ -414,30 +422,9 @@ async def test_what_a_lost_fan_out_claimed_is_sent_once_put_back_not_at_the_poll
     """Put back (claimed once: the waiting lane), the deliveries of a fan-out whose answer
     was lost are not what the looks for fresh deliveries read; nothing claimed them before
     the poll, 10 s here (found by review)."""
-    from tests.support.relays import settings
-
-    lost: list[object] = []
-    real = DeliveryStore._after
-
-    async def after(self: DeliveryStore, lock: str, *args: object) -> object:
-        rows = await real(self, lock, *args)
-        if lock == queries.FAN_OUT_LOCK and not lost:
-            lost.append(rows)
-            raise asyncpg.ConnectionDoesNotExistError("connection was closed in the middle")
-        return rows
-
-    monkeypatch.setattr(DeliveryStore, "_after", after)
+    lost = _lose_the_first_fan_out_answer(monkeypatch)
     await add_endpoint(aengine, receiver.url)
-    d = {
-        "kind": "endpoints",
-        "allow_private_networks": True,
-        "backoff": {"schedule": [0.3], "jitter": 0},
-        "circuit": {"threshold": 50},
-    }
-    s = settings(
-        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
-    )
-    async with running(s):
+    async with running(endpoints_settings(db_url, SLOW_POLL)):
         [first] = await enqueue(db_url, [{"payload": {"n": 0}}])
         await wait_until(lambda: delivered_to(receiver) == [first], timeout=15, what="known fast")
         [second] = await enqueue(db_url, [{"payload": {"n": 1}}])

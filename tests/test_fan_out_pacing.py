@@ -19,6 +19,7 @@ from tests.support.receiver import Receiver
 from tests.support.relays import running, wait_until
 from tests.test_endpoint_delivery import (
     DEST,
+    SLOW_POLL,
     add_endpoint,
     aengine,  # noqa: F401  (fixture)
     delivered_to,
@@ -279,21 +280,9 @@ async def test_the_probe_hold_ends_without_waiting_for_the_poll(
     rest PROBE_HOLD (1 s) at most. The probe matched no endpoint, so no delivery is in flight
     and no finished delivery calls _woken_soon: nothing ends the hold but the next poll
     (poll_interval 10 s here; up to 300 s allowed) or a NOTIFY (found by the third review)."""
-    from tests.support.relays import settings
-
     r = make_receiver()
     await add_endpoint(aengine, r.url, tenant="t")
-    d = {
-        "kind": "endpoints",
-        "allow_private_networks": True,
-        "backoff": {"schedule": [0.3], "jitter": 0},
-        "max_attempts": 4,
-        "circuit": {"threshold": 50},
-    }
-    s = settings(
-        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
-    )
-    async with running(s):
+    async with running(endpoints_settings(db_url, SLOW_POLL)):
         await asyncio.sleep(1.0)
         started = time.monotonic()
         _, t_event = await enqueue(
@@ -302,39 +291,6 @@ async def test_the_probe_hold_ends_without_waiting_for_the_poll(
         await wait_until(lambda: t_event in delivered_to(r), timeout=30, what="t's event")
         took = time.monotonic() - started
     assert took < 3.0, f"t's event took {took:.1f} s: held after the probe until the poll"
-
-
-async def test_a_retry_is_sent_when_it_comes_due_not_at_the_poll(
-    db_url: str,
-    aengine: AsyncEngine,  # noqa: F811
-    make_receiver: Callable[..., Receiver],
-) -> None:
-    """A delivery answered 503 is due again 0.3 s later (its backoff): the relay claims it
-    then. Finished deliveries used to run a claim every 0.1 s, which found it; they now look
-    for fresh deliveries only (DELIVERY_LOOK), and with nothing else under way nothing but the
-    poll (10 s here) would claim it (found by review)."""
-    from tests.support.relays import settings
-
-    r = make_receiver()
-    r.respond(503, times=1)
-    await add_endpoint(aengine, r.url)
-    d = {
-        "kind": "endpoints",
-        "allow_private_networks": True,
-        "backoff": {"schedule": [0.3], "jitter": 0},
-        "max_attempts": 4,
-        "circuit": {"threshold": 50},
-    }
-    s = settings(
-        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
-    )
-    async with running(s):
-        [event] = await enqueue(db_url, [{"payload": {}}])
-        await wait_until(lambda: len(r.requests) >= 1, timeout=30, what="the first attempt")
-        first = r.requests[0].at
-        await wait_until(lambda: event in delivered_to(r), timeout=30, what="the retry")
-    took = r.requests[1].at - first
-    assert 0.3 <= took < 1.5, f"the retry came {took:.1f} s after the first attempt"
 
 
 FILLER = (

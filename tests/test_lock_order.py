@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import asyncpg
 import pytest
@@ -27,6 +28,7 @@ from tests.test_delivery_lanes import (  # noqa: F401  (fixtures)
 )
 
 Write = Callable[[DeliveryStore, list[Claimed]], Awaitable[object]]
+T = TypeVar("T")
 
 
 async def _heartbeat(s: DeliveryStore, rows: list[Claimed]) -> object:
@@ -39,6 +41,37 @@ async def _record(s: DeliveryStore, rows: list[Claimed]) -> object:
 
 async def _release(s: DeliveryStore, rows: list[Claimed]) -> object:
     return await s.release([(c.id, c.token) for c in rows])
+
+
+async def _locks_the_lower_first(
+    db_url: str, table: str, low: int, high: int, write: Awaitable[T]
+) -> T:
+    """Run ``write`` (of rows ``low`` and ``high`` of ``table``, the higher handed first)
+    while another transaction holds ``high``: it must have taken ``low`` before it waits
+    for ``high``. Its answer, once ``high`` is let go."""
+    other = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    probe = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute(f"SELECT 1 FROM {table} WHERE id = $1 FOR UPDATE", high)
+        task = asyncio.ensure_future(write)
+        for _ in range(100):
+            waiting = await probe.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database()"
+            )
+            if waiting:
+                break
+            await asyncio.sleep(0.02)
+        assert waiting, "the write never waited for the row held"
+        with pytest.raises(asyncpg.LockNotAvailableError):
+            await probe.execute(f"SELECT 1 FROM {table} WHERE id = $1 FOR UPDATE NOWAIT", low)
+        await tx.rollback()
+        return await asyncio.wait_for(task, 10)
+    finally:
+        await other.close()
+        await probe.close()
 
 
 @pytest.mark.parametrize("write", [_heartbeat, _record, _release])
@@ -57,33 +90,11 @@ async def test_a_write_of_held_deliveries_locks_them_in_id_order(
     await conn.execute("ANALYZE outbox_deliveries")
     got, _, _ = await store.claim([DESTINATION], [ROOM], [ROOM], 2, [], 1000, None, {})
     low, high = sorted(got, key=lambda c: c.id)
-    other = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    probe = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        tx = other.transaction()
-        await tx.start()
-        await other.execute("SELECT 1 FROM outbox_deliveries WHERE id = $1 FOR UPDATE", high.id)
-        # Handed the higher id first: it takes the lower one's lock first all the same, then
-        # waits for the higher one's.
-        task = asyncio.create_task(write(store, [high, low]))
-        for _ in range(100):
-            waiting = await probe.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND datname = current_database()"
-            )
-            if waiting:
-                break
-            await asyncio.sleep(0.02)
-        assert waiting, "the write never waited for the row held"
-        with pytest.raises(asyncpg.LockNotAvailableError):
-            await probe.execute(
-                "SELECT 1 FROM outbox_deliveries WHERE id = $1 FOR UPDATE NOWAIT", low.id
-            )
-        await tx.rollback()
-        await asyncio.wait_for(task, 10)
-    finally:
-        await other.close()
-        await probe.close()
+    # Handed the higher id first: it takes the lower one's lock first all the same, then
+    # waits for the higher one's.
+    await _locks_the_lower_first(
+        db_url, "outbox_deliveries", low.id, high.id, write(store, [high, low])
+    )
 
 
 async def test_a_fan_out_locks_the_events_it_records_in_id_order(
@@ -99,26 +110,7 @@ async def test_a_fan_out_locks_the_events_it_records_in_id_order(
     await conn.execute("ANALYZE outbox")
     held = await _hold(conn, "lanes")
     low, high = held[10], held[500]
-    other = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    probe = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        tx = other.transaction()
-        await tx.start()
-        await other.execute("SELECT 1 FROM outbox WHERE id = $1 FOR UPDATE", high[0])
-        task = asyncio.create_task(store.fan_out([high, low], "none"))
-        for _ in range(100):
-            waiting = await probe.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND datname = current_database()"
-            )
-            if waiting:
-                break
-            await asyncio.sleep(0.02)
-        assert waiting, "the fan-out never waited for the event held"
-        with pytest.raises(asyncpg.LockNotAvailableError):
-            await probe.execute("SELECT 1 FROM outbox WHERE id = $1 FOR UPDATE NOWAIT", low[0])
-        await tx.rollback()
-        assert set(await asyncio.wait_for(task, 10)) == {low[0], high[0]}
-    finally:
-        await other.close()
-        await probe.close()
+    fanned = await _locks_the_lower_first(
+        db_url, "outbox", low[0], high[0], store.fan_out([high, low], "none")
+    )
+    assert set(fanned) == {low[0], high[0]}

@@ -13,29 +13,48 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.support.receiver import Receiver
-from tests.support.relays import running, settings, wait_until
+from tests.support.relays import running, wait_until
 from tests.test_endpoint_delivery import (
-    DEST,
+    SLOW_POLL,
     add_endpoint,
     aengine,  # noqa: F401  (fixture)
     delivered_to,
+    endpoints_settings,
     enqueue,
 )
 from tests.test_endpoint_source import served
 
 
 def _settings(db_url: str, **dest: Any) -> Any:
-    d: dict[str, Any] = {
-        "kind": "endpoints",
-        "allow_private_networks": True,
-        "backoff": {"schedule": [0.5], "jitter": 0},
-        "max_attempts": 4,
-        "circuit": {"threshold": 50},
-        **dest,
-    }
-    return settings(
-        db_url, "127.0.0.1:9", destinations={DEST: d}, relay={"poll_interval": 10, "lease": 5}
+    """An endpoints destination retrying after 0.5 s, polled every 10 s."""
+    return endpoints_settings(
+        db_url, SLOW_POLL, **{"backoff": {"schedule": [0.5], "jitter": 0}, **dest}
     )
+
+
+async def _retried_after(r: Receiver, event: int) -> float:
+    """Seconds from the first request to the second, once ``event`` was delivered."""
+    await wait_until(lambda: len(r.requests) >= 1, timeout=30, what="the first attempt")
+    await wait_until(lambda: event in delivered_to(r), timeout=30, what="the retry")
+    return r.requests[1].at - r.requests[0].at
+
+
+async def test_a_retry_is_sent_when_it_comes_due_not_at_the_poll(
+    db_url: str,
+    aengine: AsyncEngine,  # noqa: F811
+    make_receiver: Callable[..., Receiver],
+) -> None:
+    """A delivery answered 503 is due again 0.5 s later (its backoff): the relay claims it
+    then. Finished deliveries used to run a claim every 0.1 s, which found it under load;
+    they now look for fresh deliveries only (DELIVERY_LOOK), and with nothing else under way
+    nothing but the poll would claim it."""
+    r = make_receiver()
+    r.respond(503, times=1)
+    await add_endpoint(aengine, r.url)
+    async with running(_settings(db_url)):
+        [event] = await enqueue(db_url, [{"payload": {}}])
+        took = await _retried_after(r, event)
+    assert 0.5 <= took < 1.7, f"the retry came {took:.1f} s after the first attempt"
 
 
 async def test_a_retry_written_while_an_earlier_one_waits_is_claimed_when_due(
@@ -77,10 +96,7 @@ async def test_a_retry_due_while_its_circuit_is_open_is_sent_at_the_probe(
     circuit = {"threshold": 1, "cooldown": 1.5, "max_cooldown": 1.5}
     async with running(_settings(db_url, circuit=circuit)):
         [event] = await enqueue(db_url, [{"payload": {}}])
-        await wait_until(lambda: len(r.requests) >= 1, timeout=30, what="the first attempt")
-        first = r.requests[0].at
-        await wait_until(lambda: event in delivered_to(r), timeout=30, what="the retry")
-    took = r.requests[1].at - first
+        took = await _retried_after(r, event)
     assert 1.5 <= took < 3.0, f"the retry came {took:.1f} s after the first attempt"
 
 
