@@ -22,6 +22,7 @@ from relay.sinks.endpoints.fairness import plan as fairness_plan
 from relay.sinks.endpoints.rows import Claimed, sent_at_once
 from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.endpoints.store import DeliveryStore
+from relay.sinks.endpoints.together import Together
 
 log = structlog.get_logger("relay.sink.endpoints")
 
@@ -48,6 +49,9 @@ AHEAD_EVENTS = 20_000
 AHEAD_EVERY = 0.5
 AHEAD_FOR = 1.0
 AHEAD_KEPT = 10.0
+# The most events one fan-out takes of calls gathered while another ran (together.py): more
+# wait for the next, so that no statement grows without bound behind a slow one.
+FAN_OUT_EVENTS = 2_000
 
 
 class FanOuts(Attempts):
@@ -69,24 +73,35 @@ class FanOuts(Attempts):
     _fanned_top: dict[str, int]
     _waiting: dict[tuple[int, int], EndpointState]
     _broken: dict[tuple[int, int], BaseException]
+    _together: Together[tuple[str, str], Envelope, dict[int, int]]
 
     async def fan_out(self, events: Sequence[Envelope], no_match: str) -> dict[int, int]:
         """Fan out events this relay holds (FAN_OUT): the endpoints matched per event
         recorded. Deliveries of endpoints with room are claimed as they are written and handed
-        to the pipeline at once (:attr:`adopt`): they never wait for a claim."""
-        by_id = {e.id: e for e in events}
-        destination = events[0].destination  # a batch is one destination's
-        if destination not in self._probed and not self._queues(destination)[0]:
-            self._probed[destination] = now = time.monotonic()  # first answers awaited
-            self._recheck_room_at(now + PROBE_HOLD)  # none may come: the hold ends then
+        to the pipeline at once (:attr:`adopt`): they never wait for a claim. The events of
+        calls that come while a fan-out of their destination runs go together in the next
+        (together.py)."""
         expected = len(events) * self._per_event
         self._fanning += expected
         try:
-            matched, sent, until, started = await self.store.fan_out_claiming(
-                [(e.id, e.token) for e in events], no_match, lambda: self._room(destination)
-            )
+            # A batch is one destination's.
+            matched = await self._together((events[0].destination, no_match), events)
         finally:
             self._fanning -= expected
+        return {e.id: matched[e.id] for e in events if e.id in matched}
+
+    async def _fan_out_now(
+        self, key: tuple[str, str], events: Sequence[Envelope]
+    ) -> dict[int, int]:
+        """One fan-out (FAN_OUT) of ``events`` of the destination ``key[0]``."""
+        destination, no_match = key
+        by_id = {e.id: e for e in events}
+        if destination not in self._probed and not self._queues(destination)[0]:
+            self._probed[destination] = now = time.monotonic()  # first answers awaited
+            self._recheck_room_at(now + PROBE_HOLD)  # none may come: the hold ends then
+        matched, sent, until, started = await self.store.fan_out_claiming(
+            [(e.id, e.token) for e in events], no_match, lambda: self._room(destination)
+        )
         made = sum(matched.values())
         if matched:
             self._per_event = max(1.0, made / len(matched))

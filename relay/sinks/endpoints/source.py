@@ -27,11 +27,12 @@ from relay.db.store import DB_ERRORS, Record
 from relay.sinks.endpoints.attempts import CRASH_RETRY, PUT_BACK_COOLDOWN
 from relay.sinks.endpoints.config import EndpointsDestination
 from relay.sinks.endpoints.fairness import UNCAPPED
-from relay.sinks.endpoints.fan_outs import FanOuts
+from relay.sinks.endpoints.fan_outs import FAN_OUT_EVENTS, FanOuts
 from relay.sinks.endpoints.health import Health
 from relay.sinks.endpoints.rows import Claimed, DeliveryRecord
 from relay.sinks.endpoints.state import EndpointState
 from relay.sinks.endpoints.store import DeliveryStore
+from relay.sinks.endpoints.together import Together
 from relay.sinks.source import SendingSource
 from relay.sinks.webhook.requests import RequestPath
 
@@ -102,6 +103,7 @@ class DeliverySource(FanOuts, Health):
         self._look_task: asyncio.Task[None] | None = None
         self._look_failing = False
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
+        self._together = Together(self._fan_out_now, FAN_OUT_EVENTS)
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
         self._waiting: dict[Key, EndpointState] = {}
