@@ -187,6 +187,7 @@ class Metrics:
         )
 
     def _endpoint_counters(self, r: CollectorRegistry) -> None:
+        self._endpoint_attempt_series: dict[tuple[str, str, str], Counter] = {}
         self.endpoint_attempts = Counter(
             "outbox_endpoint_delivery_attempts",
             "Attempts to deliver events to endpoints registered at runtime (kind = endpoints) "
@@ -255,6 +256,15 @@ class Metrics:
             ["destination"],
             registry=r,
         )
+
+    def endpoint_attempt(self, destination: str, outcome: str, status_class: str) -> None:
+        """Count one attempt in endpoint_attempts. Each series is looked up once: labels()
+        costs a few microseconds, and this is every delivery's."""
+        key = (destination, outcome, status_class)
+        series = self._endpoint_attempt_series.get(key)
+        if series is None:
+            series = self._endpoint_attempt_series[key] = self.endpoint_attempts.labels(*key)
+        series.inc()
 
     def watch_circuits(self, source: Callable[[], Iterable[tuple[str, str, Breaker]]]) -> None:
         self.registry.register(CircuitCollector(source))

@@ -196,9 +196,9 @@ class Attempts(DeliveriesBase):
         if status == 410:
             rec = self._on_gone(c, state, rec, outcome)
         if self.metrics is not None:
-            self.metrics.endpoint_attempts.labels(
+            self.metrics.endpoint_attempt(
                 c.destination, outcome.result.value, outcome.status_class or "none"
-            ).inc()
+            )
         return DeliveryRecord(
             id=c.id,
             token=c.token,
@@ -290,7 +290,7 @@ class Attempts(DeliveriesBase):
         """Counted each time, logged at most once a minute per endpoint (a whole queue of
         another tenant's events may end this way)."""
         if self.metrics is not None:
-            self.metrics.endpoint_attempts.labels(c.destination, "not_taken", "none").inc()
+            self.metrics.endpoint_attempt(c.destination, "not_taken", "none")
         state.not_taken += 1
         now = time.monotonic()
         if now - state.not_taken_logged >= NOT_TAKEN_LOG_EVERY:
@@ -316,7 +316,7 @@ class Attempts(DeliveriesBase):
         problem = state.problem or f"endpoint {c.endpoint_id} cannot be used"
         self._health[c.endpoint_id] = self._health.get(c.endpoint_id, False)
         if self.metrics is not None:
-            self.metrics.endpoint_attempts.labels(c.destination, "not_sent", "none").inc()
+            self.metrics.endpoint_attempt(c.destination, "not_sent", "none")
         return self._record(c, "pending", NOT_SENT, UNUSABLE_RETRY, f"not sent: {problem}")
 
     @staticmethod

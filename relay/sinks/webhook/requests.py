@@ -35,6 +35,7 @@ from relay.sinks.webhook.config import (
     WebhookRequestSettings,
     header_problem,
 )
+from relay.sinks.webhook.deadline import within
 from relay.sinks.webhook.http1 import HttpError, Pool, PoolClosed, Pools, host_header
 
 log = structlog.get_logger("relay.sink.webhook")
@@ -301,10 +302,10 @@ class RequestPath:
         try:
             # One timer bounds the whole attempt: the wait for a pooled connection, the DNS
             # lookup (in the connect step), the request and the answer's read.
-            async with asyncio.timeout(t.config.timeout):
-                response = await client.request(
-                    t.url, data, self.http.max_response_bytes, t.connect_timeout
-                )
+            response = await within(
+                t.config.timeout,
+                client.request(t.url, data, self.http.max_response_bytes, t.connect_timeout),
+            )
         except AddressRefused as exc:
             return Answer(self._refused(t, env, exc), ms=(time.monotonic() - started) * 1000)
         except TimeoutError:
