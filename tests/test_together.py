@@ -6,6 +6,7 @@ while one runs go out as one statement."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import asyncpg
 import pytest
@@ -188,6 +189,45 @@ async def test_a_leader_cancelled_before_its_turn_leaves_nothing_open() -> None:
     assert await nxt == [5]
 
 
+async def test_callers_all_cancelled_at_once_run_nothing_again() -> None:
+    """A stop's cancel of every late send in one go (runtime/shutdown.py): the follower of a
+    cancelled leader, cancelled itself, must not run its items again."""
+    runs = Runs()
+    together: Together[str, int, list[int]] = Together(runs, cap=100)
+    first = asyncio.create_task(together("a", [1]))
+    await runs.started(1)
+    leader = asyncio.create_task(together("a", [2]))
+    follower = asyncio.create_task(together("a", [3]))
+    await _settle()
+    runs.end(0)
+    await first
+    await runs.started(2)
+    for t in (leader, follower):
+        t.cancel()
+    for t in (leader, follower):
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(t, 1)  # run again, the follower would wait for its gate
+    await _settle()
+    assert len(runs.calls) == 2 and together.waiting("a") == 0
+
+
+async def test_items_of_one_ident_never_share_a_run() -> None:
+    runs = Runs()
+    together: Together[str, int, list[int]] = Together(runs, cap=100, ident=lambda i: i % 10)
+    first = asyncio.create_task(together("a", [1]))
+    await runs.started(1)
+    a = asyncio.create_task(together("a", [2]))
+    b = asyncio.create_task(together("a", [12]))  # the same ident as 2: the next run
+    c = asyncio.create_task(together("a", [3]))
+    await _settle()
+    for i in range(2):
+        runs.end(i)
+        await runs.started(i + 2)
+    runs.end(2)
+    await asyncio.gather(first, a, b, c)
+    assert [c[1] for c in runs.calls] == [[1], [2], [12, 3]]
+
+
 async def test_fan_outs_that_come_while_one_runs_go_out_as_one_statement(db_url: str) -> None:
     """Three batches of events handed to the deliveries source while the first one's FAN_OUT
     waits (here for the fan-outs' lock, held by another session): two statements in all, each
@@ -218,6 +258,7 @@ async def test_fan_outs_that_come_while_one_runs_go_out_as_one_statement(db_url:
             await blocker.close()
         assert answers == [{e.id: 1} for e in envs]
         assert store.store.statements["fan_out"] == 2
+        assert s.source._fanning == 0  # each call took back what it expected
         rows = await asyncio.wait_for(
             _deliveries(db_url),
             10,
@@ -234,3 +275,41 @@ async def _deliveries(db_url: str) -> list[tuple[int, int]]:
     finally:
         await conn.close()
     return [(r[0], r[1]) for r in rows]
+
+
+async def test_a_stale_claim_gathered_with_its_events_new_claim_is_not_told_it_was_recorded(
+    db_url: str,
+) -> None:
+    """An event claimed again by this relay (its first claim's lease ran out in a stall, it was
+    reaped, and claimed anew) while the first claim's batch still waits for its fan-out: both
+    batches gathered in one FAN_OUT. Only the new claim's token is recorded; the stale batch
+    must not be told its event was delivered (alone, its FAN_OUT answered nothing for it)."""
+    endpoint(db_url)
+    for _ in range(2):
+        event(db_url, status="pending")
+    async with served(db_url) as s:
+        store = s.source.store
+        envs = await store.store.claim(DEST, 2)
+        assert len(envs) == 2
+        stale = envs[1]
+        blocker = await asyncpg.connect(to_asyncpg_dsn(db_url))
+        try:
+            await blocker.execute("SELECT pg_advisory_lock($1::int, 1)", store._serial)
+            first = asyncio.create_task(s.source.fan_out(envs[:1], "none"))
+            await wait_until(
+                lambda: blocker.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                ),
+                what="the first fan-out waits for the lock",
+            )
+            # Reaped and claimed again by this relay: a new fencing token.
+            await blocker.execute("UPDATE outbox SET claims = claims + 1 WHERE id = $1", stale.id)
+            fresh = dataclasses.replace(stale, token=stale.token + 1)
+            old = asyncio.create_task(s.source.fan_out([stale], "none"))
+            new = asyncio.create_task(s.source.fan_out([fresh], "none"))
+            await asyncio.sleep(0.1)
+            await blocker.execute("SELECT pg_advisory_unlock($1::int, 1)", store._serial)
+            answers = await asyncio.gather(first, old, new)
+        finally:
+            await blocker.close()
+    assert answers == [{envs[0].id: 1}, {}, {stale.id: 1}]

@@ -103,7 +103,9 @@ class DeliverySource(FanOuts, Health):
         self._look_task: asyncio.Task[None] | None = None
         self._look_failing = False
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
-        self._together = Together(self._fan_out_now, FAN_OUT_EVENTS)
+        # An event claimed again while its stale claim's batch waits goes in another statement:
+        # FAN_OUT's answer is by event id, not by claim (fan_out).
+        self._together = Together(self._fan_out_now, FAN_OUT_EVENTS, ident=lambda e: e.id)
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).
         self._waiting: dict[Key, EndpointState] = {}

@@ -21,10 +21,11 @@ R = TypeVar("R")
 
 
 class _Group(Generic[T, R]):
-    __slots__ = ("done", "items")
+    __slots__ = ("done", "idents", "items")
 
     def __init__(self) -> None:
         self.items: list[T] = []
+        self.idents: set[Hashable] = set()
         self.done: asyncio.Future[R] = asyncio.get_running_loop().create_future()
 
 
@@ -36,9 +37,17 @@ class Together(Generic[K, T, R]):
     A run whose caller is cancelled is not done for the others: they run again without it
     (a run must be safe to repeat for items a cancelled one may have done)."""
 
-    def __init__(self, run: Callable[[K, list[T]], Awaitable[R]], cap: int) -> None:
+    def __init__(
+        self,
+        run: Callable[[K, list[T]], Awaitable[R]],
+        cap: int,
+        ident: Callable[[T], Hashable] | None = None,
+    ) -> None:
         self._run = run
         self._cap = cap
+        # Items of the same ident never share a run: a call bringing one the open group
+        # holds already starts the next (a run's result may tell them apart by ident only).
+        self._ident = ident
         self._open: dict[K, _Group[T, R]] = {}  # per key, the group that takes new calls
         self._turns: dict[K, asyncio.Lock] = {}
 
@@ -48,14 +57,22 @@ class Together(Generic[K, T, R]):
         return len(group.items) if group is not None else 0
 
     async def __call__(self, key: K, items: Sequence[T]) -> R:
+        ident = self._ident
+        mine = {ident(i) for i in items} if ident is not None else set()
         group = self._open.get(key)
-        if group is not None and len(group.items) + len(items) <= self._cap:
+        if (
+            group is not None
+            and len(group.items) + len(items) <= self._cap
+            and group.idents.isdisjoint(mine)
+        ):
             group.items.extend(items)
+            group.idents |= mine
             return await self._follow(key, group, items)
-        # None open, or the open one is full: it goes its way (its leader holds it), and this
-        # call leads the next.
+        # None open, or the open one is full (or holds one of these): it goes its way (its
+        # leader holds it), and this call leads the next.
         group = self._open[key] = _Group()
         group.items.extend(items)
+        group.idents |= mine
         return await self._lead(key, group)
 
     async def _lead(self, key: K, group: _Group[T, R]) -> R:
