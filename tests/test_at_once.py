@@ -4,11 +4,13 @@ may take meanwhile. Pure: no database."""
 
 from __future__ import annotations
 
-from relay.sinks.endpoints.at_once import Queue, fits, room
+from relay.sinks.endpoints.at_once import Queue, fits, holds_back, room
 
 
-def q(endpoint: int, in_hand: int = 0, depth: int = 64, backlog: bool = False) -> Queue:
-    return Queue(endpoint, depth, in_hand, backlog)
+def q(
+    endpoint: int, in_hand: int = 0, depth: int = 64, backlog: bool = False, quick: bool = True
+) -> Queue:
+    return Queue(endpoint, depth, in_hand, backlog, quick)
 
 
 def test_each_endpoint_gets_what_its_queue_lacks_within_what_is_left() -> None:
@@ -78,3 +80,13 @@ def test_no_fast_endpoint_or_a_busy_relay_claims_as_many_events_as_asked() -> No
     assert free([q(1)], left=7) is None
     assert free([q(1)], left=8) == 1
     assert fits([q(1)], 0, 0.0, 1.0, True) is None  # busy: even when held
+
+
+def test_only_a_quick_endpoints_backlog_holds_the_events_back() -> None:
+    assert holds_back([q(1), q(2, backlog=True)])
+    assert not holds_back([q(1), q(2)])
+    # Seconds an answer (under its budget): it takes its backlog at its own pace anyway.
+    assert not holds_back([q(1), q(2, backlog=True, quick=False)])
+    assert not holds_back([q(1, quick=False), q(2)])  # no backlog: nothing to hold for
+    assert holds_back([q(1, backlog=True), q(2, backlog=True, quick=False)])
+    assert not holds_back([])

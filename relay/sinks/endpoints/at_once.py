@@ -33,6 +33,9 @@ class Queue:
     depth: int  # max_concurrency * FAN_OUT_AHEAD
     in_hand: int
     backlog: bool = False
+    # Whether it sends a queue's worth of deliveries within the events' hold (FanOuts'
+    # BACKLOG_HOLD): only then may its backlog hold the events back (holds_back).
+    quick: bool = True
 
 
 def room(queues: Iterable[Queue], left: int) -> dict[int, int]:
@@ -47,6 +50,15 @@ def room(queues: Iterable[Queue], left: int) -> dict[int, int]:
             out[q.endpoint_id] = n
             left -= n
     return out
+
+
+def holds_back(queues: Iterable[Queue]) -> bool:
+    """Whether an endpoint's backlog is to hold the events back for a while, so that the claim
+    takes it rather than each new event adding to it: one of a quick endpoint only. An
+    endpoint slower than that (seconds an answer, under its latency budget) takes its backlog
+    at its own pace whatever the events do; holding them would only make every other endpoint
+    wait (a 2 s endpoint held them all a second in every eleven)."""
+    return any(q.backlog and q.quick for q in queues)
 
 
 def fits(
@@ -76,4 +88,4 @@ def fits(
     return max(1, int(free // per_event))
 
 
-__all__ = ["FAN_OUT_AHEAD", "Queue", "fits", "room"]
+__all__ = ["FAN_OUT_AHEAD", "Queue", "fits", "holds_back", "room"]

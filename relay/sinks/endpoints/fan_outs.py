@@ -169,8 +169,9 @@ class FanOuts(Attempts):
         so that a fan-out sends their deliveries at once (at_once.fits); None: as many as
         asked. ``claiming``: a claim takes them (else it is a look, which changes nothing).
 
-        While a fast endpoint has a backlog the claim is serving (or deliveries were written
-        that the claim has not read), the events are held, BACKLOG_HOLD at most, and again
+        While a quick endpoint (at_once.holds_back) has a backlog the claim is serving (or
+        deliveries were written that the claim has not read), the events are held,
+        BACKLOG_HOLD at most, and again
         every REHOLD_EVERY while it lasts: claimed meanwhile at the pace of the others, each
         would add a delivery to it, and it would never shrink (its deliveries all claimed one
         by one). Paced only while no other endpoint would wait for the fast ones (_paceable).
@@ -187,7 +188,7 @@ class FanOuts(Attempts):
         store = self.store
         unread = store.lanes.floors is None or store.behind
         since = self._hold_since.get(destination)
-        if not unread and not any(q.backlog for q in queues):
+        if not unread and not at_once.holds_back(queues):
             since = None
         elif since is None or now - since >= BACKLOG_HOLD + REHOLD_EVERY:
             since = now
@@ -286,6 +287,8 @@ class FanOuts(Attempts):
                 self.destinations[s.destination].max_concurrency * at_once.FAN_OUT_AHEAD,
                 s.in_hand,
                 s.id in floors and now - s.last_claimed < BACKLOG_SERVED,
+                # Its queue answered within the hold (latency is known: _eligible).
+                (s.latency or 0.0) * at_once.FAN_OUT_AHEAD <= BACKLOG_HOLD,
             )
             for s in self.states.values()
             if s.destination == destination
