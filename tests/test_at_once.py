@@ -90,3 +90,13 @@ def test_only_a_quick_endpoints_backlog_holds_the_events_back() -> None:
     assert not holds_back([q(1, quick=False), q(2)])  # no backlog: nothing to hold for
     assert holds_back([q(1, backlog=True), q(2, backlog=True, quick=False)])
     assert not holds_back([])
+
+
+def test_full_queues_answering_in_seconds_do_not_pace_an_idle_quick_ones_events() -> None:
+    """Found by review: endpoints 2 and 3 answer in 2 s (under their budget: in the plan, not
+    quick), their queues full (64 in hand, no backlog the claim serves: it takes none of an
+    endpoint with more than 4 x max_concurrency running, so BACKLOG_SERVED lapses). Their depth
+    counted in the half-free rule: 96 of 192, while quick endpoint 1, idle, has 64 at most, so
+    no event was claimed until the 2 s endpoints drained 32 (8 s at 2 a second each)."""
+    slow = [q(2, in_hand=64, quick=False), q(3, in_hand=64, quick=False)]
+    assert free([q(1), *slow], left=872, per=3.0) == 21

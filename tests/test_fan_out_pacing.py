@@ -14,7 +14,9 @@ import uvloop
 from sqlalchemy.ext.asyncio import AsyncEngine
 from structlog.testing import capture_logs
 
+from relay.sinks.endpoints.at_once import FAN_OUT_AHEAD
 from relay.sinks.endpoints.base import LOOK_EVERY, WAKE_COALESCE
+from relay.sinks.endpoints.fan_outs import BACKLOG_HOLD
 from tests.support.receiver import Receiver
 from tests.support.relays import running, wait_until
 from tests.test_endpoint_delivery import (
@@ -27,6 +29,8 @@ from tests.test_endpoint_delivery import (
     enqueue,
     fetch,
 )
+from tests.test_endpoint_ops import endpoint
+from tests.test_endpoint_source import pending as pending_rows
 from tests.test_endpoint_source import served
 
 
@@ -361,3 +365,29 @@ async def test_a_backlog_of_an_endpoint_answering_in_a_third_of_a_second_holds_n
         [new] = await enqueue(db_url, [{"tenant": "b", "payload": {"new": True}}])
         await wait_until(lambda: new in delivered_to(b), timeout=5, what="B's new event")
         assert len(a.requests) < 30  # A's backlog is still being served
+
+
+async def test_an_endpoint_is_quick_within_the_hold_and_until_a_hold_leaves_its_backlog(
+    db_url: str,
+) -> None:
+    """The plan's queues (FanOuts._queues): an endpoint is quick while its queue of
+    FAN_OUT_AHEAD x max_concurrency answers within BACKLOG_HOLD (62.5 ms an answer), and not
+    once a hold has left its backlog behind (FanOuts._judge_hold)."""
+    ep = endpoint(db_url)
+    pending_rows(db_url, ep, 1)
+    async with served(db_url, max_in_flight=1000, max_concurrency=4) as s:
+        s.source.adopt = lambda items: None
+        [c] = await s.claim(1)
+        await s.deliver([c])  # no receiver: it fails, but its state is known
+        state = s.source.states[ep]
+        state.endpoint = None  # no circuit (the failure's) to keep it out
+
+        def quick(latency: float) -> bool:
+            state.latency = latency
+            [q] = s.source._queues(DEST)[0]
+            return q.quick
+
+        assert quick(0.06) and quick(BACKLOG_HOLD / FAN_OUT_AHEAD)
+        assert not quick(0.07)
+        s.source._outlasted.add(ep)
+        assert not quick(0.01)

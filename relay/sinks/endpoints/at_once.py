@@ -34,7 +34,8 @@ class Queue:
     in_hand: int
     backlog: bool = False
     # Whether it sends a queue's worth of deliveries within the events' hold (FanOuts'
-    # BACKLOG_HOLD): only then may its backlog hold the events back (holds_back).
+    # BACKLOG_HOLD), and no hold left its backlog behind: only then may its backlog hold the
+    # events back (holds_back), and its room pace them (fits).
     quick: bool = True
 
 
@@ -83,7 +84,9 @@ def fits(
     if not clear:
         return None
     free = sum(room(clear, left).values()) - fanning
-    if free < min(sum(q.depth for q in clear), left) / 2:
+    # Half of the room the quick ones can free soon: a queue of an endpoint answering in
+    # seconds frees its room at its own pace, and must not keep the others' events waiting.
+    if free < min(sum(q.depth for q in clear if q.quick), left) / 2:
         return 0
     return max(1, int(free // per_event))
 

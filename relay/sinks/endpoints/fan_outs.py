@@ -65,6 +65,8 @@ class FanOuts(Attempts):
     _fanning: float
     _probed: dict[str, float]
     _hold_since: dict[str, float | None]
+    _outlasted: set[int]
+    _judged: set[str]
     _enabled: dict[str, dict[int, bool]]
     _ahead: dict[str, tuple[float, set[int]]]
     _looking: dict[str, asyncio.Task[None]]
@@ -188,17 +190,39 @@ class FanOuts(Attempts):
         store = self.store
         unread = store.lanes.floors is None or store.behind
         since = self._hold_since.get(destination)
-        if not unread and not at_once.holds_back(queues):
+        wants = unread or at_once.holds_back(queues)
+        # Kept when the backlog (or its endpoint's being quick) comes and goes: a latency
+        # around the quick line, or a hiccup, must not start a hold afresh each time.
+        if since is not None and now - since >= BACKLOG_HOLD + REHOLD_EVERY:
             since = None
-        elif since is None or now - since >= BACKLOG_HOLD + REHOLD_EVERY:
+        if wants and since is None:
             since = now
-        hold = since is not None and now - since < BACKLOG_HOLD
+        hold = wants and since is not None and now - since < BACKLOG_HOLD
         if hold and since is not None:
             self._recheck_room_at(since + BACKLOG_HOLD)
         fits = at_once.fits(queues, left, self._fanning, self._per_event, hold)
         if claiming:
+            self._judge_hold(destination, queues, since, now)
             self._hold_since[destination] = since
         return fits
+
+    def _judge_hold(
+        self, destination: str, queues: list[at_once.Queue], since: float | None, now: float
+    ) -> None:
+        """Once a hold is over: the endpoints whose backlog it held the events for and did not
+        clear hold them no more (not quick, _queues) until their fresh deliveries are all
+        claimed. They do not keep up with their events (an endpoint answering in 50 ms takes 80
+        a second at max_concurrency 4): held again every REHOLD_EVERY, every other endpoint's
+        new events would wait a second in eleven, for ever, and theirs no shorter."""
+        floors = self.store.lanes.floors
+        if floors is not None:
+            self._outlasted.intersection_update(floors)
+        if since is None or now - since < BACKLOG_HOLD:
+            self._judged.discard(destination)  # none, or under way: judged once it is over
+            return
+        if destination not in self._judged:
+            self._judged.add(destination)
+            self._outlasted.update(q.endpoint_id for q in queues if q.backlog and q.quick)
 
     def _paceable(self, destination: str, fast: set[int], now: float) -> bool:
         """Whether the destination's events may be paced by its fast endpoints' room: every
@@ -287,8 +311,10 @@ class FanOuts(Attempts):
                 self.destinations[s.destination].max_concurrency * at_once.FAN_OUT_AHEAD,
                 s.in_hand,
                 s.id in floors and now - s.last_claimed < BACKLOG_SERVED,
-                # Its queue answered within the hold (latency is known: _eligible).
-                (s.latency or 0.0) * at_once.FAN_OUT_AHEAD <= BACKLOG_HOLD,
+                # Its queue answered within the hold (latency is known: _eligible), and no hold
+                # left its backlog behind (_judge_hold).
+                (s.latency or 0.0) * at_once.FAN_OUT_AHEAD <= BACKLOG_HOLD
+                and s.id not in self._outlasted,
             )
             for s in self.states.values()
             if s.destination == destination

@@ -85,6 +85,9 @@ class DeliverySource(FanOuts, Health):
         # endpoints, when its events were last held for a backlog.
         self._probed: dict[str, float] = {}
         self._hold_since: dict[str, float | None] = {}
+        # Endpoints whose backlog a hold did not clear; destinations whose hold was judged.
+        self._outlasted: set[int] = set()
+        self._judged: set[str] = set()
         # The enabled endpoints of each destination, read every ENABLED_EVERY and after a
         # change (endpoints_changed): whether its events may be paced (FanOuts._paceable).
         self._enabled: dict[str, dict[int, bool]] = {}
@@ -103,8 +106,7 @@ class DeliverySource(FanOuts, Health):
         self._look_task: asyncio.Task[None] | None = None
         self._look_failing = False
         self._fanning = 0.0  # deliveries expected of the fan-outs in progress
-        # An event claimed again while its stale claim's batch waits goes in another statement:
-        # FAN_OUT's answer is by event id, not by claim (fan_out).
+        # An event claimed again goes apart from its stale claim (FAN_OUT answers by event id).
         self._together = Together(self._fan_out_now, FAN_OUT_EVENTS, ident=lambda e: e.id)
         # Claimed, not yet delivered: their endpoint's state (its in_hand counts them), or
         # what raised when it was read (a bug: recorded as a crash).

@@ -1,0 +1,112 @@
+"""The events' hold for a quick endpoint's backlog (FanOuts.fan_out_fits): BACKLOG_HOLD at
+most, and again every REHOLD_EVERY while the backlog lasts, unless a hold left it behind.
+Pure but the last: no database, a fake clock."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from relay.sinks.endpoints import fan_outs
+from relay.sinks.endpoints.at_once import Queue
+from relay.sinks.endpoints.fan_outs import BACKLOG_HOLD, REHOLD_EVERY, FanOuts
+
+
+class Plan(FanOuts):
+    """fan_out_fits with its inputs given: the queues, a paceable destination."""
+
+    def __init__(self) -> None:
+        self.queues: list[Queue] = []
+        self.store = SimpleNamespace(lanes=SimpleNamespace(floors={}), behind=False)  # type: ignore[assignment]
+        self._hold_since = {}
+        self._outlasted = set()
+        self._judged = set()
+        self._probed = {}
+        self._fanning = 0.0
+        self._per_event = 2.0
+
+    def _queues(self, destination: str) -> tuple[list[Queue], int]:
+        return self.queues, 1000
+
+    def _paceable(self, destination: str, fast: set[int], now: float) -> bool:
+        return True
+
+    def _recheck_room_at(self, when: float) -> None:
+        pass
+
+
+def test_a_latency_around_the_quick_line_does_not_hold_the_events_again_before_rehold_every(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: endpoint 2, answering in about 62 ms (FAN_OUT_AHEAD x latency about
+    BACKLOG_HOLD), has a backlog the claim serves all along. Its latency average crosses the
+    quick line now and then (one answer in 70 ms, or a hiccup of a second, then back): each
+    time it came back quick the events were held a second afresh, not once every
+    REHOLD_EVERY, and every endpoint's new events with them."""
+    clock = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    plan = Plan()
+
+    def at(t: float, quick: bool) -> int | None:
+        clock[0] = 100.0 + t
+        plan.queues = [Queue(1, 64, 0), Queue(2, 64, 64, backlog=True, quick=quick)]
+        return plan.fan_out_fits("d", 100)
+
+    assert at(0.0, True) == 0  # held: the claim takes the backlog
+    assert at(BACKLOG_HOLD + 0.5, True) != 0  # the hold is over
+    assert at(BACKLOG_HOLD + 1.0, False) != 0  # an answer of 70 ms
+    # Quick again, the same backlog: not held again before REHOLD_EVERY.
+    assert at(BACKLOG_HOLD + 1.1, True) != 0
+    assert at(BACKLOG_HOLD + REHOLD_EVERY + 0.1, True) == 0  # then held again
+
+
+def test_an_endpoint_whose_backlog_outlasts_a_hold_holds_the_events_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: endpoint 2 answers in 50 ms (quick), 80 a second at max_concurrency 4,
+    for events that come faster: its backlog never clears, and it held every endpoint's new
+    events a second in every eleven, for ever. A hold that leaves its backlog behind is its
+    last, until its fresh deliveries are all claimed."""
+    clock = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    plan = Plan()
+    floors = plan.store.lanes.floors
+
+    def at(t: float, backlog: bool = True) -> int | None:
+        clock[0] = 100.0 + t
+        plan.queues = [Queue(1, 64, 0), Queue(2, 64, 64, backlog=backlog)]
+        return plan.fan_out_fits("d", 100)
+
+    floors[2] = 10
+    assert at(0.0) == 0 and plan._outlasted == set()  # held for it
+    assert at(0.5) == 0 and plan._outlasted == set()  # under way: not judged yet
+    assert at(BACKLOG_HOLD + 0.1) != 0
+    assert plan._outlasted == {2}  # the hold is over, and the backlog is still there
+    assert plan._judged == {"d"}  # once a hold: later claims do not judge it again
+    # Its fresh deliveries all claimed: it is forgiven, and may hold the events again.
+    del floors[2]
+    at(BACKLOG_HOLD + 0.3, backlog=False)
+    assert plan._outlasted == set()
+
+
+def test_a_hold_that_clears_the_backlog_leaves_its_endpoint_quick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    plan = Plan()
+
+    def at(t: float, backlog: bool) -> int | None:
+        clock[0] = 100.0 + t
+        plan.queues = [Queue(1, 64, 0), Queue(2, 64, 0, backlog=backlog)]
+        return plan.fan_out_fits("d", 100)
+
+    plan.store.lanes.floors[2] = 10
+    assert at(0.0, True) == 0
+    del plan.store.lanes.floors[2]
+    assert at(BACKLOG_HOLD + 0.1, False) != 0
+    assert plan._outlasted == set()
+    # Another backlog after REHOLD_EVERY is held for again.
+    plan.store.lanes.floors[2] = 20
+    assert at(BACKLOG_HOLD + REHOLD_EVERY + 0.2, True) == 0
