@@ -288,11 +288,7 @@ async def test_a_stopping_relay_claims_nothing_at_a_fan_out(db_url: str) -> None
     ep = endpoint(db_url)
     pending_rows(db_url, ep, 1)
     async with served(db_url, max_in_flight=1000, max_concurrency=4) as s:
-        s.source.adopt = lambda items: None
-        [c] = await s.claim(1)
-        await s.deliver([c])  # no receiver: it fails, but its latency is known
-        s.source.states[ep].latency = 0.01  # known fast
-        s.source.states[ep].endpoint = None  # no circuit (the failure's) to keep it out
+        await s.known_fast(ep)
         assert s.source._room(DEST) == {ep: 4 * FAN_OUT_AHEAD}
         s.source.halt()
         assert s.source._room(DEST) == {}

@@ -376,11 +376,7 @@ async def test_an_endpoint_is_quick_within_the_hold_and_until_a_hold_leaves_its_
     ep = endpoint(db_url)
     pending_rows(db_url, ep, 1)
     async with served(db_url, max_in_flight=1000, max_concurrency=4) as s:
-        s.source.adopt = lambda items: None
-        [c] = await s.claim(1)
-        await s.deliver([c])  # no receiver: it fails, but its state is known
-        state = s.source.states[ep]
-        state.endpoint = None  # no circuit (the failure's) to keep it out
+        state = await s.known_fast(ep)
 
         def quick(latency: float) -> bool:
             state.latency = latency

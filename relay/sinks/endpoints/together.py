@@ -51,11 +51,6 @@ class Together(Generic[K, T, R]):
         self._open: dict[K, _Group[T, R]] = {}  # per key, the group that takes new calls
         self._turns: dict[K, asyncio.Lock] = {}
 
-    def waiting(self, key: K) -> int:
-        """How many items wait to be run in the group that takes new calls."""
-        group = self._open.get(key)
-        return len(group.items) if group is not None else 0
-
     async def __call__(self, key: K, items: Sequence[T]) -> R:
         ident = self._ident
         mine = {ident(i) for i in items} if ident is not None else set()
