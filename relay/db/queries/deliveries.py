@@ -19,6 +19,15 @@ def serial_key(schema: str) -> int:
     return int.from_bytes(zlib.crc32(schema.encode()).to_bytes(4, "big"), "big", signed=True)
 
 
+def keyed(lock: str, serial: int) -> str:
+    """``lock`` (FAN_OUT_LOCK or DELIVERY_CLAIM_LOCK, rendered) with its one parameter, the
+    int ``serial``, written in: it goes with the transaction's BEGIN in one simple query,
+    which takes no parameters."""
+    if "$2" in lock or "$1" not in lock:
+        raise ValueError("a lock statement takes one parameter, the serial")
+    return lock.replace("$1", str(int(serial)))
+
+
 FAN_OUT = _q["fan_out"]
 FAN_OUT_LOCK = _q["fan_out_lock"]
 FAN_OUT_SETTLE = _q["fan_out_settle"]

@@ -13,7 +13,7 @@ import structlog
 
 from outbox.errors import describe
 from relay.db import queries
-from relay.db.pool import connection
+from relay.db.pool import transaction
 from relay.db.store import DB_ERRORS, Store, in_id_order
 from relay.sinks.endpoints.fairness import UNCAPPED
 from relay.sinks.endpoints.lanes import FOUND_CHUNK, Floors
@@ -175,8 +175,8 @@ class DeliveryStore:
         answer, and when the lock was held (monotonic: before the statement's own time, from
         which it writes leases)."""
         schema = self.store.schema
-        async with connection(self.store.pool) as conn, conn.transaction():
-            await conn.execute(queries.render_ops(lock, schema), self._serial)
+        first = queries.keyed(queries.render_ops(lock, schema), self._serial)
+        async with transaction(self.store.pool, first) as conn:
             locked = time.monotonic()
             return await getattr(conn, method)(queries.render_ops(sql, schema), *args), locked
 

@@ -1,0 +1,114 @@
+"""relay.db.pool.transaction: a transaction whose BEGIN goes with its first statements in one
+round trip (the fan-outs' and delivery claims' in-flight lock). A connection must go back to
+the pool outside any transaction: asyncpg would roll it back at release, but reports it as an
+error to the event loop ("Resetting connection with an active transaction"), which the relay
+logs. One connection in the pool, so each test sees what the next user of that connection
+would."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from outbox.dburl import to_asyncpg_dsn
+from relay.db import queries
+from relay.db.pool import create_pool, transaction
+
+LOCK = "SELECT pg_advisory_xact_lock(4242, 7)"
+
+
+@pytest.fixture
+async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await create_pool(to_asyncpg_dsn(db_url), "transaction-test", 1)
+    async with pool.acquire() as conn:
+        await conn.execute("CREATE TABLE IF NOT EXISTS tx_probe (n int)")
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+@pytest.fixture
+async def other(db_url: str) -> AsyncIterator[asyncpg.Connection]:
+    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
+    try:
+        yield conn
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def loop_errors() -> list[str]:
+    """What is reported to the event loop's exception handler meanwhile."""
+    seen: list[str] = []
+
+    def handler(_: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        seen.append(str(context.get("message")))
+
+    asyncio.get_running_loop().set_exception_handler(handler)
+    return seen
+
+
+async def _next_user_sees(pool: asyncpg.Pool) -> tuple[bool, int]:
+    async with pool.acquire() as conn:
+        return conn.is_in_transaction(), await conn.fetchval("SELECT count(*) FROM tx_probe")
+
+
+async def test_it_commits_and_holds_the_first_statements_lock_until_then(
+    pool: asyncpg.Pool, other: asyncpg.Connection
+) -> None:
+    async with transaction(pool, LOCK) as conn:
+        assert conn.is_in_transaction()
+        await conn.execute("INSERT INTO tx_probe VALUES (1)")
+        assert await other.fetchval("SELECT count(*) FROM tx_probe") == 0  # not yet committed
+        # Taken by the BEGIN's own round trip, held by the transaction.
+        assert not await other.fetchval("SELECT pg_try_advisory_xact_lock(4242, 7)")
+    assert await other.fetchval("SELECT count(*) FROM tx_probe") == 1
+    assert await other.fetchval("SELECT pg_try_advisory_lock(4242, 7)")  # released at commit
+    assert await _next_user_sees(pool) == (False, 1)
+
+
+async def test_a_statement_that_fails_inside_is_rolled_back_before_the_pool_has_it_again(
+    pool: asyncpg.Pool, loop_errors: list[str]
+) -> None:
+    with pytest.raises(asyncpg.DivisionByZeroError):
+        async with transaction(pool, LOCK) as conn:
+            await conn.execute("INSERT INTO tx_probe VALUES (1)")
+            await conn.execute("SELECT 1 / 0")
+    # Not in the aborted transaction ("current transaction is aborted, commands ignored"):
+    # the insert is gone and the connection answers.
+    assert await _next_user_sees(pool) == (False, 0)
+    assert loop_errors == []  # rolled back here, not by the pool's release
+
+
+async def test_first_statements_that_fail_leave_no_transaction_open(
+    pool: asyncpg.Pool, loop_errors: list[str]
+) -> None:
+    with pytest.raises(asyncpg.DivisionByZeroError):
+        async with transaction(pool, "SELECT 1 / 0") as conn:
+            await conn.execute("INSERT INTO tx_probe VALUES (1)")
+    assert await _next_user_sees(pool) == (False, 0)
+    assert loop_errors == []
+
+
+async def test_an_error_of_the_callers_own_rolls_back_too(pool: asyncpg.Pool) -> None:
+    with pytest.raises(RuntimeError):
+        async with transaction(pool, LOCK) as conn:
+            await conn.execute("INSERT INTO tx_probe VALUES (1)")
+            raise RuntimeError("the caller's own")
+    # Not a plain SQL error: the connection is closed, as any other such (pool.connection).
+    assert await _next_user_sees(pool) == (False, 0)
+
+
+def test_the_lock_key_is_written_in() -> None:
+    lock = queries.render_ops(queries.FAN_OUT_LOCK, "public")
+    keyed = queries.keyed(lock, -123)
+    assert "$1" not in keyed and keyed.count("-123::int") == lock.count("$1")
+    with pytest.raises(ValueError):
+        queries.keyed("SELECT pg_advisory_xact_lock($1, $2)", 1)
+    with pytest.raises(ValueError):
+        queries.keyed("SELECT 1", 1)
