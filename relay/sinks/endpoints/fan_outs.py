@@ -65,6 +65,7 @@ class FanOuts(Attempts):
     _fanning: float
     _probed: dict[str, float]
     _hold_since: dict[str, float | None]
+    _hold_cleared: set[str]
     _outlasted: set[int]
     _judged: set[str]
     _enabled: dict[str, dict[int, bool]]
@@ -173,12 +174,14 @@ class FanOuts(Attempts):
 
         While a quick endpoint (at_once.holds_back) has a backlog the claim is serving (or
         deliveries were written that the claim has not read), the events are held,
-        BACKLOG_HOLD at most, and again
-        every REHOLD_EVERY while it lasts: claimed meanwhile at the pace of the others, each
-        would add a delivery to it, and it would never shrink (its deliveries all claimed one
-        by one). Paced only while no other endpoint would wait for the fast ones (_paceable).
-        While no endpoint is known to be fast and the first requests of some are out (or none
-        was seen yet): one event, then none for PROBE_HOLD at most."""
+        BACKLOG_HOLD at most: claimed meanwhile at the pace of the others, each would add a
+        delivery to it, and it would never shrink (its deliveries all claimed one by one).
+        Held again for a new backlog once every backlog is gone, or every REHOLD_EVERY
+        while something wants it (_hold_from), unless the hold left a quick endpoint's
+        backlog behind (_judge_hold). Paced only while no other endpoint would wait for the
+        fast ones (_paceable). While no endpoint is known to be fast and the first requests
+        of some are out (or none was seen yet): one event, then none for PROBE_HOLD at
+        most."""
         queues, left = self._queues(destination)
         now = time.monotonic()
         if not queues:
@@ -190,21 +193,52 @@ class FanOuts(Attempts):
         store = self.store
         unread = store.lanes.floors is None or store.behind
         since = self._hold_since.get(destination)
-        wants = unread or at_once.holds_back(queues)
-        # Kept when the backlog (or its endpoint's being quick) comes and goes: a latency
-        # around the quick line, or a hiccup, must not start a hold afresh each time.
-        if since is not None and now - since >= BACKLOG_HOLD + REHOLD_EVERY:
-            since = None
-        if wants and since is None:
-            since = now
+        if claiming:
+            self._judge_hold(destination, queues, since, now)  # the hold as it stood
+        backlog = at_once.holds_back(queues)
+        wants = unread or backlog
+        gone = not any(q.backlog for q in queues)
+        since = self._hold_from(destination, since, now, wants, backlog, gone, claiming)
         hold = wants and since is not None and now - since < BACKLOG_HOLD
         if hold and since is not None:
             self._recheck_room_at(since + BACKLOG_HOLD)
         fits = at_once.fits(queues, left, self._fanning, self._per_event, hold)
         if claiming:
-            self._judge_hold(destination, queues, since, now)
             self._hold_since[destination] = since
         return fits
+
+    def _hold_from(
+        self,
+        destination: str,
+        since: float | None,
+        now: float,
+        wants: bool,
+        backlog: bool,
+        gone: bool,
+        claiming: bool,
+    ) -> float | None:
+        """When the events' hold began, or None. One every BACKLOG_HOLD + REHOLD_EVERY at most
+        (a latency around the quick line, or deliveries written that the claim has not read
+        yet, come and go: each would start a hold afresh), but a quick endpoint's new
+        ``backlog`` starts one at once once every backlog was ``gone`` (claimed) after the
+        last hold: in a drain the endpoints' pace drifts apart every few seconds, and a
+        backlog that waited for REHOLD_EVERY had a delivery added by each event claimed
+        meanwhile, each then claimed on its own (PostgreSQL's time a delivery doubled)."""
+        cleared = self._hold_cleared
+        if since is not None and now - since >= BACKLOG_HOLD:
+            if gone:
+                if claiming:
+                    cleared.add(destination)
+            elif backlog and destination in cleared:
+                since = None
+        if since is not None and now - since >= BACKLOG_HOLD + REHOLD_EVERY:
+            since = None
+        if since is None:
+            if claiming:
+                cleared.discard(destination)
+            if wants:
+                since = now
+        return since
 
     def _judge_hold(
         self, destination: str, queues: list[at_once.Queue], since: float | None, now: float
@@ -213,7 +247,11 @@ class FanOuts(Attempts):
         clear hold them no more (not quick, _queues) until their fresh deliveries are all
         claimed. They do not keep up with their events (an endpoint answering in 50 ms takes 80
         a second at max_concurrency 4): held again every REHOLD_EVERY, every other endpoint's
-        new events would wait a second in eleven, for ever, and theirs no shorter."""
+        new events would wait a second in eleven, for ever, and theirs no shorter. Not one
+        over the quick line at this moment (a healthy endpoint slowed by the start, or a
+        burst): judged, it would stay out of the holds, its backlog growing by a delivery an
+        event, claimed one by one, for as long as its events come (a steady run fell behind
+        by seconds)."""
         floors = self.store.lanes.floors
         if floors is not None:
             self._outlasted.intersection_update(floors)

@@ -84,7 +84,7 @@ class DeliverySource(FanOuts, Health):
         # Per destination (fan_out_fits): when one event was fanned out to learn of its
         # endpoints, when its events were last held for a backlog.
         self._probed: dict[str, float] = {}
-        self._hold_since: dict[str, float | None] = {}
+        self._hold_since, self._hold_cleared = {}, set()  # and whether its backlog went
         # Endpoints whose backlog a hold did not clear; destinations whose hold was judged.
         self._outlasted: set[int] = set()
         self._judged: set[str] = set()
