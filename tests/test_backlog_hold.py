@@ -194,3 +194,88 @@ def test_deliveries_the_claim_has_not_read_hold_the_events_once_every_rehold_eve
     assert at(BACKLOG_HOLD + 0.5, False) != 0
     assert at(BACKLOG_HOLD + 0.6, True) != 0  # not again so soon
     assert at(BACKLOG_HOLD + REHOLD_EVERY + 0.1, True) == 0  # then again
+
+
+def test_a_hold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: the hold is judged at the first claim after it ends, and a claim
+    that starts a hold judged the one before first: nothing said the new one was still to
+    be judged. Claims come at a hold's edges only (the recheck at its end; in a drain no
+    NOTIFY wakes them, the poll is 0.8-1.2 s): a hold begun after the first (a new backlog,
+    or REHOLD_EVERY) was never judged, and a backlog it left behind held every endpoint's
+    events again, a second in every eleven, for ever."""
+    clock = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    plan = Plan()
+    floors = plan.store.lanes.floors
+
+    def at(t: float, backlog: bool) -> int | None:
+        clock[0] = 100.0 + t
+        if backlog:
+            floors[2] = 10
+        else:
+            floors.pop(2, None)
+        plan.queues = [Queue(1, 64, 0), Queue(2, 64, 64, backlog=backlog)]
+        return plan.fan_out_fits("d", 100)
+
+    assert at(0.0, True) == 0
+    assert at(BACKLOG_HOLD + 0.1, False) != 0  # the first hold cleared it
+    assert at(2.0, True) == 0  # a new backlog: held for at once
+    # No claim while it runs; over, its backlog is still there.
+    assert at(2.0 + BACKLOG_HOLD + 0.1, True) != 0
+    assert plan._outlasted == {2}
+    assert at(2.0 + BACKLOG_HOLD + REHOLD_EVERY + 0.1, True) != 0  # not held again
+
+
+def test_a_rehold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, for a hold begun REHOLD_EVERY after the last."""
+    clock = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    plan = Plan()
+    floors = plan.store.lanes.floors
+    floors[2] = 10
+
+    def at(t: float, quick: bool) -> int | None:
+        clock[0] = 100.0 + t
+        plan.queues = [Queue(1, 64, 0), Queue(2, 64, 64, backlog=True, quick=quick)]
+        return plan.fan_out_fits("d", 100)
+
+    assert at(0.0, True) == 0
+    assert at(BACKLOG_HOLD + 0.1, False) != 0 and plan._outlasted == set()  # over the line
+    assert at(BACKLOG_HOLD + REHOLD_EVERY + 0.05, True) == 0  # held again
+    assert at(2 * BACKLOG_HOLD + REHOLD_EVERY + 0.1, True) != 0
+    assert plan._outlasted == {2}  # this one left it behind, quick
+
+
+def test_a_hold_that_left_a_backlog_behind_does_not_let_the_next_begin_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review: a hold whose backlog outlasted it (its endpoint over the quick line
+    as it ended: not judged) let the next start at once when that backlog was claimed later,
+    seconds after the hold: an endpoint around the quick line held every endpoint's events a
+    second in every 2.5 (here), not one in eleven. Only a hold that cleared every backlog
+    lets a new one hold the events at once."""
+    clock = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    plan = Plan()
+    floors = plan.store.lanes.floors
+
+    def at(t: float, backlog: bool, quick: bool = True) -> int | None:
+        clock[0] = 100.0 + t
+        if backlog:
+            floors[2] = 10
+        else:
+            floors.pop(2, None)
+        plan.queues = [Queue(1, 64, 0), Queue(2, 64, 64, backlog=backlog, quick=quick)]
+        return plan.fan_out_fits("d", 100)
+
+    held = []
+    for start in (0.0, 2.5, 5.0, 7.5, 10.0):
+        held.append(at(start, True) == 0)
+        at(start + 0.5, True)
+        at(start + BACKLOG_HOLD + 0.05, True, quick=False)  # over the line: not judged
+        at(start + 2.0, False)  # claimed after the hold
+    assert held == [True, False, False, False, False]

@@ -107,8 +107,101 @@ async def test_an_error_of_the_callers_own_rolls_back_too(pool: asyncpg.Pool) ->
 def test_the_lock_key_is_written_in() -> None:
     lock = queries.render_ops(queries.FAN_OUT_LOCK, "public")
     keyed = queries.keyed(lock, -123)
-    assert "$1" not in keyed and keyed.count("-123::int") == lock.count("$1")
+    assert "$1" not in keyed and keyed.count("(-123)::int") == lock.count("$1")
     with pytest.raises(ValueError):
         queries.keyed("SELECT pg_advisory_xact_lock($1, $2)", 1)
     with pytest.raises(ValueError):
         queries.keyed("SELECT 1", 1)
+
+
+def test_the_lowest_key_is_written_so_that_postgresql_reads_it() -> None:
+    """Found by review: ``-2147483648::int`` is ``-(2147483648::int)``, out of range. A
+    schema whose CRC-32 is 0x80000000 (this one) had every fan-out that sends at once and
+    every delivery claim fail, as the bound parameter never did."""
+    schema = "outbox_aaaaccaccaacacaaaaaccccaacaaaaccaaaaaaaa"
+    assert queries.serial_key(schema) == -(2**31)
+
+
+async def test_a_lock_of_the_lowest_key_is_taken(pool: asyncpg.Pool) -> None:
+    for lock in (queries.FAN_OUT_LOCK, queries.DELIVERY_CLAIM_LOCK):
+        first = queries.keyed(queries.render_ops(lock, "public"), -(2**31))
+        async with transaction(pool, first) as conn:
+            assert conn.is_in_transaction()
+
+
+async def test_a_cancel_that_comes_during_the_rollback_is_not_lost(
+    pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review: cancelled while it rolled back after an SQL error, the task raised
+    the SQL error: the cancel was swallowed, and a caller that catches database errors (the
+    fan-outs do) went on as if nothing had asked it to stop."""
+    execute = asyncpg.Connection.execute
+    rolling_back = asyncio.Event()
+
+    async def slow_rollback(self: asyncpg.Connection, query: str, *args: Any, **kw: Any) -> Any:
+        if query == "ROLLBACK":
+            rolling_back.set()
+            await asyncio.sleep(30)
+        return await execute(self, query, *args, **kw)
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", slow_rollback)
+
+    async def run() -> None:
+        async with transaction(pool, LOCK) as conn:
+            await conn.fetchval("SELECT 1 / 0")
+
+    task = asyncio.create_task(run())
+    await asyncio.wait_for(rolling_back.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def _waiting_for_a_lock(conn: asyncpg.Connection, app: str) -> int:
+    n: int = await conn.fetchval(
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        app,
+    )
+    return n
+
+
+@pytest.mark.parametrize("how", ["cancelled", "command_timeout"])
+async def test_a_wait_for_the_lock_cut_short_leaves_no_backend_waiting_for_it(
+    db_url: str, other: asyncpg.Connection, how: str
+) -> None:
+    """Found by review: cancelled (or timed out, command_timeout) while BEGIN and the lock
+    waited, the connection was closed at once, and with it asyncpg's cancel request, never
+    sent: the backend stayed in the lock's queue until it had the lock (behind an
+    application's open replay, for as long as that lasts; one more at each timeout).
+    asyncpg's own transaction rolled back first, which waits for the cancel."""
+    app = f"tx-cut-{how}"
+    pool = await create_pool(
+        to_asyncpg_dsn(db_url), app, 1, command_timeout=0.5 if how == "command_timeout" else None
+    )
+    app = f"outbox-relay:{app}"
+    await other.execute("SELECT pg_advisory_lock(4242, 7)")
+    try:
+
+        async def run() -> None:
+            async with transaction(pool, LOCK):
+                pass
+
+        task = asyncio.create_task(run())
+        for _ in range(50):
+            await asyncio.sleep(0.05)
+            if await _waiting_for_a_lock(other, app):
+                break
+        assert await _waiting_for_a_lock(other, app) == 1
+        if how == "cancelled":
+            task.cancel()
+        with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
+            await task
+        for _ in range(20):
+            if not await _waiting_for_a_lock(other, app):
+                break
+            await asyncio.sleep(0.05)
+        assert await _waiting_for_a_lock(other, app) == 0
+    finally:
+        await other.execute("SELECT pg_advisory_unlock_all()")
+        await pool.close()

@@ -4,6 +4,7 @@ from it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -17,6 +18,10 @@ from relay.db.session import SESSION_SETTINGS
 # of text: the delivery claim (16 KB) was parsed and analysed again at every call. Every
 # statement of relay/db/queries is shorter than this (tests/test_statement_plans.py).
 STATEMENT_CACHE_BYTES = 64 * 1024
+
+# How long a transaction's ROLLBACK may take after a statement failed or was cut short: then
+# the connection is closed instead.
+ROLLBACK_WAIT = 5.0
 
 # How the store's parts run a statement on the pool: ``call(method, sql, *args)`` runs the
 # connection's ``method`` ("fetch", "fetchval", …) in a connection of its own (Store._call).
@@ -58,15 +63,21 @@ async def transaction(pool: asyncpg.Pool, first: str) -> AsyncIterator[asyncpg.C
             yield conn
             await conn.execute("COMMIT")
         except BaseException as exc:
-            if (
-                is_plain_sql_error(exc)
-                and not isinstance(exc, SESSION_STALE)
-                and conn.is_in_transaction()
-            ):
+            plain = is_plain_sql_error(exc) and not isinstance(exc, SESSION_STALE)
+            # A statement cut short (the task cancelled, a timeout): asyncpg asks the server
+            # to cancel it, and its next statement waits for that. Closed at once (as
+            # ``connection`` does), the request was never sent: the backend went on waiting
+            # for the lock, in its queue, until it had it (asyncpg's own transaction rolled
+            # back first, which waited).
+            cut = isinstance(exc, asyncio.CancelledError | TimeoutError)
+            if not conn.is_closed() and (cut or (plain and conn.is_in_transaction())):
                 try:
-                    await conn.execute("ROLLBACK")
-                except BaseException:
+                    async with asyncio.timeout(ROLLBACK_WAIT):
+                        await conn.execute("ROLLBACK")
+                except BaseException as failed:
                     conn.terminate()  # never back in the pool inside a transaction
+                    if isinstance(failed, asyncio.CancelledError) and failed is not exc:
+                        raise  # cancelled meanwhile: the caller's cancel is not lost
                     raise exc from None
             raise
 

@@ -22,10 +22,11 @@ def serial_key(schema: str) -> int:
 def keyed(lock: str, serial: int) -> str:
     """``lock`` (FAN_OUT_LOCK or DELIVERY_CLAIM_LOCK, rendered) with its one parameter, the
     int ``serial``, written in: it goes with the transaction's BEGIN in one simple query,
-    which takes no parameters."""
+    which takes no parameters. In parentheses: ``-2147483648::int`` is read
+    ``-(2147483648::int)``, out of range."""
     if "$2" in lock or "$1" not in lock:
         raise ValueError("a lock statement takes one parameter, the serial")
-    return lock.replace("$1", str(int(serial)))
+    return lock.replace("$1", f"({int(serial)})")
 
 
 FAN_OUT = _q["fan_out"]

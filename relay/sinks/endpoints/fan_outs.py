@@ -193,12 +193,12 @@ class FanOuts(Attempts):
         store = self.store
         unread = store.lanes.floors is None or store.behind
         since = self._hold_since.get(destination)
-        if claiming:
-            self._judge_hold(destination, queues, since, now)  # the hold as it stood
+        # The hold as it stood: whether it ended just now (judged).
+        ended = claiming and self._judge_hold(destination, queues, since, now)
         backlog = at_once.holds_back(queues)
         wants = unread or backlog
         gone = not any(q.backlog for q in queues)
-        since = self._hold_from(destination, since, now, wants, backlog, gone, claiming)
+        since = self._hold_from(destination, since, now, wants, backlog, gone, claiming, ended)
         hold = wants and since is not None and now - since < BACKLOG_HOLD
         if hold and since is not None:
             self._recheck_room_at(since + BACKLOG_HOLD)
@@ -216,6 +216,7 @@ class FanOuts(Attempts):
         backlog: bool,
         gone: bool,
         claiming: bool,
+        ended: bool = False,
     ) -> float | None:
         """When the events' hold began, or None. One every BACKLOG_HOLD + REHOLD_EVERY at most
         (a latency around the quick line, or deliveries written that the claim has not read
@@ -223,11 +224,14 @@ class FanOuts(Attempts):
         ``backlog`` starts one at once once every backlog was ``gone`` (claimed) after the
         last hold: in a drain the endpoints' pace drifts apart every few seconds, and a
         backlog that waited for REHOLD_EVERY had a delivery added by each event claimed
-        meanwhile, each then claimed on its own (PostgreSQL's time a delivery doubled)."""
+        meanwhile, each then claimed on its own (PostgreSQL's time a delivery doubled).
+        Only a hold that ``ended`` (judged just now) with every backlog gone: one that left a
+        backlog behind, claimed seconds later (its endpoint over the quick line as it ended,
+        or forgiven, _judge_hold), failed, and the next waits for REHOLD_EVERY."""
         cleared = self._hold_cleared
         if since is not None and now - since >= BACKLOG_HOLD:
             if gone:
-                if claiming:
+                if ended:
                     cleared.add(destination)
             elif backlog and destination in cleared:
                 since = None
@@ -238,11 +242,15 @@ class FanOuts(Attempts):
                 cleared.discard(destination)
             if wants:
                 since = now
+                if claiming:
+                    # A new hold, judged once it is over, even if no claim comes meanwhile
+                    # (_judge_hold ran before, on the last one).
+                    self._judged.discard(destination)
         return since
 
     def _judge_hold(
         self, destination: str, queues: list[at_once.Queue], since: float | None, now: float
-    ) -> None:
+    ) -> bool:
         """Once a hold is over: the endpoints whose backlog it held the events for and did not
         clear hold them no more (not quick, _queues) until their fresh deliveries are all
         claimed. They do not keep up with their events (an endpoint answering in 50 ms takes 80
@@ -251,16 +259,18 @@ class FanOuts(Attempts):
         over the quick line at this moment (a healthy endpoint slowed by the start, or a
         burst): judged, it would stay out of the holds, its backlog growing by a delivery an
         event, claimed one by one, for as long as its events come (a steady run fell behind
-        by seconds)."""
+        by seconds). Returns whether it judged a hold just now."""
         floors = self.store.lanes.floors
         if floors is not None:
             self._outlasted.intersection_update(floors)
         if since is None or now - since < BACKLOG_HOLD:
             self._judged.discard(destination)  # none, or under way: judged once it is over
-            return
-        if destination not in self._judged:
-            self._judged.add(destination)
-            self._outlasted.update(q.endpoint_id for q in queues if q.backlog and q.quick)
+            return False
+        if destination in self._judged:
+            return False
+        self._judged.add(destination)
+        self._outlasted.update(q.endpoint_id for q in queues if q.backlog and q.quick)
+        return True
 
     def _paceable(self, destination: str, fast: set[int], now: float) -> bool:
         """Whether the destination's events may be paced by its fast endpoints' room: every
