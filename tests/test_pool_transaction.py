@@ -18,7 +18,7 @@ from outbox.dburl import to_asyncpg_dsn
 from relay.db import queries
 from relay.db.pool import create_pool, transaction
 
-LOCK = "SELECT pg_advisory_xact_lock(4242, 7)"
+LOCK = "BEGIN; SELECT pg_advisory_xact_lock(4242, 7)"
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ async def test_first_statements_that_fail_leave_no_transaction_open(
     pool: asyncpg.Pool, loop_errors: list[str]
 ) -> None:
     with pytest.raises(asyncpg.DivisionByZeroError):
-        async with transaction(pool, "SELECT 1 / 0") as conn:
+        async with transaction(pool, "BEGIN; SELECT 1 / 0") as conn:
             await conn.execute("INSERT INTO tx_probe VALUES (1)")
     assert await _next_user_sees(pool) == (False, 0)
     assert loop_errors == []
@@ -106,12 +106,13 @@ async def test_an_error_of_the_callers_own_rolls_back_too(pool: asyncpg.Pool) ->
 
 def test_the_lock_key_is_written_in() -> None:
     lock = queries.render_ops(queries.FAN_OUT_LOCK, "public")
-    keyed = queries.keyed(lock, -123)
-    assert "$1" not in keyed and keyed.count("(-123)::int") == lock.count("$1")
+    begin = queries.begin_locked(lock, -123)
+    assert begin.startswith("BEGIN; ")
+    assert "$1" not in begin and begin.count("(-123)::int") == lock.count("$1")
     with pytest.raises(ValueError):
-        queries.keyed("SELECT pg_advisory_xact_lock($1, $2)", 1)
+        queries.begin_locked("SELECT pg_advisory_xact_lock($1, $2)", 1)
     with pytest.raises(ValueError):
-        queries.keyed("SELECT 1", 1)
+        queries.begin_locked("SELECT 1", 1)
 
 
 def test_the_lowest_key_is_written_so_that_postgresql_reads_it() -> None:
@@ -124,8 +125,8 @@ def test_the_lowest_key_is_written_so_that_postgresql_reads_it() -> None:
 
 async def test_a_lock_of_the_lowest_key_is_taken(pool: asyncpg.Pool) -> None:
     for lock in (queries.FAN_OUT_LOCK, queries.DELIVERY_CLAIM_LOCK):
-        first = queries.keyed(queries.render_ops(lock, "public"), -(2**31))
-        async with transaction(pool, first) as conn:
+        begin = queries.begin_locked(queries.render_ops(lock, "public"), -(2**31))
+        async with transaction(pool, begin) as conn:
             assert conn.is_in_transaction()
 
 
@@ -205,3 +206,10 @@ async def test_a_wait_for_the_lock_cut_short_leaves_no_backend_waiting_for_it(
     finally:
         await other.execute("SELECT pg_advisory_unlock_all()")
         await pool.close()
+
+
+async def test_a_transaction_is_begun_by_its_first_statement(pool: asyncpg.Pool) -> None:
+    with pytest.raises(ValueError, match="BEGIN"):
+        async with transaction(pool, "SELECT pg_advisory_xact_lock(4242, 7)"):
+            pass
+    assert await _next_user_sees(pool) == (False, 0)

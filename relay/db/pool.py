@@ -50,16 +50,18 @@ async def connection(pool: asyncpg.Pool) -> AsyncIterator[asyncpg.Connection]:
 
 
 @contextlib.asynccontextmanager
-async def transaction(pool: asyncpg.Pool, first: str) -> AsyncIterator[asyncpg.Connection]:
-    """A pooled connection in a transaction whose BEGIN is sent with ``first`` (statements
-    without parameters: one simple query), committed at the end and rolled back on a plain
-    SQL error (any other error closes the connection, see ``connection``). asyncpg's own
-    transaction sends BEGIN alone, a round trip of its own: at 4,000 deliveries a second
-    each round trip waits about 3 ms for its turn in the relay's busy event loop, and the
-    fan-outs, one at a time, paid it every time."""
+async def transaction(pool: asyncpg.Pool, begin: str) -> AsyncIterator[asyncpg.Connection]:
+    """A pooled connection in a transaction begun by ``begin``: BEGIN and the statements
+    after it, without parameters (one simple query, e.g. queries.begin_locked); committed at
+    the end and rolled back on a plain SQL error (any other error closes the connection,
+    see ``connection``). asyncpg's own transaction sends BEGIN alone, a round trip of its
+    own: at 4,000 deliveries a second each round trip waits about 3 ms for its turn in the
+    relay's busy event loop, and the fan-outs, one at a time, paid it every time."""
+    if not begin.lstrip().upper().startswith("BEGIN"):
+        raise ValueError("a transaction's first statement is its BEGIN")
     async with connection(pool) as conn:
         try:
-            await conn.execute("BEGIN; " + first)
+            await conn.execute(begin)
             yield conn
             await conn.execute("COMMIT")
         except BaseException as exc:

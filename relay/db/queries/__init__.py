@@ -57,7 +57,7 @@ from relay.db.queries.deliveries import ENDPOINTS_ENABLED as ENDPOINTS_ENABLED
 from relay.db.queries.deliveries import FAN_OUT as FAN_OUT
 from relay.db.queries.deliveries import FAN_OUT_LOCK as FAN_OUT_LOCK
 from relay.db.queries.deliveries import FAN_OUT_SETTLE as FAN_OUT_SETTLE
-from relay.db.queries.deliveries import keyed as keyed
+from relay.db.queries.deliveries import begin_locked as begin_locked
 from relay.db.queries.deliveries import serial_key as serial_key
 from relay.db.queries.gauges import PENDING_BY_DESTINATION as PENDING_BY_DESTINATION
 from relay.db.queries.gauges import SNAPSHOT_HOLDER as SNAPSHOT_HOLDER

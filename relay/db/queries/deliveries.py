@@ -19,14 +19,15 @@ def serial_key(schema: str) -> int:
     return int.from_bytes(zlib.crc32(schema.encode()).to_bytes(4, "big"), "big", signed=True)
 
 
-def keyed(lock: str, serial: int) -> str:
-    """``lock`` (FAN_OUT_LOCK or DELIVERY_CLAIM_LOCK, rendered) with its one parameter, the
-    int ``serial``, written in: it goes with the transaction's BEGIN in one simple query,
-    which takes no parameters. In parentheses: ``-2147483648::int`` is read
+def begin_locked(lock: str, serial: int) -> str:
+    """BEGIN, then ``lock`` (FAN_OUT_LOCK or DELIVERY_CLAIM_LOCK, rendered) with its key
+    written in: one simple query (pool.transaction), which takes no parameters. The key is
+    the schema's (serial_key), a constant of the deployment rendered as its table names
+    are, never a value from a row. In parentheses: ``-2147483648::int`` is read
     ``-(2147483648::int)``, out of range."""
     if "$2" in lock or "$1" not in lock:
         raise ValueError("a lock statement takes one parameter, the serial")
-    return lock.replace("$1", f"({int(serial)})")
+    return "BEGIN; " + lock.replace("$1", f"({int(serial)})")
 
 
 FAN_OUT = _q["fan_out"]

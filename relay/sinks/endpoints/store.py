@@ -175,8 +175,8 @@ class DeliveryStore:
         answer, and when the lock was held (monotonic: before the statement's own time, from
         which it writes leases)."""
         schema = self.store.schema
-        first = queries.keyed(queries.render_ops(lock, schema), self._serial)
-        async with transaction(self.store.pool, first) as conn:
+        begin = queries.begin_locked(queries.render_ops(lock, schema), self._serial)
+        async with transaction(self.store.pool, begin) as conn:
             locked = time.monotonic()
             return await getattr(conn, method)(queries.render_ops(sql, schema), *args), locked
 
