@@ -14,6 +14,14 @@ from relay.sinks.endpoints.at_once import Queue
 from relay.sinks.endpoints.fan_outs import BACKLOG_HOLD, REHOLD_EVERY, FanOuts
 
 
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The fan-outs' monotonic clock, set by the test (clock[0])."""
+    now = [100.0]
+    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    return now
+
+
 class Plan(FanOuts):
     """fan_out_fits with its inputs given: the queues, a paceable destination."""
 
@@ -43,15 +51,13 @@ class Plan(FanOuts):
 
 
 def test_a_latency_around_the_quick_line_does_not_hold_the_events_again_before_rehold_every(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """Found by review: endpoint 2, answering in about 62 ms (FAN_OUT_AHEAD x latency about
     BACKLOG_HOLD), has a backlog the claim serves all along. Its latency average crosses the
     quick line now and then (one answer in 70 ms, or a hiccup of a second, then back): each
     time it came back quick the events were held a second afresh, not once every
     REHOLD_EVERY, and every endpoint's new events with them."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
 
     def at(t: float, quick: bool) -> int | None:
@@ -67,16 +73,12 @@ def test_a_latency_around_the_quick_line_does_not_hold_the_events_again_before_r
     assert at(BACKLOG_HOLD + REHOLD_EVERY + 0.1, True) == 0  # then held again
 
 
-def test_an_endpoint_over_the_quick_line_when_a_hold_ends_is_not_judged(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_endpoint_over_the_quick_line_when_a_hold_ends_is_not_judged(clock: list[float]) -> None:
     """Found measuring isolation (bench fanout --compare at 500 events a second): judged
     whatever its latency, a healthy endpoint slowed by the start-up was left out of the holds
     for good, its backlog growing by a delivery an event and claimed one by one, and the run
     fell seconds behind. Over the line, it is not judged; its backlog, still there, does not
     hold the events again before REHOLD_EVERY either (it never went)."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
     plan.store.lanes.floors[2] = 10  # its deliveries wait for the claim
 
@@ -93,14 +95,12 @@ def test_an_endpoint_over_the_quick_line_when_a_hold_ends_is_not_judged(
 
 
 def test_a_new_backlog_after_a_hold_that_cleared_the_last_is_held_for_at_once(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """Found measuring drains (bench fanout --scenario drain): the endpoints' pace drifts apart
     every few seconds, and a backlog that came within REHOLD_EVERY of the last hold was not
     held for: each event claimed meanwhile added a delivery to it, written pending for a claim
     of its own (about 10,000 of 160,000 deliveries; PostgreSQL's time a delivery doubled)."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
     floors = plan.store.lanes.floors
 
@@ -120,14 +120,12 @@ def test_a_new_backlog_after_a_hold_that_cleared_the_last_is_held_for_at_once(
 
 
 def test_an_endpoint_whose_backlog_outlasts_a_hold_holds_the_events_no_more(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """Found by review: endpoint 2 answers in 50 ms (quick), 80 a second at max_concurrency 4,
     for events that come faster: its backlog never clears, and it held every endpoint's new
     events a second in every eleven, for ever. A hold that leaves its backlog behind is its
     last, until its fresh deliveries are all claimed."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
     floors = plan.store.lanes.floors
 
@@ -148,11 +146,7 @@ def test_an_endpoint_whose_backlog_outlasts_a_hold_holds_the_events_no_more(
     assert plan._outlasted == set()
 
 
-def test_a_hold_that_clears_the_backlog_leaves_its_endpoint_quick(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+def test_a_hold_that_clears_the_backlog_leaves_its_endpoint_quick(clock: list[float]) -> None:
     plan = Plan()
 
     def at(t: float, backlog: bool) -> int | None:
@@ -171,7 +165,7 @@ def test_a_hold_that_clears_the_backlog_leaves_its_endpoint_quick(
 
 
 def test_deliveries_the_claim_has_not_read_hold_the_events_once_every_rehold_every(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """Found measuring isolation (bench fanout --compare, 500 events a second): beside a dead
     endpoint every fan-out writes a delivery pending, which the claim has not read for a
@@ -179,8 +173,6 @@ def test_deliveries_the_claim_has_not_read_hold_the_events_once_every_rehold_eve
     the last was over: these did too, a hold every second or so, and its isolation run
     measured the healthy p99 3.6 times the run without the pair. Only a quick endpoint's new
     backlog starts one early."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
 
     def at(t: float, behind: bool) -> int | None:
@@ -197,7 +189,7 @@ def test_deliveries_the_claim_has_not_read_hold_the_events_once_every_rehold_eve
 
 
 def test_a_hold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """Found by review: the hold is judged at the first claim after it ends, and a claim
     that starts a hold judged the one before first: nothing said the new one was still to
@@ -205,8 +197,6 @@ def test_a_hold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
     NOTIFY wakes them, the poll is 0.8-1.2 s): a hold begun after the first (a new backlog,
     or REHOLD_EVERY) was never judged, and a backlog it left behind held every endpoint's
     events again, a second in every eleven, for ever."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
     floors = plan.store.lanes.floors
 
@@ -229,11 +219,9 @@ def test_a_hold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
 
 
 def test_a_rehold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """As above, for a hold begun REHOLD_EVERY after the last."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
     floors = plan.store.lanes.floors
     floors[2] = 10
@@ -251,15 +239,13 @@ def test_a_rehold_no_claim_looked_at_while_it_ran_is_judged_once_it_is_over(
 
 
 def test_a_hold_that_left_a_backlog_behind_does_not_let_the_next_begin_early(
-    monkeypatch: pytest.MonkeyPatch,
+    clock: list[float],
 ) -> None:
     """Found by review: a hold whose backlog outlasted it (its endpoint over the quick line
     as it ended: not judged) let the next start at once when that backlog was claimed later,
     seconds after the hold: an endpoint around the quick line held every endpoint's events a
     second in every 2.5 (here), not one in eleven. Only a hold that cleared every backlog
     lets a new one hold the events at once."""
-    clock = [100.0]
-    monkeypatch.setattr(fan_outs, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     plan = Plan()
     floors = plan.store.lanes.floors
 

@@ -33,15 +33,6 @@ async def pool(db_url: str) -> AsyncIterator[asyncpg.Pool]:
 
 
 @pytest.fixture
-async def other(db_url: str) -> AsyncIterator[asyncpg.Connection]:
-    conn = await asyncpg.connect(to_asyncpg_dsn(db_url))
-    try:
-        yield conn
-    finally:
-        await conn.close()
-
-
-@pytest.fixture
 async def loop_errors() -> list[str]:
     """What is reported to the event loop's exception handler meanwhile."""
     seen: list[str] = []
@@ -59,16 +50,16 @@ async def _next_user_sees(pool: asyncpg.Pool) -> tuple[bool, int]:
 
 
 async def test_it_commits_and_holds_the_first_statements_lock_until_then(
-    pool: asyncpg.Pool, other: asyncpg.Connection
+    pool: asyncpg.Pool, admin: asyncpg.Connection
 ) -> None:
     async with transaction(pool, LOCK) as conn:
         assert conn.is_in_transaction()
         await conn.execute("INSERT INTO tx_probe VALUES (1)")
-        assert await other.fetchval("SELECT count(*) FROM tx_probe") == 0  # not yet committed
+        assert await admin.fetchval("SELECT count(*) FROM tx_probe") == 0  # not yet committed
         # Taken by the BEGIN's own round trip, held by the transaction.
-        assert not await other.fetchval("SELECT pg_try_advisory_xact_lock(4242, 7)")
-    assert await other.fetchval("SELECT count(*) FROM tx_probe") == 1
-    assert await other.fetchval("SELECT pg_try_advisory_lock(4242, 7)")  # released at commit
+        assert not await admin.fetchval("SELECT pg_try_advisory_xact_lock(4242, 7)")
+    assert await admin.fetchval("SELECT count(*) FROM tx_probe") == 1
+    assert await admin.fetchval("SELECT pg_try_advisory_lock(4242, 7)")  # released at commit
     assert await _next_user_sees(pool) == (False, 1)
 
 
@@ -95,7 +86,7 @@ async def test_first_statements_that_fail_leave_no_transaction_open(
     assert loop_errors == []
 
 
-async def test_an_error_of_the_callers_own_rolls_back_too(pool: asyncpg.Pool) -> None:
+async def test_an_error_of_the_callers_own_leaves_nothing_behind(pool: asyncpg.Pool) -> None:
     with pytest.raises(RuntimeError):
         async with transaction(pool, LOCK) as conn:
             await conn.execute("INSERT INTO tx_probe VALUES (1)")
@@ -115,17 +106,17 @@ def test_the_lock_key_is_written_in() -> None:
         queries.begin_locked("SELECT 1", 1)
 
 
-def test_the_lowest_key_is_written_so_that_postgresql_reads_it() -> None:
+async def test_the_lowest_lock_key_is_written_so_that_postgresql_reads_it(
+    pool: asyncpg.Pool,
+) -> None:
     """Found by review: ``-2147483648::int`` is ``-(2147483648::int)``, out of range. A
     schema whose CRC-32 is 0x80000000 (this one) had every fan-out that sends at once and
     every delivery claim fail, as the bound parameter never did."""
     schema = "outbox_aaaaccaccaacacaaaaaccccaacaaaaccaaaaaaaa"
-    assert queries.serial_key(schema) == -(2**31)
-
-
-async def test_a_lock_of_the_lowest_key_is_taken(pool: asyncpg.Pool) -> None:
+    key = queries.serial_key(schema)
+    assert key == -(2**31)
     for lock in (queries.FAN_OUT_LOCK, queries.DELIVERY_CLAIM_LOCK):
-        begin = queries.begin_locked(queries.render_ops(lock, "public"), -(2**31))
+        begin = queries.begin_locked(queries.render_ops(lock, "public"), key)
         async with transaction(pool, begin) as conn:
             assert conn.is_in_transaction()
 
@@ -169,7 +160,7 @@ async def _waiting_for_a_lock(conn: asyncpg.Connection, app: str) -> int:
 
 @pytest.mark.parametrize("how", ["cancelled", "command_timeout"])
 async def test_a_wait_for_the_lock_cut_short_leaves_no_backend_waiting_for_it(
-    db_url: str, other: asyncpg.Connection, how: str
+    db_url: str, admin: asyncpg.Connection, how: str
 ) -> None:
     """Found by review: cancelled (or timed out, command_timeout) while BEGIN and the lock
     waited, the connection was closed at once, and with it asyncpg's cancel request, never
@@ -181,7 +172,7 @@ async def test_a_wait_for_the_lock_cut_short_leaves_no_backend_waiting_for_it(
         to_asyncpg_dsn(db_url), app, 1, command_timeout=0.5 if how == "command_timeout" else None
     )
     app = f"outbox-relay:{app}"
-    await other.execute("SELECT pg_advisory_lock(4242, 7)")
+    await admin.execute("SELECT pg_advisory_lock(4242, 7)")
     try:
 
         async def run() -> None:
@@ -191,20 +182,20 @@ async def test_a_wait_for_the_lock_cut_short_leaves_no_backend_waiting_for_it(
         task = asyncio.create_task(run())
         for _ in range(50):
             await asyncio.sleep(0.05)
-            if await _waiting_for_a_lock(other, app):
+            if await _waiting_for_a_lock(admin, app):
                 break
-        assert await _waiting_for_a_lock(other, app) == 1
+        assert await _waiting_for_a_lock(admin, app) == 1
         if how == "cancelled":
             task.cancel()
         with pytest.raises(asyncio.CancelledError if how == "cancelled" else TimeoutError):
             await task
         for _ in range(20):
-            if not await _waiting_for_a_lock(other, app):
+            if not await _waiting_for_a_lock(admin, app):
                 break
             await asyncio.sleep(0.05)
-        assert await _waiting_for_a_lock(other, app) == 0
+        assert await _waiting_for_a_lock(admin, app) == 0
     finally:
-        await other.execute("SELECT pg_advisory_unlock_all()")
+        await admin.execute("SELECT pg_advisory_unlock_all()")
         await pool.close()
 
 
