@@ -176,8 +176,8 @@ class FanOuts(Attempts):
         deliveries were written that the claim has not read), the events are held,
         BACKLOG_HOLD at most: claimed meanwhile at the pace of the others, each would add a
         delivery to it, and it would never shrink (its deliveries all claimed one by one).
-        Held again for a new backlog once every backlog is gone, or every REHOLD_EVERY
-        while something wants it (_hold_from), unless the hold left a quick endpoint's
+        Held again for a new backlog once a hold ended with every backlog gone, or every
+        REHOLD_EVERY while something wants it (_hold_from), unless the hold left a quick endpoint's
         backlog behind (_judge_hold). Paced only while no other endpoint would wait for the
         fast ones (_paceable). While no endpoint is known to be fast and the first requests
         of some are out (or none was seen yet): one event, then none for PROBE_HOLD at
@@ -216,18 +216,17 @@ class FanOuts(Attempts):
         backlog: bool,
         gone: bool,
         claiming: bool,
-        ended: bool = False,
+        ended: bool,
     ) -> float | None:
         """When the events' hold began, or None. One every BACKLOG_HOLD + REHOLD_EVERY at most
         (a latency around the quick line, or deliveries written that the claim has not read
-        yet, come and go: each would start a hold afresh), but a quick endpoint's new
-        ``backlog`` starts one at once once every backlog was ``gone`` (claimed) after the
-        last hold: in a drain the endpoints' pace drifts apart every few seconds, and a
-        backlog that waited for REHOLD_EVERY had a delivery added by each event claimed
-        meanwhile, each then claimed on its own (PostgreSQL's time a delivery doubled).
-        Only a hold that ``ended`` (judged just now) with every backlog gone: one that left a
-        backlog behind, claimed seconds later (its endpoint over the quick line as it ended,
-        or forgiven, _judge_hold), failed, and the next waits for REHOLD_EVERY."""
+        yet, come and go: each would start a hold afresh). But when the last hold ``ended``
+        (judged just now) with every backlog ``gone``, a quick endpoint's new ``backlog``
+        starts one at once: in a drain the endpoints' pace drifts apart every few seconds,
+        and a backlog that waited for REHOLD_EVERY had a delivery added by each event claimed
+        meanwhile, each then claimed on its own (PostgreSQL's time a delivery doubled). A
+        hold that left a backlog behind, claimed seconds later (its endpoint over the quick
+        line as it ended, or forgiven, _judge_hold), failed: the next waits REHOLD_EVERY."""
         cleared = self._hold_cleared
         if since is not None and now - since >= BACKLOG_HOLD:
             if gone:
