@@ -16,12 +16,13 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from relay.tools.localbroker import free_port, wait_for_port
+from relay.tools.localbroker import LocalBrokerError
 
 RESPONSE = b"HTTP/1.1 204 No Content\r\nconnection: keep-alive\r\n\r\n"
 MAX_HEAD = 65536
@@ -65,20 +66,74 @@ def _content_length(head: bytes) -> int:
     return 0
 
 
-async def _serve_forever(port: int) -> None:
+# --- Ports: each server binds port 0 in the receiver process, which then reports the port
+# the kernel gave it. A port picked in the parent and bound later by the child could be taken
+# in between (an outgoing connection of any process may be given it as its ephemeral port).
+
+
+def _listening(servers: list[asyncio.Server], ports: Any, ready: Any) -> None:
+    """In the receiver process: report each server's port, then that all are listening."""
+    for index, server in enumerate(servers):
+        ports[index] = server.sockets[0].getsockname()[1]
+    ready.set()
+
+
+def _start(
+    ctx: Any, target: Callable[..., None], args: tuple[Any, ...], n: int, timeout: float = 20.0
+) -> tuple[Any, list[int]]:
+    """Start ``target(*args, ports, ready)`` in a process of its own and wait until it has
+    bound its ``n`` ports (written to ``ports``, then ``ready`` set); returns the process and
+    the ports. LocalBrokerError (the process ended) if it ends first or is not listening
+    within ``timeout`` seconds."""
+    ports = ctx.Array("i", n, lock=False)
+    ready = ctx.Event()
+    proc = ctx.Process(target=target, args=(*args, ports, ready), daemon=True)
+    proc.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.05):
+            if not proc.is_alive():
+                proc.join(1)
+                raise LocalBrokerError(
+                    f"the receiver process (pid {proc.pid}) ended before listening, "
+                    f"exit code {proc.exitcode}"
+                )
+            if time.monotonic() > deadline:
+                _end(proc)
+                raise LocalBrokerError(
+                    f"the receiver process (pid {proc.pid}) was not listening after "
+                    f"{timeout} s; ended it (exit code {proc.exitcode})"
+                )
+    except BaseException:
+        _end(proc)
+        raise
+    return proc, list(ports)
+
+
+def _end(proc: Any) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(5)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+
+
+async def _serve_forever(ports: Any, ready: Any) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(_Http, "127.0.0.1", port, backlog=1024)
+    server = await loop.create_server(_Http, "127.0.0.1", 0, backlog=1024)
+    _listening([server], ports, ready)
     async with server:
         await server.serve_forever()
 
 
-def _serve(port: int) -> None:
+def _serve(ports: Any, ready: Any) -> None:
     try:
         import uvloop
 
-        uvloop.run(_serve_forever(port))
+        uvloop.run(_serve_forever(ports, ready))
     except ImportError:
-        asyncio.run(_serve_forever(port))
+        asyncio.run(_serve_forever(ports, ready))
 
 
 @dataclass
@@ -99,16 +154,12 @@ class LocalReceiver:
 
 @contextlib.contextmanager
 def local_receiver() -> Iterator[LocalReceiver]:
-    port = free_port()
-    proc = multiprocessing.get_context("spawn").Process(target=_serve, args=(port,), daemon=True)
-    proc.start()
+    proc, (port,) = _start(multiprocessing.get_context("spawn"), _serve, (), 1)
     try:
-        wait_for_port(port, timeout=20)
         assert proc.pid is not None
         yield LocalReceiver(f"http://127.0.0.1:{port}/hooks", proc.pid)
     finally:
-        proc.terminate()
-        proc.join(5)
+        _end(proc)
 
 
 # --- Several endpoints in one process (``bench fanout``) -----------------------------------
@@ -156,35 +207,37 @@ def _webhook_id(head: bytes) -> int:
 
 
 async def _serve_ports(
-    ports: list[int], delays: list[float], counts: Any
+    delays: list[float], counts: Any, ports: Any, ready: Any
 ) -> list[tuple[int, int, float]]:
     loop = asyncio.get_running_loop()
     seen: list[tuple[int, int, float]] = []
+    stop = asyncio.Event()
+    # Before reporting ready: a SIGTERM from then on writes what was seen, even if early.
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     servers = []
-    for index, (port, delay) in enumerate(zip(ports, delays, strict=True)):
+    for index, delay in enumerate(delays):
         servers.append(
             await loop.create_server(
                 lambda i=index, d=delay: _CountingHttp(i, d, counts, seen),  # type: ignore[misc]
                 "127.0.0.1",
-                port,
+                0,
                 backlog=1024,
             )
         )
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    _listening(servers, ports, ready)
     await stop.wait()
     for server in servers:
         server.close()
     return seen
 
 
-def _serve_many(ports: list[int], delays: list[float], counts: Any, out: str) -> None:
+def _serve_many(delays: list[float], counts: Any, out: str, ports: Any, ready: Any) -> None:
     try:
         import uvloop
 
-        seen = uvloop.run(_serve_ports(ports, delays, counts))
+        seen = uvloop.run(_serve_ports(delays, counts, ports, ready))
     except ImportError:
-        seen = asyncio.run(_serve_ports(ports, delays, counts))
+        seen = asyncio.run(_serve_ports(delays, counts, ports, ready))
     Path(out + ".part").write_text(json.dumps(seen))
     os.replace(out + ".part", out)
 
@@ -222,18 +275,12 @@ class LocalReceivers:
 def local_receivers(delays: list[float], tmp: Path) -> Iterator[LocalReceivers]:
     """One receiver process serving ``len(delays)`` ports (URL ``/hooks/<n>``), port n
     answering after ``delays[n]`` seconds; always stopped on exit."""
-    ports = [free_port() for _ in delays]
     ctx = multiprocessing.get_context("spawn")
     counts = ctx.Array("q", len(delays), lock=False)
-    out = tmp / f"received-{ports[0]}.json"
-    proc = ctx.Process(
-        target=_serve_many, args=(ports, list(delays), counts, str(out)), daemon=True
-    )
-    proc.start()
+    out = tmp / f"received-{uuid.uuid4().hex}.json"
+    proc, ports = _start(ctx, _serve_many, (list(delays), counts, str(out)), len(delays))
     receivers = None
     try:
-        for port in ports:
-            wait_for_port(port, timeout=20)
         assert proc.pid is not None
         urls = [f"http://127.0.0.1:{port}/hooks/{n}" for n, port in enumerate(ports)]
         receivers = LocalReceivers(urls, proc.pid, counts, out, proc)
@@ -242,5 +289,4 @@ def local_receivers(delays: list[float], tmp: Path) -> Iterator[LocalReceivers]:
         if receivers is not None:
             receivers.stop()
         else:
-            proc.terminate()
-            proc.join(5)
+            _end(proc)
