@@ -429,3 +429,32 @@ async def test_what_a_lost_fan_out_claimed_is_sent_once_put_back_not_at_the_poll
         await wait_until(lambda: second in delivered_to(receiver), timeout=15, what="sent")
         took = time.monotonic() - put_back
     assert took < 3.0, f"sent {took:.1f} s after its fan-out's answer was lost"
+
+
+async def test_a_fan_out_cancelled_after_its_commit_puts_back_what_it_claimed(
+    conn: asyncpg.Connection,
+    store: DeliveryStore,
+    endpoints: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fan-out cancelled (the relay stopping) as its COMMIT's answer came: the deliveries
+    it claimed are running under this relay's lease and held by nothing. Only a lost answer
+    (a database error or a timeout) was settled; these waited for the lease to end and were
+    reaped with an attempt counted, never made. Settled as a lost answer is, at the next
+    settle (the reaper's pass)."""
+    a, b, _ = endpoints
+    real = DeliveryStore._after
+
+    async def after(self: DeliveryStore, lock: str, *args: object) -> object:
+        await real(self, lock, *args)  # committed
+        raise asyncio.CancelledError()
+
+    monkeypatch.setattr(DeliveryStore, "_after", after)
+    await add_events(conn, 3)
+    held = await _hold(conn, "lanes")
+    with pytest.raises(asyncio.CancelledError):
+        await store.fan_out_claiming(held, "none", {a: 4, b: 4})
+    assert await conn.fetchval("SELECT count(*) FROM outbox_deliveries WHERE status = 'running'")
+    await store.settle()
+    rows = await conn.fetch("SELECT status, attempts FROM outbox_deliveries")
+    assert len(rows) == 9 and {(r[0], r[1]) for r in rows} == {("pending", 0)}, rows

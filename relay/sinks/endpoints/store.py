@@ -117,6 +117,12 @@ class DeliveryStore:
                 self._unsettled.append([i for i, _ in events])
                 await self.settle()
             raise
+        except asyncio.CancelledError:
+            if given:
+                # As above, but nothing more may be awaited here: settled at the reaper's
+                # next pass (DeliverySource.reap). A relay stopping leaves them to the lease.
+                self._unsettled.append([i for i, _ in events])
+            raise
         return {r[0]: r[1] for r in rows if r[1] != -1}, sent, until, started
 
     async def enabled(self, destinations: Sequence[str]) -> dict[str, dict[int, bool]]:
