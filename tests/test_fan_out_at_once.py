@@ -440,8 +440,9 @@ async def test_a_fan_out_cancelled_after_its_commit_puts_back_what_it_claimed(
     """A fan-out cancelled (the relay stopping) as its COMMIT's answer came: the deliveries
     it claimed are running under this relay's lease and held by nothing. Only a lost answer
     (a database error or a timeout) was settled; these waited for the lease to end and were
-    reaped with an attempt counted, never made. Settled as a lost answer is, at the next
-    settle (the reaper's pass)."""
+    reaped with an attempt counted, never made. Settled as a lost answer is, at the
+    reaper's next pass, which waits for a fan-out under way rather than skip (with fan-outs
+    back to back, it skipped until the lease ended; found by review)."""
     a, b, _ = endpoints
     real = DeliveryStore._after
 
@@ -455,6 +456,18 @@ async def test_a_fan_out_cancelled_after_its_commit_puts_back_what_it_claimed(
     with pytest.raises(asyncio.CancelledError):
         await store.fan_out_claiming(held, "none", {a: 4, b: 4})
     assert await conn.fetchval("SELECT count(*) FROM outbox_deliveries WHERE status = 'running'")
-    await store.settle()
+    # The reaper's settle (wait=False), with the next fan-out under way: it waits for that
+    # one (fan-outs back to back never leave the lock free at a given moment).
+    release = asyncio.Event()
+
+    async def next_fan_out() -> None:
+        async with store._at_once:
+            await release.wait()
+
+    under_way = asyncio.create_task(next_fan_out())
+    await asyncio.sleep(0)
+    asyncio.get_running_loop().call_later(0.2, release.set)
+    await store.settle(wait=False)
+    await under_way
     rows = await conn.fetch("SELECT status, attempts FROM outbox_deliveries")
     assert len(rows) == 9 and {(r[0], r[1]) for r in rows} == {("pending", 0)}, rows

@@ -30,6 +30,9 @@ log = structlog.get_logger("relay.endpoints")
 # How many leases after its lease ended a delivery this relay held is forgotten, if nothing
 # recorded, released or lost it before.
 FORGET_AFTER = 10
+# How long the reaper's settle waits for a fan-out under way (FanOuts' statements take
+# milliseconds, but one may wait long for the fan-outs' lock behind an open replay).
+SETTLE_WAIT = 1.0
 
 
 class DeliveryStore:
@@ -149,17 +152,21 @@ class DeliveryStore:
         """Put back what fan-outs whose answer was lost claimed (FAN_OUT_SETTLE), if any is
         left to settle: at once, and at each reaper's pass until it is done (before the
         lease ends, the reaper would count an attempt never made). Without ``wait`` (the
-        reaper's pass), not while a fan-out that claims is under way (it may wait long for
-        the fan-outs' lock, behind an application's open replay): at the next pass. Never
-        raises."""
+        reaper's pass), after the fan-out under way, if any, but not for longer than
+        SETTLE_WAIT (it may wait long for the fan-outs' lock, behind an application's open
+        replay): at the next pass then. Never raises."""
         while self._unsettled:
-            if not wait and self._at_once.locked():
-                return
-            events = self._unsettled[0]
+            # No claim or fan-out of this relay's is half-way: every row it claimed so far is
+            # in _held. The fan-outs' lock first: waiting for it, no claim waits. Waited for
+            # (fan-outs back to back, as in a drain, never leave it free at a given moment).
             try:
-                # No claim or fan-out of this relay's is half-way: every row it claimed so far
-                # is in _held. The fan-outs' lock first: waiting for it, no claim waits.
-                async with self._at_once, self._claiming:
+                async with asyncio.timeout(None if wait else SETTLE_WAIT):
+                    await self._at_once.acquire()
+            except TimeoutError:
+                return
+            try:
+                events = self._unsettled[0]
+                async with self._claiming:
                     held = list(self._held)
                     rows = await self.store.call(
                         "fetch", queries.FAN_OUT_SETTLE, events, self.relay_id, held
@@ -169,6 +176,8 @@ class DeliveryStore:
                     "relay.endpoints.fan_out_unsettled", events=len(events), error=describe(exc)
                 )
                 return
+            finally:
+                self._at_once.release()
             self._unsettled.pop(0)
             if rows:
                 log.info("relay.endpoints.fan_out_settled", deliveries=len(rows))
