@@ -265,6 +265,18 @@ class Attempts(DeliveriesBase):
             return self._record(
                 c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} was disabled; not sent"
             )
+        if self._not_enabled(c):
+            # Disabled (or deleted) by an operator since it was claimed: a disabled
+            # endpoint keeps its queue, in its place, unattempted; a deleted one's
+            # deliveries were cancelled (this record is then not written).
+            return self._record(
+                c,
+                "pending",
+                0,
+                KEEP_PLACE,
+                f"endpoint {c.endpoint_id} was disabled or deleted since this was claimed; "
+                "not sent",
+            )
         if state.endpoint is None:
             return self._unusable(c, state)
         if endpoint is not None and state.endpoint is not endpoint:
@@ -285,6 +297,11 @@ class Attempts(DeliveriesBase):
                 "event types changed since the fan-out); not sent",
             )
         return None
+
+    def _not_enabled(self, c: Claimed) -> bool:
+        """Whether ``c``'s endpoint was found disabled or deleted since it was claimed
+        (DeliverySource reads the enabled endpoints)."""
+        return False
 
     def _not_taken(self, c: Claimed, state: EndpointState) -> None:
         """Counted each time, logged at most once a minute per endpoint (a whole queue of

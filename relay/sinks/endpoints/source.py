@@ -88,10 +88,7 @@ class DeliverySource(FanOuts, Health):
         # Endpoints whose backlog a hold did not clear; destinations whose hold was judged.
         self._outlasted: set[int] = set()
         self._judged: set[str] = set()
-        # The enabled endpoints of each destination, read every ENABLED_EVERY and after a
-        # change (endpoints_changed): whether its events may be paced (FanOuts._paceable).
-        self._enabled: dict[str, dict[int, bool]] = {}
-        self._enabled_at = float("-inf")
+        self._init_enabled()
         # Per destination: what the last look ahead saw (when, and the endpoints the next
         # waiting events would reach), the look under way and when it started, when one
         # last failed, and the highest event id fanned out here (a look reads the fresh
@@ -115,6 +112,19 @@ class DeliverySource(FanOuts, Health):
         self._pruned = time.monotonic()
         self._swept = -SWEEP_EVERY  # when the last sweep of the whole walk ended (monotonic)
         self._sweeping = False  # the claims since the walk's start have all swept
+
+    def _init_enabled(self) -> None:
+        # The enabled endpoints of each destination, read every ENABLED_EVERY and after a
+        # change (endpoints_changed): whether its events may be paced (FanOuts._paceable).
+        self._enabled: dict[str, dict[int, bool]] = {}
+        self._enabled_at = float("-inf")
+        # When the read that gave _enabled began (monotonic): a delivery claimed before it
+        # whose endpoint it did not find enabled (disabled or deleted since) is not sent
+        # (Attempts._not_sendable). The read a NOTIFY asks for, while under way, and whether
+        # another NOTIFY came meanwhile (that read may have begun before its change).
+        self._enabled_read = float("-inf")
+        self._enabled_task: asyncio.Task[None] | None = None
+        self._enabled_again = False
 
     # --- claiming -----------------------------------------------------------------------
 
@@ -157,6 +167,29 @@ class DeliverySource(FanOuts, Health):
         """An endpoint was added, changed or enabled (a NOTIFY): read them again, and claim."""
         self._enabled_at = float("-inf")
         self.wake()
+        # Read at once, not at the next claim (none comes while the source is full): rows
+        # held queued for an endpoint disabled or deleted must not go out meanwhile.
+        if self._halted:
+            return
+        if self._enabled_task is not None:
+            self._enabled_again = True  # the read under way may have begun before this change
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._enabled_task = loop.create_task(self._read_enabled_now())
+
+    async def _read_enabled_now(self) -> None:
+        try:
+            self._enabled_again = True
+            while self._enabled_again:
+                self._enabled_again = False
+                await self._read_enabled()
+        except Exception:  # a bug: the next claim reads them again
+            log.exception("relay.endpoints.enabled_read_failed")
+        finally:
+            self._enabled_task = None
 
     async def claim(self, limit: int, held: Iterable[Claimed]) -> list[Claimed]:
         """One bite: at most ``limit`` due deliveries, within the fair share of the room
@@ -228,12 +261,23 @@ class DeliverySource(FanOuts, Health):
     async def _read_enabled(self) -> None:
         """The enabled endpoints of this source's destinations, read again; none if the read
         fails (then events are not paced before the next)."""
-        self._enabled_at = time.monotonic()
+        self._enabled_at = started = time.monotonic()
         try:
-            self._enabled = await self.store.enabled(list(self.destinations))
+            enabled = await self.store.enabled(list(self.destinations))
         except DB_ERRORS as exc:
-            self._enabled = {}
+            self._enabled, self._enabled_read = {}, started
             log.warning("relay.endpoints.enabled_read_failed", error=describe(exc))
+            return
+        if started >= self._enabled_read:  # not an older read that ended later
+            self._enabled, self._enabled_read = enabled, started
+
+    def _not_enabled(self, c: Claimed) -> bool:
+        """Whether a read of the enabled endpoints that began after ``c`` was claimed did
+        not find its endpoint: an operator disabled or deleted it since."""
+        if self._enabled_read <= c.lease_started:
+            return False
+        enabled = self._enabled.get(c.destination)
+        return enabled is not None and c.endpoint_id not in enabled
 
     def _sweep_due(self, now: float) -> bool:
         """Whether this claim sweeps for deliveries of deleted or moved endpoints. Once due,
@@ -303,6 +347,9 @@ class DeliverySource(FanOuts, Health):
         if self._look_task is not None:
             self._look_task.cancel()  # nothing is claimed any more
             self._look_task = None
+        if self._enabled_task is not None:
+            self._enabled_task.cancel()
+            self._enabled_task = None
         if self._retry_timer is not None:
             self._retry_timer.cancel()
             self._retry_timer = None
