@@ -675,9 +675,11 @@ WHERE d.id = u.id AND CASE WHEN d.claims = u.token AND d.status = 'running' AND 
 -- params: destinations
 -- The enabled endpoints of these destinations, each with whether it takes a rate limit: the
 -- events' claim is paced by the fast endpoints' room only while every other one is slow or
--- down (relay/sinks/endpoints/fan_outs.py), so none is read every claim.
+-- down (relay/sinks/endpoints/fan_outs.py), so none is read every claim. With the tenant and
+-- event types each takes now: deliveries queued in the relay are held to them before they
+-- are sent, not to what their endpoint's last claim read (relay/sinks/endpoints/source.py).
 
-SELECT e.id, e.destination, e.rate_limit IS NOT NULL AS limited
+SELECT e.id, e.destination, e.rate_limit IS NOT NULL AS limited, e.tenant, e.event_types
 FROM {endpoints} AS e
 WHERE e.enabled AND e.destination = ANY(:destinations::text[])
 

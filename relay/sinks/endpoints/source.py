@@ -263,13 +263,21 @@ class DeliverySource(FanOuts, Health):
         fails (then events are not paced before the next)."""
         self._enabled_at = started = time.monotonic()
         try:
-            enabled = await self.store.enabled(list(self.destinations))
+            enabled, takes = await self.store.enabled(list(self.destinations))
         except DB_ERRORS as exc:
             self._enabled, self._enabled_read = {}, started
             log.warning("relay.endpoints.enabled_read_failed", error=describe(exc))
             return
-        if started >= self._enabled_read:  # not an older read that ended later
-            self._enabled, self._enabled_read = enabled, started
+        if started < self._enabled_read:
+            return  # an older read that ended later
+        self._enabled, self._enabled_read = enabled, started
+        # What each takes now, for the deliveries queued here (Attempts._not_sendable holds
+        # each to it): one handed over to another tenant, or narrowed to other types, since
+        # its last claim sends none of its queue to the new owner or of the old types.
+        for endpoint, (tenant, types) in takes.items():
+            state = self.states.get(endpoint)
+            if state is not None:
+                state.tenant, state.event_types = tenant, types
 
     def _not_enabled(self, c: Claimed) -> bool:
         """Whether a read of the enabled endpoints that began after ``c`` was claimed did

@@ -128,15 +128,20 @@ class DeliveryStore:
             raise
         return {r[0]: r[1] for r in rows if r[1] != -1}, sent, until, started
 
-    async def enabled(self, destinations: Sequence[str]) -> dict[str, dict[int, bool]]:
+    async def enabled(
+        self, destinations: Sequence[str]
+    ) -> tuple[dict[str, dict[int, bool]], dict[int, tuple[str | None, tuple[str, ...]]]]:
         """The enabled endpoints of ``destinations`` (ENDPOINTS_ENABLED): per destination, each
-        endpoint's id and whether it is rate-limited."""
+        endpoint's id and whether it is rate-limited; and per endpoint, the tenant and the
+        event types it takes."""
         self.store.statements["endpoints_enabled"] += 1
         rows = await self.store.call("fetch", queries.ENDPOINTS_ENABLED, list(destinations))
         out: dict[str, dict[int, bool]] = {d: {} for d in destinations}
+        takes: dict[int, tuple[str | None, tuple[str, ...]]] = {}
         for r in rows:
             out[r[1]][r[0]] = r[2]
-        return out
+            takes[r[0]] = (r[3], tuple(r[4] or ()))
+        return out, takes
 
     async def ahead(self, destination: str, after: int, n: int) -> set[int] | None:
         """The endpoints that ``destination``'s waiting events would reach, the fresh ones
