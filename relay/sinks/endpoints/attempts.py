@@ -58,7 +58,9 @@ class Attempts(DeliveriesBase):
                 config,
                 semaphore=asyncio.Semaphore(config.max_concurrency),
             )
-        state.tenant, state.event_types = c.tenant, c.event_types
+        if c.lease_started >= state.tenant_read:
+            state.tenant, state.event_types = c.tenant, c.event_types
+            state.tenant_read = c.lease_started
         version = (c.url, c.secret, c.previous_secret)
         if version != state.version:
             # New, or changed at runtime: the URL and keys of this claim apply from now on;

@@ -276,8 +276,8 @@ class DeliverySource(FanOuts, Health):
         # its last claim sends none of its queue to the new owner or of the old types.
         for endpoint, (tenant, types) in takes.items():
             state = self.states.get(endpoint)
-            if state is not None:
-                state.tenant, state.event_types = tenant, types
+            if state is not None and started >= state.tenant_read:
+                state.tenant, state.event_types, state.tenant_read = tenant, types, started
 
     def _not_enabled(self, c: Claimed) -> bool:
         """Whether a read of the enabled endpoints that began after ``c`` was claimed did

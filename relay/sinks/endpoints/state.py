@@ -35,8 +35,11 @@ class EndpointState:
     # Answered 410, not yet disabled in the table: this relay claims nothing more for it.
     gone: bool = False
     last_claimed: float = 0.0
-    tenant: str | None = None  # the endpoint's, as its last claim read it
-    event_types: tuple[str, ...] = ()  # the endpoint's, as its last claim read it
+    tenant: str | None = None  # the endpoint's, as its latest read (a claim's, or enabled's)
+    event_types: tuple[str, ...] = ()  # the endpoint's, as its latest read
+    # When the read that gave tenant and event_types began (monotonic): an older read that
+    # ends later does not put back what a newer one saw.
+    tenant_read: float = float("-inf")
     latency: float | None = None  # its requests' moving average, seconds (fairness.average)
     started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
     not_taken: int = 0  # deliveries cancelled as not taken since the last log line
