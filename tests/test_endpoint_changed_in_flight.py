@@ -83,7 +83,7 @@ async def test_a_queue_held_for_an_endpoint_disabled_or_deleted_is_not_sent(
         # None held any more. A fan-out under way as the endpoint was deleted (its snapshot
         # from before) may have written a few pending: the claim's sweep of deleted
         # endpoints cancels those later, and none of them is sent (counted above).
-        assert "running" not in statuses, statuses
+        assert "cancelled" in statuses and "running" not in statuses, statuses
 
 
 @pytest.mark.parametrize("change", ["tenant", "event_types"])
@@ -136,3 +136,31 @@ async def test_an_older_read_of_an_endpoint_never_puts_back_what_a_newer_one_saw
         source._state(replace(old, tenant="newer still", lease_started=time.monotonic() + 60))
         await source._read_enabled()
         assert state.tenant == "newer still"
+
+
+async def test_a_read_begun_after_a_claim_with_an_older_snapshot_cancels_nothing_it_takes(
+    db_url: str,
+) -> None:
+    """The reads are ordered by when they began on this side (the claim: once
+    its lock was held; the enabled read: before it even has a connection), not by their
+    snapshots. A claim that held its lock just before the NOTIFY read (one asked for by an
+    earlier change) began can take its snapshot after that read's, across a hand-over: the
+    claim saw the new owner and claimed its deliveries, the read saw the old one and wins.
+    The new owner's deliveries ended cancelled, never sent (found by review). Now a delivery
+    its own claim says the endpoint takes goes back in its place, and the next claim decides.
+    Modelled here: the table still says the old owner (the read's snapshot), the claim
+    carries the new one."""
+    ep = endpoint(db_url)
+    sql(db_url, "UPDATE outbox_endpoints SET tenant = 'acme' WHERE id = %s", ep)
+    async with served(db_url) as s:
+        source = s.source
+        c = replace(
+            claimed(URL, "globex", "globex"),
+            endpoint_id=ep,
+            destination=DEST,
+            lease_started=time.monotonic() - 0.001,
+        )
+        state = source._state(c)
+        await source._read_enabled()
+        rec = source._not_sendable(c, state, None)
+        assert rec is None or rec.status != "cancelled", rec

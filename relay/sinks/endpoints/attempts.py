@@ -60,7 +60,7 @@ class Attempts(DeliveriesBase):
             )
         if c.lease_started >= state.tenant_read:
             state.tenant, state.event_types = c.tenant, c.event_types
-            state.tenant_read = c.lease_started
+            state.tenant_read, state.tenant_by_enabled = c.lease_started, False
         version = (c.url, c.secret, c.previous_secret)
         if version != state.version:
             # New, or changed at runtime: the URL and keys of this claim apply from now on;
@@ -287,6 +287,14 @@ class Attempts(DeliveriesBase):
                 c, "pending", 0, 0.0, f"endpoint {c.endpoint_id} changed while this waited"
             )
         if not takes(state.tenant, state.event_types, c.event_tenant, c.event_type):
+            if state.tenant_by_enabled and takes(
+                c.tenant, c.event_types, c.event_tenant, c.event_type
+            ):
+                # Only the enabled read says so, and its snapshot may be older than this
+                # claim's (they are ordered by when each began here): back in its place,
+                # unattempted; the next claim reads the endpoint and decides.
+                why = f"endpoint {c.endpoint_id} may no longer take event {c.event_id}; not sent"
+                return self._record(c, "pending", 0, KEEP_PLACE, why)
             # Never sent to an endpoint that no longer takes the event: one handed over to
             # another tenant, or narrowed to other types, since the fan-out.
             self._not_taken(c, state)

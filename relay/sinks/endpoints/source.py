@@ -265,7 +265,8 @@ class DeliverySource(FanOuts, Health):
         try:
             enabled, takes = await self.store.enabled(list(self.destinations))
         except DB_ERRORS as exc:
-            self._enabled, self._enabled_read = {}, started
+            if started >= self._enabled_read:  # not over a newer read that succeeded
+                self._enabled, self._enabled_read = {}, started
             log.warning("relay.endpoints.enabled_read_failed", error=describe(exc))
             return
         if started < self._enabled_read:
@@ -278,6 +279,7 @@ class DeliverySource(FanOuts, Health):
             state = self.states.get(endpoint)
             if state is not None and started >= state.tenant_read:
                 state.tenant, state.event_types, state.tenant_read = tenant, types, started
+                state.tenant_by_enabled = True
 
     def _not_enabled(self, c: Claimed) -> bool:
         """Whether a read of the enabled endpoints that began after ``c`` was claimed did

@@ -40,6 +40,7 @@ class EndpointState:
     # When the read that gave tenant and event_types began (monotonic): an older read that
     # ends later does not put back what a newer one saw.
     tenant_read: float = float("-inf")
+    tenant_by_enabled: bool = False  # that read was the enabled endpoints' (not a claim's)
     latency: float | None = None  # its requests' moving average, seconds (fairness.average)
     started: list[float] = field(default_factory=list)  # its requests in flight, monotonic
     not_taken: int = 0  # deliveries cancelled as not taken since the last log line
